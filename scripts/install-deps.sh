@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs every Debian package mrd needs to build, run and test. Idempotent:
+# when everything is already installed it does nothing (no apt-get update).
+set -euo pipefail
+
+PACKAGES=(
+  # toolchain
+  cmake ninja-build g++ pkg-config clang-format
+  # gRPC, protobuf, reflection/health protos
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
+  # Abseil
+  libabsl-dev
+  # rdma-core: libibverbs, librdmacm and the user-space providers (rxe)
+  libibverbs-dev librdmacm-dev ibverbs-providers rdma-core ibverbs-utils
+  # metrics
+  prometheus-cpp-dev
+  # tests and benchmarks
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then
+  SUDO="sudo"
+fi
+echo "install-deps: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,1246 @@
+#include "server/core/core.h"
+
+#include <fcntl.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "server/common/log.h"
+#include "server/common/status.h"
+#include "server/core/flags.h"
+
+namespace mrd::core {
+namespace {
+
+constexpr uint32_t kDescriptorSize = 24;  // rkey(4) pad(4) base(8) length(8)
+constexpr uint64_t kLamHeaderSize = 8;    // page count + FBO
+constexpr uint64_t kLamEntrySize = 8;     // one logical address
+
+std::string RandomToken() {
+  unsigned char bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    ssize_t n = getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      Fatal("getrandom failed");
+    }
+    got += static_cast<size_t>(n);
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(bytes), sizeof(bytes)));
+}
+
+absl::Status NotConnected(absl::string_view why) {
+  return SeedError(v1::WSAENOTCONN, "SESSION_NOT_CONNECTED", why);
+}
+
+absl::Status UnknownHandle(absl::string_view what, uint64_t id) {
+  std::string reason = absl::StrCat("UNKNOWN_", what);
+  for (char& c : reason) c = static_cast<char>(std::toupper(c));
+  return MrdError(absl::StatusCode::kNotFound, reason,
+                  absl::StrCat("this session has no ", what, " ", id));
+}
+
+void PutLe(std::string* out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) {
+    out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+  }
+}
+
+std::string EncodeDescriptor(uint32_t rkey, uint64_t base, uint64_t length) {
+  std::string d;
+  d.reserve(kDescriptorSize);
+  PutLe(&d, rkey, 4);
+  PutLe(&d, 0, 4);
+  PutLe(&d, base, 8);
+  PutLe(&d, length, 8);
+  return d;
+}
+
+void FillBufferInfo(const BufferRecord& b, v1::BufferInfo* out) {
+  out->set_buffer(b.id);
+  out->set_size(b.file->size());
+  out->set_writable(b.file->writable());
+  out->set_device(b.file->device());
+  out->set_inode(b.file->inode());
+  out->set_source(b.file->source());
+  out->set_address(b.address);
+}
+
+}  // namespace
+
+Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
+    : device_(device),
+      clock_(clock),
+      options_(std::move(options)),
+      page_size_(device->Attributes().page_size) {
+  if (!options_.shm_dir.empty()) {
+    shm_dir_fd_ = ::open(options_.shm_dir.c_str(),
+                         O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (shm_dir_fd_ < 0) {
+      LogWarning("shared-memory directory ", options_.shm_dir,
+                 " cannot be opened (", std::strerror(errno),
+                 "): ImportFile is disabled");
+    }
+  }
+}
+
+Core::~Core() {
+  Shutdown();
+  if (shm_dir_fd_ >= 0) ::close(shm_dir_fd_);
+}
+
+absl::Status Core::Start() {
+  reaper_ = std::thread([this] {
+    absl::MutexLock lock(&reaper_mu_);
+    while (!reaper_stop_) {
+      reaper_mu_.AwaitWithTimeout(absl::Condition(&reaper_stop_),
+                                  absl::Seconds(1));
+      if (reaper_stop_) break;
+      reaper_mu_.Unlock();
+      ReapExpiredLeases();
+      reaper_mu_.Lock();
+    }
+  });
+  return absl::OkStatus();
+}
+
+void Core::Shutdown() {
+  {
+    absl::MutexLock lock(&reaper_mu_);
+    reaper_stop_ = true;
+  }
+  if (reaper_.joinable()) reaper_.join();
+  std::map<std::string, std::shared_ptr<Session>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    shutting_down_ = true;
+    sessions.swap(sessions_);
+    sessions_closed_ += sessions.size();
+  }
+  for (auto& [token, session] : sessions) {
+    LogInfo("session ", session->id(), " released: server shutting down");
+    TearDown(session);
+  }
+}
+
+// --- sessions ---------------------------------------------------------------
+
+absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(SessionKind kind) {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    if (shutting_down_) {
+      return MrdError(absl::StatusCode::kUnavailable, "SHUTTING_DOWN",
+                      "mrd is shutting down");
+    }
+    if (sessions_.size() >= options_.max_sessions) {
+      return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS",
+                       absl::StrCat("the server holds its maximum of ",
+                                    options_.max_sessions, " sessions"));
+    }
+    session = std::make_shared<Session>(next_session_id_++, RandomToken(),
+                                        kind, options_.completion_queue_depth);
+  }
+  MRD_ASSIGN_OR_RETURN(device::PdId pd, device_->AllocatePd(session.get()));
+  {
+    absl::MutexLock lock(&session->mu);
+    session->pd = pd;
+  }
+  absl::MutexLock lock(&mu_);
+  if (shutting_down_) {
+    // Lost a race with Shutdown: nothing of the session may outlive it.
+    mu_.Unlock();
+    (void)device_->DeallocatePd(pd);
+    mu_.Lock();
+    return MrdError(absl::StatusCode::kUnavailable, "SHUTTING_DOWN",
+                    "mrd is shutting down");
+  }
+  sessions_.emplace(session->token(), session);
+  ++sessions_opened_;
+  return session;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> Core::FindSession(
+    const std::string& token) {
+  if (token.empty()) {
+    return NotConnected("no session given: open one on the fd socket or with "
+                        "OpenLeaseSession and pass its token");
+  }
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(token);
+    if (it == sessions_.end()) {
+      return NotConnected("unknown, closed or expired session");
+    }
+    session = it->second;
+  }
+  absl::MutexLock lock(&session->mu);
+  if (session->closing) return NotConnected("the session is closing");
+  if (session->kind() == SessionKind::kLease) {
+    absl::Time now = clock_->Now();
+    if (now >= session->expires) return NotConnected("the lease expired");
+    session->expires = now + session->ttl;  // every call renews the lease
+  }
+  return session;
+}
+
+void Core::EndSession(const std::string& token, absl::string_view why) {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(token);
+    if (it == sessions_.end()) return;
+    session = std::move(it->second);
+    sessions_.erase(it);
+    ++sessions_closed_;
+  }
+  LogInfo("session ", session->id(), " released: ", why);
+  TearDown(session);
+}
+
+void Core::TearDown(const std::shared_ptr<Session>& session) {
+  std::map<uint64_t, MrObject> mrs;
+  std::map<uint64_t, RegistrationRecord> registrations;
+  std::map<uint64_t, LamRecord> lams;
+  std::map<uint64_t, BufferRecord> buffers;
+  device::PdId pd;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (session->closing) return;
+    session->closing = true;
+    mrs.swap(session->mrs);
+    registrations.swap(session->registrations);
+    lams.swap(session->lams);
+    buffers.swap(session->buffers);
+    session->page_to_lam.clear();
+    pd = session->pd;
+  }
+  // Order matters: tokens die first (fast registrations, then
+  // registrations), then LAM pages are unpinned, then the PD goes with its
+  // connections.
+  for (auto& [id, mr] : mrs) {
+    if (mr.fast_register && mr.device_mr != 0) {
+      absl::Status s = device_->FreeFastRegisterMr(mr.device_mr);
+      if (!s.ok()) LogWarning("teardown: free MR ", id, ": ", s.ToString());
+    }
+  }
+  for (auto& [entry, rec] : registrations) {
+    absl::StatusOr<cache::CachedRegistration> reg = cache_.Invalidate(entry);
+    if (reg.ok()) DeregisterCached(*session, *reg);
+  }
+  for (auto& [id, lam] : lams) {
+    absl::Status s = device_->ReleaseLam(lam.device_lam);
+    if (!s.ok()) LogWarning("teardown: release LAM ", id, ": ", s.ToString());
+    UnreservePinned(*session, lam.pinned_bytes);
+  }
+  buffers.clear();
+  if (pd != 0) {
+    absl::Status s = device_->DeallocatePd(pd);
+    if (!s.ok()) LogWarning("teardown: deallocate PD: ", s.ToString());
+  }
+  uint64_t leftover;
+  {
+    absl::MutexLock lock(&session->mu);
+    leftover = session->pinned_bytes;
+  }
+  UnreservePinned(*session, leftover);
+  session->MarkEndedAndNotify();
+}
+
+void Core::ReapExpiredLeases() {
+  std::vector<std::string> expired;
+  std::vector<std::shared_ptr<Session>> leases;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [token, session] : sessions_) {
+      if (session->kind() == SessionKind::kLease) leases.push_back(session);
+    }
+  }
+  absl::Time now = clock_->Now();
+  for (auto& session : leases) {
+    absl::MutexLock lock(&session->mu);
+    if (now >= session->expires) expired.push_back(session->token());
+  }
+  for (const auto& token : expired) EndSession(token, "lease expired");
+}
+
+absl::StatusOr<std::string> Core::OnConnect(
+    const session::PeerCredentials& creds) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       NewSession(SessionKind::kFd));
+  {
+    absl::MutexLock lock(&session->mu);
+    session->peer_uid = creds.uid;
+    session->peer_pid = static_cast<uint32_t>(creds.pid);
+  }
+  LogInfo("session ", session->id(), " opened on the fd socket by pid ",
+          creds.pid, " uid ", creds.uid);
+  return session->token();
+}
+
+absl::StatusOr<v1::BufferInfo> Core::OnImport(const std::string& token,
+                                              UniqueFd fd,
+                                              const v1::ImportMemfd& request) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(token));
+  session::MemfdImportOptions opts;
+  opts.writable = request.writable();
+  opts.expected_size = request.expected_size();
+  opts.max_size = options_.max_buffer_size;
+  MRD_ASSIGN_OR_RETURN(std::unique_ptr<session::MappedFile> file,
+                       session::MapMemfd(std::move(fd), opts));
+  return AddBuffer(session, std::move(file));
+}
+
+void Core::OnDisconnect(const std::string& token) {
+  EndSession(token, "fd socket closed");
+}
+
+absl::Status Core::OpenLeaseSession(const v1::OpenLeaseSessionRequest& req,
+                                    v1::SessionInfo* out) {
+  absl::Duration ttl = req.ttl_seconds() == 0
+                           ? options_.default_lease_ttl
+                           : absl::Seconds(req.ttl_seconds());
+  if (ttl > options_.max_lease_ttl) {
+    return SeedError(v1::STATUS_INVALID_PARAMETER, "TTL_TOO_LONG",
+                     absl::StrCat("ttl_seconds ", req.ttl_seconds(),
+                                  " exceeds the maximum of ",
+                                  absl::ToInt64Seconds(options_.max_lease_ttl)));
+  }
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       NewSession(SessionKind::kLease));
+  {
+    absl::MutexLock lock(&session->mu);
+    session->ttl = ttl;
+    session->expires = clock_->Now() + ttl;
+  }
+  LogInfo("lease session ", session->id(), " opened, ttl ",
+          absl::FormatDuration(ttl));
+  v1::GetSessionRequest get;
+  get.set_session(session->token());
+  return GetSession(get, out);
+}
+
+absl::Status Core::GetSession(const v1::GetSessionRequest& req,
+                              v1::SessionInfo* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  absl::MutexLock lock(&session->mu);
+  out->set_session(session->token());
+  out->set_kind(session->kind() == SessionKind::kFd ? "fd" : "lease");
+  if (session->kind() == SessionKind::kLease) {
+    out->set_ttl_seconds(
+        static_cast<uint32_t>(absl::ToInt64Seconds(session->ttl)));
+    out->set_expires_unix_ms(absl::ToUnixMillis(session->expires));
+  }
+  out->set_peer_uid(session->peer_uid);
+  out->set_peer_pid(session->peer_pid);
+  out->set_pinned_bytes(session->pinned_bytes);
+  out->set_registrations(static_cast<uint32_t>(session->registrations.size()));
+  return absl::OkStatus();
+}
+
+absl::Status Core::CloseSession(const v1::CloseSessionRequest& req) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  EndSession(session->token(), "closed by the client");
+  return absl::OkStatus();
+}
+
+// --- buffers ----------------------------------------------------------------
+
+absl::StatusOr<v1::BufferInfo> Core::AddBuffer(
+    const std::shared_ptr<Session>& session,
+    std::unique_ptr<session::MappedFile> file) {
+  absl::MutexLock lock(&session->mu);
+  if (session->closing) return NotConnected("the session is closing");
+  if (session->buffers.size() >= options_.max_buffers_per_session) {
+    return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+                     "LIMIT_SESSION_BUFFERS",
+                     absl::StrCat("the session holds its maximum of ",
+                                  options_.max_buffers_per_session,
+                                  " buffers"));
+  }
+  BufferRecord record;
+  record.id = next_handle_.fetch_add(1);
+  record.file = std::move(file);
+  // 2 MiB-aligned, with a gap, so that buffers never look adjacent.
+  constexpr uint64_t kAlign = uint64_t{2} << 20;
+  record.address = session->next_buffer_address;
+  uint64_t span = (record.file->size() + kAlign - 1) / kAlign * kAlign;
+  session->next_buffer_address += span + kAlign;
+  v1::BufferInfo info;
+  FillBufferInfo(record, &info);
+  session->buffers.emplace(record.id, std::move(record));
+  return info;
+}
+
+absl::Status Core::ImportFile(const v1::ImportFileRequest& req,
+                              v1::BufferInfo* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  if (shm_dir_fd_ < 0) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "SHM_DIR_DISABLED",
+                    "this server has no usable --shm_dir: ImportFile is off");
+  }
+  session::SharedFileOptions opts;
+  opts.writable = req.writable();
+  opts.max_size = options_.max_buffer_size;
+  opts.allowed_owner_uids = options_.allowed_uids;
+  MRD_ASSIGN_OR_RETURN(std::unique_ptr<session::MappedFile> file,
+                       session::OpenSharedFile(shm_dir_fd_, req.path(), opts));
+  MRD_ASSIGN_OR_RETURN(*out, AddBuffer(session, std::move(file)));
+  return absl::OkStatus();
+}
+
+absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
+                                 v1::ReleaseBufferResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  std::vector<uint64_t> entries;
+  std::vector<LamRecord> lams;
+  std::vector<std::pair<uint64_t, device::MrId>> fr_to_reset;
+  {
+    absl::MutexLock lock(&session->mu);
+    auto it = session->buffers.find(req.buffer());
+    if (it == session->buffers.end()) return UnknownHandle("buffer", req.buffer());
+    session->buffers.erase(it);
+    // W11: everything made on this buffer goes with it.
+    for (auto r = session->registrations.begin();
+         r != session->registrations.end();) {
+      if (r->second.buffer == req.buffer()) {
+        entries.push_back(r->first);
+        r = session->registrations.erase(r);
+      } else {
+        ++r;
+      }
+    }
+    for (auto& [id, mr] : session->mrs) {
+      if (!mr.fast_register) {
+        for (uint64_t e : entries) {
+          if (mr.registration == e) mr.registration = 0;
+        }
+      }
+    }
+    std::vector<uint64_t> lam_ids;
+    for (auto l = session->lams.begin(); l != session->lams.end();) {
+      if (l->second.buffer == req.buffer()) {
+        lam_ids.push_back(l->first);
+        for (uint64_t page : l->second.pages) session->page_to_lam.erase(page);
+        lams.push_back(std::move(l->second));
+        l = session->lams.erase(l);
+      } else {
+        ++l;
+      }
+    }
+    // Fast registrations mapping those LAMs die too.
+    for (auto& [id, mr] : session->mrs) {
+      if (!mr.fast_register || !mr.fast_registered) continue;
+      for (uint64_t lam : mr.lams) {
+        if (std::find(lam_ids.begin(), lam_ids.end(), lam) != lam_ids.end()) {
+          fr_to_reset.emplace_back(id, mr.device_mr);
+          break;
+        }
+      }
+    }
+  }
+  for (auto& [id, device_mr] : fr_to_reset) {
+    // There is no synchronous invalidate in the device interface: replace
+    // the device MR object, which kills the old key at once.
+    bool allow_remote;
+    device::PdId pd;
+    {
+      absl::MutexLock lock(&session->mu);
+      auto it = session->mrs.find(id);
+      if (it == session->mrs.end()) continue;
+      allow_remote = it->second.allow_remote;
+      pd = session->pd;
+    }
+    (void)device_->FreeFastRegisterMr(device_mr);
+    absl::StatusOr<device::MrKeys> keys = device_->AllocateFastRegisterMr(
+        pd, allow_remote, device_->Attributes().max_page_list_length);
+    absl::MutexLock lock(&session->mu);
+    auto it = session->mrs.find(id);
+    if (it == session->mrs.end()) continue;
+    MrObject& mr = it->second;
+    mr.fast_registered = false;
+    mr.base_address = 0;
+    mr.length = 0;
+    mr.lams.clear();
+    mr.device_mr = keys.ok() ? keys->mr : 0;
+    mr.lkey = keys.ok() ? keys->lkey : 0;
+    mr.rkey = keys.ok() ? keys->rkey : 0;
+  }
+  uint32_t invalidated = 0;
+  for (uint64_t entry : entries) {
+    absl::StatusOr<cache::CachedRegistration> reg = cache_.Invalidate(entry);
+    if (reg.ok()) {
+      DeregisterCached(*session, *reg);
+      ++invalidated;
+    }
+  }
+  for (const LamRecord& lam : lams) {
+    absl::Status s = device_->ReleaseLam(lam.device_lam);
+    if (!s.ok()) LogWarning("release buffer: LAM ", lam.id, ": ", s.ToString());
+    UnreservePinned(*session, lam.pinned_bytes);
+  }
+  out->set_invalidated_registrations(invalidated);
+  out->set_released_lams(static_cast<uint32_t>(lams.size()));
+  return absl::OkStatus();
+}
+
+// --- pinned-byte accounting -----------------------------------------------
+
+uint64_t Core::PageRound(uint64_t address, uint64_t length) const {
+  uint64_t first = address / page_size_;
+  uint64_t last = (address + length - 1) / page_size_;
+  return (last - first + 1) * page_size_;
+}
+
+absl::Status Core::ReservePinned(Session& session, uint64_t bytes) {
+  absl::MutexLock session_lock(&session.mu);
+  if (session.closing) return NotConnected("the session is closing");
+  if (session.pinned_bytes + bytes > options_.max_session_pinned_bytes) {
+    return SeedError(
+        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES",
+        absl::StrCat("pinning ", bytes, " more bytes would exceed the "
+                     "session's limit of ", options_.max_session_pinned_bytes,
+                     " (", session.pinned_bytes, " pinned now)"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (total_pinned_ + bytes > options_.max_total_pinned_bytes) {
+    return SeedError(
+        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_PINNED_BYTES",
+        absl::StrCat("pinning ", bytes, " more bytes would exceed the "
+                     "server's limit of ", options_.max_total_pinned_bytes,
+                     " (", total_pinned_, " pinned now)"));
+  }
+  session.pinned_bytes += bytes;
+  total_pinned_ += bytes;
+  return absl::OkStatus();
+}
+
+void Core::UnreservePinned(Session& session, uint64_t bytes) {
+  absl::MutexLock session_lock(&session.mu);
+  bytes = std::min(bytes, session.pinned_bytes);
+  session.pinned_bytes -= bytes;
+  absl::MutexLock lock(&mu_);
+  total_pinned_ -= std::min(bytes, total_pinned_);
+}
+
+// --- MR objects ---------------------------------------------------------------
+
+absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  MrObject mr;
+  device::PdId pd;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (session->mrs.size() >= options_.max_session_mrs) {
+      return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_MRS",
+                       absl::StrCat("the session holds its maximum of ",
+                                    options_.max_session_mrs, " MR objects"));
+    }
+    pd = session->pd;
+  }
+  mr.id = next_handle_.fetch_add(1);
+  mr.fast_register = req.fast_register();
+  mr.allow_remote = req.allow_remote_access();
+  if (mr.fast_register) {
+    MRD_ASSIGN_OR_RETURN(
+        device::MrKeys keys,
+        device_->AllocateFastRegisterMr(
+            pd, mr.allow_remote, device_->Attributes().max_page_list_length));
+    mr.device_mr = keys.mr;
+    mr.lkey = keys.lkey;
+    mr.rkey = keys.rkey;
+  }
+  absl::MutexLock lock(&session->mu);
+  if (session->closing) {
+    session->mu.Unlock();
+    if (mr.device_mr != 0) (void)device_->FreeFastRegisterMr(mr.device_mr);
+    session->mu.Lock();
+    return NotConnected("the session is closing");
+  }
+  out->set_mr(mr.id);
+  out->set_fast_register(mr.fast_register);
+  out->set_allow_remote_access(mr.allow_remote);
+  out->set_state("free");
+  out->set_lkey(mr.lkey);
+  session->mrs.emplace(mr.id, std::move(mr));
+  return absl::OkStatus();
+}
+
+absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  MrObject mr;
+  {
+    absl::MutexLock lock(&session->mu);
+    auto it = session->mrs.find(req.mr());
+    if (it == session->mrs.end()) return UnknownHandle("mr", req.mr());
+    mr = std::move(it->second);
+    session->mrs.erase(it);
+    if (mr.registration != 0) {
+      auto r = session->registrations.find(mr.registration);
+      if (r != session->registrations.end()) {
+        --r->second.mr_refs;
+        if (r->second.implicit_refs + r->second.mr_refs == 0) {
+          session->registrations.erase(r);
+        }
+      }
+    }
+  }
+  if (mr.fast_register) {
+    return device_->FreeFastRegisterMr(mr.device_mr);
+  }
+  if (mr.registration != 0) {
+    MRD_RETURN_IF_ERROR(DropReference(*session, mr.registration).status());
+  }
+  return absl::OkStatus();
+}
+
+// --- registration -------------------------------------------------------------
+
+absl::StatusOr<uint32_t> Core::DropReference(Session& session, uint64_t entry) {
+  MRD_ASSIGN_OR_RETURN(cache::ReleaseResult result, cache_.Release(entry));
+  if (result.released.has_value()) DeregisterCached(session, *result.released);
+  return result.references;
+}
+
+void Core::DeregisterCached(Session& session,
+                            const cache::CachedRegistration& reg) {
+  absl::Status s = device_->DeregisterMr(reg.device_mr);
+  if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+    LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
+  }
+  UnreservePinned(session, reg.pinned_bytes);
+}
+
+absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
+                              v1::RegisterMrResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  MRD_ASSIGN_OR_RETURN(uint32_t access,
+                       RegistrationAccess(req.flags(), req.mem_flags()));
+  // W2: check the caller's space before doing anything.
+  if (req.descriptor_capacity() != 0 &&
+      req.descriptor_capacity() < kDescriptorSize) {
+    return SeedError(v1::WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL",
+                     absl::StrCat("descriptor_capacity ",
+                                  req.descriptor_capacity(),
+                                  " is too small: the descriptor needs ",
+                                  kDescriptorSize, " bytes"),
+                     kDescriptorSize);
+  }
+
+  std::shared_ptr<session::MappedFile> file;
+  cache::CacheKey key;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (!req.request_id().empty()) {
+      auto seen = session->request_ids.find(req.request_id());
+      if (seen != session->request_ids.end()) {
+        auto rec = session->registrations.find(seen->second.registration());
+        if (rec != session->registrations.end()) {
+          *out = seen->second;
+          out->set_references(cache_.References(rec->first));
+          return absl::OkStatus();
+        }
+        session->request_ids.erase(seen);  // released since: register anew
+      }
+    }
+    auto b = session->buffers.find(req.buffer());
+    if (b == session->buffers.end()) return UnknownHandle("buffer", req.buffer());
+    if (req.mr() != 0) {
+      auto m = session->mrs.find(req.mr());
+      if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
+      if (m->second.fast_register) {
+        return SeedError(v1::STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
+                         absl::StrCat("MR ", req.mr(),
+                                      " was created for fast registration; "
+                                      "RegisterMr needs fast_register=false "
+                                      "(R4)"));
+      }
+      if (m->second.registration != 0) {
+        return MrdError(absl::StatusCode::kFailedPrecondition,
+                        "MR_ALREADY_REGISTERED",
+                        absl::StrCat("MR ", req.mr(), " already holds "
+                                     "registration ", m->second.registration,
+                                     "; deregister it first"));
+      }
+    }
+    file = b->second.file;
+    if ((access & (device::kAccessLocalWrite | device::kAccessRemoteWrite)) &&
+        !file->writable()) {
+      return SeedError(v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
+                       absl::StrCat("buffer ", req.buffer(),
+                                    " was imported read-only; write access "
+                                    "cannot be granted on it (W6)"));
+    }
+    if (session->registrations.size() >= options_.max_session_registrations) {
+      return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+                       "LIMIT_SESSION_REGISTRATIONS",
+                       absl::StrCat("the session holds its maximum of ",
+                                    options_.max_session_registrations,
+                                    " registrations"));
+    }
+    key.base_address = b->second.address + req.offset();
+  }
+  MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
+                       file->Span(req.offset(), req.length()));
+  if (req.has_base_address()) {
+    if (req.base_address() == 0) {
+      return SeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS",
+                       "base_address 0: zero-based virtual addressing is not "
+                       "supported (R8)");
+    }
+    key.base_address = req.base_address();
+  }
+  if (key.base_address > std::numeric_limits<uint64_t>::max() - req.length()) {
+    return SeedError(v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW",
+                     absl::StrCat("base_address ", key.base_address,
+                                  " + length ", req.length(),
+                                  " overflows the address space"));
+  }
+  key.session = session->id();
+  key.file_device = file->device();
+  key.file_inode = file->inode();
+  key.offset = req.offset();
+  key.length = req.length();
+  key.access = access;
+
+  device::PdId pd;
+  {
+    absl::MutexLock lock(&session->mu);
+    pd = session->pd;
+  }
+  const uint64_t pin_bytes =
+      PageRound(reinterpret_cast<uintptr_t>(span.host_address), span.length);
+  const uint64_t buffer_id = req.buffer();
+  MRD_ASSIGN_OR_RETURN(
+      cache::AcquireResult acquired,
+      cache_.Acquire(key, [&]() -> absl::StatusOr<cache::CachedRegistration> {
+        MRD_RETURN_IF_ERROR(ReservePinned(*session, pin_bytes));
+        absl::StatusOr<device::MrKeys> keys =
+            device_->RegisterMr(pd, span, key.base_address, access);
+        if (!keys.ok()) {
+          UnreservePinned(*session, pin_bytes);
+          return keys.status();
+        }
+        cache::CachedRegistration reg;
+        reg.device_mr = keys->mr;
+        reg.lkey = keys->lkey;
+        reg.rkey = keys->rkey;
+        reg.buffer = buffer_id;
+        reg.pinned_bytes = pin_bytes;
+        return reg;
+      }));
+
+  // Commit to the session, or undo: either the registration exists and is
+  // owned by the session, or nothing of it does.
+  absl::Status commit;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (session->closing) {
+      commit = NotConnected("the session closed during the registration");
+    } else if (!session->buffers.contains(req.buffer())) {
+      commit = MrdError(absl::StatusCode::kNotFound, "UNKNOWN_BUFFER",
+                        absl::StrCat("buffer ", req.buffer(),
+                                     " was released during the registration"));
+    } else if (req.mr() != 0 && (!session->mrs.contains(req.mr()) ||
+                                 session->mrs[req.mr()].registration != 0)) {
+      commit = MrdError(absl::StatusCode::kFailedPrecondition,
+                        "MR_ALREADY_REGISTERED",
+                        absl::StrCat("MR ", req.mr(),
+                                     " was closed or registered concurrently"));
+    } else {
+      RegistrationRecord& rec = session->registrations[acquired.entry];
+      rec.entry = acquired.entry;
+      rec.buffer = req.buffer();
+      rec.offset = req.offset();
+      rec.length = req.length();
+      rec.flags = req.flags() != 0 ? req.flags() : FlagsFromAccess(access);
+      rec.base_address = key.base_address;
+      rec.lkey = acquired.registration.lkey;
+      rec.rkey = acquired.registration.rkey;
+      if (req.mr() != 0) {
+        ++rec.mr_refs;
+        session->mrs[req.mr()].registration = acquired.entry;
+      } else {
+        ++rec.implicit_refs;
+      }
+      out->set_registration(acquired.entry);
+      out->set_lkey(acquired.registration.lkey);
+      out->set_rkey(acquired.registration.rkey);
+      out->set_base_address(key.base_address);
+      out->set_length(req.length());
+      out->set_references(acquired.references);
+      out->set_cache_hit(acquired.hit);
+      out->set_rdma_descriptor(EncodeDescriptor(
+          acquired.registration.rkey, key.base_address, req.length()));
+      out->set_mr(req.mr());
+      if (!req.request_id().empty()) {
+        session->request_ids[req.request_id()] = *out;
+        session->request_id_order.push_back(req.request_id());
+        if (session->request_id_order.size() > options_.request_id_memory) {
+          session->request_ids.erase(session->request_id_order.front());
+          session->request_id_order.pop_front();
+        }
+      }
+    }
+  }
+  if (!commit.ok()) {
+    (void)DropReference(*session, acquired.entry);
+    return commit;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
+                                v1::DeregisterMrResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  uint64_t entry = 0;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (req.has_mr()) {
+      auto m = session->mrs.find(req.mr());
+      if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
+      if (m->second.fast_register) {
+        return SeedError(v1::STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
+                         absl::StrCat("MR ", req.mr(),
+                                      " is for fast registration: use "
+                                      "InvalidateMr"));
+      }
+      if (m->second.registration == 0) {
+        return MrdError(absl::StatusCode::kFailedPrecondition,
+                        "MR_NOT_REGISTERED",
+                        absl::StrCat("MR ", req.mr(), " holds no registration"));
+      }
+      entry = m->second.registration;
+      m->second.registration = 0;
+      auto r = session->registrations.find(entry);
+      if (r != session->registrations.end()) {
+        --r->second.mr_refs;
+        if (r->second.implicit_refs + r->second.mr_refs == 0) {
+          session->registrations.erase(r);
+        }
+      }
+    } else if (req.has_registration()) {
+      auto r = session->registrations.find(req.registration());
+      if (r == session->registrations.end()) {
+        return UnknownHandle("registration", req.registration());
+      }
+      if (r->second.implicit_refs == 0) {
+        return MrdError(absl::StatusCode::kFailedPrecondition,
+                        "HELD_BY_MR_OBJECT",
+                        absl::StrCat("registration ", req.registration(),
+                                     " is held only by MR objects; "
+                                     "deregister it through its MR"));
+      }
+      entry = r->first;
+      --r->second.implicit_refs;
+      if (r->second.implicit_refs + r->second.mr_refs == 0) {
+        session->registrations.erase(r);
+      }
+    } else {
+      return SeedError(v1::STATUS_INVALID_PARAMETER, "NO_TARGET",
+                       "DeregisterMr needs a registration or an mr");
+    }
+  }
+  MRD_ASSIGN_OR_RETURN(uint32_t left, DropReference(*session, entry));
+  out->set_references(left);
+  return absl::OkStatus();
+}
+
+// --- LAMs ---------------------------------------------------------------------
+
+absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
+                            v1::BuildLamResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  std::shared_ptr<session::MappedFile> file;
+  device::PdId pd;
+  {
+    absl::MutexLock lock(&session->mu);
+    auto b = session->buffers.find(req.buffer());
+    if (b == session->buffers.end()) return UnknownHandle("buffer", req.buffer());
+    if (session->lams.size() >= options_.max_session_lams) {
+      return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_LAMS",
+                       absl::StrCat("the session holds its maximum of ",
+                                    options_.max_session_lams, " LAMs"));
+    }
+    file = b->second.file;
+    pd = session->pd;
+  }
+  MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
+                       file->Span(req.offset(), req.length()));
+  const uint64_t address = reinterpret_cast<uintptr_t>(span.host_address);
+  const uint64_t pin_bytes = PageRound(address, span.length);
+  const uint64_t page_count = pin_bytes / page_size_;
+  const uint64_t lam_size = kLamHeaderSize + kLamEntrySize * page_count;
+  if (req.lam_capacity() != 0 && req.lam_capacity() < lam_size) {
+    return SeedError(v1::STATUS_BUFFER_TOO_SMALL, "LAM_SPACE_TOO_SMALL",
+                     absl::StrCat("lam_capacity ", req.lam_capacity(),
+                                  " is too small: ", page_count,
+                                  " pages need ", lam_size, " bytes"),
+                     lam_size);
+  }
+  MRD_RETURN_IF_ERROR(ReservePinned(*session, pin_bytes));
+  absl::StatusOr<device::LogicalMapping> mapping = device_->BuildLam(pd, span);
+  if (!mapping.ok()) {
+    UnreservePinned(*session, pin_bytes);
+    return mapping.status();
+  }
+  LamRecord lam;
+  lam.id = next_handle_.fetch_add(1);
+  lam.device_lam = mapping->lam;
+  lam.buffer = req.buffer();
+  lam.offset = req.offset();
+  lam.length = req.length();
+  lam.pages = mapping->pages;
+  lam.fbo = mapping->fbo;
+  lam.pinned_bytes = pin_bytes;
+  lam.file = file;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (!session->closing && session->buffers.contains(req.buffer())) {
+      out->set_lam(lam.id);
+      for (uint64_t page : lam.pages) {
+        out->add_pages(page);
+        session->page_to_lam[page] = lam.id;
+      }
+      out->set_fbo(lam.fbo);
+      out->set_length(lam.length);
+      out->set_lam_size(static_cast<uint32_t>(lam_size));
+      session->lams.emplace(lam.id, std::move(lam));
+      return absl::OkStatus();
+    }
+  }
+  // The session or the buffer went away meanwhile (L7: leave nothing).
+  (void)device_->ReleaseLam(lam.device_lam);
+  UnreservePinned(*session, pin_bytes);
+  return NotConnected("the session or its buffer went away during BuildLam");
+}
+
+absl::Status Core::ReleaseLam(const v1::ReleaseLamRequest& req) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  device::LamId device_lam;
+  {
+    absl::MutexLock lock(&session->mu);
+    auto l = session->lams.find(req.lam());
+    if (l == session->lams.end()) return UnknownHandle("lam", req.lam());
+    for (auto& [id, mr] : session->mrs) {
+      if (mr.fast_register && mr.fast_registered &&
+          std::find(mr.lams.begin(), mr.lams.end(), req.lam()) !=
+              mr.lams.end()) {
+        return MrdError(absl::StatusCode::kFailedPrecondition, "LAM_IN_USE",
+                        absl::StrCat("LAM ", req.lam(),
+                                     " is mapped by fast-registered MR ", id,
+                                     "; invalidate it first"));
+      }
+    }
+    device_lam = l->second.device_lam;
+  }
+  MRD_RETURN_IF_ERROR(device_->ReleaseLam(device_lam));
+  uint64_t pinned = 0;
+  {
+    absl::MutexLock lock(&session->mu);
+    auto l = session->lams.find(req.lam());
+    if (l != session->lams.end()) {
+      pinned = l->second.pinned_bytes;
+      for (uint64_t page : l->second.pages) session->page_to_lam.erase(page);
+      session->lams.erase(l);
+    }
+  }
+  UnreservePinned(*session, pinned);
+  return absl::OkStatus();
+}
+
+// --- fast registration ------------------------------------------------------
+
+absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
+                                v1::FastRegisterResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  MRD_ASSIGN_OR_RETURN(uint32_t access, FastRegisterAccess(req.flags()));
+  MRD_RETURN_IF_ERROR(ValidatePageArray(
+      page_size_, device_->Attributes().max_page_list_length, req.pages(),
+      req.fbo(), req.length(), req.base_address()));
+
+  device::FastRegisterWork work;
+  {
+    absl::MutexLock lock(&session->mu);
+    auto m = session->mrs.find(req.mr());
+    if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
+    MrObject& mr = m->second;
+    if (!mr.fast_register) {
+      return SeedError(v1::STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER",
+                       absl::StrCat("MR ", req.mr(),
+                                    " was created with fast_register=false"));
+    }
+    if ((access & (device::kAccessRemoteRead | device::kAccessRemoteWrite)) &&
+        !mr.allow_remote) {
+      return SeedError(v1::STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE",
+                       absl::StrCat("MR ", req.mr(),
+                                    " was created without remote access; the "
+                                    "request asks for remote read or write "
+                                    "(F4)"));
+    }
+    if (!session->connections.contains(req.connection())) {
+      return SeedError(v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION",
+                       absl::StrCat("connection ", req.connection(),
+                                    " is not a connected peer of this "
+                                    "session"));
+    }
+    PendingFastRegister pending;
+    pending.base_address = req.base_address();
+    pending.length = req.length();
+    for (uint64_t page : req.pages()) {
+      auto p = session->page_to_lam.find(page);
+      if (p == session->page_to_lam.end()) {
+        return SeedError(v1::STATUS_INVALID_PARAMETER,
+                         "UNKNOWN_LOGICAL_ADDRESS",
+                         absl::StrCat("page 0x", absl::Hex(page),
+                                      " is not a logical address of any LAM "
+                                      "of this session"));
+      }
+      if (std::find(pending.lams.begin(), pending.lams.end(), p->second) ==
+          pending.lams.end()) {
+        pending.lams.push_back(p->second);
+      }
+    }
+    mr.pending.push_back(std::move(pending));
+    work.mr = mr.device_mr;
+  }
+  work.pages.assign(req.pages().begin(), req.pages().end());
+  work.fbo = req.fbo();
+  work.length = req.length();
+  work.base_address = req.base_address();
+  work.access = access;
+  work.flags = req.flags() & (device::kWorkSilentSuccess |
+                              device::kWorkReadFence | device::kWorkDefer);
+  work.request_context = req.request_context();
+  absl::StatusOr<uint64_t> posted =
+      device_->PostFastRegister(req.connection(), work);
+  if (!posted.ok()) {
+    absl::MutexLock lock(&session->mu);
+    auto m = session->mrs.find(req.mr());
+    if (m != session->mrs.end() && !m->second.pending.empty()) {
+      m->second.pending.pop_back();
+    }
+    return posted.status();
+  }
+  out->set_work_request(*posted);
+  return absl::OkStatus();
+}
+
+absl::Status Core::InvalidateMr(const v1::InvalidateMrRequest& req,
+                                v1::InvalidateMrResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  constexpr uint32_t kKnown =
+      device::kWorkSilentSuccess | device::kWorkReadFence | device::kWorkDefer;
+  if (req.flags() & ~kKnown) {
+    return SeedError(v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
+                     absl::StrCat("flags 0x", absl::Hex(req.flags()),
+                                  " has bits InvalidateMr does not know: 0x",
+                                  absl::Hex(req.flags() & ~kKnown)));
+  }
+  device::InvalidateWork work;
+  {
+    absl::MutexLock lock(&session->mu);
+    auto m = session->mrs.find(req.mr());
+    if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
+    if (!m->second.fast_register) {
+      return SeedError(v1::STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER",
+                       absl::StrCat("MR ", req.mr(),
+                                    " is not a fast-register MR: use "
+                                    "DeregisterMr"));
+    }
+    if (!session->connections.contains(req.connection())) {
+      return SeedError(v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION",
+                       absl::StrCat("connection ", req.connection(),
+                                    " is not a connected peer of this "
+                                    "session"));
+    }
+    work.mr = m->second.device_mr;
+  }
+  work.flags = req.flags();
+  work.request_context = req.request_context();
+  MRD_ASSIGN_OR_RETURN(uint64_t posted,
+                       device_->PostInvalidate(req.connection(), work));
+  out->set_work_request(posted);
+  return absl::OkStatus();
+}
+
+absl::Status Core::CreatePeerTicket(const v1::CreatePeerTicketRequest& req,
+                                    v1::PeerTicket* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  device::PdId pd;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (!session->peer_ticket.empty()) {
+      out->set_ticket(session->peer_ticket);
+      out->set_peer_address(device_->Attributes().peer_address);
+      return absl::OkStatus();
+    }
+    pd = session->pd;
+  }
+  MRD_ASSIGN_OR_RETURN(std::string ticket, device_->CreatePeerTicket(pd));
+  absl::MutexLock lock(&session->mu);
+  if (session->peer_ticket.empty()) session->peer_ticket = ticket;
+  out->set_ticket(session->peer_ticket);
+  out->set_peer_address(device_->Attributes().peer_address);
+  return absl::OkStatus();
+}
+
+// --- inspection ----------------------------------------------------------------
+
+absl::Status Core::GetDeviceInfo(v1::DeviceInfo* out) const {
+  const device::DeviceAttributes& a = device_->Attributes();
+  device::DeviceHealth health = device_->Health();
+  out->set_name(a.name);
+  out->set_kind(a.kind);
+  out->set_page_size(a.page_size);
+  out->set_max_mr_size(a.max_mr_size);
+  out->set_max_page_list_length(a.max_page_list_length);
+  out->set_adapter_flags(a.adapter_flags);
+  out->set_peer_address(a.peer_address);
+  out->set_healthy(health.healthy);
+  out->set_status_message(health.message);
+  out->set_pinned_bytes(device_->PinnedBytes());
+  if (!health.healthy) {
+    return MrdError(absl::StatusCode::kUnavailable, "DEVICE_UNHEALTHY",
+                    absl::StrCat("device ", a.name, ": ", health.message));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
+                                     v1::ListRegistrationsResponse* out) {
+  v1::GetSessionRequest get;
+  get.set_session(req.session());
+  MRD_RETURN_IF_ERROR(GetSession(get, out->mutable_session()));
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  absl::MutexLock lock(&session->mu);
+  for (const auto& [id, b] : session->buffers) {
+    FillBufferInfo(b, out->add_buffers());
+  }
+  for (const auto& [id, r] : session->registrations) {
+    v1::RegistrationInfo* info = out->add_registrations();
+    info->set_registration(id);
+    info->set_buffer(r.buffer);
+    info->set_offset(r.offset);
+    info->set_length(r.length);
+    info->set_flags(r.flags);
+    info->set_lkey(r.lkey);
+    info->set_rkey(r.rkey);
+    info->set_base_address(r.base_address);
+    info->set_references(r.implicit_refs + r.mr_refs);
+  }
+  for (const auto& [id, l] : session->lams) {
+    v1::LamInfo* info = out->add_lams();
+    info->set_lam(id);
+    info->set_buffer(l.buffer);
+    info->set_offset(l.offset);
+    info->set_length(l.length);
+    info->set_page_count(static_cast<uint32_t>(l.pages.size()));
+    info->set_fbo(l.fbo);
+  }
+  for (const auto& [id, m] : session->mrs) {
+    v1::MrInfo* info = out->add_mrs();
+    info->set_mr(id);
+    info->set_fast_register(m.fast_register);
+    info->set_allow_remote_access(m.allow_remote);
+    if (m.fast_register) {
+      info->set_state(m.fast_registered ? "fast_registered" : "free");
+      info->set_lkey(m.lkey);
+      if (m.fast_registered) {
+        info->set_rkey(m.rkey);
+        info->set_base_address(m.base_address);
+        info->set_length(m.length);
+      }
+    } else {
+      info->set_state(m.registration != 0 ? "registered" : "free");
+      info->set_registration(m.registration);
+      auto r = session->registrations.find(m.registration);
+      if (r != session->registrations.end()) {
+        info->set_lkey(r->second.lkey);
+        info->set_rkey(r->second.rkey);
+        info->set_base_address(r->second.base_address);
+        info->set_length(r->second.length);
+      }
+    }
+  }
+  for (const auto& [id, peer] : session->connections) {
+    v1::ConnectionInfo* info = out->add_connections();
+    info->set_connection(id);
+    info->set_peer(peer);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Session>> Core::SubscribeCompletions(
+    const std::string& token, std::function<void()> notify) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(token));
+  absl::MutexLock lock(&session->mu);
+  if (session->subscribed) {
+    return MrdError(absl::StatusCode::kFailedPrecondition,
+                    "STREAM_ALREADY_OPEN",
+                    "this session already has an open completion stream");
+  }
+  session->subscribed = true;
+  session->notify = std::move(notify);
+  return session;
+}
+
+void Core::UnsubscribeCompletions(const std::shared_ptr<Session>& session) {
+  absl::MutexLock lock(&session->mu);
+  session->subscribed = false;
+  session->notify = nullptr;
+}
+
+CoreStats Core::Stats() const {
+  CoreStats stats;
+  std::vector<std::shared_ptr<Session>> sessions;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [token, s] : sessions_) sessions.push_back(s);
+    stats.accounted_pinned_bytes = total_pinned_;
+    stats.sessions_opened_total = sessions_opened_;
+    stats.sessions_closed_total = sessions_closed_;
+  }
+  stats.sessions = sessions.size();
+  for (const auto& s : sessions) {
+    if (s->kind() == SessionKind::kFd) {
+      ++stats.fd_sessions;
+    } else {
+      ++stats.lease_sessions;
+    }
+    absl::MutexLock lock(&s->mu);
+    stats.buffers += s->buffers.size();
+    stats.registrations += s->registrations.size();
+    stats.lams += s->lams.size();
+    stats.mrs += s->mrs.size();
+    stats.connections += s->connections.size();
+    stats.completions_dropped_total += s->completions_dropped;
+  }
+  stats.device_pinned_bytes = device_->PinnedBytes();
+  stats.cache = cache_.Stats();
+  return stats;
+}
+
+}  // namespace mrd::core

@@ -1,0 +1,190 @@
+// Core: mrd's domain logic, free of gRPC. It owns the sessions and everything
+// they hold (buffers, registrations through the cache, LAMs, MR objects, peer
+// connections, completion queues), validates every seed rule that does not
+// depend on the device, enforces limits, and drives the device.
+//
+// The gRPC service layer (server/service) is a thin adapter over these
+// methods; the fd socket (server/session/FdServer) calls the FdSessionHandler
+// methods. Each RPC-shaped method takes the request message and fills the
+// response, returning OK or a status built with SeedError/MrdError.
+//
+// Thread safety: every public method may be called from any thread. Locking:
+// `mu_` guards the session table; each Session has its own mutex. No lock of
+// the core is held while calling the device (the device may call the event
+// sinks on its own threads at any time), and the cache's lock is never held
+// across device calls either.
+#ifndef MRD_SERVER_CORE_CORE_H_
+#define MRD_SERVER_CORE_CORE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "mrd/v1/mrd.pb.h"
+#include "server/cache/registration_cache.h"
+#include "server/common/clock.h"
+#include "server/core/session.h"
+#include "server/device/device.h"
+#include "server/session/fd_server.h"
+
+namespace mrd::core {
+
+struct CoreOptions {
+  // Shared-memory directory for ImportFile (lease sessions); empty = off.
+  std::string shm_dir;
+  std::vector<uint32_t> allowed_uids;  // owners allowed for ImportFile files
+  absl::Duration default_lease_ttl = absl::Seconds(60);
+  absl::Duration max_lease_ttl = absl::Hours(24);
+  uint64_t max_sessions = 1024;
+  uint64_t max_buffers_per_session = 4096;
+  uint64_t max_buffer_size = uint64_t{1} << 40;
+  uint64_t max_session_pinned_bytes = uint64_t{4} << 30;
+  uint64_t max_total_pinned_bytes = uint64_t{16} << 30;
+  uint64_t max_session_registrations = 65536;
+  uint64_t max_session_lams = 65536;
+  uint64_t max_session_mrs = 65536;
+  size_t completion_queue_depth = 65536;
+  size_t request_id_memory = 4096;  // idempotency keys remembered per session
+};
+
+struct CoreStats {
+  uint64_t sessions = 0;
+  uint64_t fd_sessions = 0;
+  uint64_t lease_sessions = 0;
+  uint64_t buffers = 0;
+  uint64_t registrations = 0;
+  uint64_t lams = 0;
+  uint64_t mrs = 0;
+  uint64_t connections = 0;
+  uint64_t accounted_pinned_bytes = 0;  // limits' view (page-rounded)
+  uint64_t device_pinned_bytes = 0;     // the device's own count
+  uint64_t sessions_opened_total = 0;
+  uint64_t sessions_closed_total = 0;
+  uint64_t completions_dropped_total = 0;
+  cache::CacheStats cache;
+};
+
+class Core final : public session::FdSessionHandler {
+ public:
+  // `device` and `clock` must outlive the core; the device must be Started.
+  Core(device::Device* device, const Clock* clock, CoreOptions options);
+  ~Core() override;
+  Core(const Core&) = delete;
+  Core& operator=(const Core&) = delete;
+
+  // Starts the lease reaper thread.
+  absl::Status Start();
+  // Ends every session (releasing everything) and refuses new ones. Idempotent.
+  void Shutdown();
+
+  // --- FdSessionHandler (called on the fd socket thread) ---
+  absl::StatusOr<std::string> OnConnect(
+      const session::PeerCredentials& creds) override;
+  absl::StatusOr<v1::BufferInfo> OnImport(
+      const std::string& session, UniqueFd fd,
+      const v1::ImportMemfd& request) override;
+  void OnDisconnect(const std::string& session) override;
+
+  // --- RPCs ---
+  absl::Status GetDeviceInfo(v1::DeviceInfo* out) const;
+  absl::Status OpenLeaseSession(const v1::OpenLeaseSessionRequest& req,
+                                v1::SessionInfo* out);
+  absl::Status GetSession(const v1::GetSessionRequest& req,
+                          v1::SessionInfo* out);
+  absl::Status CloseSession(const v1::CloseSessionRequest& req);
+  absl::Status ImportFile(const v1::ImportFileRequest& req,
+                          v1::BufferInfo* out);
+  absl::Status ReleaseBuffer(const v1::ReleaseBufferRequest& req,
+                             v1::ReleaseBufferResponse* out);
+  absl::Status CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out);
+  absl::Status CloseMr(const v1::CloseMrRequest& req);
+  absl::Status RegisterMr(const v1::RegisterMrRequest& req,
+                          v1::RegisterMrResponse* out);
+  absl::Status DeregisterMr(const v1::DeregisterMrRequest& req,
+                            v1::DeregisterMrResponse* out);
+  absl::Status BuildLam(const v1::BuildLamRequest& req,
+                        v1::BuildLamResponse* out);
+  absl::Status ReleaseLam(const v1::ReleaseLamRequest& req);
+  absl::Status FastRegister(const v1::FastRegisterRequest& req,
+                            v1::FastRegisterResponse* out);
+  absl::Status InvalidateMr(const v1::InvalidateMrRequest& req,
+                            v1::InvalidateMrResponse* out);
+  absl::Status CreatePeerTicket(const v1::CreatePeerTicketRequest& req,
+                                v1::PeerTicket* out);
+  absl::Status ListRegistrations(const v1::ListRegistrationsRequest& req,
+                                 v1::ListRegistrationsResponse* out);
+
+  // Completion stream: attaches `notify` (called, on any thread, whenever a
+  // completion is queued or the session ends; must not block) and returns
+  // the session to Pop from. One stream per session at a time:
+  // FAILED_PRECONDITION otherwise. Detach with the returned handle.
+  absl::StatusOr<std::shared_ptr<Session>> SubscribeCompletions(
+      const std::string& token, std::function<void()> notify);
+  void UnsubscribeCompletions(const std::shared_ptr<Session>& session);
+
+  CoreStats Stats() const;
+  const device::DeviceAttributes& attributes() const {
+    return device_->Attributes();
+  }
+
+  // Reaps expired lease sessions now (the reaper thread calls this).
+  void ReapExpiredLeases();
+
+ private:
+  absl::StatusOr<std::shared_ptr<Session>> NewSession(SessionKind kind)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Finds a live session by token and renews its lease.
+  absl::StatusOr<std::shared_ptr<Session>> FindSession(const std::string& token)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the session from the table and releases everything it holds.
+  void EndSession(const std::string& token, absl::string_view why)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void TearDown(const std::shared_ptr<Session>& session);
+
+  absl::StatusOr<v1::BufferInfo> AddBuffer(
+      const std::shared_ptr<Session>& session,
+      std::unique_ptr<session::MappedFile> file);
+  // Accounting of pinned bytes against the session and total limits.
+  absl::Status ReservePinned(Session& session, uint64_t bytes);
+  void UnreservePinned(Session& session, uint64_t bytes);
+  // Drops one cache reference; deregisters on the last. Returns refs left.
+  absl::StatusOr<uint32_t> DropReference(Session& session, uint64_t entry);
+  void DeregisterCached(Session& session,
+                        const cache::CachedRegistration& reg);
+  uint64_t PageRound(uint64_t address, uint64_t length) const;
+
+  device::Device* const device_;
+  const Clock* const clock_;
+  const CoreOptions options_;
+  const uint64_t page_size_;
+  cache::RegistrationCache cache_;
+  int shm_dir_fd_ = -1;
+  std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
+
+  mutable absl::Mutex mu_;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<std::string, std::shared_ptr<Session>> sessions_
+      ABSL_GUARDED_BY(mu_);
+  uint64_t total_pinned_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t sessions_closed_ ABSL_GUARDED_BY(mu_) = 0;
+
+  absl::Mutex reaper_mu_;
+  bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;
+  std::thread reaper_;
+};
+
+}  // namespace mrd::core
+
+#endif  // MRD_SERVER_CORE_CORE_H_

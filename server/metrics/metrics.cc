@@ -1,0 +1,200 @@
+#include "server/metrics/metrics.h"
+
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/text_serializer.h"
+#include "server/common/status.h"
+
+namespace mrd::metrics {
+namespace {
+
+const char* CodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK: return "OK";
+    case grpc::StatusCode::CANCELLED: return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED: return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL: return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
+    default: return "UNKNOWN";
+  }
+}
+
+prometheus::MetricFamily Gauge(const std::string& name,
+                               const std::string& help, double value) {
+  prometheus::MetricFamily family;
+  family.name = name;
+  family.help = help;
+  family.type = prometheus::MetricType::Gauge;
+  prometheus::ClientMetric metric;
+  metric.gauge.value = value;
+  family.metric.push_back(metric);
+  return family;
+}
+
+prometheus::MetricFamily Counter(const std::string& name,
+                                 const std::string& help, double value) {
+  prometheus::MetricFamily family = Gauge(name, help, 0);
+  family.type = prometheus::MetricType::Counter;
+  family.metric[0].counter.value = value;
+  return family;
+}
+
+absl::Status ProbeBind(const std::string& address) {
+  size_t colon = address.rfind(':');
+  if (colon == std::string::npos) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_ADDRESS",
+                    absl::StrCat("metrics address '", address,
+                                 "' is not host:port"));
+  }
+  std::string host = address.substr(0, colon);
+  std::string port = address.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV | AI_PASSIVE;
+  addrinfo* info = nullptr;
+  int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(),
+                       &hints, &info);
+  if (rc != 0) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_ADDRESS",
+                    absl::StrCat("metrics address '", address,
+                                 "': ", gai_strerror(rc)));
+  }
+  int fd = socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  int bound = fd >= 0 ? bind(fd, info->ai_addr, info->ai_addrlen) : -1;
+  int err = errno;
+  if (fd >= 0) close(fd);
+  freeaddrinfo(info);
+  if (bound != 0) {
+    return MrdError(absl::StatusCode::kUnavailable, "METRICS_BIND_FAILED",
+                    absl::StrCat("cannot serve metrics on ", address, ": ",
+                                 std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// Reads the core at scrape time: no background polling, always current.
+class Metrics::CoreCollector final : public prometheus::Collectable {
+ public:
+  explicit CoreCollector(const core::Core* core) : core_(core) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    core::CoreStats s = core_->Stats();
+    auto d = [](uint64_t v) { return static_cast<double>(v); };
+    return {
+        Gauge("mrd_sessions", "Open sessions (fd and lease).", d(s.sessions)),
+        Gauge("mrd_fd_sessions", "Open fd-socket sessions.", d(s.fd_sessions)),
+        Gauge("mrd_lease_sessions", "Open lease sessions.",
+              d(s.lease_sessions)),
+        Gauge("mrd_buffers", "Imported buffers.", d(s.buffers)),
+        Gauge("mrd_registrations", "Live registrations (descriptors).",
+              d(s.registrations)),
+        Gauge("mrd_lams", "Live logical address mappings.", d(s.lams)),
+        Gauge("mrd_mr_objects", "Live MR objects.", d(s.mrs)),
+        Gauge("mrd_peer_connections", "Connected peers.", d(s.connections)),
+        Gauge("mrd_pinned_bytes",
+              "Bytes pinned by the device (each page once).",
+              d(s.device_pinned_bytes)),
+        Gauge("mrd_accounted_pinned_bytes",
+              "Bytes counted against the pinning limits.",
+              d(s.accounted_pinned_bytes)),
+        Counter("mrd_sessions_opened_total", "Sessions opened.",
+                d(s.sessions_opened_total)),
+        Counter("mrd_sessions_closed_total", "Sessions ended.",
+                d(s.sessions_closed_total)),
+        Counter("mrd_completions_dropped_total",
+                "Completions dropped because a session's queue was full.",
+                d(s.completions_dropped_total)),
+        Counter("mrd_cache_hits_total", "Registration cache hits.",
+                d(s.cache.hits)),
+        Counter("mrd_cache_misses_total", "Registration cache misses.",
+                d(s.cache.misses)),
+        Counter("mrd_cache_releases_total",
+                "Registrations released by their last deregistration.",
+                d(s.cache.releases)),
+        Counter("mrd_cache_invalidations_total",
+                "Registrations invalidated because their memory went away.",
+                d(s.cache.invalidations)),
+    };
+  }
+
+ private:
+  const core::Core* const core_;
+};
+
+Metrics::Metrics(const core::Core* core)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      collector_(std::make_shared<CoreCollector>(core)),
+      rpcs_(prometheus::BuildCounter()
+                .Name("mrd_rpcs_total")
+                .Help("Finished RPCs by method and status code.")
+                .Register(*registry_)),
+      latency_(prometheus::BuildHistogram()
+                   .Name("mrd_rpc_duration_seconds")
+                   .Help("RPC latency by method.")
+                   .Register(*registry_)) {}
+
+Metrics::~Metrics() = default;
+
+absl::Status Metrics::Serve(const std::string& address) {
+  // civetweb reports a bind failure by throwing from its constructor, and
+  // mrd is built without exceptions: probe the address first so that a busy
+  // port is a status, not an abort.
+  MRD_RETURN_IF_ERROR(ProbeBind(address));
+  std::vector<std::string> options = {"listening_ports", address,
+                                      "num_threads", "2"};
+  exposer_ = std::make_unique<prometheus::Exposer>(options);
+  if (exposer_->GetListeningPorts().empty()) {
+    exposer_.reset();
+    return MrdError(absl::StatusCode::kUnavailable, "METRICS_BIND_FAILED",
+                    absl::StrCat("cannot serve metrics on ", address));
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(collector_);
+  return absl::OkStatus();
+}
+
+void Metrics::OnRpcDone(absl::string_view method, grpc::StatusCode code,
+                        absl::Duration elapsed) {
+  std::string m(method);
+  rpcs_.Add({{"method", m}, {"code", CodeName(code)}}).Increment();
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5};
+  latency_.Add({{"method", m}}, kBuckets)
+      .Observe(absl::ToDoubleSeconds(elapsed));
+}
+
+std::string Metrics::Render() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  std::vector<prometheus::MetricFamily> core = collector_->Collect();
+  families.insert(families.end(), core.begin(), core.end());
+  prometheus::TextSerializer serializer;
+  return serializer.Serialize(families);
+}
+
+}  // namespace mrd::metrics

@@ -1,0 +1,30 @@
+#include "server/service/grpc_status.h"
+
+#include <string>
+
+#include "mrd/v1/mrd.pb.h"
+#include "server/common/status.h"
+
+namespace mrd::service {
+
+grpc::Status ToGrpcStatus(const absl::Status& status,
+                          grpc::ServerContextBase* ctx) {
+  if (status.ok()) return grpc::Status::OK;
+  v1::ErrorDetail detail = GetErrorDetail(status);
+  if (ctx != nullptr) {
+    ctx->AddTrailingMetadata(kSeedStatusKey,
+                             v1::SeedStatus_Name(detail.seed_status()));
+    if (!detail.reason().empty()) {
+      ctx->AddTrailingMetadata(kReasonKey, detail.reason());
+    }
+    if (detail.required_size() != 0) {
+      ctx->AddTrailingMetadata(kRequiredSizeKey,
+                               std::to_string(detail.required_size()));
+    }
+    ctx->AddTrailingMetadata(kErrorDetailKey, detail.SerializeAsString());
+  }
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
+                      std::string(status.message()));
+}
+
+}  // namespace mrd::service

@@ -1,0 +1,261 @@
+#include "server/service/service.h"
+
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include "absl/synchronization/mutex.h"
+#include "server/service/grpc_status.h"
+
+namespace mrd::service {
+namespace {
+
+// Streams one session's completions. Lifetime: the reactor owns itself
+// through `self_` until gRPC calls OnDone; the notifier handed to the core
+// holds a weak reference, so a completion arriving after OnDone finds nothing
+// to call. No lock is held while calling StartWrite or Finish.
+class CompletionWriter final
+    : public grpc::ServerWriteReactor<v1::Completion>,
+      public std::enable_shared_from_this<CompletionWriter> {
+ public:
+  CompletionWriter(core::Core* core, RpcObserver* observer)
+      : core_(core), observer_(observer), start_(absl::Now()) {}
+
+  void Start(grpc::CallbackServerContext* ctx,
+             const v1::StreamCompletionsRequest& req) {
+    self_ = shared_from_this();
+    std::weak_ptr<CompletionWriter> weak = self_;
+    absl::StatusOr<std::shared_ptr<core::Session>> session =
+        core_->SubscribeCompletions(req.session(), [weak] {
+          if (auto w = weak.lock()) w->MaybeWrite();
+        });
+    if (!session.ok()) {
+      {
+        absl::MutexLock lock(&mu_);
+        finished_ = true;
+      }
+      code_ = ToGrpcStatus(session.status(), ctx).error_code();
+      Finish(ToGrpcStatus(session.status(), ctx));
+      return;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      session_ = *session;
+    }
+    MaybeWrite();
+  }
+
+  void OnWriteDone(bool ok) override {
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) cancelled_ = true;
+    }
+    MaybeWrite();
+  }
+
+  void OnCancel() override {
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+    }
+    MaybeWrite();
+  }
+
+  void OnDone() override {
+    std::shared_ptr<core::Session> session;
+    {
+      absl::MutexLock lock(&mu_);
+      session = session_;
+    }
+    if (session) core_->UnsubscribeCompletions(session);
+    if (observer_ != nullptr) {
+      observer_->OnRpcDone("StreamCompletions", code_, absl::Now() - start_);
+    }
+    self_.reset();  // may destroy this
+  }
+
+ private:
+  void MaybeWrite() {
+    std::optional<grpc::Status> finish;
+    bool write = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (writing_ || finished_ || session_ == nullptr) return;
+      if (cancelled_) {
+        finished_ = true;
+        code_ = grpc::StatusCode::CANCELLED;
+        finish = grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled");
+      } else if (std::optional<v1::Completion> c = session_->PopCompletion()) {
+        current_ = std::move(*c);
+        writing_ = true;
+        write = true;
+      } else if (session_->ended()) {
+        finished_ = true;
+        finish = grpc::Status::OK;  // the session ended: nothing more comes
+      }
+    }
+    if (write) StartWrite(&current_);
+    if (finish.has_value()) Finish(*finish);
+  }
+
+  core::Core* const core_;
+  RpcObserver* const observer_;
+  const absl::Time start_;
+  std::shared_ptr<CompletionWriter> self_;
+  grpc::StatusCode code_ = grpc::StatusCode::OK;
+
+  absl::Mutex mu_;
+  std::shared_ptr<core::Session> session_ ABSL_GUARDED_BY(mu_);
+  v1::Completion current_;  // owned by the in-flight write
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace
+
+template <typename Fn>
+grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
+                                          absl::string_view method,
+                                          Where where, Fn fn) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const absl::Time start = absl::Now();
+  auto work = [this, ctx, reactor, method, start, fn = std::move(fn)]() {
+    grpc::Status status = ToGrpcStatus(fn(), ctx);
+    if (observer_ != nullptr) {
+      observer_->OnRpcDone(method, status.error_code(), absl::Now() - start);
+    }
+    reactor->Finish(status);
+  };
+  if (where == Where::kPool) {
+    pool_->Schedule(std::move(work));
+  } else {
+    work();
+  }
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* MrdService::GetDeviceInfo(
+    grpc::CallbackServerContext* ctx, const v1::GetDeviceInfoRequest*,
+    v1::DeviceInfo* resp) {
+  return Run(ctx, "GetDeviceInfo", Where::kInline,
+             [this, resp] { return core_->GetDeviceInfo(resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::OpenLeaseSession(
+    grpc::CallbackServerContext* ctx, const v1::OpenLeaseSessionRequest* req,
+    v1::SessionInfo* resp) {
+  return Run(ctx, "OpenLeaseSession", Where::kPool, [this, req, resp] {
+    return core_->OpenLeaseSession(*req, resp);
+  });
+}
+
+grpc::ServerUnaryReactor* MrdService::GetSession(
+    grpc::CallbackServerContext* ctx, const v1::GetSessionRequest* req,
+    v1::SessionInfo* resp) {
+  return Run(ctx, "GetSession", Where::kInline,
+             [this, req, resp] { return core_->GetSession(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::CloseSession(
+    grpc::CallbackServerContext* ctx, const v1::CloseSessionRequest* req,
+    v1::CloseSessionResponse*) {
+  return Run(ctx, "CloseSession", Where::kPool,
+             [this, req] { return core_->CloseSession(*req); });
+}
+
+grpc::ServerUnaryReactor* MrdService::ImportFile(
+    grpc::CallbackServerContext* ctx, const v1::ImportFileRequest* req,
+    v1::BufferInfo* resp) {
+  return Run(ctx, "ImportFile", Where::kPool,
+             [this, req, resp] { return core_->ImportFile(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::ReleaseBuffer(
+    grpc::CallbackServerContext* ctx, const v1::ReleaseBufferRequest* req,
+    v1::ReleaseBufferResponse* resp) {
+  return Run(ctx, "ReleaseBuffer", Where::kPool,
+             [this, req, resp] { return core_->ReleaseBuffer(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::CreateMr(grpc::CallbackServerContext* ctx,
+                                               const v1::CreateMrRequest* req,
+                                               v1::MrInfo* resp) {
+  return Run(ctx, "CreateMr", Where::kPool,
+             [this, req, resp] { return core_->CreateMr(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::CloseMr(grpc::CallbackServerContext* ctx,
+                                              const v1::CloseMrRequest* req,
+                                              v1::CloseMrResponse*) {
+  return Run(ctx, "CloseMr", Where::kPool,
+             [this, req] { return core_->CloseMr(*req); });
+}
+
+grpc::ServerUnaryReactor* MrdService::RegisterMr(
+    grpc::CallbackServerContext* ctx, const v1::RegisterMrRequest* req,
+    v1::RegisterMrResponse* resp) {
+  return Run(ctx, "RegisterMr", Where::kPool,
+             [this, req, resp] { return core_->RegisterMr(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::DeregisterMr(
+    grpc::CallbackServerContext* ctx, const v1::DeregisterMrRequest* req,
+    v1::DeregisterMrResponse* resp) {
+  return Run(ctx, "DeregisterMr", Where::kPool,
+             [this, req, resp] { return core_->DeregisterMr(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::BuildLam(grpc::CallbackServerContext* ctx,
+                                               const v1::BuildLamRequest* req,
+                                               v1::BuildLamResponse* resp) {
+  return Run(ctx, "BuildLam", Where::kPool,
+             [this, req, resp] { return core_->BuildLam(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::ReleaseLam(
+    grpc::CallbackServerContext* ctx, const v1::ReleaseLamRequest* req,
+    v1::ReleaseLamResponse*) {
+  return Run(ctx, "ReleaseLam", Where::kPool,
+             [this, req] { return core_->ReleaseLam(*req); });
+}
+
+grpc::ServerUnaryReactor* MrdService::FastRegister(
+    grpc::CallbackServerContext* ctx, const v1::FastRegisterRequest* req,
+    v1::FastRegisterResponse* resp) {
+  return Run(ctx, "FastRegister", Where::kPool,
+             [this, req, resp] { return core_->FastRegister(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::InvalidateMr(
+    grpc::CallbackServerContext* ctx, const v1::InvalidateMrRequest* req,
+    v1::InvalidateMrResponse* resp) {
+  return Run(ctx, "InvalidateMr", Where::kPool,
+             [this, req, resp] { return core_->InvalidateMr(*req, resp); });
+}
+
+grpc::ServerWriteReactor<v1::Completion>* MrdService::StreamCompletions(
+    grpc::CallbackServerContext* ctx,
+    const v1::StreamCompletionsRequest* req) {
+  auto writer = std::make_shared<CompletionWriter>(core_, observer_);
+  writer->Start(ctx, *req);
+  return writer.get();
+}
+
+grpc::ServerUnaryReactor* MrdService::CreatePeerTicket(
+    grpc::CallbackServerContext* ctx, const v1::CreatePeerTicketRequest* req,
+    v1::PeerTicket* resp) {
+  return Run(ctx, "CreatePeerTicket", Where::kPool,
+             [this, req, resp] { return core_->CreatePeerTicket(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::ListRegistrations(
+    grpc::CallbackServerContext* ctx, const v1::ListRegistrationsRequest* req,
+    v1::ListRegistrationsResponse* resp) {
+  return Run(ctx, "ListRegistrations", Where::kInline, [this, req, resp] {
+    return core_->ListRegistrations(*req, resp);
+  });
+}
+
+}  // namespace mrd::service

@@ -1,0 +1,101 @@
+// MrdService: the gRPC edge. A thin adapter over core::Core: decode, hand to
+// the core, convert the status once (ToGrpcStatus), finish. Work that can take
+// long (pinning, registration, teardown) runs on the worker pool, never on a
+// gRPC thread; quick reads run inline.
+//
+// Thread safety: gRPC calls the handlers concurrently; the service holds no
+// state of its own besides pointers fixed at construction.
+#ifndef MRD_SERVER_SERVICE_SERVICE_H_
+#define MRD_SERVER_SERVICE_SERVICE_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "mrd/v1/mrd.grpc.pb.h"
+#include "server/common/thread_pool.h"
+#include "server/core/core.h"
+
+namespace mrd::service {
+
+// Told about every finished RPC (metrics). Must be thread-safe.
+class RpcObserver {
+ public:
+  virtual ~RpcObserver() = default;
+  virtual void OnRpcDone(absl::string_view method, grpc::StatusCode code,
+                         absl::Duration elapsed) = 0;
+};
+
+class MrdService final : public v1::MemoryRegistration::CallbackService {
+ public:
+  // All pointers must outlive the service; `observer` may be null.
+  MrdService(core::Core* core, ThreadPool* pool, RpcObserver* observer)
+      : core_(core), pool_(pool), observer_(observer) {}
+
+  grpc::ServerUnaryReactor* GetDeviceInfo(grpc::CallbackServerContext* ctx,
+                                          const v1::GetDeviceInfoRequest* req,
+                                          v1::DeviceInfo* resp) override;
+  grpc::ServerUnaryReactor* OpenLeaseSession(
+      grpc::CallbackServerContext* ctx, const v1::OpenLeaseSessionRequest* req,
+      v1::SessionInfo* resp) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* ctx,
+                                       const v1::GetSessionRequest* req,
+                                       v1::SessionInfo* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseSessionRequest* req,
+                                         v1::CloseSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* ImportFile(grpc::CallbackServerContext* ctx,
+                                       const v1::ImportFileRequest* req,
+                                       v1::BufferInfo* resp) override;
+  grpc::ServerUnaryReactor* ReleaseBuffer(
+      grpc::CallbackServerContext* ctx, const v1::ReleaseBufferRequest* req,
+      v1::ReleaseBufferResponse* resp) override;
+  grpc::ServerUnaryReactor* CreateMr(grpc::CallbackServerContext* ctx,
+                                     const v1::CreateMrRequest* req,
+                                     v1::MrInfo* resp) override;
+  grpc::ServerUnaryReactor* CloseMr(grpc::CallbackServerContext* ctx,
+                                    const v1::CloseMrRequest* req,
+                                    v1::CloseMrResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterMr(grpc::CallbackServerContext* ctx,
+                                       const v1::RegisterMrRequest* req,
+                                       v1::RegisterMrResponse* resp) override;
+  grpc::ServerUnaryReactor* DeregisterMr(
+      grpc::CallbackServerContext* ctx, const v1::DeregisterMrRequest* req,
+      v1::DeregisterMrResponse* resp) override;
+  grpc::ServerUnaryReactor* BuildLam(grpc::CallbackServerContext* ctx,
+                                     const v1::BuildLamRequest* req,
+                                     v1::BuildLamResponse* resp) override;
+  grpc::ServerUnaryReactor* ReleaseLam(grpc::CallbackServerContext* ctx,
+                                       const v1::ReleaseLamRequest* req,
+                                       v1::ReleaseLamResponse* resp) override;
+  grpc::ServerUnaryReactor* FastRegister(
+      grpc::CallbackServerContext* ctx, const v1::FastRegisterRequest* req,
+      v1::FastRegisterResponse* resp) override;
+  grpc::ServerUnaryReactor* InvalidateMr(
+      grpc::CallbackServerContext* ctx, const v1::InvalidateMrRequest* req,
+      v1::InvalidateMrResponse* resp) override;
+  grpc::ServerWriteReactor<v1::Completion>* StreamCompletions(
+      grpc::CallbackServerContext* ctx,
+      const v1::StreamCompletionsRequest* req) override;
+  grpc::ServerUnaryReactor* CreatePeerTicket(
+      grpc::CallbackServerContext* ctx, const v1::CreatePeerTicketRequest* req,
+      v1::PeerTicket* resp) override;
+  grpc::ServerUnaryReactor* ListRegistrations(
+      grpc::CallbackServerContext* ctx,
+      const v1::ListRegistrationsRequest* req,
+      v1::ListRegistrationsResponse* resp) override;
+
+ private:
+  enum class Where { kInline, kPool };
+  template <typename Fn>
+  grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
+                                absl::string_view method, Where where, Fn fn);
+
+  core::Core* const core_;
+  ThreadPool* const pool_;
+  RpcObserver* const observer_;
+};
+
+}  // namespace mrd::service
+
+#endif  // MRD_SERVER_SERVICE_SERVICE_H_

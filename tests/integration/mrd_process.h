@@ -1,0 +1,67 @@
+// MrdProcess: starts the real mrd binary for a test, with its own runtime
+// directory (sockets), its own shared-memory directory, the software device's
+// peer listener on a free loopback port and metrics off (or on, when asked),
+// and waits until its health service says SERVING. Stop() sends SIGTERM and
+// checks that mrd exited 0 and reported nothing pinned.
+//
+// Not thread-safe; one per test fixture.
+#ifndef MRD_TESTS_INTEGRATION_MRD_PROCESS_H_
+#define MRD_TESTS_INTEGRATION_MRD_PROCESS_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace mrd::testing {
+
+struct MrdProcessOptions {
+  std::vector<std::string> extra_flags;
+  bool metrics = false;  // serve metrics on a free loopback port
+};
+
+class MrdProcess {
+ public:
+  static absl::StatusOr<std::unique_ptr<MrdProcess>> Start(
+      const MrdProcessOptions& options = {});
+  ~MrdProcess();
+
+  const std::string& runtime_dir() const { return runtime_dir_; }
+  std::string grpc_socket() const { return runtime_dir_ + "/mrd.sock"; }
+  std::string grpc_target() const { return "unix:" + grpc_socket(); }
+  std::string fd_socket() const { return runtime_dir_ + "/fd.sock"; }
+  const std::string& shm_dir() const { return shm_dir_; }
+  const std::string& metrics_address() const { return metrics_address_; }
+  pid_t pid() const { return pid_; }
+
+  // SIGTERM, wait, expect exit code 0 and "pinned bytes: 0" in the log.
+  absl::Status Stop();
+  // The server's stderr so far.
+  std::string Log() const;
+
+ private:
+  MrdProcess() = default;
+  absl::Status WaitServing();
+
+  pid_t pid_ = -1;
+  std::string runtime_dir_;
+  std::string shm_dir_;
+  std::string log_path_;
+  std::string metrics_address_;
+};
+
+// A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
+int PickFreePort();
+
+// Writes `size` bytes (content repeated) to a new file under `dir`, mode
+// 0600, owned by the caller.
+absl::Status WriteShmFile(const std::string& dir, const std::string& name,
+                          const std::string& content, size_t size);
+
+}  // namespace mrd::testing
+
+#endif  // MRD_TESTS_INTEGRATION_MRD_PROCESS_H_

@@ -1,0 +1,247 @@
+// Talks to the real mrd the way grpcurl does: no generated mrd code is linked
+// into this test. It lists services and fetches descriptors through server
+// reflection, builds messages from JSON against those descriptors, and calls
+// methods with a generic stub.
+
+#include <sys/stat.h>
+
+#include <future>
+#include <memory>
+#include <string>
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/descriptor.pb.h>
+#include <google/protobuf/dynamic_message.h>
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <gtest/gtest.h>
+
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
+#include "tests/integration/mrd_process.h"
+
+namespace mrd::testing {
+namespace {
+
+namespace refl = grpc::reflection::v1alpha;
+using google::protobuf::DescriptorPool;
+using google::protobuf::DynamicMessageFactory;
+using google::protobuf::FileDescriptorProto;
+using google::protobuf::Message;
+
+class ReflectionClient {
+ public:
+  explicit ReflectionClient(std::shared_ptr<grpc::Channel> channel)
+      : stub_(refl::ServerReflection::NewStub(channel)) {}
+
+  std::vector<std::string> ListServices() {
+    refl::ServerReflectionRequest req;
+    req.set_list_services("");
+    refl::ServerReflectionResponse resp = Ask(req);
+    std::vector<std::string> names;
+    for (const auto& s : resp.list_services_response().service()) {
+      names.push_back(s.name());
+    }
+    return names;
+  }
+
+  // Loads the file defining `symbol` and, recursively, its dependencies into
+  // the pool, as grpcurl does.
+  bool LoadSymbol(const std::string& symbol) {
+    refl::ServerReflectionRequest req;
+    req.set_file_containing_symbol(symbol);
+    return LoadFiles(Ask(req));
+  }
+
+  const DescriptorPool& pool() const { return pool_; }
+
+ private:
+  refl::ServerReflectionResponse Ask(const refl::ServerReflectionRequest& req) {
+    grpc::ClientContext ctx;
+    auto stream = stub_->ServerReflectionInfo(&ctx);
+    refl::ServerReflectionResponse resp;
+    EXPECT_TRUE(stream->Write(req));
+    stream->WritesDone();
+    EXPECT_TRUE(stream->Read(&resp));
+    EXPECT_TRUE(stream->Finish().ok());
+    return resp;
+  }
+
+  bool LoadFiles(const refl::ServerReflectionResponse& resp) {
+    if (!resp.has_file_descriptor_response()) return false;
+    std::vector<FileDescriptorProto> files;
+    for (const auto& bytes :
+         resp.file_descriptor_response().file_descriptor_proto()) {
+      FileDescriptorProto file;
+      if (!file.ParseFromString(bytes)) return false;
+      files.push_back(std::move(file));
+    }
+    // Dependencies first: retry until every file builds.
+    for (size_t round = 0; round <= files.size(); ++round) {
+      for (const auto& file : files) {
+        if (pool_.FindFileByName(file.name()) != nullptr) continue;
+        bool deps_ready = true;
+        for (const auto& dep : file.dependency()) {
+          if (pool_.FindFileByName(dep) == nullptr) {
+            bool listed = false;
+            for (const auto& f : files) listed |= f.name() == dep;
+            if (!listed) {
+              refl::ServerReflectionRequest req;
+              req.set_file_by_filename(dep);
+              if (!LoadFiles(Ask(req))) return false;
+            } else {
+              deps_ready = false;
+            }
+          }
+        }
+        if (deps_ready) pool_.BuildFile(file);
+      }
+    }
+    for (const auto& file : files) {
+      if (pool_.FindFileByName(file.name()) == nullptr) return false;
+    }
+    return true;
+  }
+
+  std::unique_ptr<refl::ServerReflection::Stub> stub_;
+  DescriptorPool pool_;
+};
+
+class ReflectionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto mrd = MrdProcess::Start();
+    ASSERT_TRUE(mrd.ok()) << mrd.status();
+    mrd_ = std::move(*mrd);
+    channel_ = grpc::CreateChannel(mrd_->grpc_target(),
+                                   grpc::InsecureChannelCredentials());
+    reflection_ = std::make_unique<ReflectionClient>(channel_);
+  }
+  void TearDown() override {
+    if (mrd_) EXPECT_TRUE(mrd_->Stop().ok()) << mrd_->Log();
+  }
+
+  // Calls `method` (e.g. "GetDeviceInfo") with a JSON request; returns the
+  // JSON response, or the status message prefixed by "ERROR:".
+  std::string Call(const std::string& method, const std::string& json) {
+    const auto* service = reflection_->pool().FindServiceByName(
+        "mrd.v1.MemoryRegistration");
+    EXPECT_NE(service, nullptr);
+    const auto* m = service->FindMethodByName(method);
+    EXPECT_NE(m, nullptr) << method;
+    std::unique_ptr<Message> req(
+        factory_.GetPrototype(m->input_type())->New());
+    auto parsed = google::protobuf::util::JsonStringToMessage(json, req.get());
+    EXPECT_TRUE(parsed.ok()) << parsed.ToString();
+    std::string bytes = req->SerializeAsString();
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer response;
+    grpc::GenericStub stub(channel_);
+    grpc::ClientContext ctx;
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&ctx, "/mrd.v1.MemoryRegistration/" + method,
+                   grpc::StubOptions(), &request, &response,
+                   [&done](grpc::Status s) { done.set_value(s); });
+    grpc::Status status = done.get_future().get();
+    if (!status.ok()) return "ERROR:" + status.error_message();
+    std::vector<grpc::Slice> slices;
+    EXPECT_TRUE(response.Dump(&slices).ok());
+    std::string out;
+    for (const auto& s : slices) {
+      out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    std::unique_ptr<Message> resp(
+        factory_.GetPrototype(m->output_type())->New());
+    EXPECT_TRUE(resp->ParseFromString(out));
+    std::string text;
+    EXPECT_TRUE(google::protobuf::util::MessageToJsonString(*resp, &text).ok());
+    return text;
+  }
+
+  std::unique_ptr<MrdProcess> mrd_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<ReflectionClient> reflection_;
+  DynamicMessageFactory factory_;
+};
+
+TEST_F(ReflectionTest, ListsServicesAsGrpcurlWould) {
+  std::vector<std::string> services = reflection_->ListServices();
+  auto has = [&](const std::string& s) {
+    return std::find(services.begin(), services.end(), s) != services.end();
+  };
+  EXPECT_TRUE(has("mrd.v1.MemoryRegistration"));
+  EXPECT_TRUE(has("grpc.health.v1.Health"));
+  EXPECT_TRUE(has("grpc.reflection.v1alpha.ServerReflection"));
+}
+
+TEST_F(ReflectionTest, DescribesRegisterMr) {
+  ASSERT_TRUE(reflection_->LoadSymbol("mrd.v1.MemoryRegistration"));
+  const auto* service =
+      reflection_->pool().FindServiceByName("mrd.v1.MemoryRegistration");
+  ASSERT_NE(service, nullptr);
+  const auto* register_mr = service->FindMethodByName("RegisterMr");
+  ASSERT_NE(register_mr, nullptr);
+  EXPECT_EQ(register_mr->input_type()->full_name(), "mrd.v1.RegisterMrRequest");
+  EXPECT_EQ(register_mr->output_type()->full_name(),
+            "mrd.v1.RegisterMrResponse");
+  for (const char* field :
+       {"session", "buffer", "offset", "length", "flags", "base_address"}) {
+    EXPECT_NE(register_mr->input_type()->FindFieldByName(field), nullptr)
+        << field;
+  }
+  EXPECT_NE(register_mr->output_type()->FindFieldByName("rkey"), nullptr);
+  // The seed flag values are in the schema too.
+  const auto* flags = reflection_->pool().FindEnumTypeByName("mrd.v1.MrFlag");
+  ASSERT_NE(flags, nullptr);
+  EXPECT_EQ(flags->FindValueByName("NDK_MR_FLAG_ALLOW_REMOTE_WRITE")->number(),
+            5);
+}
+
+TEST_F(ReflectionTest, CallsGetDeviceInfoAndRegistersThroughALeaseSession) {
+  ASSERT_TRUE(reflection_->LoadSymbol("mrd.v1.MemoryRegistration"));
+  std::string info = Call("GetDeviceInfo", "{}");
+  EXPECT_NE(info.find("\"kind\":\"software\""), std::string::npos) << info;
+  EXPECT_NE(info.find("\"pageSize\""), std::string::npos) << info;
+
+  std::string lease = Call("OpenLeaseSession", R"({"ttlSeconds": 60})");
+  ASSERT_EQ(lease.find("ERROR:"), std::string::npos) << lease;
+  auto field = [](const std::string& json, const std::string& name) {
+    size_t at = json.find("\"" + name + "\":");
+    if (at == std::string::npos) return std::string();
+    at += name.size() + 3;
+    if (json[at] == '"') ++at;
+    size_t end = json.find_first_of("\",}", at);
+    return json.substr(at, end - at);
+  };
+  std::string session = field(lease, "session");
+  ASSERT_FALSE(session.empty()) << lease;
+
+  ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "demo", "hello", 8192).ok());
+  std::string buffer = Call(
+      "ImportFile",
+      R"({"session":")" + session + R"(","path":"demo","writable":true})");
+  ASSERT_EQ(buffer.find("ERROR:"), std::string::npos) << buffer;
+  std::string buffer_id = field(buffer, "buffer");
+  ASSERT_FALSE(buffer_id.empty()) << buffer;
+
+  std::string reg = Call("RegisterMr", R"({"session":")" + session +
+                                           R"(","buffer":")" + buffer_id +
+                                           R"(","length":"4096","flags":2})");
+  ASSERT_EQ(reg.find("ERROR:"), std::string::npos) << reg;
+  EXPECT_FALSE(field(reg, "rkey").empty()) << reg;
+  EXPECT_EQ(field(reg, "references"), "1") << reg;
+
+  // Errors come back with the seed's name, as grpcurl would print them.
+  std::string bad = Call("RegisterMr", R"({"session":")" + session +
+                                           R"(","buffer":")" + buffer_id +
+                                           R"(","length":"4096","flags":64})");
+  EXPECT_NE(bad.find("ERROR:"), std::string::npos) << bad;
+  EXPECT_NE(bad.find("NDK_MR_FLAG"), std::string::npos) << bad;
+
+  EXPECT_EQ(Call("CloseSession", R"({"session":")" + session + R"("})"), "{}");
+}
+
+}  // namespace
+}  // namespace mrd::testing
