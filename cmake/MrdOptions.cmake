@@ -17,3 +17,32 @@ elseif(MRD_SANITIZE STREQUAL "thread")
 elseif(NOT MRD_SANITIZE STREQUAL "")
   message(FATAL_ERROR "MRD_SANITIZE must be '', 'address' or 'thread'")
 endif()
+
+# TSan with Debian's Abseil: libabsl is not built with -fsanitize=thread, so
+# every executable gets tests/support/tsan_absl_annotations.cc, which tells
+# TSan about absl::Mutex/CondVar/Notification synchronization (see there).
+if(MRD_SANITIZE STREQUAL "thread")
+  add_library(mrd_tsan_absl OBJECT
+    ${PROJECT_SOURCE_DIR}/tests/support/tsan_absl_annotations.cc)
+  target_link_libraries(mrd_tsan_absl PRIVATE absl::synchronization absl::time)
+  set(MRD_TSAN_WRAPPED
+    _ZN4absl7debian35Mutex4LockEv
+    _ZN4absl7debian35Mutex6UnlockEv
+    _ZN4absl7debian35Mutex7TryLockEv
+    _ZN4absl7debian35Mutex10ReaderLockEv
+    _ZN4absl7debian35Mutex12ReaderUnlockEv
+    _ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE
+    _ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE
+    _ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE
+    _ZN4absl7debian37CondVar4WaitEPNS0_5MutexE
+    _ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE
+    _ZN4absl7debian312Notification6NotifyEv
+    _ZNK4absl7debian312Notification19WaitForNotificationEv
+    _ZNK4absl7debian312Notification30WaitForNotificationWithTimeoutENS0_8DurationE)
+  set(_is_exe "$<STREQUAL:$<TARGET_PROPERTY:TYPE>,EXECUTABLE>")
+  target_link_libraries(mrd_options INTERFACE
+    "$<${_is_exe}:$<TARGET_OBJECTS:mrd_tsan_absl>>")
+  foreach(sym ${MRD_TSAN_WRAPPED})
+    target_link_options(mrd_options INTERFACE "$<${_is_exe}:LINKER:--wrap=${sym}>")
+  endforeach()
+endif()

@@ -119,7 +119,13 @@ class ReflectionTest : public ::testing::Test {
     reflection_ = std::make_unique<ReflectionClient>(channel_);
   }
   void TearDown() override {
-    if (mrd_) EXPECT_TRUE(mrd_->Stop().ok()) << mrd_->Log();
+    // An idle open channel holds mrd's shutdown until its grace deadline.
+    reflection_.reset();
+    channel_.reset();
+    if (mrd_) {
+      absl::Status stopped = mrd_->Stop();
+      EXPECT_TRUE(stopped.ok()) << stopped;
+    }
   }
 
   // Calls `method` (e.g. "GetDeviceInfo") with a JSON request; returns the

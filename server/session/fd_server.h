@@ -1,0 +1,188 @@
+// FdServer: the server side of the fd socket (proto/mrd/v1/fd.proto). It
+// listens on a Unix SOCK_SEQPACKET socket, checks each peer's SO_PEERCRED
+// against an allow-list, opens one session per connection through an
+// FdSessionHandler, and turns each request datagram (with at most one fd in
+// SCM_RIGHTS) into exactly one reply. It knows nothing of gRPC, buffers or the
+// device: the handler (the service core) decides what a session and an
+// import are.
+//
+// Threading: one thread runs an epoll loop over the listening socket and
+// every connection (all non-blocking). All FdSessionHandler calls are made on
+// that thread, one at a time, so a slow handler delays every client of the fd
+// socket: handlers must not block for long.
+//
+// Robustness: a malformed datagram, a missing or extra fd, a truncated
+// control message or an oversized datagram gets an error reply and the
+// connection stays usable. Every received fd is closed before the reply is
+// sent unless it was handed to OnImport. A client that does not read its
+// replies is not read from until it does (at most one reply is buffered per
+// connection), so it cannot make the server buffer without bound. A peer that
+// closes its socket loses the requests it had queued: they are dropped (fds
+// included) without reaching the handler. A half-closed peer
+// (shutdown(SHUT_WR)) gets replies to everything it sent, then the session
+// ends.
+//
+// Error replies (FdError.code, detail.reason). Per request, all
+// INVALID_ARGUMENT, sequence echoed when the datagram parsed:
+//   MESSAGE_TOO_LARGE (over kMaxRequestBytes; sequence 0), CONTROL_TRUNCATED
+//   (several fds), UNEXPECTED_CONTROL_MESSAGE, TOO_MANY_FDS,
+//   MALFORMED_REQUEST (sequence 0), MISSING_FD, UNEXPECTED_FD,
+//   UNKNOWN_OPERATION (empty request, or an op this server does not know);
+//   plus whatever OnImport returns.
+// On connect, followed by close: PERMISSION_DENIED PEER_NOT_ALLOWED,
+//   RESOURCE_EXHAUSTED TOO_MANY_SESSIONS, or OnConnect's error.
+#ifndef MRD_SERVER_SESSION_FD_SERVER_H_
+#define MRD_SERVER_SESSION_FD_SERVER_H_
+
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "mrd/v1/fd.pb.h"
+#include "mrd/v1/mrd.pb.h"
+#include "server/common/fd.h"
+
+namespace mrd::session {
+
+// The peer of a connection as the kernel saw it at connect() (SO_PEERCRED).
+struct PeerCredentials {
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+};
+
+// What the rest of mrd does with fd-socket sessions. Implemented by the
+// service core. Every method is called on the FdServer thread, never
+// concurrently with another; none may call FdServer::Shutdown.
+class FdSessionHandler {
+ public:
+  virtual ~FdSessionHandler() = default;
+
+  // A peer passed the allow-list. Returns the session token sent in the
+  // welcome. An error is sent to the peer as FdReply.error and the connection
+  // is closed (OnDisconnect is then never called for it).
+  virtual absl::StatusOr<std::string> OnConnect(
+      const PeerCredentials& creds) = 0;
+
+  // ImportMemfd with exactly one fd, which the handler now owns (it is not
+  // yet validated: typically handed to MapMemfd). An error goes back as
+  // FdError{code, message, GetErrorDetail(status)}.
+  virtual absl::StatusOr<v1::BufferInfo> OnImport(
+      const std::string& session, UniqueFd fd,
+      const v1::ImportMemfd& request) = 0;
+
+  // The connection of a session that OnConnect opened is gone (EOF, error,
+  // or Shutdown). Called exactly once per such session.
+  virtual void OnDisconnect(const std::string& session) = 0;
+};
+
+struct FdServerOptions {
+  std::string path;    // socket path; a stale socket there is replaced
+  mode_t mode = 0660;  // permissions of the socket file
+  // A peer may connect if both lists are empty, or its uid is in
+  // allowed_uids, or its gid (primary, as SO_PEERCRED reports) is in
+  // allowed_gids.
+  std::vector<uint32_t> allowed_uids;
+  std::vector<uint32_t> allowed_gids;
+  // Connections beyond this are refused with TOO_MANY_SESSIONS.
+  size_t max_connections = 1024;
+};
+
+// Thread safety: Start, Shutdown, ConnectionCount and path may be called from
+// any thread except the FdServer thread (i.e. not from handler callbacks).
+class FdServer final {
+ public:
+  // Largest request datagram accepted; larger ones get MESSAGE_TOO_LARGE.
+  static constexpr size_t kMaxRequestBytes = 4096;
+  // FdWelcome.protocol_version.
+  static constexpr uint32_t kProtocolVersion = 1;
+
+  // Binds opts.path, sets its mode, listens and starts the thread.
+  // `handler` is not owned and must outlive the FdServer (or Shutdown).
+  // Errors:
+  //   INVALID_ARGUMENT BAD_SOCKET_PATH (empty or longer than sun_path),
+  //     BAD_OPTIONS (max_connections 0);
+  //   FAILED_PRECONDITION PATH_NOT_SOCKET (something else exists at the
+  //     path; it is left alone), SOCKET_IN_USE (a server accepts connections
+  //     there; found by connecting once, so that server sees one short
+  //     connection). A socket file nobody listens on is replaced;
+  //   socket/bind/chmod/listen/epoll failures: ErrnoError.
+  static absl::StatusOr<std::unique_ptr<FdServer>> Start(
+      const FdServerOptions& options, FdSessionHandler* handler);
+
+  // Stops accepting, closes every connection (OnDisconnect for each session)
+  // and joins the thread; removes the socket file if it is still ours.
+  // Idempotent; a concurrent second call returns only when the first is
+  // done. Called from a handler callback (the FdServer thread) it aborts:
+  // that would join its own thread.
+  void Shutdown();
+  ~FdServer();
+
+  FdServer(const FdServer&) = delete;
+  FdServer& operator=(const FdServer&) = delete;
+
+  const std::string& path() const { return options_.path; }
+  // Connections with an open session right now.
+  size_t ConnectionCount() const;
+
+ private:
+  struct Connection;
+  struct Datagram;
+
+  FdServer(const FdServerOptions& options, FdSessionHandler* handler);
+
+  // Everything below runs on the FdServer thread only, so the connection
+  // table needs no lock.
+  void Run();
+  void AcceptAll();
+  void Accept(UniqueFd sock);
+  void HandleEvent(uint64_t id, uint32_t events);
+  void ReadRequests(Connection& conn);
+  // One reply per datagram. Every fd received dies with `datagram` (or is
+  // handed to OnImport) before this returns, so before the reply is sent.
+  v1::FdReply Process(const Connection& conn, Datagram datagram);
+  // false: the connection is dead and must be closed.
+  bool Send(Connection& conn, const v1::FdReply& reply);
+  bool Flush(Connection& conn);
+  bool Watch(Connection& conn, bool want_output);
+  void Close(uint64_t id);
+  void CloseAll();
+  void PauseAccepting();
+  void ResumeAccepting();
+
+  const FdServerOptions options_;
+  FdSessionHandler* const handler_;
+  UniqueFd listen_fd_;
+  UniqueFd epoll_fd_;
+  UniqueFd wake_fd_;            // eventfd: Shutdown wakes the loop
+  uint64_t socket_device_ = 0;  // st_dev/st_ino of the socket file we made
+  uint64_t socket_inode_ = 0;
+
+  // FdServer thread only.
+  std::map<uint64_t, std::unique_ptr<Connection>> connections_;
+  uint64_t next_id_;
+  bool accept_paused_ = false;
+  int64_t resume_accept_at_ms_ = 0;  // steady clock
+
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  size_t session_count_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // Held for the whole of Shutdown, so a second caller waits for the first.
+  absl::Mutex shutdown_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::thread thread_ ABSL_GUARDED_BY(shutdown_mu_);
+};
+
+}  // namespace mrd::session
+
+#endif  // MRD_SERVER_SESSION_FD_SERVER_H_

@@ -1,0 +1,125 @@
+// Shared fixture for integration tests: a real mrd process, a client
+// connected to it over its Unix sockets, and small helpers for peers and
+// status checks. TearDown stops mrd with SIGTERM and fails the test if mrd
+// exited uncleanly or left anything pinned.
+#ifndef MRD_TESTS_INTEGRATION_TEST_ENV_H_
+#define MRD_TESTS_INTEGRATION_TEST_ENV_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "client/lib/mrd_client.h"
+#include "client/peer/soft_peer.h"
+#include "server/common/status.h"
+#include "tests/integration/mrd_process.h"
+
+namespace mrd::testing {
+
+// Flag values of the seeds (R3, F3).
+inline constexpr uint32_t kLocalWrite = 0x1;
+inline constexpr uint32_t kRemoteRead = 0x2;
+inline constexpr uint32_t kRemoteWrite = 0x5;
+inline constexpr uint32_t kOpSilentSuccess = 0x1;
+inline constexpr uint32_t kOpRemoteRead = 0x8;
+inline constexpr uint32_t kOpRemoteWrite = 0x30;
+
+class MrdTest : public ::testing::Test {
+ protected:
+  virtual MrdProcessOptions ServerOptions() { return {}; }
+
+  void SetUp() override {
+    auto mrd = MrdProcess::Start(ServerOptions());
+    ASSERT_TRUE(mrd.ok()) << mrd.status();
+    mrd_ = std::move(*mrd);
+    client::ClientOptions options;
+    options.socket_path = mrd_->grpc_socket();
+    options.fd_socket_path = mrd_->fd_socket();
+    auto c = client::Client::Connect(options);
+    ASSERT_TRUE(c.ok()) << c.status();
+    client_ = std::make_unique<client::Client>(std::move(*c));
+  }
+
+  void TearDown() override {
+    client_.reset();
+    if (mrd_) {
+      absl::Status stopped = mrd_->Stop();
+      EXPECT_TRUE(stopped.ok()) << stopped;
+    }
+  }
+
+  client::Session OpenFdSession() {
+    auto s = client::Session::OpenFd(*client_);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return std::move(*s);
+  }
+
+  client::Buffer NewBuffer(const client::Session& session, uint64_t size,
+                           const std::string& fill = "") {
+    auto b = client::Buffer::Create(session, size);
+    EXPECT_TRUE(b.ok()) << b.status();
+    if (!fill.empty()) {
+      char* data = static_cast<char*>(b->data());
+      for (uint64_t i = 0; i < size; ++i) data[i] = fill[i % fill.size()];
+    }
+    return std::move(*b);
+  }
+
+  client::Registration Register(const client::Session& session,
+                                const client::Buffer& buffer, uint64_t offset,
+                                uint64_t length, uint32_t flags) {
+    client::RegisterOptions o;
+    o.buffer = buffer.id();
+    o.offset = offset;
+    o.length = length;
+    o.flags = flags;
+    auto r = client::Registration::Register(session, o);
+    EXPECT_TRUE(r.ok()) << r.status();
+    return std::move(*r);
+  }
+
+  std::unique_ptr<peer::SoftPeer> ConnectPeer(const client::Session& session) {
+    auto ticket = client::PeerTicket::Create(session);
+    EXPECT_TRUE(ticket.ok()) << ticket.status();
+    auto p = peer::SoftPeer::Connect(ticket->peer_address(), ticket->ticket());
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  }
+
+  // Waits for the next completion of `kind`, skipping peer events of other
+  // kinds.
+  v1::Completion NextOfKind(client::CompletionStream& stream,
+                            v1::Completion::Kind kind) {
+    for (int i = 0; i < 16; ++i) {
+      auto c = stream.Next(absl::Seconds(10));
+      EXPECT_TRUE(c.ok()) << c.status();
+      if (!c.ok()) return {};
+      if (c->kind() == kind) return *c;
+    }
+    ADD_FAILURE() << "no completion of kind " << kind;
+    return {};
+  }
+
+  std::unique_ptr<MrdProcess> mrd_;
+  std::unique_ptr<client::Client> client_;
+};
+
+// Expects an error with this code, seed outcome and reason.
+inline void ExpectError(const absl::Status& status, absl::StatusCode code,
+                        v1::SeedStatus seed, const std::string& reason) {
+  EXPECT_EQ(status.code(), code) << status;
+  v1::ErrorDetail detail = GetErrorDetail(status);
+  EXPECT_EQ(detail.seed_status(), seed) << status;
+  if (!reason.empty()) EXPECT_EQ(detail.reason(), reason) << status;
+}
+
+inline void ExpectRemoteAccessError(const absl::Status& status) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kPermissionDenied) << status;
+  EXPECT_EQ(GetErrorDetail(status).reason(), "REMOTE_ACCESS_ERROR") << status;
+}
+
+}  // namespace mrd::testing
+
+#endif  // MRD_TESTS_INTEGRATION_TEST_ENV_H_
