@@ -12,8 +12,8 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
   std::shared_ptr<Entry> entry;
   {
     absl::MutexLock lock(&mu_);
-    auto it = by_key_.find(key);
-    if (it != by_key_.end()) {
+    for (auto it = by_key_.find(key); it != by_key_.end();
+         it = by_key_.find(key)) {
       entry = it->second;
       if (entry->state == State::kCreating) {
         ++entry->waiters;
@@ -23,6 +23,9 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
         --entry->waiters;
       }
       if (entry->state == State::kFailed) return entry->failure;
+      // Released (or invalidated) while we waited: look again, so that a
+      // registration being torn down is never handed out.
+      if (entry->removed) continue;
       ++entry->references;
       ++stats_.hits;
       return AcquireResult{entry->id, entry->registration, entry->references,
@@ -41,6 +44,7 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
   absl::MutexLock lock(&mu_);
   if (!created.ok()) {
     entry->state = State::kFailed;
+    entry->removed = true;
     entry->failure = created.status();
     by_key_.erase(key);
     return created.status();
@@ -66,6 +70,7 @@ absl::StatusOr<ReleaseResult> RegistrationCache::Release(uint64_t entry_id) {
   if (entry->references == 0) {
     by_id_.erase(it);
     by_key_.erase(entry->key);
+    entry->removed = true;
     result.released = entry->registration;
     ++stats_.releases;
   }
@@ -84,6 +89,7 @@ absl::StatusOr<CachedRegistration> RegistrationCache::Invalidate(
   by_id_.erase(it);
   by_key_.erase(entry->key);
   entry->references = 0;
+  entry->removed = true;
   ++stats_.invalidations;
   return entry->registration;
 }

@@ -34,6 +34,9 @@ namespace mrd::cache {
 // (st_dev, st_ino) and range, never by a virtual address of the client.
 struct CacheKey {
   uint64_t session = 0;
+  // The session-visible buffer: a registration keeps that buffer's mapping
+  // in use, so two imports of one file never share a registration.
+  uint64_t buffer = 0;
   uint64_t file_device = 0;
   uint64_t file_inode = 0;
   uint64_t offset = 0;
@@ -109,6 +112,7 @@ class RegistrationCache {
     CachedRegistration registration;
     uint32_t references = 0;
     uint32_t waiters = 0;
+    bool removed = false;  // out of the maps: never hand it out again
   };
 
   mutable absl::Mutex mu_;

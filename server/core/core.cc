@@ -140,21 +140,29 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(SessionKind kind) {
       return MrdError(absl::StatusCode::kUnavailable, "SHUTTING_DOWN",
                       "mrd is shutting down");
     }
-    if (sessions_.size() >= options_.max_sessions) {
+    if (sessions_.size() + pending_sessions_ >= options_.max_sessions) {
       return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS",
                        absl::StrCat("the server holds its maximum of ",
                                     options_.max_sessions, " sessions"));
     }
     session = std::make_shared<Session>(next_session_id_++, RandomToken(),
                                         kind, options_.completion_queue_depth);
+    ++pending_sessions_;
   }
-  MRD_ASSIGN_OR_RETURN(device::PdId pd, device_->AllocatePd(session.get()));
+  absl::StatusOr<device::PdId> pd_or = device_->AllocatePd(session.get());
+  if (!pd_or.ok()) {
+    absl::MutexLock lock(&mu_);
+    --pending_sessions_;
+    return pd_or.status();
+  }
+  device::PdId pd = *pd_or;
   {
     absl::MutexLock lock(&session->mu);
     session->pd = pd;
   }
   absl::MutexLock lock(&mu_);
   if (shutting_down_) {
+    --pending_sessions_;
     // Lost a race with Shutdown: nothing of the session may outlive it.
     mu_.Unlock();
     (void)device_->DeallocatePd(pd);
@@ -162,6 +170,7 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(SessionKind kind) {
     return MrdError(absl::StatusCode::kUnavailable, "SHUTTING_DOWN",
                     "mrd is shutting down");
   }
+  --pending_sessions_;
   sessions_.emplace(session->token(), session);
   ++sessions_opened_;
   return session;
@@ -474,6 +483,8 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
     mr.base_address = 0;
     mr.length = 0;
     mr.lams.clear();
+    mr.pending.clear();
+    mr.pending_invalidate_silent.clear();
     mr.device_mr = keys.ok() ? keys->mr : 0;
     mr.lkey = keys.ok() ? keys->lkey : 0;
     mr.rkey = keys.ok() ? keys->rkey : 0;
@@ -612,7 +623,14 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
 
 absl::StatusOr<uint32_t> Core::DropReference(Session& session, uint64_t entry) {
   MRD_ASSIGN_OR_RETURN(cache::ReleaseResult result, cache_.Release(entry));
-  if (result.released.has_value()) DeregisterCached(session, *result.released);
+  if (result.released.has_value()) {
+    absl::Status s = device_->DeregisterMr(result.released->device_mr);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+      return MrdError(absl::StatusCode::kUnavailable, "DEREGISTER_FAILED",
+                      s.ToString());
+    }
+    UnreservePinned(session, result.released->pinned_bytes);
+  }
   return result.references;
 }
 
@@ -686,13 +704,6 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
                                     " was imported read-only; write access "
                                     "cannot be granted on it (W6)"));
     }
-    if (session->registrations.size() >= options_.max_session_registrations) {
-      return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
-                       "LIMIT_SESSION_REGISTRATIONS",
-                       absl::StrCat("the session holds its maximum of ",
-                                    options_.max_session_registrations,
-                                    " registrations"));
-    }
     key.base_address = b->second.address + req.offset();
   }
   MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
@@ -717,6 +728,7 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   key.offset = req.offset();
   key.length = req.length();
   key.access = access;
+  key.buffer = req.buffer();
 
   device::PdId pd;
   {
@@ -726,9 +738,20 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   const uint64_t pin_bytes =
       PageRound(reinterpret_cast<uintptr_t>(span.host_address), span.length);
   const uint64_t buffer_id = req.buffer();
-  MRD_ASSIGN_OR_RETURN(
-      cache::AcquireResult acquired,
+  absl::StatusOr<cache::AcquireResult> acquired_or =
       cache_.Acquire(key, [&]() -> absl::StatusOr<cache::CachedRegistration> {
+        {
+          absl::MutexLock lock(&session->mu);
+          if (session->registrations.size() >=
+              options_.max_session_registrations) {
+            return SeedError(
+                v1::STATUS_INSUFFICIENT_RESOURCES,
+                "LIMIT_SESSION_REGISTRATIONS",
+                absl::StrCat("the session holds its maximum of ",
+                             options_.max_session_registrations,
+                             " registrations"));
+          }
+        }
         MRD_RETURN_IF_ERROR(ReservePinned(*session, pin_bytes));
         absl::StatusOr<device::MrKeys> keys =
             device_->RegisterMr(pd, span, key.base_address, access);
@@ -743,7 +766,15 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
         reg.buffer = buffer_id;
         reg.pinned_bytes = pin_bytes;
         return reg;
-      }));
+      });
+  if (!acquired_or.ok()) {
+    absl::MutexLock lock(&session->mu);
+    if (session->closing) {
+      return NotConnected("the session closed during the registration");
+    }
+    return acquired_or.status();
+  }
+  cache::AcquireResult acquired = *acquired_or;
 
   // Commit to the session, or undo: either the registration exists and is
   // owned by the session, or nothing of it does.
@@ -1019,7 +1050,16 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
           pending.lams.end()) {
         pending.lams.push_back(p->second);
       }
+      if ((access & (device::kAccessLocalWrite | device::kAccessRemoteWrite)) &&
+          !session->lams[p->second].file->writable()) {
+        return SeedError(
+            v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
+            absl::StrCat("page 0x", absl::Hex(page), " belongs to LAM ",
+                         p->second, " of a read-only buffer; write access "
+                         "cannot be granted on it"));
+      }
     }
+    pending.silent = (req.flags() & device::kWorkSilentSuccess) != 0;
     mr.pending.push_back(std::move(pending));
     work.mr = mr.device_mr;
   }
@@ -1028,8 +1068,9 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
   work.length = req.length();
   work.base_address = req.base_address();
   work.access = access;
-  work.flags = req.flags() & (device::kWorkSilentSuccess |
-                              device::kWorkReadFence | device::kWorkDefer);
+  // SILENT_SUCCESS is applied by the session, not the device: the session
+  // must see every completion to keep the MR's token state (F5) true.
+  work.flags = req.flags() & (device::kWorkReadFence | device::kWorkDefer);
   work.request_context = req.request_context();
   absl::StatusOr<uint64_t> posted =
       device_->PostFastRegister(req.connection(), work);
@@ -1075,8 +1116,10 @@ absl::Status Core::InvalidateMr(const v1::InvalidateMrRequest& req,
                                     "session"));
     }
     work.mr = m->second.device_mr;
+    m->second.pending_invalidate_silent.push_back(
+        (req.flags() & device::kWorkSilentSuccess) != 0);
   }
-  work.flags = req.flags();
+  work.flags = req.flags() & ~device::kWorkSilentSuccess;
   work.request_context = req.request_context();
   MRD_ASSIGN_OR_RETURN(uint64_t posted,
                        device_->PostInvalidate(req.connection(), work));

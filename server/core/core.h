@@ -177,6 +177,8 @@ class Core final : public session::FdSessionHandler {
   std::map<std::string, std::shared_ptr<Session>> sessions_
       ABSL_GUARDED_BY(mu_);
   uint64_t total_pinned_ ABSL_GUARDED_BY(mu_) = 0;
+  // Sessions being created (counted against max_sessions before they exist).
+  uint64_t pending_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t sessions_closed_ ABSL_GUARDED_BY(mu_) = 0;
 

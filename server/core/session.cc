@@ -24,6 +24,7 @@ void Session::OnCompletion(const device::WorkCompletion& wc) {
                      : detail.seed_status());
     c.set_message(std::string(wc.status.message()));
   }
+  bool suppress = false;
   {
     absl::MutexLock lock(&mu);
     // Find the MR object by its device MR and update its token state.
@@ -36,6 +37,7 @@ void Session::OnCompletion(const device::WorkCompletion& wc) {
           params = mr.pending.front();
           mr.pending.pop_front();
         }
+        suppress = params.silent && wc.status.ok();
         if (wc.status.ok()) {
           mr.fast_registered = true;
           mr.rkey = wc.rkey;
@@ -44,7 +46,14 @@ void Session::OnCompletion(const device::WorkCompletion& wc) {
           mr.lams = std::move(params.lams);
           c.set_rkey(wc.rkey);
         }
-      } else if (wc.status.ok()) {
+      } else {
+        bool silent = false;
+        if (!mr.pending_invalidate_silent.empty()) {
+          silent = mr.pending_invalidate_silent.front();
+          mr.pending_invalidate_silent.pop_front();
+        }
+        suppress = silent && wc.status.ok();
+        if (!wc.status.ok()) break;
         mr.fast_registered = false;
         mr.base_address = 0;
         mr.length = 0;
@@ -53,6 +62,7 @@ void Session::OnCompletion(const device::WorkCompletion& wc) {
       break;
     }
   }
+  if (suppress) return;
   Push(std::move(c));
 }
 

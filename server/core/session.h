@@ -52,6 +52,7 @@ struct PendingFastRegister {
   uint64_t base_address = 0;
   uint64_t length = 0;
   std::vector<uint64_t> lams;  // LAMs whose pages the request maps
+  bool silent = false;         // SILENT_SUCCESS: no completion on success
 };
 
 struct MrObject {
@@ -68,7 +69,10 @@ struct MrObject {
   uint64_t base_address = 0;
   uint64_t length = 0;
   std::vector<uint64_t> lams;  // LAMs mapped while fast-registered
+  // Posted and not yet completed, in posting order (a connection executes
+  // its work in order).
   std::deque<PendingFastRegister> pending;
+  std::deque<bool> pending_invalidate_silent;
 };
 
 struct LamRecord {

@@ -73,7 +73,8 @@ struct DeviceHealth {
 // a page; the mapping itself is page-aligned and covers whole pages. The
 // device pins through host_address (mlock / ibv_reg_mr) and the software
 // device moves data through (fd, file_offset) so that a file truncated behind
-// its back gives an error, never SIGBUS.
+// its back gives an error, never SIGBUS. The device reads and writes through
+// `fd` until DeregisterMr / ReleaseLam / DeallocatePd returns: keep it open.
 struct MemorySpan {
   void* host_address = nullptr;
   uint64_t length = 0;
@@ -180,6 +181,9 @@ class Device {
                                                         uint32_t max_pages) = 0;
   // Destroys it, invalidating any mapping at once.
   virtual absl::Status FreeFastRegisterMr(MrId mr) = 0;
+  // The MR's current keys (NDK_FN_GET_REMOTE_TOKEN_FROM_MR, F5): after a fast
+  // registration, its new rkey. NOT_FOUND for unknown MRs.
+  virtual absl::StatusOr<MrKeys> QueryMr(MrId mr) const = 0;
 
   // A secret with which a peer connects to this PD on the peer path. Valid
   // until the PD is deallocated; any number of connections may use it.

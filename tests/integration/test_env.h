@@ -112,7 +112,9 @@ inline void ExpectError(const absl::Status& status, absl::StatusCode code,
   EXPECT_EQ(status.code(), code) << status;
   v1::ErrorDetail detail = GetErrorDetail(status);
   EXPECT_EQ(detail.seed_status(), seed) << status;
-  if (!reason.empty()) EXPECT_EQ(detail.reason(), reason) << status;
+  if (!reason.empty()) {
+    EXPECT_EQ(detail.reason(), reason) << status;
+  }
 }
 
 inline void ExpectRemoteAccessError(const absl::Status& status) {

@@ -21,6 +21,22 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 
+namespace {
+// Conditions are evaluated inside the uninstrumented library, by the waiter
+// or by an unlocking thread, always with the lock held: bracket each
+// evaluation with acquire/release so that TSan orders its reads.
+struct TsanCondition {
+  absl::Mutex* mu;
+  const absl::Condition* cond;
+};
+bool EvalForTsan(TsanCondition* c) {
+  __tsan_acquire(c->mu);
+  const bool result = c->cond->Eval();
+  __tsan_release(c->mu);
+  return result;
+}
+}  // namespace
+
 extern "C" {
 
 void __real__ZN4absl7debian35Mutex4LockEv(absl::Mutex* mu);
@@ -94,24 +110,30 @@ bool __real__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE
 
 void __wrap__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(
     absl::Mutex* mu, const absl::Condition& cond) {
+  TsanCondition ctx{mu, &cond};
+  const absl::Condition wrapped(&EvalForTsan, &ctx);
   __tsan_release(mu);
-  __real__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(mu, cond);
+  __real__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(mu, wrapped);
   __tsan_acquire(mu);
 }
 
 bool __wrap__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(
     absl::Mutex* mu, const absl::Condition& cond, absl::Duration timeout) {
+  TsanCondition ctx{mu, &cond};
+  const absl::Condition wrapped(&EvalForTsan, &ctx);
   __tsan_release(mu);
   const bool met =
       __real__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(
-          mu, cond, timeout);
+          mu, wrapped, timeout);
   __tsan_acquire(mu);
   return met;
 }
 
 void __wrap__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(
     absl::Mutex* mu, const absl::Condition& cond) {
-  __real__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(mu, cond);
+  TsanCondition ctx{mu, &cond};
+  const absl::Condition wrapped(&EvalForTsan, &ctx);
+  __real__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(mu, wrapped);
   __tsan_acquire(mu);
 }
 

@@ -1,0 +1,60 @@
+// IovaSpace: the software device's logical (IO virtual) address space, in
+// which BuildLam maps host pages and which fast registration takes page
+// arrays from (L1, L5, L8).
+//
+// Layout: page-granular ranges handed out upwards from a start address the
+// device picks at random (non-zero, so no logical address is 0), each range
+// preceded by a guard gap of a few unmapped pages, also random. Addresses are
+// never reused within a device's lifetime, so a stale logical address from a
+// released LAM can never name a later LAM's page; an off-by-one page in a
+// page array lands in a gap and is refused.
+//
+// Thread-compatible: the device serializes calls under its own mutex.
+#ifndef MRD_SERVER_DEVICE_SOFTWARE_IOVA_SPACE_H_
+#define MRD_SERVER_DEVICE_SOFTWARE_IOVA_SPACE_H_
+
+#include <cstdint>
+#include <map>
+#include <optional>
+
+#include "absl/status/statusor.h"
+
+namespace mrd::device {
+
+class IovaSpace {
+ public:
+  // Addresses in [start, limit); both page-aligned, 0 < start < limit.
+  IovaSpace(uint64_t page_size, uint64_t start, uint64_t limit);
+
+  // Reserves `pages` (> 0) consecutive pages for `owner` after
+  // `guard_pages` unmapped ones; returns the first page's address. Errors:
+  // RESOURCE_EXHAUSTED (STATUS_INSUFFICIENT_RESOURCES "IOVA_EXHAUSTED").
+  absl::StatusOr<uint64_t> Allocate(uint64_t pages, uint64_t guard_pages,
+                                    uint64_t owner);
+  // Unmaps the range that starts at `start` (which must be allocated).
+  void Free(uint64_t start);
+
+  struct Hit {
+    uint64_t owner = 0;
+    uint64_t page_index = 0;  // within the owner's range
+  };
+  // The range and page that `address` falls in, if any.
+  std::optional<Hit> Lookup(uint64_t address) const;
+
+  size_t ranges() const { return ranges_.size(); }
+
+ private:
+  struct Range {
+    uint64_t pages = 0;
+    uint64_t owner = 0;
+  };
+
+  const uint64_t page_size_;
+  const uint64_t limit_;
+  uint64_t next_;                     // first address never handed out
+  std::map<uint64_t, Range> ranges_;  // by start address
+};
+
+}  // namespace mrd::device
+
+#endif  // MRD_SERVER_DEVICE_SOFTWARE_IOVA_SPACE_H_

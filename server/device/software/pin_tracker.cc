@@ -1,0 +1,207 @@
+#include "server/device/software/pin_tracker.h"
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <iterator>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/log.h"
+#include "server/common/status.h"
+
+namespace mrd::device {
+namespace {
+
+// The raw system calls, not the libc wrappers: sanitizer runtimes intercept
+// mlock/munlock and turn them into no-ops that report success, which would
+// make sanitizer builds pin nothing while claiming to.
+class SystemPinOpsImpl final : public PinOps {
+ public:
+  int Lock(uint64_t address, uint64_t length) override {
+    return ::syscall(SYS_mlock, address, length) == 0 ? 0 : errno;
+  }
+  int Unlock(uint64_t address, uint64_t length) override {
+    return ::syscall(SYS_munlock, address, length) == 0 ? 0 : errno;
+  }
+};
+
+std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
+
+}  // namespace
+
+PinOps* SystemPinOps() {
+  static PinOps* ops = new SystemPinOpsImpl();
+  return ops;
+}
+
+PinTracker::PinTracker(uint64_t page_size, PinOps* ops)
+    : page_size_(page_size), ops_(ops) {
+  MRD_CHECK(page_size > 0 && (page_size & (page_size - 1)) == 0);
+  MRD_CHECK(ops != nullptr);
+}
+
+PinTracker::~PinTracker() {
+  absl::MutexLock lock(&mu_);
+  if (runs_.empty()) return;
+  LogWarning("pin tracker destroyed with ", pinned_bytes_,
+             " bytes still pinned; unlocking them");
+  for (const auto& [start, run] : runs_) ops_->Unlock(start, run.end - start);
+}
+
+void PinTracker::SplitLocked(uint64_t at) {
+  auto it = runs_.upper_bound(at);
+  if (it == runs_.begin()) return;
+  --it;
+  if (it->first < at && at < it->second.end) {
+    Run tail{it->second.end, it->second.refs};
+    it->second.end = at;
+    runs_.emplace_hint(std::next(it), at, tail);
+  }
+}
+
+void PinTracker::CoalesceLocked(uint64_t from, uint64_t to) {
+  auto it = runs_.lower_bound(from);
+  if (it != runs_.begin()) --it;
+  while (it != runs_.end() && it->first <= to) {
+    auto next = std::next(it);
+    if (next != runs_.end() && it->second.end == next->first &&
+        it->second.refs == next->second.refs) {
+      it->second.end = next->second.end;
+      runs_.erase(next);
+    } else {
+      it = next;
+    }
+  }
+}
+
+absl::Status PinTracker::Pin(uint64_t address, uint64_t length) {
+  uint64_t last = 0;
+  if (length == 0 || __builtin_add_overflow(address, length - 1, &last) ||
+      last > UINT64_MAX - page_size_) {
+    return SeedError(
+        v1::STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW",
+        absl::StrCat("cannot pin ", length, " bytes at ", Hex(address)));
+  }
+  const uint64_t start = address & ~(page_size_ - 1);
+  const uint64_t end = (last & ~(page_size_ - 1)) + page_size_;
+
+  absl::MutexLock lock(&mu_);
+  // The parts of [start, end) that no one pins yet: only these need mlock.
+  std::vector<std::pair<uint64_t, uint64_t>> gaps;
+  uint64_t cursor = start;
+  auto it = runs_.upper_bound(start);
+  if (it != runs_.begin() && std::prev(it)->second.end > start) --it;
+  for (; it != runs_.end() && it->first < end; ++it) {
+    if (it->first > cursor) gaps.emplace_back(cursor, it->first);
+    cursor = std::max(cursor, it->second.end);
+  }
+  if (cursor < end) gaps.emplace_back(cursor, end);
+
+  for (size_t i = 0; i < gaps.size(); ++i) {
+    const auto [gap_start, gap_end] = gaps[i];
+    int err = ops_->Lock(gap_start, gap_end - gap_start);
+    if (err == 0) continue;
+    // mlock locks the mappings before a hole and then fails with ENOMEM
+    // without undoing them, so the failed gap is unlocked too. Gaps were
+    // pinned by no one, so this takes no lock away from another pin.
+    ops_->Unlock(gap_start, gap_end - gap_start);
+    for (size_t j = 0; j < i; ++j) {
+      if (int undo =
+              ops_->Unlock(gaps[j].first, gaps[j].second - gaps[j].first);
+          undo != 0) {
+        LogWarning("munlock of ", Hex(gaps[j].first), "+",
+                   gaps[j].second - gaps[j].first,
+                   " while undoing a failed pin: ", std::strerror(undo));
+      }
+    }
+    return SeedError(
+        v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
+        absl::StrCat("mlock of ", gap_end - gap_start, " bytes at ",
+                     Hex(gap_start), " (pinning ", length, " bytes at ",
+                     Hex(address), ") failed: ", std::strerror(err)));
+  }
+
+  SplitLocked(start);
+  SplitLocked(end);
+  for (auto run = runs_.lower_bound(start);
+       run != runs_.end() && run->first < end; ++run) {
+    ++run->second.refs;
+  }
+  for (const auto& [gap_start, gap_end] : gaps) {
+    runs_.emplace(gap_start, Run{gap_end, 1});
+    pinned_bytes_ += gap_end - gap_start;
+  }
+  CoalesceLocked(start, end);
+  return absl::OkStatus();
+}
+
+void PinTracker::Unpin(uint64_t address, uint64_t length) {
+  uint64_t last = 0;
+  MRD_CHECK(length > 0 && !__builtin_add_overflow(address, length - 1, &last) &&
+            last <= UINT64_MAX - page_size_);
+  const uint64_t start = address & ~(page_size_ - 1);
+  const uint64_t end = (last & ~(page_size_ - 1)) + page_size_;
+
+  absl::MutexLock lock(&mu_);
+  SplitLocked(start);
+  SplitLocked(end);
+  // Every page must be pinned: a hole means the caller unpins what it never
+  // pinned, and carrying on would unlock someone else's pages.
+  uint64_t cursor = start;
+  for (auto run = runs_.lower_bound(start);
+       run != runs_.end() && run->first < end; ++run) {
+    MRD_CHECK(run->first == cursor);
+    cursor = run->second.end;
+  }
+  MRD_CHECK(cursor == end);
+
+  std::vector<std::pair<uint64_t, uint64_t>> released;
+  for (auto run = runs_.lower_bound(start);
+       run != runs_.end() && run->first < end;) {
+    if (--run->second.refs > 0) {
+      ++run;
+      continue;
+    }
+    if (!released.empty() && released.back().second == run->first) {
+      released.back().second = run->second.end;
+    } else {
+      released.emplace_back(run->first, run->second.end);
+    }
+    run = runs_.erase(run);
+  }
+  for (const auto& [from, to] : released) {
+    pinned_bytes_ -= to - from;
+    if (int err = ops_->Unlock(from, to - from); err != 0) {
+      // The pages may have been unmapped under a registration; the kernel
+      // drops the lock with the mapping, so there is nothing left to undo.
+      LogWarning("munlock of ", to - from, " bytes at ", Hex(from), ": ",
+                 std::strerror(err));
+    }
+  }
+  CoalesceLocked(start, end);
+}
+
+uint64_t PinTracker::PinnedBytes() const {
+  absl::MutexLock lock(&mu_);
+  return pinned_bytes_;
+}
+
+uint64_t PinTracker::RefCount(uint64_t address) const {
+  absl::MutexLock lock(&mu_);
+  auto it = runs_.upper_bound(address);
+  if (it == runs_.begin()) return 0;
+  --it;
+  return address < it->second.end ? it->second.refs : 0;
+}
+
+size_t PinTracker::Runs() const {
+  absl::MutexLock lock(&mu_);
+  return runs_.size();
+}
+
+}  // namespace mrd::device

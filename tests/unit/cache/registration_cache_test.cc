@@ -1,0 +1,445 @@
+// RegistrationCache (W5): hits, misses, reference counts, concurrent
+// creation, failures, invalidation (W11) and statistics. The create function
+// stands in for the device registration.
+#include "server/cache/registration_cache.h"
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "server/common/status.h"
+
+namespace mrd::cache {
+namespace {
+
+CacheKey Key(uint64_t offset = 0, uint64_t length = 4096, uint32_t access = 0) {
+  CacheKey key;
+  key.session = 1;
+  key.file_device = 10;
+  key.file_inode = 20;
+  key.offset = offset;
+  key.length = length;
+  key.access = access;
+  key.base_address = 0x100000000 + offset;
+  return key;
+}
+
+CachedRegistration Reg(uint64_t mr) {
+  CachedRegistration reg;
+  reg.device_mr = mr;
+  reg.lkey = static_cast<uint32_t>(mr * 2);
+  reg.rkey = static_cast<uint32_t>(mr * 2 + 1);
+  reg.buffer = 7;
+  reg.pinned_bytes = 4096;
+  return reg;
+}
+
+// A create function that counts its calls and returns Reg(next id).
+class Creator {
+ public:
+  absl::StatusOr<CachedRegistration> operator()() {
+    if (delay_ > absl::ZeroDuration()) absl::SleepFor(delay_);
+    return Reg(++calls_);
+  }
+  void set_delay(absl::Duration d) { delay_ = d; }
+  int calls() const { return calls_.load(); }
+
+ private:
+  std::atomic<int> calls_{0};
+  absl::Duration delay_;
+};
+
+bool IsUnknownRegistration(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kNotFound &&
+         GetErrorDetail(s).reason() == "UNKNOWN_REGISTRATION";
+}
+
+TEST(RegistrationCacheTest, FirstAcquireMissesAndCreatesOnce) {
+  RegistrationCache cache;
+  Creator create;
+  absl::StatusOr<AcquireResult> r = cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_FALSE(r->hit);
+  EXPECT_EQ(r->references, 1u);
+  EXPECT_NE(r->entry, 0u);
+  EXPECT_EQ(r->registration.device_mr, 1u);
+  EXPECT_EQ(r->registration.rkey, 3u);
+  EXPECT_EQ(create.calls(), 1);
+  EXPECT_EQ(cache.References(r->entry), 1u);
+}
+
+TEST(RegistrationCacheTest, SecondAcquireOfSameKeyHitsWithoutCreating) {
+  RegistrationCache cache;
+  Creator create;
+  absl::StatusOr<AcquireResult> first = cache.Acquire(Key(), std::ref(create));
+  absl::StatusOr<AcquireResult> second = cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_TRUE(second->hit);
+  EXPECT_EQ(second->entry, first->entry);
+  EXPECT_EQ(second->references, 2u);
+  EXPECT_EQ(second->registration.device_mr, first->registration.device_mr);
+  EXPECT_EQ(second->registration.rkey, first->registration.rkey);
+  EXPECT_EQ(create.calls(), 1);
+  EXPECT_EQ(cache.References(first->entry), 2u);
+}
+
+TEST(RegistrationCacheTest, EveryKeyFieldDistinguishesEntries) {
+  RegistrationCache cache;
+  Creator create;
+  std::vector<CacheKey> keys(8, Key());
+  keys[1].session = 2;
+  keys[2].file_device = 11;
+  keys[3].file_inode = 21;
+  keys[4].offset = 4096;
+  keys[5].length = 8192;
+  keys[6].access = 1;
+  keys[7].base_address = 0x200000000;
+  std::set<uint64_t> entries;
+  for (const CacheKey& key : keys) {
+    absl::StatusOr<AcquireResult> r = cache.Acquire(key, std::ref(create));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(r->hit);
+    entries.insert(r->entry);
+  }
+  EXPECT_EQ(entries.size(), keys.size());
+  EXPECT_EQ(create.calls(), static_cast<int>(keys.size()));
+  for (uint64_t e : entries) ASSERT_TRUE(cache.Release(e).ok());
+}
+
+TEST(RegistrationCacheTest, OnlyTheLastReleaseReturnsTheRegistration) {
+  RegistrationCache cache;
+  Creator create;
+  uint64_t entry = 0;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<AcquireResult> r = cache.Acquire(Key(), std::ref(create));
+    ASSERT_TRUE(r.ok());
+    entry = r->entry;
+  }
+  absl::StatusOr<ReleaseResult> r1 = cache.Release(entry);
+  ASSERT_TRUE(r1.ok());
+  EXPECT_EQ(r1->references, 2u);
+  EXPECT_FALSE(r1->released.has_value());
+  absl::StatusOr<ReleaseResult> r2 = cache.Release(entry);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r2->references, 1u);
+  EXPECT_FALSE(r2->released.has_value());
+  absl::StatusOr<ReleaseResult> r3 = cache.Release(entry);
+  ASSERT_TRUE(r3.ok());
+  EXPECT_EQ(r3->references, 0u);
+  ASSERT_TRUE(r3->released.has_value());
+  EXPECT_EQ(r3->released->device_mr, 1u);
+  EXPECT_EQ(r3->key, Key());
+  EXPECT_EQ(cache.References(entry), 0u);
+  EXPECT_FALSE(cache.KeyOf(entry).has_value());
+  // Nothing is left to release twice.
+  EXPECT_TRUE(IsUnknownRegistration(cache.Release(entry).status()));
+}
+
+TEST(RegistrationCacheTest, ReleaseOfUnknownEntryIsNotFound) {
+  RegistrationCache cache;
+  EXPECT_TRUE(IsUnknownRegistration(cache.Release(12345).status()));
+  EXPECT_TRUE(IsUnknownRegistration(cache.Invalidate(12345).status()));
+  EXPECT_EQ(cache.References(12345), 0u);
+}
+
+TEST(RegistrationCacheTest, AcquireAfterLastReleaseMakesANewEntry) {
+  RegistrationCache cache;
+  Creator create;
+  absl::StatusOr<AcquireResult> first = cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(cache.Release(first->entry).ok());
+  absl::StatusOr<AcquireResult> second = cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(second.ok());
+  EXPECT_FALSE(second->hit);
+  EXPECT_NE(second->entry, first->entry);
+  EXPECT_NE(second->registration.device_mr, first->registration.device_mr);
+  EXPECT_EQ(second->references, 1u);
+  EXPECT_EQ(create.calls(), 2);
+  ASSERT_TRUE(cache.Release(second->entry).ok());
+}
+
+TEST(RegistrationCacheTest, InvalidateDropsTheEntryWhateverItsCount) {
+  RegistrationCache cache;
+  Creator create;
+  uint64_t entry = 0;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<AcquireResult> r = cache.Acquire(Key(), std::ref(create));
+    ASSERT_TRUE(r.ok());
+    entry = r->entry;
+  }
+  absl::StatusOr<CachedRegistration> dropped = cache.Invalidate(entry);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->device_mr, 1u);
+  EXPECT_EQ(cache.References(entry), 0u);
+  EXPECT_TRUE(IsUnknownRegistration(cache.Release(entry).status()));
+  EXPECT_TRUE(IsUnknownRegistration(cache.Invalidate(entry).status()));
+  absl::StatusOr<AcquireResult> again = cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(again->hit);
+  EXPECT_NE(again->entry, entry);
+  EXPECT_EQ(create.calls(), 2);
+  ASSERT_TRUE(cache.Release(again->entry).ok());
+}
+
+TEST(RegistrationCacheTest, KeyOfNamesTheEntrysKey) {
+  RegistrationCache cache;
+  Creator create;
+  absl::StatusOr<AcquireResult> r =
+      cache.Acquire(Key(8192, 100, 3), std::ref(create));
+  ASSERT_TRUE(r.ok());
+  std::optional<CacheKey> key = cache.KeyOf(r->entry);
+  ASSERT_TRUE(key.has_value());
+  EXPECT_EQ(*key, Key(8192, 100, 3));
+  ASSERT_TRUE(cache.Release(r->entry).ok());
+}
+
+TEST(RegistrationCacheTest, StatsCountHitsMissesReleasesInvalidations) {
+  RegistrationCache cache;
+  Creator create;
+  absl::StatusOr<AcquireResult> a = cache.Acquire(Key(0), std::ref(create));
+  absl::StatusOr<AcquireResult> a2 = cache.Acquire(Key(0), std::ref(create));
+  absl::StatusOr<AcquireResult> a3 = cache.Acquire(Key(0), std::ref(create));
+  absl::StatusOr<AcquireResult> b = cache.Acquire(Key(4096), std::ref(create));
+  absl::StatusOr<AcquireResult> c = cache.Acquire(Key(8192), std::ref(create));
+  ASSERT_TRUE(a.ok() && a2.ok() && a3.ok() && b.ok() && c.ok());
+  CacheStats stats = cache.Stats();
+  EXPECT_EQ(stats.hits, 2u);
+  EXPECT_EQ(stats.misses, 3u);
+  EXPECT_EQ(stats.entries, 3u);
+  EXPECT_EQ(stats.releases, 0u);
+  EXPECT_EQ(stats.invalidations, 0u);
+
+  ASSERT_TRUE(cache.Release(a->entry).ok());  // 3 -> 2: not a release
+  ASSERT_TRUE(cache.Release(b->entry).ok());  // last reference
+  ASSERT_TRUE(cache.Invalidate(c->entry).ok());
+  stats = cache.Stats();
+  EXPECT_EQ(stats.releases, 1u);
+  EXPECT_EQ(stats.invalidations, 1u);
+  EXPECT_EQ(stats.entries, 1u);
+
+  ASSERT_TRUE(cache.Release(a->entry).ok());
+  ASSERT_TRUE(cache.Release(a->entry).ok());
+  stats = cache.Stats();
+  EXPECT_EQ(stats.releases, 2u);
+  EXPECT_EQ(stats.entries, 0u);
+}
+
+TEST(RegistrationCacheTest, FailedCreateLeavesNoEntryAndIsRetriedNextTime) {
+  RegistrationCache cache;
+  absl::StatusOr<AcquireResult> failed =
+      cache.Acquire(Key(), []() -> absl::StatusOr<CachedRegistration> {
+        return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
+                         "no memory");
+      });
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(GetErrorDetail(failed.status()).reason(), "PIN_FAILED");
+  EXPECT_EQ(cache.Stats().entries, 0u);
+  Creator create;
+  absl::StatusOr<AcquireResult> retried =
+      cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_FALSE(retried->hit);
+  EXPECT_EQ(create.calls(), 1);
+  ASSERT_TRUE(cache.Release(retried->entry).ok());
+}
+
+TEST(RegistrationCacheTest, CreateRunsWithoutTheCacheLock) {
+  RegistrationCache cache;
+  Creator inner;
+  uint64_t inner_entry = 0;
+  // A create function that uses the cache itself would deadlock if the cache
+  // held its lock across it.
+  absl::StatusOr<AcquireResult> outer =
+      cache.Acquire(Key(0), [&]() -> absl::StatusOr<CachedRegistration> {
+        EXPECT_EQ(cache.Stats().entries, 0u);
+        absl::StatusOr<AcquireResult> r =
+            cache.Acquire(Key(4096), std::ref(inner));
+        EXPECT_TRUE(r.ok());
+        if (r.ok()) inner_entry = r->entry;
+        return Reg(99);
+      });
+  ASSERT_TRUE(outer.ok()) << outer.status();
+  EXPECT_EQ(outer->registration.device_mr, 99u);
+  ASSERT_TRUE(cache.Release(outer->entry).ok());
+  ASSERT_TRUE(cache.Release(inner_entry).ok());
+}
+
+TEST(RegistrationCacheTest, ConcurrentAcquireOfSameKeyCreatesOnce) {
+  constexpr int kThreads = 16;
+  RegistrationCache cache;
+  Creator create;
+  create.set_delay(absl::Milliseconds(30));
+  std::vector<absl::StatusOr<AcquireResult>> results(
+      kThreads, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back(
+        [&, i] { results[i] = cache.Acquire(Key(), std::ref(create)); });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(create.calls(), 1);
+  int hits = 0;
+  for (const auto& r : results) {
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->entry, results[0]->entry);
+    EXPECT_EQ(r->registration.device_mr, 1u);
+    if (r->hit) ++hits;
+  }
+  EXPECT_EQ(hits, kThreads - 1);
+  EXPECT_EQ(cache.References(results[0]->entry),
+            static_cast<uint32_t>(kThreads));
+  CacheStats stats = cache.Stats();
+  EXPECT_EQ(stats.misses, 1u);
+  EXPECT_EQ(stats.hits, static_cast<uint64_t>(kThreads - 1));
+  for (int i = 0; i < kThreads; ++i) {
+    ASSERT_TRUE(cache.Release(results[0]->entry).ok());
+  }
+  EXPECT_EQ(cache.Stats().entries, 0u);
+}
+
+TEST(RegistrationCacheTest, ConcurrentLastReleasesReturnTheRegistrationOnce) {
+  constexpr int kThreads = 16;
+  RegistrationCache cache;
+  Creator create;
+  uint64_t entry = 0;
+  for (int i = 0; i < kThreads; ++i) {
+    absl::StatusOr<AcquireResult> r = cache.Acquire(Key(), std::ref(create));
+    ASSERT_TRUE(r.ok());
+    entry = r->entry;
+  }
+  std::atomic<int> released{0};
+  std::atomic<int> errors{0};
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&] {
+      absl::StatusOr<ReleaseResult> r = cache.Release(entry);
+      if (!r.ok()) {
+        ++errors;
+      } else if (r->released.has_value()) {
+        ++released;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(released.load(), 1);
+  EXPECT_EQ(cache.Stats().releases, 1u);
+}
+
+TEST(RegistrationCacheTest, FailedCreateIsReportedToConcurrentWaiters) {
+  constexpr int kWaiters = 8;
+  RegistrationCache cache;
+  absl::Notification creating;
+  absl::Notification fail_now;
+  absl::Status creator_result;
+  std::thread creator([&] {
+    creator_result =
+        cache
+            .Acquire(Key(),
+                     [&]() -> absl::StatusOr<CachedRegistration> {
+                       creating.Notify();
+                       fail_now.WaitForNotification();
+                       return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+                                        "DEVICE_FULL", "the device is full");
+                     })
+            .status();
+  });
+  creating.WaitForNotification();
+  std::atomic<int> waiter_creates{0};
+  std::vector<absl::Status> waiter_results(kWaiters);
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < kWaiters; ++i) {
+    waiters.emplace_back([&, i] {
+      waiter_results[i] =
+          cache
+              .Acquire(Key(),
+                       [&]() -> absl::StatusOr<CachedRegistration> {
+                         ++waiter_creates;
+                         return Reg(1000);
+                       })
+              .status();
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // the waiters are blocked now
+  fail_now.Notify();
+  creator.join();
+  for (auto& t : waiters) t.join();
+
+  EXPECT_EQ(creator_result.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(waiter_creates.load(), 0) << "a waiter created its own entry";
+  for (const absl::Status& s : waiter_results) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+    EXPECT_EQ(GetErrorDetail(s).reason(), "DEVICE_FULL");
+  }
+  CacheStats stats = cache.Stats();
+  EXPECT_EQ(stats.entries, 0u);
+  EXPECT_EQ(stats.hits, 0u);
+  // The key is free again.
+  Creator create;
+  absl::StatusOr<AcquireResult> r = cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(r.ok());
+  EXPECT_FALSE(r->hit);
+  ASSERT_TRUE(cache.Release(r->entry).ok());
+}
+
+// The header promises that no Acquire is ever handed a registration that is
+// being torn down. A waiter that blocked on a creation must therefore not be
+// handed that entry if its creator dropped the last reference before the
+// waiter woke up: the entry is gone from the maps and its registration is
+// being deregistered by the releaser.
+TEST(RegistrationCacheTest, WaiterNeverSharesAnEntryReleasedBeforeItWoke) {
+  constexpr int kRounds = 100;
+  int stale = 0;
+  for (int round = 0; round < kRounds; ++round) {
+    RegistrationCache cache;
+    absl::Notification creating;
+    absl::Notification finish;
+    bool creator_released = false;
+    std::thread creator([&] {
+      absl::StatusOr<AcquireResult> r =
+          cache.Acquire(Key(), [&]() -> absl::StatusOr<CachedRegistration> {
+            creating.Notify();
+            finish.WaitForNotification();
+            return Reg(1);
+          });
+      ASSERT_TRUE(r.ok());
+      // The creator's caller is done with it at once (e.g. the session
+      // closed during the registration): the last reference goes.
+      absl::StatusOr<ReleaseResult> rel = cache.Release(r->entry);
+      ASSERT_TRUE(rel.ok());
+      creator_released = rel->released.has_value();
+    });
+    creating.WaitForNotification();
+    absl::StatusOr<AcquireResult> waiter = absl::UnknownError("not run");
+    std::thread waiter_thread(
+        [&] { waiter = cache.Acquire(Key(), [] { return Reg(2); }); });
+    absl::SleepFor(absl::Milliseconds(5));  // the waiter is blocked now
+    finish.Notify();
+    creator.join();
+    waiter_thread.join();
+    ASSERT_TRUE(waiter.ok()) << waiter.status();
+    if (waiter->hit && creator_released) {
+      // The waiter holds a reference to an entry the cache no longer knows,
+      // whose registration the creator's caller is deregistering.
+      ++stale;
+      EXPECT_EQ(cache.References(waiter->entry), 0u);
+    } else {
+      EXPECT_GE(cache.References(waiter->entry), 1u);
+      (void)cache.Release(waiter->entry);
+    }
+  }
+  EXPECT_EQ(stale, 0) << stale << " of " << kRounds
+                      << " waiters were handed a released registration";
+}
+
+}  // namespace
+}  // namespace mrd::cache

@@ -1,0 +1,246 @@
+#include "server/device/software/pin_tracker.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <utility>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/unit/device/device_test_util.h"
+
+namespace mrd::device {
+namespace {
+
+using ::mrd::device::testing::IsSeedError;
+using ::mrd::device::testing::PageSize;
+using ::mrd::device::testing::VmLckBytes;
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+using ::testing::Pair;
+
+// Records calls; fails a Lock whose range starts at `fail_lock_at`.
+class FakePinOps final : public PinOps {
+ public:
+  int Lock(uint64_t address, uint64_t length) override {
+    absl::MutexLock lock(&mu_);
+    locks_.emplace_back(address, length);
+    return address == fail_lock_at_ ? ENOMEM : 0;
+  }
+  int Unlock(uint64_t address, uint64_t length) override {
+    absl::MutexLock lock(&mu_);
+    unlocks_.emplace_back(address, length);
+    return 0;
+  }
+  void FailLockAt(uint64_t address) {
+    absl::MutexLock lock(&mu_);
+    fail_lock_at_ = address;
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> TakeLocks() {
+    absl::MutexLock lock(&mu_);
+    return std::exchange(locks_, {});
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> TakeUnlocks() {
+    absl::MutexLock lock(&mu_);
+    return std::exchange(unlocks_, {});
+  }
+
+ private:
+  absl::Mutex mu_;
+  uint64_t fail_lock_at_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> locks_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> unlocks_ ABSL_GUARDED_BY(mu_);
+};
+
+class PinTrackerTest : public ::testing::Test {
+ protected:
+  // Page n of a fake address space (never dereferenced).
+  static uint64_t P(uint64_t n) { return kBase + n * PageSize(); }
+
+  void TearDown() override { EXPECT_EQ(tracker_.PinnedBytes(), 0u); }
+
+  static constexpr uint64_t kBase = uint64_t{1} << 40;
+  FakePinOps ops_;
+  PinTracker tracker_{PageSize(), &ops_};
+};
+
+TEST_F(PinTrackerTest, FirstPinLocksAndLastUnpinUnlocks) {
+  ASSERT_TRUE(tracker_.Pin(P(0), 2 * PageSize()).ok());
+  ASSERT_TRUE(tracker_.Pin(P(0), 2 * PageSize()).ok());
+  EXPECT_THAT(ops_.TakeLocks(), ElementsAre(Pair(P(0), 2 * PageSize())));
+  EXPECT_EQ(tracker_.RefCount(P(1)), 2u);
+  EXPECT_EQ(tracker_.PinnedBytes(), 2 * PageSize());
+
+  tracker_.Unpin(P(0), 2 * PageSize());
+  EXPECT_THAT(ops_.TakeUnlocks(), IsEmpty());
+  EXPECT_EQ(tracker_.PinnedBytes(), 2 * PageSize());
+  tracker_.Unpin(P(0), 2 * PageSize());
+  EXPECT_THAT(ops_.TakeUnlocks(), ElementsAre(Pair(P(0), 2 * PageSize())));
+}
+
+TEST_F(PinTrackerTest, OverlapLocksOnlyNewPagesAndUnlocksOnlyReleasedOnes) {
+  ASSERT_TRUE(tracker_.Pin(P(0), 4 * PageSize()).ok());
+  ASSERT_TRUE(tracker_.Pin(P(2), 4 * PageSize()).ok());
+  EXPECT_THAT(ops_.TakeLocks(), ElementsAre(Pair(P(0), 4 * PageSize()),
+                                            Pair(P(4), 2 * PageSize())));
+  EXPECT_EQ(tracker_.PinnedBytes(), 6 * PageSize());
+  EXPECT_EQ(tracker_.RefCount(P(1)), 1u);
+  EXPECT_EQ(tracker_.RefCount(P(3)), 2u);
+  EXPECT_EQ(tracker_.RefCount(P(5)), 1u);
+
+  // munlock of the first range must keep the pages the second still pins.
+  tracker_.Unpin(P(0), 4 * PageSize());
+  EXPECT_THAT(ops_.TakeUnlocks(), ElementsAre(Pair(P(0), 2 * PageSize())));
+  EXPECT_EQ(tracker_.PinnedBytes(), 4 * PageSize());
+  EXPECT_EQ(tracker_.RefCount(P(2)), 1u);
+
+  tracker_.Unpin(P(2), 4 * PageSize());
+  EXPECT_THAT(ops_.TakeUnlocks(), ElementsAre(Pair(P(2), 4 * PageSize())));
+}
+
+TEST_F(PinTrackerTest, PinInsideAHoleLocksEveryGap) {
+  ASSERT_TRUE(tracker_.Pin(P(1), PageSize()).ok());
+  ASSERT_TRUE(tracker_.Pin(P(3), PageSize()).ok());
+  ops_.TakeLocks();
+  ASSERT_TRUE(tracker_.Pin(P(0), 5 * PageSize()).ok());
+  EXPECT_THAT(ops_.TakeLocks(),
+              ElementsAre(Pair(P(0), PageSize()), Pair(P(2), PageSize()),
+                          Pair(P(4), PageSize())));
+  tracker_.Unpin(P(0), 5 * PageSize());
+  // Pages 1 and 3 are still pinned by their own pins.
+  EXPECT_THAT(ops_.TakeUnlocks(),
+              ElementsAre(Pair(P(0), PageSize()), Pair(P(2), PageSize()),
+                          Pair(P(4), PageSize())));
+  tracker_.Unpin(P(1), PageSize());
+  tracker_.Unpin(P(3), PageSize());
+}
+
+TEST_F(PinTrackerTest, SubPageRangesRoundOutToWholePages) {
+  ASSERT_TRUE(tracker_.Pin(P(0) + 100, 10).ok());
+  EXPECT_EQ(tracker_.PinnedBytes(), PageSize());
+  ASSERT_TRUE(tracker_.Pin(P(1) - 1, 2).ok());  // straddles pages 0 and 1
+  EXPECT_EQ(tracker_.PinnedBytes(), 2 * PageSize());
+  EXPECT_EQ(tracker_.RefCount(P(0)), 2u);
+  EXPECT_EQ(tracker_.RefCount(P(1)), 1u);
+  tracker_.Unpin(P(1) - 1, 2);
+  tracker_.Unpin(P(0) + 100, 10);
+}
+
+TEST_F(PinTrackerTest, RunsWithEqualCountsMerge) {
+  ASSERT_TRUE(tracker_.Pin(P(0), 2 * PageSize()).ok());
+  ASSERT_TRUE(tracker_.Pin(P(2), 2 * PageSize()).ok());
+  EXPECT_EQ(tracker_.Runs(), 1u);
+  ASSERT_TRUE(tracker_.Pin(P(1), 2 * PageSize()).ok());
+  EXPECT_EQ(tracker_.Runs(), 3u);  // 1 | 2 2 | 1
+  tracker_.Unpin(P(1), 2 * PageSize());
+  EXPECT_EQ(tracker_.Runs(), 1u);
+  tracker_.Unpin(P(0), 2 * PageSize());
+  tracker_.Unpin(P(2), 2 * PageSize());
+  EXPECT_EQ(tracker_.Runs(), 0u);
+}
+
+TEST_F(PinTrackerTest, LargeSpanIsOneRun) {
+  const uint64_t gib = uint64_t{1} << 30;
+  ASSERT_TRUE(tracker_.Pin(P(0), gib).ok());
+  ASSERT_TRUE(tracker_.Pin(P(0) + gib / 2, gib).ok());
+  EXPECT_EQ(tracker_.Runs(), 3u);
+  EXPECT_EQ(tracker_.PinnedBytes(), gib + gib / 2);
+  tracker_.Unpin(P(0), gib);
+  tracker_.Unpin(P(0) + gib / 2, gib);
+}
+
+TEST_F(PinTrackerTest, FailedLockUndoesEveryGapAndKeepsOtherPins) {
+  ASSERT_TRUE(tracker_.Pin(P(2), PageSize()).ok());
+  ops_.TakeLocks();
+  ops_.FailLockAt(P(3));  // the second gap of [0, 6)
+  absl::Status status = tracker_.Pin(P(0), 6 * PageSize());
+  EXPECT_THAT(status,
+              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+  EXPECT_THAT(ops_.TakeLocks(), ElementsAre(Pair(P(0), 2 * PageSize()),
+                                            Pair(P(3), 3 * PageSize())));
+  // The failed gap (mlock may have locked a prefix) and the earlier gap.
+  EXPECT_THAT(ops_.TakeUnlocks(), ElementsAre(Pair(P(3), 3 * PageSize()),
+                                              Pair(P(0), 2 * PageSize())));
+  EXPECT_EQ(tracker_.PinnedBytes(), PageSize());
+  EXPECT_EQ(tracker_.RefCount(P(0)), 0u);
+  EXPECT_EQ(tracker_.RefCount(P(2)), 1u);
+  tracker_.Unpin(P(2), PageSize());
+}
+
+TEST_F(PinTrackerTest, EmptyAndWrappingRangesAreRefused) {
+  EXPECT_THAT(tracker_.Pin(P(0), 0),
+              IsSeedError(v1::STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW"));
+  EXPECT_THAT(tracker_.Pin(UINT64_MAX - 10, 100),
+              IsSeedError(v1::STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW"));
+  EXPECT_THAT(ops_.TakeLocks(), IsEmpty());
+}
+
+TEST(PinTrackerDeathTest, UnpinningWhatWasNeverPinnedAborts) {
+  FakePinOps ops;
+  PinTracker tracker(PageSize(), &ops);
+  EXPECT_DEATH(tracker.Unpin(uint64_t{1} << 40, PageSize()), "check failed");
+}
+
+// The same accounting against the kernel: VmLck follows the tracker.
+TEST(PinTrackerSystemTest, RealPinsAreReferenceCountedInTheKernel) {
+  const uint64_t ps = PageSize();
+  void* map = mmap(nullptr, 4 * ps, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  const uint64_t base = reinterpret_cast<uint64_t>(map);
+  const uint64_t before = VmLckBytes();
+  {
+    PinTracker tracker(ps, SystemPinOps());
+    ASSERT_TRUE(tracker.Pin(base, 3 * ps).ok());
+    ASSERT_TRUE(tracker.Pin(base + ps, 3 * ps).ok());
+    EXPECT_EQ(VmLckBytes() - before, 4 * ps);
+    tracker.Unpin(base, 3 * ps);
+    // A plain munlock of the first range would have dropped pages 1-2 too.
+    EXPECT_EQ(VmLckBytes() - before, 3 * ps);
+    EXPECT_EQ(tracker.PinnedBytes(), 3 * ps);
+    tracker.Unpin(base + ps, 3 * ps);
+    EXPECT_EQ(VmLckBytes(), before);
+  }
+  munmap(map, 4 * ps);
+}
+
+TEST(PinTrackerSystemTest, PinOverAHoleLeavesNothingLocked) {
+  const uint64_t ps = PageSize();
+  void* map = mmap(nullptr, 3 * ps, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  const uint64_t base = reinterpret_cast<uint64_t>(map);
+  ASSERT_EQ(munmap(reinterpret_cast<void*>(base + ps), ps), 0);
+  const uint64_t before = VmLckBytes();
+  {
+    PinTracker tracker(ps, SystemPinOps());
+    EXPECT_THAT(tracker.Pin(base, 3 * ps),
+                IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+    // mlock itself locked page 0 before failing on the hole.
+    EXPECT_EQ(VmLckBytes(), before);
+    EXPECT_EQ(tracker.PinnedBytes(), 0u);
+  }
+  munmap(map, ps);
+  munmap(reinterpret_cast<void*>(base + 2 * ps), ps);
+}
+
+// mlock over file pages past the end of the file fails, yet leaves the
+// whole range locked; the tracker must undo that.
+TEST(PinTrackerSystemTest, PinPastEndOfFileLeavesNothingLocked) {
+  const uint64_t ps = PageSize();
+  std::unique_ptr<testing::MemfdBuffer> buffer =
+      testing::MemfdBuffer::Create(3);
+  ASSERT_NE(buffer, nullptr);
+  ASSERT_EQ(ftruncate(buffer->fd(), static_cast<off_t>(ps)), 0);
+  const uint64_t before = VmLckBytes();
+  PinTracker tracker(ps, SystemPinOps());
+  EXPECT_THAT(tracker.Pin(reinterpret_cast<uint64_t>(buffer->data()), 3 * ps),
+              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+  EXPECT_EQ(VmLckBytes(), before);
+  EXPECT_EQ(tracker.PinnedBytes(), 0u);
+}
+
+}  // namespace
+}  // namespace mrd::device
