@@ -1,0 +1,174 @@
+#include "client/lib/completion_stream.h"
+
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/client_callback.h>
+
+#include <deque>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "client/lib/client_core.h"
+#include "client/lib/session_core.h"
+#include "client/lib/status.h"
+
+namespace mrd::client {
+
+class CompletionStream::Reactor final
+    : public grpc::ClientReadReactor<v1::Completion> {
+ public:
+  static constexpr size_t kMaxBuffered = 4096;
+
+  static std::shared_ptr<Reactor> Start(
+      std::shared_ptr<internal::SessionCore> core) {
+    std::shared_ptr<Reactor> reactor(new Reactor(std::move(core)));
+    // gRPC holds a raw pointer until OnDone; this reference keeps the
+    // object alive until then, whatever the owner does.
+    reactor->self_ = reactor;
+    reactor->Begin();
+    return reactor;
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // the stream is over; OnDone follows
+    bool read_more = false;
+    {
+      absl::MutexLock lock(&mu_);
+      queue_.push_back(std::move(incoming_));
+      incoming_.Clear();
+      read_more = queue_.size() < kMaxBuffered;
+      reading_ = read_more;
+    }
+    if (read_more) StartRead(&incoming_);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    std::shared_ptr<Reactor> keep = std::move(self_);
+    absl::MutexLock lock(&mu_);
+    final_status_ = StatusFromGrpc(status, context_);
+    done_ = true;
+  }
+
+  absl::StatusOr<v1::Completion> Next(absl::Duration timeout) {
+    bool resume_reading = false;
+    absl::StatusOr<v1::Completion> result;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !queue_.empty() || done_;
+      };
+      if (timeout == absl::InfiniteDuration()) {
+        mu_.Await(absl::Condition(&ready));
+      } else {
+        mu_.AwaitWithTimeout(absl::Condition(&ready),
+                             std::max(timeout, absl::ZeroDuration()));
+      }
+      if (!queue_.empty()) {
+        result = std::move(queue_.front());
+        queue_.pop_front();
+        if (!reading_ && !done_) {
+          reading_ = true;
+          resume_reading = true;
+        }
+      } else if (done_) {
+        if (cancelled_) {
+          result = absl::CancelledError("completion stream cancelled");
+        } else if (final_status_.ok()) {
+          result = absl::OutOfRangeError(
+              "completion stream ended (the session ended)");
+        } else {
+          result = final_status_;
+        }
+      } else {
+        result = absl::DeadlineExceededError(absl::StrCat(
+            "no completion within ", absl::FormatDuration(timeout)));
+      }
+    }
+    if (resume_reading) StartRead(&incoming_);
+    return result;
+  }
+
+  void Cancel() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (done_) return;
+      cancelled_ = true;
+    }
+    context_.TryCancel();
+  }
+
+  void WaitDone() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&done_));
+  }
+
+ private:
+  explicit Reactor(std::shared_ptr<internal::SessionCore> core)
+      : core_(std::move(core)) {
+    request_.set_session(core_->token);
+  }
+
+  void Begin() {
+    core_->client.core().stub->async()->StreamCompletions(&context_, &request_,
+                                                          this);
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = true;
+    }
+    StartRead(&incoming_);
+    StartCall();
+  }
+
+  const std::shared_ptr<internal::SessionCore> core_;
+  grpc::ClientContext context_;
+  v1::StreamCompletionsRequest request_;
+  v1::Completion incoming_;  // written by gRPC between StartRead and OnReadDone
+  std::shared_ptr<Reactor> self_;
+
+  absl::Mutex mu_;
+  std::deque<v1::Completion> queue_ ABSL_GUARDED_BY(mu_);
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status final_status_ ABSL_GUARDED_BY(mu_);
+};
+
+CompletionStream CompletionStream::Open(const Session& session) {
+  return CompletionStream(Reactor::Start(session.core()));
+}
+
+CompletionStream::CompletionStream(CompletionStream&& other) noexcept
+    : reactor_(std::move(other.reactor_)) {}
+
+CompletionStream& CompletionStream::operator=(
+    CompletionStream&& other) noexcept {
+  if (this != &other) {
+    Shutdown();
+    reactor_ = std::move(other.reactor_);
+  }
+  return *this;
+}
+
+CompletionStream::~CompletionStream() { Shutdown(); }
+
+void CompletionStream::Shutdown() {
+  if (reactor_ == nullptr) return;
+  reactor_->Cancel();
+  reactor_->WaitDone();
+  reactor_.reset();
+}
+
+absl::StatusOr<v1::Completion> CompletionStream::Next(absl::Duration timeout) {
+  if (reactor_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "use of a moved-from CompletionStream");
+  }
+  return reactor_->Next(timeout);
+}
+
+void CompletionStream::Cancel() {
+  if (reactor_ != nullptr) reactor_->Cancel();
+}
+
+}  // namespace mrd::client

@@ -1,0 +1,609 @@
+#include "client/mrctl/commands.h"
+
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/lib/mrd_client.h"
+#include "client/mrctl/output.h"
+#include "server/common/status.h"
+
+namespace mrd::mrctl {
+namespace {
+
+using google::protobuf::Message;
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+
+extern "C" void OnStopSignal(int signal_number) {
+  g_stop_signal = signal_number;
+}
+
+// Installs SIGINT/SIGTERM handlers without SA_RESTART (so poll returns).
+void InstallStopHandlers() {
+  struct sigaction action {};
+  action.sa_handler = OnStopSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = 0;
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+bool StopRequested() { return g_stop_signal != 0; }
+
+// What a command has at hand.
+struct Context {
+  const Invocation& inv;
+  FlagValues flags;
+  std::FILE* out;
+  std::FILE* err;
+  bool json() const { return inv.global.json; }
+  const std::string& token() const { return inv.global.session; }
+};
+
+absl::Status Emit(Context& ctx, const Message& message) {
+  if (ctx.json()) {
+    MRD_ASSIGN_OR_RETURN(std::string json, JsonForm(message));
+    std::fprintf(ctx.out, "%s\n", json.c_str());
+  } else {
+    std::string text = HumanForm(message);
+    std::fwrite(text.data(), 1, text.size(), ctx.out);
+  }
+  std::fflush(ctx.out);
+  return absl::OkStatus();
+}
+
+// Wraps a flag parse error as a usage error naming the flag.
+absl::Status FlagError(absl::string_view flag, const absl::Status& status) {
+  if (IsUsageError(status)) {
+    return UsageError(absl::StrCat("--", flag, ": ", status.message()));
+  }
+  return status;
+}
+
+absl::StatusOr<uint32_t> MrFlagsOf(const FlagValues& flags) {
+  std::optional<std::string> text = flags.String("flags");
+  if (!text.has_value()) return 0u;
+  absl::StatusOr<uint32_t> bits = ParseMrFlags(*text);
+  if (!bits.ok()) return FlagError("flags", bits.status());
+  return bits;
+}
+
+absl::StatusOr<uint32_t> OpFlagsOf(const FlagValues& flags) {
+  std::optional<std::string> text = flags.String("flags");
+  if (!text.has_value()) return 0u;
+  absl::StatusOr<uint32_t> bits = ParseOpFlags(*text);
+  if (!bits.ok()) return FlagError("flags", bits.status());
+  return bits;
+}
+
+absl::StatusOr<uint32_t> MemFlagsOf(const FlagValues& flags) {
+  std::optional<std::string> text = flags.String("mem");
+  if (!text.has_value()) return 0u;
+  return ParseMemFlags(*text);
+}
+
+absl::StatusOr<uint64_t> PositionalId(const Context& ctx) {
+  absl::StatusOr<uint64_t> id = ParseUint64(ctx.inv.positional[0]);
+  if (!id.ok()) {
+    return UsageError(
+        absl::StrCat(ctx.inv.command->positional, ": ", id.status().message()));
+  }
+  return id;
+}
+
+// ---- Commands -------------------------------------------------------------
+
+absl::Status Info(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::DeviceInfo info, c.GetDeviceInfo());
+  return Emit(ctx, info);
+}
+
+absl::Status Health(Context& ctx) {
+  std::string service = ctx.flags.String("service").value_or("");
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(client::ServingStatus status, c.Health(service));
+  std::string name(client::ServingStatusName(status));
+  if (ctx.json()) {
+    std::fprintf(ctx.out, "{\"status\":\"%s\"}\n", name.c_str());
+  } else {
+    std::fprintf(ctx.out, "status=%s\n", name.c_str());
+  }
+  std::fflush(ctx.out);
+  if (status != client::ServingStatus::kServing) {
+    return absl::UnavailableError(
+        absl::StrCat(service.empty() ? "mrd" : service, " is ", name));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LeaseOpen(Context& ctx) {
+  v1::OpenLeaseSessionRequest request;
+  if (std::optional<std::string> ttl = ctx.flags.String("ttl")) {
+    absl::StatusOr<absl::Duration> d = ParseDurationFlag(*ttl);
+    if (!d.ok()) return FlagError("ttl", d.status());
+    int64_t seconds = absl::ToInt64Seconds(*d);
+    if (*d == absl::InfiniteDuration() || seconds > UINT32_MAX) {
+      return UsageError("--ttl is too large");
+    }
+    if (*d > absl::ZeroDuration() && seconds == 0) seconds = 1;
+    request.set_ttl_seconds(static_cast<uint32_t>(seconds));
+  }
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::SessionInfo info, c.OpenLeaseSession(request));
+  if (ctx.inv.global.quiet && !ctx.json()) {
+    std::fprintf(ctx.out, "%s\n", info.session().c_str());
+    std::fflush(ctx.out);
+    return absl::OkStatus();
+  }
+  return Emit(ctx, info);
+}
+
+absl::Status LeaseClose(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::CloseSessionRequest request;
+  request.set_session(ctx.token());
+  MRD_ASSIGN_OR_RETURN(v1::CloseSessionResponse response,
+                       c.CloseSession(request));
+  if (!ctx.inv.global.quiet) {
+    std::fprintf(ctx.err, "mrctl: session closed\n");
+  }
+  return ctx.json() ? Emit(ctx, response) : absl::OkStatus();
+}
+
+absl::Status SessionCmd(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::GetSessionRequest request;
+  request.set_session(ctx.token());
+  MRD_ASSIGN_OR_RETURN(v1::SessionInfo info, c.GetSession(request));
+  return Emit(ctx, info);
+}
+
+absl::Status ImportFile(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(bool writable, ctx.flags.Bool("writable"));
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::ImportFileRequest request;
+  request.set_session(ctx.token());
+  request.set_path(ctx.inv.positional[0]);
+  request.set_writable(writable);
+  MRD_ASSIGN_OR_RETURN(v1::BufferInfo info, c.ImportFile(request));
+  return Emit(ctx, info);
+}
+
+absl::Status ReleaseBuffer(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(uint64_t id, PositionalId(ctx));
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::ReleaseBufferRequest request;
+  request.set_session(ctx.token());
+  request.set_buffer(id);
+  MRD_ASSIGN_OR_RETURN(v1::ReleaseBufferResponse response,
+                       c.ReleaseBuffer(request));
+  return Emit(ctx, response);
+}
+
+absl::Status CreateMr(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(bool fast, ctx.flags.Bool("fast-register"));
+  MRD_ASSIGN_OR_RETURN(bool remote, ctx.flags.Bool("allow-remote"));
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::CreateMrRequest request;
+  request.set_session(ctx.token());
+  request.set_fast_register(fast);
+  request.set_allow_remote_access(remote);
+  MRD_ASSIGN_OR_RETURN(v1::MrInfo info, c.CreateMr(request));
+  return Emit(ctx, info);
+}
+
+absl::Status CloseMr(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(uint64_t id, PositionalId(ctx));
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::CloseMrRequest request;
+  request.set_session(ctx.token());
+  request.set_mr(id);
+  MRD_ASSIGN_OR_RETURN(v1::CloseMrResponse response, c.CloseMr(request));
+  return ctx.json() ? Emit(ctx, response) : absl::OkStatus();
+}
+
+absl::Status Register(Context& ctx) {
+  client::RegisterOptions options;
+  MRD_ASSIGN_OR_RETURN(options.buffer, ctx.flags.Uint64("buffer"));
+  MRD_ASSIGN_OR_RETURN(options.offset, ctx.flags.Uint64Or("offset", 0));
+  MRD_ASSIGN_OR_RETURN(options.length, ctx.flags.Uint64("length"));
+  MRD_ASSIGN_OR_RETURN(options.flags, MrFlagsOf(ctx.flags));
+  MRD_ASSIGN_OR_RETURN(options.mem_flags, MemFlagsOf(ctx.flags));
+  MRD_ASSIGN_OR_RETURN(options.base_address, ctx.flags.OptionalUint64("base"));
+  MRD_ASSIGN_OR_RETURN(options.mr, ctx.flags.Uint64Or("mr", 0));
+  MRD_ASSIGN_OR_RETURN(options.descriptor_capacity,
+                       ctx.flags.Uint32Or("capacity", 0));
+  options.request_id = ctx.flags.String("request-id").value_or("");
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::RegisterMrResponse response,
+                       c.RegisterMr(client::ToRequest(ctx.token(), options)));
+  return Emit(ctx, response);
+}
+
+absl::Status Deregister(Context& ctx) {
+  const bool by_registration = ctx.flags.Has("registration");
+  const bool by_mr = ctx.flags.Has("mr");
+  if (by_registration == by_mr) {
+    return UsageError("give exactly one of --registration and --mr");
+  }
+  v1::DeregisterMrRequest request;
+  request.set_session(ctx.token());
+  if (by_registration) {
+    MRD_ASSIGN_OR_RETURN(uint64_t id, ctx.flags.Uint64("registration"));
+    request.set_registration(id);
+  } else {
+    MRD_ASSIGN_OR_RETURN(uint64_t id, ctx.flags.Uint64("mr"));
+    request.set_mr(id);
+  }
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::DeregisterMrResponse response,
+                       c.DeregisterMr(request));
+  return Emit(ctx, response);
+}
+
+absl::Status BuildLam(Context& ctx) {
+  v1::BuildLamRequest request;
+  request.set_session(ctx.token());
+  MRD_ASSIGN_OR_RETURN(uint64_t buffer, ctx.flags.Uint64("buffer"));
+  MRD_ASSIGN_OR_RETURN(uint64_t offset, ctx.flags.Uint64Or("offset", 0));
+  MRD_ASSIGN_OR_RETURN(uint64_t length, ctx.flags.Uint64("length"));
+  MRD_ASSIGN_OR_RETURN(uint32_t capacity, ctx.flags.Uint32Or("capacity", 0));
+  request.set_buffer(buffer);
+  request.set_offset(offset);
+  request.set_length(length);
+  request.set_lam_capacity(capacity);
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::BuildLamResponse response, c.BuildLam(request));
+  return Emit(ctx, response);
+}
+
+absl::Status ReleaseLam(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(uint64_t id, PositionalId(ctx));
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::ReleaseLamRequest request;
+  request.set_session(ctx.token());
+  request.set_lam(id);
+  MRD_ASSIGN_OR_RETURN(v1::ReleaseLamResponse response, c.ReleaseLam(request));
+  return ctx.json() ? Emit(ctx, response) : absl::OkStatus();
+}
+
+absl::Status FastRegister(Context& ctx) {
+  v1::FastRegisterRequest request;
+  request.set_session(ctx.token());
+  MRD_ASSIGN_OR_RETURN(uint64_t connection, ctx.flags.Uint64("connection"));
+  MRD_ASSIGN_OR_RETURN(uint64_t mr, ctx.flags.Uint64("mr"));
+  MRD_ASSIGN_OR_RETURN(std::string pages_text,
+                       ctx.flags.RequiredString("pages"));
+  absl::StatusOr<std::vector<uint64_t>> pages = ParseUint64List(pages_text);
+  if (!pages.ok()) return FlagError("pages", pages.status());
+  MRD_ASSIGN_OR_RETURN(uint32_t fbo, ctx.flags.Uint32Or("fbo", 0));
+  MRD_ASSIGN_OR_RETURN(uint64_t length, ctx.flags.Uint64("length"));
+  MRD_ASSIGN_OR_RETURN(uint64_t base, ctx.flags.Uint64("base"));
+  MRD_ASSIGN_OR_RETURN(uint32_t flags, OpFlagsOf(ctx.flags));
+  MRD_ASSIGN_OR_RETURN(uint64_t context, ctx.flags.Uint64Or("context", 0));
+  request.set_connection(connection);
+  request.set_mr(mr);
+  for (uint64_t page : *pages) request.add_pages(page);
+  request.set_fbo(fbo);
+  request.set_length(length);
+  request.set_base_address(base);
+  request.set_flags(flags);
+  request.set_request_context(context);
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::FastRegisterResponse response,
+                       c.FastRegister(request));
+  return Emit(ctx, response);
+}
+
+absl::Status Invalidate(Context& ctx) {
+  v1::InvalidateMrRequest request;
+  request.set_session(ctx.token());
+  MRD_ASSIGN_OR_RETURN(uint64_t connection, ctx.flags.Uint64("connection"));
+  MRD_ASSIGN_OR_RETURN(uint64_t mr, ctx.flags.Uint64("mr"));
+  MRD_ASSIGN_OR_RETURN(uint32_t flags, OpFlagsOf(ctx.flags));
+  MRD_ASSIGN_OR_RETURN(uint64_t context, ctx.flags.Uint64Or("context", 0));
+  request.set_connection(connection);
+  request.set_mr(mr);
+  request.set_flags(flags);
+  request.set_request_context(context);
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::InvalidateMrResponse response,
+                       c.InvalidateMr(request));
+  return Emit(ctx, response);
+}
+
+absl::Status Completions(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(uint64_t count, ctx.flags.Uint64Or("count", 0));
+  const absl::Time deadline = ctx.inv.global.timeout.has_value()
+                                  ? absl::Now() + *ctx.inv.global.timeout
+                                  : absl::InfiniteFuture();
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  client::Session session = client::Session::Attach(c, ctx.token());
+  InstallStopHandlers();
+  client::CompletionStream stream = client::CompletionStream::Open(session);
+  uint64_t seen = 0;
+  while (count == 0 || seen < count) {
+    if (StopRequested()) return absl::OkStatus();
+    absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      if (count == 0) return absl::OkStatus();
+      return absl::DeadlineExceededError(absl::StrCat(
+          "got ", seen, " of ", count, " completions before the timeout"));
+    }
+    absl::StatusOr<v1::Completion> next =
+        stream.Next(std::min(left, absl::Milliseconds(200)));
+    if (absl::IsDeadlineExceeded(next.status())) continue;
+    if (absl::IsOutOfRange(next.status())) {
+      if (count == 0) return absl::OkStatus();
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the session ended after ", seen, " of ", count, " completions"));
+    }
+    if (!next.ok()) return next.status();
+    if (!ctx.json() && seen > 0) std::fputc('\n', ctx.out);
+    MRD_RETURN_IF_ERROR(Emit(ctx, *next));
+    ++seen;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PeerTicketCmd(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::CreatePeerTicketRequest request;
+  request.set_session(ctx.token());
+  MRD_ASSIGN_OR_RETURN(v1::PeerTicket ticket, c.CreatePeerTicket(request));
+  return Emit(ctx, ticket);
+}
+
+absl::Status List(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  v1::ListRegistrationsRequest request;
+  request.set_session(ctx.token());
+  MRD_ASSIGN_OR_RETURN(v1::ListRegistrationsResponse response,
+                       c.ListRegistrations(request));
+  return Emit(ctx, response);
+}
+
+// Waits until stdin reaches EOF, a stop signal, `deadline`, or the fd
+// session's socket shows that mrd ended it (FAILED_PRECONDITION).
+absl::Status WaitForRelease(const client::Session& session, absl::Time deadline,
+                            std::FILE* err) {
+  bool watch_stdin = true;
+  char sink[4096];
+  while (true) {
+    if (StopRequested()) {
+      std::fprintf(err, "mrctl: %s, releasing\n",
+                   g_stop_signal == SIGINT ? "interrupted" : "terminated");
+      return absl::OkStatus();
+    }
+    absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) {
+      std::fprintf(err, "mrctl: --duration passed, releasing\n");
+      return absl::OkStatus();
+    }
+    pollfd fds[2] = {{session.fd_socket(), POLLIN, 0},
+                     {watch_stdin ? STDIN_FILENO : -1, POLLIN, 0}};
+    int timeout_ms = static_cast<int>(
+        absl::ToInt64Milliseconds(std::min(left, absl::Milliseconds(500))));
+    int ready = ::poll(fds, 2, std::max(timeout_ms, 1));
+    if (ready < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "poll", "HOLD_WAIT");
+    }
+    if (fds[0].revents != 0) {
+      return SeedError(v1::WSAENOTCONN, "SESSION_ENDED",
+                       "mrd ended the fd session");
+    }
+    if (fds[1].revents & POLLNVAL) {
+      watch_stdin = false;  // no stdin at all: wait for a signal
+    } else if (fds[1].revents != 0) {
+      ssize_t n = ::read(STDIN_FILENO, sink, sizeof(sink));
+      if (n == 0 || (n < 0 && errno != EINTR && errno != EAGAIN)) {
+        std::fprintf(err, "mrctl: stdin closed, releasing\n");
+        return absl::OkStatus();
+      }
+    }
+  }
+}
+
+absl::Status Hold(Context& ctx) {
+  const FlagValues& f = ctx.flags;
+  MRD_ASSIGN_OR_RETURN(uint64_t size, f.Uint64("size"));
+  if (size == 0) return UsageError("--size must be positive");
+  std::string fill = f.String("fill").value_or("");
+  MRD_ASSIGN_OR_RETURN(bool repeat, f.Bool("repeat"));
+  std::string name = f.String("name").value_or("mrctl-hold");
+  client::RegisterOptions options;
+  MRD_ASSIGN_OR_RETURN(options.offset, f.Uint64Or("offset", 0));
+  if (options.offset >= size) return UsageError("--offset is past --size");
+  MRD_ASSIGN_OR_RETURN(options.length,
+                       f.Uint64Or("length", size - options.offset));
+  MRD_ASSIGN_OR_RETURN(options.flags, MrFlagsOf(f));
+  MRD_ASSIGN_OR_RETURN(options.mem_flags, MemFlagsOf(f));
+  MRD_ASSIGN_OR_RETURN(options.base_address, f.OptionalUint64("base"));
+  // Local write and RDMA read sink both mean the device writes into it.
+  bool writable = (options.flags & (v1::NDK_MR_FLAG_ALLOW_LOCAL_WRITE |
+                                    v1::NDK_MR_FLAG_RDMA_READ_SINK)) != 0 ||
+                  (options.mem_flags & v1::MEM_WRITE) != 0;
+  if (f.Has("writable")) {
+    MRD_ASSIGN_OR_RETURN(writable, f.Bool("writable"));
+  }
+  absl::Time deadline = absl::InfiniteFuture();
+  if (std::optional<std::string> d = f.String("duration")) {
+    absl::StatusOr<absl::Duration> duration = ParseDurationFlag(*d);
+    if (!duration.ok()) return FlagError("duration", duration.status());
+    deadline = absl::Now() + *duration;
+  }
+
+  InstallStopHandlers();
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(client::Session session, client::Session::OpenFd(c));
+  MRD_ASSIGN_OR_RETURN(client::Buffer buffer,
+                       client::Buffer::Create(session, size, name, writable));
+  if (!fill.empty()) {
+    char* data = static_cast<char*>(buffer.data());
+    uint64_t pos = 0;
+    do {
+      uint64_t n = std::min<uint64_t>(fill.size(), size - pos);
+      std::memcpy(data + pos, fill.data(), n);
+      pos += n;
+    } while (repeat && pos < size);
+  }
+  options.buffer = buffer.id();
+  MRD_ASSIGN_OR_RETURN(client::Registration registration,
+                       client::Registration::Register(session, options));
+  MRD_ASSIGN_OR_RETURN(v1::SessionInfo info, session.Info());
+
+  if (ctx.json()) {
+    MRD_ASSIGN_OR_RETURN(std::string s, JsonForm(info));
+    MRD_ASSIGN_OR_RETURN(std::string b, JsonForm(buffer.info()));
+    MRD_ASSIGN_OR_RETURN(std::string r, JsonForm(registration.response()));
+    std::fprintf(ctx.out,
+                 "{\"session\":%s,\"buffer\":%s,\"registration\":%s}\n",
+                 s.c_str(), b.c_str(), r.c_str());
+  } else {
+    std::string text = absl::StrCat(
+        HumanForm(info, "session."), HumanForm(buffer.info(), "buffer."),
+        HumanForm(registration.response(), "registration."));
+    std::fwrite(text.data(), 1, text.size(), ctx.out);
+  }
+  std::fflush(ctx.out);
+  if (!ctx.inv.global.quiet) {
+    std::fprintf(ctx.err,
+                 "mrctl: holding rkey=%u; close stdin or press Ctrl-C to "
+                 "release\n",
+                 registration.rkey());
+  }
+  absl::Status waited = WaitForRelease(session, deadline, ctx.err);
+  // Release in order, reporting errors; the destructors would do the same
+  // silently on the error paths above.
+  if (absl::StatusOr<uint32_t> left = registration.Deregister();
+      !left.ok() && waited.ok()) {
+    waited = left.status();
+  }
+  if (absl::StatusOr<v1::ReleaseBufferResponse> released = buffer.Release();
+      !released.ok() && waited.ok()) {
+    waited = released.status();
+  }
+  if (absl::Status closed = session.Close(); !closed.ok() && waited.ok()) {
+    waited = closed;
+  }
+  return waited;
+}
+
+using Handler = absl::Status (*)(Context&);
+
+absl::Status PeerReadHandler(Context& ctx) {
+  return PeerRead(ctx.inv, ctx.out, ctx.err);
+}
+absl::Status PeerWriteHandler(Context& ctx) {
+  return PeerWrite(ctx.inv, ctx.out, ctx.err);
+}
+
+const std::map<std::string, Handler>& Handlers() {
+  static const auto* const kHandlers = new std::map<std::string, Handler>{
+      {"info", Info},
+      {"health", Health},
+      {"lease open", LeaseOpen},
+      {"lease close", LeaseClose},
+      {"session", SessionCmd},
+      {"import-file", ImportFile},
+      {"release-buffer", ReleaseBuffer},
+      {"create-mr", CreateMr},
+      {"close-mr", CloseMr},
+      {"register", Register},
+      {"deregister", Deregister},
+      {"build-lam", BuildLam},
+      {"release-lam", ReleaseLam},
+      {"fast-register", FastRegister},
+      {"invalidate", Invalidate},
+      {"completions", Completions},
+      {"peer-ticket", PeerTicketCmd},
+      {"list", List},
+      {"peer read", PeerReadHandler},
+      {"peer write", PeerWriteHandler},
+      {"hold", Hold},
+  };
+  return *kHandlers;
+}
+
+}  // namespace
+
+client::ClientOptions ClientOptionsFor(const GlobalOptions& global) {
+  client::ClientOptions options;
+  options.target = global.target;
+  options.socket_path = global.socket;
+  options.fd_socket_path = global.fd_socket;
+  if (!global.runtime_dir.empty()) {
+    if (options.socket_path.empty()) {
+      options.socket_path = absl::StrCat(global.runtime_dir, "/mrd.sock");
+    }
+    if (options.fd_socket_path.empty()) {
+      options.fd_socket_path = absl::StrCat(global.runtime_dir, "/fd.sock");
+    }
+  }
+  if (global.timeout.has_value() && *global.timeout > absl::ZeroDuration()) {
+    options.rpc_timeout = *global.timeout;
+    options.connect_timeout = std::min(*global.timeout, absl::Seconds(30));
+  }
+  return options;
+}
+
+absl::StatusOr<client::Client> ConnectClient(const GlobalOptions& global) {
+  return client::Client::Connect(ClientOptionsFor(global));
+}
+
+absl::Status Execute(const Invocation& invocation, std::FILE* out,
+                     std::FILE* err) {
+  auto it = Handlers().find(invocation.command->name);
+  if (it == Handlers().end()) {
+    return absl::InternalError(
+        absl::StrCat("no handler for ", invocation.command->name));
+  }
+  Context ctx{invocation, FlagValues(invocation), out, err};
+  return it->second(ctx);
+}
+
+int Run(const std::vector<std::string>& args, const Environment& env,
+        std::FILE* out, std::FILE* err) {
+  if (args.empty()) {
+    std::fputs(OverviewHelp().c_str(), err);
+    return kExitUsage;
+  }
+  absl::StatusOr<Invocation> invocation = ParseArgs(args, env);
+  if (!invocation.ok()) {
+    std::fprintf(err, "%s\n", ErrorLine(invocation.status()).c_str());
+    return kExitUsage;
+  }
+  if (invocation->help) {
+    if (invocation->command != nullptr) {
+      std::fputs(CommandHelp(*invocation->command).c_str(), out);
+    } else if (!invocation->help_group.empty()) {
+      std::fputs(GroupHelp(invocation->help_group).c_str(), out);
+    } else {
+      std::fputs(OverviewHelp().c_str(), out);
+    }
+    return kExitOk;
+  }
+  absl::Status status = Execute(*invocation, out, err);
+  std::fflush(out);
+  if (!status.ok()) {
+    std::fprintf(err, "%s\n", ErrorLine(status).c_str());
+    if (IsUsageError(status)) {
+      std::fprintf(err, "(see mrctl help %s)\n",
+                   invocation->command->name.c_str());
+    }
+  }
+  return ExitCodeFor(status);
+}
+
+}  // namespace mrd::mrctl
