@@ -5,6 +5,7 @@
 #ifndef MRD_TESTS_INTEGRATION_TEST_ENV_H_
 #define MRD_TESTS_INTEGRATION_TEST_ENV_H_
 
+#include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,9 @@ class MrdTest : public ::testing::Test {
 
   void TearDown() override {
     client_.reset();
+    if (mrd_ && HasFailure()) {
+      std::cerr << "---- mrd log ----\n" << mrd_->Log() << "---- end ----\n";
+    }
     if (mrd_) {
       absl::Status stopped = mrd_->Stop();
       EXPECT_TRUE(stopped.ok()) << stopped;
