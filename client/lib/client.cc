@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/lib/client_core.h"
+#include "client/lib/deferred_release.h"
 #include "client/lib/status.h"
 #include "server/common/fd.h"
 #include "server/common/status.h"
@@ -74,12 +75,18 @@ void CallUnaryAsync(std::shared_ptr<const internal::ClientCore> core,
   call->done = std::move(done);
   start(&call->context, &call->request, &call->response,
         [call](grpc::Status status) {
-          std::unique_ptr<AsyncCall<Request, Response>> owned(call);
           if (status.ok()) {
-            std::move(owned->done)(std::move(owned->response));
+            std::move(call->done)(std::move(call->response));
           } else {
-            std::move(owned->done)(StatusFromGrpc(status, owned->context));
+            std::move(call->done)(StatusFromGrpc(status, call->context));
           }
+          // The call (its channel reference, the callback and what it
+          // captured) may hold the last reference to the client: it must not
+          // be destroyed on this gRPC callback thread.
+          internal::DeferRelease(std::shared_ptr<const void>(
+              call, [](const void* p) {
+                delete static_cast<const AsyncCall<Request, Response>*>(p);
+              }));
         });
 }
 

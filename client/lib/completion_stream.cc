@@ -10,6 +10,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/lib/client_core.h"
+#include "client/lib/deferred_release.h"
 #include "client/lib/session_core.h"
 #include "client/lib/status.h"
 
@@ -45,9 +46,15 @@ class CompletionStream::Reactor final
 
   void OnDone(const grpc::Status& status) override {
     std::shared_ptr<Reactor> keep = std::move(self_);
-    absl::MutexLock lock(&mu_);
-    final_status_ = StatusFromGrpc(status, context_);
-    done_ = true;
+    {
+      absl::MutexLock lock(&mu_);
+      final_status_ = StatusFromGrpc(status, context_);
+      done_ = true;
+    }
+    // `keep` may be the last reference to this reactor and, through it, to
+    // the client's channel: release it off this gRPC callback thread. Nothing
+    // may touch `this` after this line.
+    internal::DeferRelease(std::move(keep));
   }
 
   absl::StatusOr<v1::Completion> Next(absl::Duration timeout) {

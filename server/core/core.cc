@@ -40,6 +40,21 @@ absl::Status NotConnected(absl::string_view why) {
   return SeedError(v1::WSAENOTCONN, "SESSION_NOT_CONNECTED", why);
 }
 
+// The device is the authority on connections (a peer may have connected a
+// moment ago, before the session heard of it; another may be closing). Its
+// answer is reported in one form, which tells nothing about other sessions'
+// connections.
+absl::Status ConnectionError(const absl::Status& device_status,
+                             uint64_t connection) {
+  if (GetErrorDetail(device_status).seed_status() !=
+      v1::STATUS_CONNECTION_INVALID) {
+    return device_status;
+  }
+  return SeedError(v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION",
+                   absl::StrCat("connection ", connection,
+                                " is not a connected peer of this session"));
+}
+
 absl::Status UnknownHandle(absl::string_view what, uint64_t id) {
   std::string reason = absl::StrCat("UNKNOWN_", what);
   for (char& c : reason) c = static_cast<char>(std::toupper(c));
@@ -1028,12 +1043,6 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
                                     "request asks for remote read or write "
                                     "(F4)"));
     }
-    if (!session->connections.contains(req.connection())) {
-      return SeedError(v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION",
-                       absl::StrCat("connection ", req.connection(),
-                                    " is not a connected peer of this "
-                                    "session"));
-    }
     PendingFastRegister pending;
     pending.base_address = req.base_address();
     pending.length = req.length();
@@ -1080,7 +1089,7 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
     if (m != session->mrs.end() && !m->second.pending.empty()) {
       m->second.pending.pop_back();
     }
-    return posted.status();
+    return ConnectionError(posted.status(), req.connection());
   }
   out->set_work_request(*posted);
   return absl::OkStatus();
@@ -1109,21 +1118,24 @@ absl::Status Core::InvalidateMr(const v1::InvalidateMrRequest& req,
                                     " is not a fast-register MR: use "
                                     "DeregisterMr"));
     }
-    if (!session->connections.contains(req.connection())) {
-      return SeedError(v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION",
-                       absl::StrCat("connection ", req.connection(),
-                                    " is not a connected peer of this "
-                                    "session"));
-    }
     work.mr = m->second.device_mr;
     m->second.pending_invalidate_silent.push_back(
         (req.flags() & device::kWorkSilentSuccess) != 0);
   }
   work.flags = req.flags() & ~device::kWorkSilentSuccess;
   work.request_context = req.request_context();
-  MRD_ASSIGN_OR_RETURN(uint64_t posted,
-                       device_->PostInvalidate(req.connection(), work));
-  out->set_work_request(posted);
+  absl::StatusOr<uint64_t> posted =
+      device_->PostInvalidate(req.connection(), work);
+  if (!posted.ok()) {
+    absl::MutexLock lock(&session->mu);
+    auto m = session->mrs.find(req.mr());
+    if (m != session->mrs.end() &&
+        !m->second.pending_invalidate_silent.empty()) {
+      m->second.pending_invalidate_silent.pop_back();
+    }
+    return ConnectionError(posted.status(), req.connection());
+  }
+  out->set_work_request(*posted);
   return absl::OkStatus();
 }
 
