@@ -235,6 +235,9 @@ int Run() {
     LogError("fd socket: ", fd_server.status().ToString());
     return 1;
   }
+  session::FdServer* fd_server_ptr = fd_server->get();
+  core.SetFdHangup(
+      [fd_server_ptr](const std::string& token) { fd_server_ptr->Hangup(token); });
 
   // Metrics.
   metrics::Metrics metrics(&core);

@@ -86,7 +86,12 @@ absl::StatusOr<v1::ReleaseBufferResponse> Buffer::Release() {
   v1::ReleaseBufferRequest request;
   request.set_session(core->token);
   request.set_buffer(info_.buffer());
-  return core->client.ReleaseBuffer(request);
+  absl::StatusOr<v1::ReleaseBufferResponse> response =
+      core->client.ReleaseBuffer(request);
+  if (!response.ok() && internal::EndedElsewhere(*core, response.status())) {
+    return v1::ReleaseBufferResponse();
+  }
+  return response;
 }
 
 v1::BufferInfo Buffer::Detach() {

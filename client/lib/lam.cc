@@ -65,7 +65,9 @@ absl::Status Lam::Release() {
   v1::ReleaseLamRequest request;
   request.set_session(core->token);
   request.set_lam(response_.lam());
-  return core->client.ReleaseLam(request).status();
+  absl::Status status = core->client.ReleaseLam(request).status();
+  if (internal::EndedElsewhere(*core, status)) return absl::OkStatus();
+  return status;
 }
 
 v1::BuildLamResponse Lam::Detach() {

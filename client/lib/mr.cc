@@ -120,7 +120,9 @@ absl::Status Mr::Close() {
   v1::CloseMrRequest request;
   request.set_session(core->token);
   request.set_mr(info_.mr());
-  return core->client.CloseMr(request).status();
+  absl::Status status = core->client.CloseMr(request).status();
+  if (internal::EndedElsewhere(*core, status)) return absl::OkStatus();
+  return status;
 }
 
 v1::MrInfo Mr::Detach() {

@@ -126,9 +126,13 @@ absl::StatusOr<uint32_t> Registration::Deregister() {
   } else {
     request.set_registration(response_.registration());
   }
-  MRD_ASSIGN_OR_RETURN(v1::DeregisterMrResponse response,
-                       core->client.DeregisterMr(request));
-  return response.references();
+  absl::StatusOr<v1::DeregisterMrResponse> response =
+      core->client.DeregisterMr(request);
+  if (!response.ok()) {
+    if (internal::EndedElsewhere(*core, response.status())) return 0u;
+    return response.status();
+  }
+  return response->references();
 }
 
 v1::RegisterMrResponse Registration::Detach() {

@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "client/lib/client.h"
 #include "client/lib/fd_channel.h"
+#include "server/common/status.h"
 
 namespace mrd::client::internal {
 
@@ -38,6 +39,17 @@ struct SessionCore {
     return fd_channel != nullptr && !fd_channel->is_open();
   }
 };
+
+// A release that mrd answers with WSAENOTCONN found the session already
+// ended (closed elsewhere, expired), and with it everything it held: the
+// release has happened. Marks the session ended and returns true then.
+inline bool EndedElsewhere(SessionCore& core, const absl::Status& status) {
+  if (status.ok() || GetErrorDetail(status).seed_status() != v1::WSAENOTCONN) {
+    return false;
+  }
+  core.ended.store(true, std::memory_order_release);
+  return true;
+}
 
 // Logs a failed release from a destructor (never aborts).
 void LogReleaseError(absl::string_view what, uint64_t id,

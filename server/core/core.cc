@@ -375,6 +375,9 @@ absl::Status Core::CloseSession(const v1::CloseSessionRequest& req) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
   EndSession(session->token(), "closed by the client");
+  if (session->kind() == SessionKind::kFd && fd_hangup_) {
+    fd_hangup_(session->token());
+  }
   return absl::OkStatus();
 }
 

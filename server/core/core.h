@@ -82,6 +82,13 @@ class Core final : public session::FdSessionHandler {
   Core(const Core&) = delete;
   Core& operator=(const Core&) = delete;
 
+  // Called with an fd session's token when the session ends other than by
+  // its socket closing (CloseSession), so that the fd socket is hung up too.
+  // Set before the gRPC server starts; must be thread-safe, must not block.
+  void SetFdHangup(std::function<void(const std::string&)> hangup) {
+    fd_hangup_ = std::move(hangup);
+  }
+
   // Starts the lease reaper thread.
   absl::Status Start();
   // Ends every session (releasing everything) and refuses new ones. Idempotent.
@@ -170,6 +177,7 @@ class Core final : public session::FdSessionHandler {
   cache::RegistrationCache cache_;
   int shm_dir_fd_ = -1;
   std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
+  std::function<void(const std::string&)> fd_hangup_;  // fixed after Start
 
   mutable absl::Mutex mu_;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;

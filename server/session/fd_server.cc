@@ -283,6 +283,21 @@ void FdServer::Shutdown() {
   thread_.join();
 }
 
+void FdServer::Hangup(const std::string& session) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    hangups_.push_back(session);
+  }
+  const uint64_t one = 1;
+  if (::write(wake_fd_.get(), &one, sizeof(one)) < 0) {
+    const int err = errno;
+    if (err != EAGAIN) {
+      Fatal(absl::StrCat("FdServer: eventfd write: ", std::strerror(err)));
+    }
+  }
+}
+
 size_t FdServer::ConnectionCount() const {
   absl::MutexLock lock(&mu_);
   return session_count_;
@@ -309,6 +324,19 @@ void FdServer::Run() {
       if (id == kWakeId) {
         uint64_t value;
         (void)!::read(wake_fd_.get(), &value, sizeof(value));
+        std::vector<std::string> hangups;
+        {
+          absl::MutexLock lock(&mu_);
+          hangups.swap(hangups_);
+        }
+        for (const std::string& session : hangups) {
+          for (const auto& [conn_id, conn] : connections_) {
+            if (conn->session == session) {
+              Close(conn_id);
+              break;
+            }
+          }
+        }
       } else if (id == kListenId) {
         AcceptAll();
       } else {

@@ -131,6 +131,11 @@ class FdServer final {
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
 
+  // Closes the connection of `session` (if it is still open), e.g. because
+  // the session was ended over gRPC. OnDisconnect follows on the FdServer
+  // thread. Thread-safe, never blocks; unknown sessions are ignored.
+  void Hangup(const std::string& session);
+
   const std::string& path() const { return options_.path; }
   // Connections with an open session right now.
   size_t ConnectionCount() const;
@@ -170,6 +175,8 @@ class FdServer final {
 
   // FdServer thread only.
   std::map<uint64_t, std::unique_ptr<Connection>> connections_;
+  // Sessions to hang up, handed over by Hangup().
+  std::vector<std::string> hangups_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_;
   bool accept_paused_ = false;
   int64_t resume_accept_at_ms_ = 0;  // steady clock
