@@ -16,6 +16,11 @@ PACKAGES=(
   prometheus-cpp-dev
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
+  # the cache benchmark's comparison: UCX's registration cache (ucs_rcache)
+  libucx-dev
+  # the Soft-RoCE VM harness (tests/vm): qemu, a static busybox for the
+  # initramfs, cpio and kmod (depmod) to build it, and RDMA tools used inside
+  qemu-system-x86 busybox-static cpio kmod perftest rdmacm-utils
 )
 
 missing=()

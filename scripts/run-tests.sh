@@ -19,7 +19,7 @@ case "$sanitize" in
     # TSan and its inline header code races on paper with its uninstrumented
     # core (see tests/support/tsan.supp). The unit tests exercise every lock
     # and thread of our own code (core, cache, device, fd server, stress).
-    args+=(-LE integration)
+    args+=(-LE "integration|device_suite")
     ;;
 esac
 cd "$build_dir"

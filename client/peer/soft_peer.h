@@ -30,12 +30,13 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "client/peer/peer.h"
 #include "mrd/v1/peer.pb.h"
 #include "server/common/fd.h"
 
 namespace mrd::peer {
 
-class SoftPeer {
+class SoftPeer final : public Peer {
  public:
   // Connects and says hello. `host_port` is the device's peer_address.
   static absl::StatusOr<std::unique_ptr<SoftPeer>> Connect(
@@ -43,20 +44,21 @@ class SoftPeer {
 
   SoftPeer(const SoftPeer&) = delete;
   SoftPeer& operator=(const SoftPeer&) = delete;
-  ~SoftPeer() = default;
+  ~SoftPeer() override = default;
 
   // RDMA READ of `length` bytes at `address` in the region named by `rkey`.
   absl::StatusOr<std::string> Read(uint32_t rkey, uint64_t address,
-                                   uint64_t length);
+                                   uint64_t length) override;
   // RDMA WRITE of `data` at `address`. Data longer than max_message_size()
   // is refused here with INVALID_ARGUMENT "REMOTE_INVALID_REQUEST", exactly
   // as the device would refuse it, without sending it.
-  absl::Status Write(uint32_t rkey, uint64_t address, absl::string_view data);
+  absl::Status Write(uint32_t rkey, uint64_t address,
+                     absl::string_view data) override;
 
   // The device's id of this connection (the queue pair), from hello.
-  uint64_t connection_id() const { return connection_id_; }
+  uint64_t connection_id() const override { return connection_id_; }
   // The largest READ/WRITE the device accepts, from hello.
-  uint64_t max_message_size() const { return max_message_size_; }
+  uint64_t max_message_size() const override { return max_message_size_; }
 
  private:
   SoftPeer(UniqueFd fd, uint64_t connection_id, uint64_t max_message_size)

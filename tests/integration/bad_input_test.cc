@@ -259,7 +259,7 @@ struct FastRegisterRig {
   std::optional<Buffer> buffer;
   std::optional<Lam> lam;
   std::optional<Mr> mr;
-  std::unique_ptr<peer::SoftPeer> peer;
+  std::unique_ptr<peer::Peer> peer;
 
   // A request that must succeed: every field valid.
   client::FastRegisterOptions Valid(uint64_t context) const {
@@ -488,7 +488,7 @@ class BadInputTest : public MrdTest {
   std::optional<Session> bystander_;
   std::optional<Buffer> bystander_buffer_;
   std::optional<Registration> bystander_reg_;
-  std::unique_ptr<peer::SoftPeer> bystander_peer_;
+  std::unique_ptr<peer::Peer> bystander_peer_;
 };
 
 // --- unknown and foreign handles -------------------------------------------

@@ -31,6 +31,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/lib/mrd_client.h"
+#include "client/peer/soft_peer.h"
 #include "tests/integration/test_env.h"
 
 namespace mrd::testing {

@@ -58,6 +58,24 @@ absl::Status WriteShmFile(const std::string& dir, const std::string& name,
   return absl::OkStatus();
 }
 
+std::string TestDeviceKind() {
+  const char* kind = std::getenv("MRD_TEST_DEVICE");
+  return kind == nullptr || *kind == '\0' ? "software" : kind;
+}
+
+std::vector<std::string> DeviceFlags() {
+  if (TestDeviceKind() != "verbs") {
+    return {"--device=software", "--peer_address=127.0.0.1:0"};
+  }
+  // Inside the Soft-RoCE VM (tests/vm/run.sh sets these).
+  const char* name = std::getenv("MRD_VERBS_DEVICE");
+  const char* address = std::getenv("MRD_VERBS_ADDRESS");
+  return {"--device=verbs",
+          absl::StrCat("--verbs_device=", name == nullptr ? "" : name),
+          absl::StrCat("--peer_address=",
+                       address == nullptr ? "127.0.0.1" : address, ":0")};
+}
+
 absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
     const MrdProcessOptions& options) {
   std::unique_ptr<MrdProcess> p(new MrdProcess());
@@ -74,9 +92,8 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
       MRD_BINARY,
       "--runtime_dir=" + p->runtime_dir_,
       "--shm_dir=" + p->shm_dir_,
-      "--device=software",
-      "--peer_address=127.0.0.1:0",
   };
+  for (std::string& flag : DeviceFlags()) args.push_back(std::move(flag));
   if (options.metrics) {
     p->metrics_address_ = absl::StrCat("127.0.0.1:", PickFreePort());
     args.push_back("--metrics_address=" + p->metrics_address_);

@@ -1,6 +1,7 @@
 // MrdProcess: starts the real mrd binary for a test, with its own runtime
 // directory (sockets), its own shared-memory directory, the software device's
-// peer listener on a free loopback port and metrics off (or on, when asked),
+// peer listener on a free port (software device on loopback; the verbs
+// device on MRD_VERBS_ADDRESS, see DeviceFlags) and metrics off (or on, when asked),
 // and waits until its health service says SERVING. Stop() sends SIGTERM and
 // checks that mrd exited 0 and reported nothing pinned.
 //
@@ -53,6 +54,13 @@ class MrdProcess {
   std::string log_path_;
   std::string metrics_address_;
 };
+
+// The device the tests run against: env MRD_TEST_DEVICE ("software", the
+// default, or "verbs" inside the Soft-RoCE VM, where MRD_VERBS_DEVICE and
+// MRD_VERBS_ADDRESS name the device and the address peers connect to).
+std::string TestDeviceKind();
+// mrd's --device, --verbs_device and --peer_address flags for that device.
+std::vector<std::string> DeviceFlags();
 
 // A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
 int PickFreePort();

@@ -33,6 +33,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "mrd/v1/fd.pb.h"
 #include "mrd/v1/mrd.grpc.pb.h"
+#include "client/peer/soft_peer.h"
 #include "tests/integration/test_env.h"
 
 namespace mrd::testing {
@@ -102,7 +103,7 @@ class SessionTest : public MrdTest {
   // Fast-registers `lam` onto `mr` (remote read) on `peer`'s connection and
   // returns the completion (already checked for success).
   v1::Completion FastRegister(const Mr& mr, const Lam& lam,
-                              const peer::SoftPeer& peer,
+                              const peer::Peer& peer,
                               CompletionStream& completions, uint64_t context) {
     client::FastRegisterOptions fr = client::FastRegisterOptions::FromLam(lam);
     fr.connection = peer.connection_id();

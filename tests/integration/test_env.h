@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "client/lib/mrd_client.h"
-#include "client/peer/soft_peer.h"
+#include "client/peer/peer.h"
 #include "server/common/status.h"
 #include "tests/integration/mrd_process.h"
 
@@ -84,12 +84,19 @@ class MrdTest : public ::testing::Test {
     return std::move(*r);
   }
 
-  std::unique_ptr<peer::SoftPeer> ConnectPeer(const client::Session& session) {
+  // A peer of the device under test (software: TCP peer path; verbs: an RC
+  // queue pair connected with librdmacm), attached to `session`'s PD.
+  std::unique_ptr<peer::Peer> ConnectPeer(const client::Session& session) {
     auto ticket = client::PeerTicket::Create(session);
     EXPECT_TRUE(ticket.ok()) << ticket.status();
-    auto p = peer::SoftPeer::Connect(ticket->peer_address(), ticket->ticket());
+    if (!ticket.ok()) return nullptr;
+    auto p = TryConnectPeer(ticket->peer_address(), ticket->ticket());
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? std::move(*p) : nullptr;
+  }
+  absl::StatusOr<std::unique_ptr<peer::Peer>> TryConnectPeer(
+      const std::string& peer_address, const std::string& ticket) {
+    return peer::ConnectPeer(TestDeviceKind(), peer_address, ticket);
   }
 
   // Waits for the next completion of `kind`, skipping peer events of other

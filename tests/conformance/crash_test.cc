@@ -55,7 +55,7 @@ TEST_F(MrdTest, KilledClientsRegistrationsAreReleasedAndItsTokensRefused) {
   ASSERT_TRUE(absl::SimpleAtoi(parts[0], &rkey));
   ASSERT_TRUE(absl::SimpleAtoi(parts[1], &base));
 
-  auto peer = peer::SoftPeer::Connect(parts[3], parts[2]);
+  auto peer = TryConnectPeer(parts[3], parts[2]);
   ASSERT_TRUE(peer.ok()) << peer.status();
   auto read = (*peer)->Read(rkey, base, 10);
   ASSERT_TRUE(read.ok()) << read.status();
@@ -84,7 +84,7 @@ TEST_F(MrdTest, KilledClientsRegistrationsAreReleasedAndItsTokensRefused) {
   // the token is refused on it, and its ticket admits no new peer.
   auto after = (*peer)->Read(rkey, base, 10);
   EXPECT_FALSE(after.ok());
-  auto again = peer::SoftPeer::Connect(parts[3], parts[2]);
+  auto again = TryConnectPeer(parts[3], parts[2]);
   EXPECT_FALSE(again.ok());
   // Nor does the token work from a live session's peer.
   auto bystander_peer = ConnectPeer(bystander);
