@@ -47,6 +47,8 @@ class Lam {
         response_.pages().data(), static_cast<size_t>(response_.pages_size()));
   }
   uint32_t fbo() const { return response_.fbo(); }
+  // L9: the local-only privileged token of these logical addresses.
+  uint32_t privileged_token() const { return response_.privileged_token(); }
   uint64_t length() const { return response_.length(); }
   uint32_t lam_size() const { return response_.lam_size(); }
   const v1::BuildLamResponse& response() const { return response_; }

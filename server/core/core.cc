@@ -96,8 +96,8 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
       options_(std::move(options)),
       page_size_(device->Attributes().page_size) {
   if (!options_.shm_dir.empty()) {
-    shm_dir_fd_ = ::open(options_.shm_dir.c_str(),
-                         O_PATH | O_DIRECTORY | O_CLOEXEC);
+    shm_dir_fd_ =
+        ::open(options_.shm_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (shm_dir_fd_ < 0) {
       LogWarning("shared-memory directory ", options_.shm_dir,
                  " cannot be opened (", std::strerror(errno),
@@ -160,8 +160,8 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(SessionKind kind) {
                        absl::StrCat("the server holds its maximum of ",
                                     options_.max_sessions, " sessions"));
     }
-    session = std::make_shared<Session>(next_session_id_++, RandomToken(),
-                                        kind, options_.completion_queue_depth);
+    session = std::make_shared<Session>(next_session_id_++, RandomToken(), kind,
+                                        options_.completion_queue_depth);
     ++pending_sessions_;
   }
   absl::StatusOr<device::PdId> pd_or = device_->AllocatePd(session.get());
@@ -194,8 +194,9 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(SessionKind kind) {
 absl::StatusOr<std::shared_ptr<Session>> Core::FindSession(
     const std::string& token) {
   if (token.empty()) {
-    return NotConnected("no session given: open one on the fd socket or with "
-                        "OpenLeaseSession and pass its token");
+    return NotConnected(
+        "no session given: open one on the fd socket or with "
+        "OpenLeaseSession and pass its token");
   }
   std::shared_ptr<Session> session;
   {
@@ -333,10 +334,11 @@ absl::Status Core::OpenLeaseSession(const v1::OpenLeaseSessionRequest& req,
                            ? options_.default_lease_ttl
                            : absl::Seconds(req.ttl_seconds());
   if (ttl > options_.max_lease_ttl) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "TTL_TOO_LONG",
-                     absl::StrCat("ttl_seconds ", req.ttl_seconds(),
-                                  " exceeds the maximum of ",
-                                  absl::ToInt64Seconds(options_.max_lease_ttl)));
+    return SeedError(
+        v1::STATUS_INVALID_PARAMETER, "TTL_TOO_LONG",
+        absl::StrCat("ttl_seconds ", req.ttl_seconds(),
+                     " exceeds the maximum of ",
+                     absl::ToInt64Seconds(options_.max_lease_ttl)));
   }
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        NewSession(SessionKind::kLease));
@@ -389,11 +391,10 @@ absl::StatusOr<v1::BufferInfo> Core::AddBuffer(
   absl::MutexLock lock(&session->mu);
   if (session->closing) return NotConnected("the session is closing");
   if (session->buffers.size() >= options_.max_buffers_per_session) {
-    return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
-                     "LIMIT_SESSION_BUFFERS",
-                     absl::StrCat("the session holds its maximum of ",
-                                  options_.max_buffers_per_session,
-                                  " buffers"));
+    return SeedError(
+        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_BUFFERS",
+        absl::StrCat("the session holds its maximum of ",
+                     options_.max_buffers_per_session, " buffers"));
   }
   BufferRecord record;
   record.id = next_handle_.fetch_add(1);
@@ -437,7 +438,8 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
   {
     absl::MutexLock lock(&session->mu);
     auto it = session->buffers.find(req.buffer());
-    if (it == session->buffers.end()) return UnknownHandle("buffer", req.buffer());
+    if (it == session->buffers.end())
+      return UnknownHandle("buffer", req.buffer());
     session->buffers.erase(it);
     // W11: everything made on this buffer goes with it.
     for (auto r = session->registrations.begin();
@@ -537,19 +539,23 @@ absl::Status Core::ReservePinned(Session& session, uint64_t bytes) {
   absl::MutexLock session_lock(&session.mu);
   if (session.closing) return NotConnected("the session is closing");
   if (session.pinned_bytes + bytes > options_.max_session_pinned_bytes) {
-    return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES",
-        absl::StrCat("pinning ", bytes, " more bytes would exceed the "
-                     "session's limit of ", options_.max_session_pinned_bytes,
-                     " (", session.pinned_bytes, " pinned now)"));
+    return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+                     "LIMIT_SESSION_PINNED_BYTES",
+                     absl::StrCat("pinning ", bytes,
+                                  " more bytes would exceed the "
+                                  "session's limit of ",
+                                  options_.max_session_pinned_bytes, " (",
+                                  session.pinned_bytes, " pinned now)"));
   }
   absl::MutexLock lock(&mu_);
   if (total_pinned_ + bytes > options_.max_total_pinned_bytes) {
-    return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_PINNED_BYTES",
-        absl::StrCat("pinning ", bytes, " more bytes would exceed the "
-                     "server's limit of ", options_.max_total_pinned_bytes,
-                     " (", total_pinned_, " pinned now)"));
+    return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+                     "LIMIT_TOTAL_PINNED_BYTES",
+                     absl::StrCat("pinning ", bytes,
+                                  " more bytes would exceed the "
+                                  "server's limit of ",
+                                  options_.max_total_pinned_bytes, " (",
+                                  total_pinned_, " pinned now)"));
   }
   session.pinned_bytes += bytes;
   total_pinned_ += bytes;
@@ -564,7 +570,8 @@ void Core::UnreservePinned(Session& session, uint64_t bytes) {
   total_pinned_ -= std::min(bytes, total_pinned_);
 }
 
-// --- MR objects ---------------------------------------------------------------
+// --- MR objects
+// ---------------------------------------------------------------
 
 absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
@@ -637,7 +644,8 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
   return absl::OkStatus();
 }
 
-// --- registration -------------------------------------------------------------
+// --- registration
+// -------------------------------------------------------------
 
 absl::StatusOr<uint32_t> Core::DropReference(Session& session, uint64_t entry) {
   MRD_ASSIGN_OR_RETURN(cache::ReleaseResult result, cache_.Release(entry));
@@ -670,12 +678,12 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   // W2: check the caller's space before doing anything.
   if (req.descriptor_capacity() != 0 &&
       req.descriptor_capacity() < kDescriptorSize) {
-    return SeedError(v1::WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL",
-                     absl::StrCat("descriptor_capacity ",
-                                  req.descriptor_capacity(),
-                                  " is too small: the descriptor needs ",
-                                  kDescriptorSize, " bytes"),
-                     kDescriptorSize);
+    return SeedError(
+        v1::WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL",
+        absl::StrCat("descriptor_capacity ", req.descriptor_capacity(),
+                     " is too small: the descriptor needs ", kDescriptorSize,
+                     " bytes"),
+        kDescriptorSize);
   }
 
   std::shared_ptr<session::MappedFile> file;
@@ -695,7 +703,8 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
       }
     }
     auto b = session->buffers.find(req.buffer());
-    if (b == session->buffers.end()) return UnknownHandle("buffer", req.buffer());
+    if (b == session->buffers.end())
+      return UnknownHandle("buffer", req.buffer());
     if (req.mr() != 0) {
       auto m = session->mrs.find(req.mr());
       if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
@@ -707,11 +716,12 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
                                       "(R4)"));
       }
       if (m->second.registration != 0) {
-        return MrdError(absl::StatusCode::kFailedPrecondition,
-                        "MR_ALREADY_REGISTERED",
-                        absl::StrCat("MR ", req.mr(), " already holds "
-                                     "registration ", m->second.registration,
-                                     "; deregister it first"));
+        return MrdError(
+            absl::StatusCode::kFailedPrecondition, "MR_ALREADY_REGISTERED",
+            absl::StrCat("MR ", req.mr(),
+                         " already holds "
+                         "registration ",
+                         m->second.registration, "; deregister it first"));
       }
     }
     file = b->second.file;
@@ -735,10 +745,10 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
     key.base_address = req.base_address();
   }
   if (key.base_address > std::numeric_limits<uint64_t>::max() - req.length()) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW",
-                     absl::StrCat("base_address ", key.base_address,
-                                  " + length ", req.length(),
-                                  " overflows the address space"));
+    return SeedError(
+        v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW",
+        absl::StrCat("base_address ", key.base_address, " + length ",
+                     req.length(), " overflows the address space"));
   }
   key.session = session->id();
   key.file_device = file->device();
@@ -762,12 +772,11 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
           absl::MutexLock lock(&session->mu);
           if (session->registrations.size() >=
               options_.max_session_registrations) {
-            return SeedError(
-                v1::STATUS_INSUFFICIENT_RESOURCES,
-                "LIMIT_SESSION_REGISTRATIONS",
-                absl::StrCat("the session holds its maximum of ",
-                             options_.max_session_registrations,
-                             " registrations"));
+            return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+                             "LIMIT_SESSION_REGISTRATIONS",
+                             absl::StrCat("the session holds its maximum of ",
+                                          options_.max_session_registrations,
+                                          " registrations"));
           }
         }
         MRD_RETURN_IF_ERROR(ReservePinned(*session, pin_bytes));
@@ -871,9 +880,9 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
                                       "InvalidateMr"));
       }
       if (m->second.registration == 0) {
-        return MrdError(absl::StatusCode::kFailedPrecondition,
-                        "MR_NOT_REGISTERED",
-                        absl::StrCat("MR ", req.mr(), " holds no registration"));
+        return MrdError(
+            absl::StatusCode::kFailedPrecondition, "MR_NOT_REGISTERED",
+            absl::StrCat("MR ", req.mr(), " holds no registration"));
       }
       entry = m->second.registration;
       m->second.registration = 0;
@@ -911,7 +920,8 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
   return absl::OkStatus();
 }
 
-// --- LAMs ---------------------------------------------------------------------
+// --- LAMs
+// ---------------------------------------------------------------------
 
 absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
                             v1::BuildLamResponse* out) {
@@ -922,7 +932,8 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
   {
     absl::MutexLock lock(&session->mu);
     auto b = session->buffers.find(req.buffer());
-    if (b == session->buffers.end()) return UnknownHandle("buffer", req.buffer());
+    if (b == session->buffers.end())
+      return UnknownHandle("buffer", req.buffer());
     if (session->lams.size() >= options_.max_session_lams) {
       return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_LAMS",
                        absl::StrCat("the session holds its maximum of ",
@@ -940,8 +951,8 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
   if (req.lam_capacity() != 0 && req.lam_capacity() < lam_size) {
     return SeedError(v1::STATUS_BUFFER_TOO_SMALL, "LAM_SPACE_TOO_SMALL",
                      absl::StrCat("lam_capacity ", req.lam_capacity(),
-                                  " is too small: ", page_count,
-                                  " pages need ", lam_size, " bytes"),
+                                  " is too small: ", page_count, " pages need ",
+                                  lam_size, " bytes"),
                      lam_size);
   }
   MRD_RETURN_IF_ERROR(ReservePinned(*session, pin_bytes));
@@ -971,6 +982,7 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
       out->set_fbo(lam.fbo);
       out->set_length(lam.length);
       out->set_lam_size(static_cast<uint32_t>(lam_size));
+      out->set_privileged_token(mapping->privileged_key);
       session->lams.emplace(lam.id, std::move(lam));
       return absl::OkStatus();
     }
@@ -993,10 +1005,10 @@ absl::Status Core::ReleaseLam(const v1::ReleaseLamRequest& req) {
       if (mr.fast_register && mr.fast_registered &&
           std::find(mr.lams.begin(), mr.lams.end(), req.lam()) !=
               mr.lams.end()) {
-        return MrdError(absl::StatusCode::kFailedPrecondition, "LAM_IN_USE",
-                        absl::StrCat("LAM ", req.lam(),
-                                     " is mapped by fast-registered MR ", id,
-                                     "; invalidate it first"));
+        return MrdError(
+            absl::StatusCode::kFailedPrecondition, "LAM_IN_USE",
+            absl::StrCat("LAM ", req.lam(), " is mapped by fast-registered MR ",
+                         id, "; invalidate it first"));
       }
     }
     device_lam = l->second.device_lam;
@@ -1064,11 +1076,11 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
       }
       if ((access & (device::kAccessLocalWrite | device::kAccessRemoteWrite)) &&
           !session->lams[p->second].file->writable()) {
-        return SeedError(
-            v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
-            absl::StrCat("page 0x", absl::Hex(page), " belongs to LAM ",
-                         p->second, " of a read-only buffer; write access "
-                         "cannot be granted on it"));
+        return SeedError(v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
+                         absl::StrCat("page 0x", absl::Hex(page),
+                                      " belongs to LAM ", p->second,
+                                      " of a read-only buffer; write access "
+                                      "cannot be granted on it"));
       }
     }
     pending.silent = (req.flags() & device::kWorkSilentSuccess) != 0;
@@ -1164,7 +1176,8 @@ absl::Status Core::CreatePeerTicket(const v1::CreatePeerTicketRequest& req,
   return absl::OkStatus();
 }
 
-// --- inspection ----------------------------------------------------------------
+// --- inspection
+// ----------------------------------------------------------------
 
 absl::Status Core::GetDeviceInfo(v1::DeviceInfo* out) const {
   const device::DeviceAttributes& a = device_->Attributes();

@@ -61,6 +61,9 @@ struct DeviceAttributes {
   uint32_t max_page_list_length = 0;  // fast-register page arrays
   uint32_t adapter_flags = 0;
   std::string peer_address;       // host:port where peers connect
+  // The adapter supports memory windows (verbs: IBV_DEVICE_MEM_WINDOW or
+  // max_mw > 0). mrd does not use them; reported for inspection.
+  bool supports_memory_windows = false;
 };
 
 struct DeviceHealth {
@@ -92,6 +95,10 @@ struct LogicalMapping {
   LamId lam = 0;
   std::vector<uint64_t> pages;  // logical addresses, page_size-aligned
   uint32_t fbo = 0;             // host_address % page_size
+  // L9: the privileged memory token for using these logical addresses
+  // directly in local work. Local-only: the device refuses it on the wire,
+  // whatever address a peer names with it.
+  uint32_t privileged_key = 0;
 };
 
 struct FastRegisterWork {

@@ -256,5 +256,49 @@ TEST_F(RulesTest, RetriedRegisterTakesOneReference) {
   ExpectRemoteAccessError(peer->Read(rkey, base, 1).status());
 }
 
+// L9: a LAM comes with a privileged token for its logical addresses; it is
+// local-only: a peer is refused with it at the logical addresses, and at the
+// address where those pages are fast-registered for remote access.
+TEST_F(RulesTest, PrivilegedTokenIsNeverUsableByAPeer) {
+  Session session = OpenFdSession();
+  CompletionStream completions = CompletionStream::Open(session);
+  Buffer buffer = NewBuffer(session, 2 * 4096, "privileged");
+  Lam lam = BuildLam(session, buffer, 2 * 4096);
+  Lam other = BuildLam(session, buffer, 4096);
+  ASSERT_NE(lam.privileged_token(), 0u);
+  EXPECT_NE(lam.privileged_token(), other.privileged_token());
+
+  auto peer = ConnectPeer(session);
+  ASSERT_NE(peer, nullptr);
+  NextOfKind(completions, v1::Completion::PEER_CONNECTED);
+  ExpectRemoteAccessError(
+      peer->Read(lam.privileged_token(), lam.pages()[0], 8).status());
+
+  // The same pages fast-registered with remote access: the MR's token works
+  // there, the privileged token still does not.
+  auto mr = Mr::Create(session, true, true);
+  ASSERT_TRUE(mr.ok());
+  auto fresh = ConnectPeer(session);
+  ASSERT_NE(fresh, nullptr);
+  NextOfKind(completions, v1::Completion::PEER_CONNECTED);
+  ASSERT_TRUE(mr->FastRegister(Fr(lam, fresh->connection_id(), 0x80000000, 1,
+                                  kOpRemoteRead | kOpRemoteWrite))
+                  .ok());
+  v1::Completion done = NextOfKind(completions, v1::Completion::FAST_REGISTER);
+  ASSERT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+  EXPECT_NE(done.rkey(), lam.privileged_token());
+  auto read = fresh->Read(done.rkey(), 0x80000000, 10);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "privileged");
+  ExpectRemoteAccessError(
+      fresh->Write(lam.privileged_token(), 0x80000000, "X"));
+  EXPECT_EQ(static_cast<char*>(buffer.data())[0], 'p');
+  auto last = ConnectPeer(session);
+  ASSERT_NE(last, nullptr);
+  NextOfKind(completions, v1::Completion::PEER_CONNECTED);
+  ASSERT_TRUE(mr->Invalidate(last->connection_id(), 2).ok());
+  NextOfKind(completions, v1::Completion::INVALIDATE);
+}
+
 }  // namespace
 }  // namespace mrd::testing

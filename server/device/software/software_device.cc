@@ -35,6 +35,8 @@ constexpr uint64_t kIovaFloorPages = uint64_t{1} << 20;
 constexpr uint64_t kIovaSpreadPages = uint64_t{1} << 24;
 constexpr uint64_t kIovaLimit = uint64_t{1} << 56;
 constexpr uint64_t kMaxGuardPages = 16;
+// Key-table owner tag of LAM privileged keys (L9); MR ids never have it.
+constexpr uint64_t kLamKeyOwnerTag = uint64_t{1} << 63;
 constexpr size_t kTicketBytes = 16;  // 128-bit secret
 
 std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
@@ -104,6 +106,7 @@ struct SoftwareDevice::Lam {
   uint64_t iova = 0;  // logical address of the first page
   uint64_t page_count = 0;
   uint32_t fr_users = 0;  // fast-registered MRs mapping any of its pages
+  uint32_t key = 0;       // L9 privileged key: local only, never on the wire
 };
 
 struct SoftwareDevice::Connection {
@@ -395,6 +398,7 @@ absl::Status SoftwareDevice::DeallocatePd(PdId pd_id) {
       // Every MR of the PD is gone, so no fast registration maps it.
       MRD_CHECK(it->second->fr_users == 0);
       iova_.Free(it->second->iova);
+      keys_.Release(it->second->key);
       unpin.push_back(it->second->span);
       lams_.erase(it);
     }
@@ -615,6 +619,14 @@ absl::StatusOr<LogicalMapping> SoftwareDevice::MapPinned(
     MRD_ASSIGN_OR_RETURN(
         lam->iova,
         iova_.Allocate(page_count, 1 + pick % kMaxGuardPages, lam->id));
+    // Key-table owners are MR ids; a LAM's key is owned by a tagged id so
+    // that no peer lookup can ever resolve it to an MR (L9).
+    absl::StatusOr<uint32_t> key = keys_.Allocate(kLamKeyOwnerTag | lam->id);
+    if (!key.ok()) {
+      iova_.Free(lam->iova);
+      return key.status();
+    }
+    lam->key = *key;
     lam->pd = pd_id;
     lam->span = span;
     lam->fbo = fbo;
@@ -622,6 +634,7 @@ absl::StatusOr<LogicalMapping> SoftwareDevice::MapPinned(
     LogicalMapping result;
     result.lam = lam->id;
     result.fbo = fbo;
+    result.privileged_key = lam->key;
     result.pages.reserve(page_count);
     for (uint64_t i = 0; i < page_count; ++i) {
       result.pages.push_back(lam->iova + i * page_size_);
@@ -656,6 +669,7 @@ absl::Status SoftwareDevice::ReleaseLam(LamId lam_id) {
     ++pd.busy;  // until unpinned
     pd.lams.erase(lam_id);
     iova_.Free(lam.iova);
+    keys_.Release(lam.key);
     span = lam.span;
     lams_.erase(it);
   }
@@ -1165,7 +1179,10 @@ absl::Status SoftwareDevice::CheckPeerAccessLocked(
     return denied(absl::StrCat("connection ", connection.id, " is closing"));
   }
   std::shared_ptr<Mr> mr;
-  if (uint64_t owner = keys_.Lookup(rkey); owner != 0) {
+  // A LAM's privileged key (owner tagged kLamKeyOwnerTag) is local-only
+  // (L9): it never names an MR here, so it is refused like any bad key.
+  if (uint64_t owner = keys_.Lookup(rkey);
+      owner != 0 && (owner & kLamKeyOwnerTag) == 0) {
     auto it = mrs_.find(owner);
     if (it != mrs_.end()) mr = it->second;
   }
