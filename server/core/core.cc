@@ -62,6 +62,14 @@ absl::Status UnknownHandle(absl::string_view what, uint64_t id) {
                   absl::StrCat("this session has no ", what, " ", id));
 }
 
+// W2: a buffer outside the caller's memory. No required size: the caller's
+// descriptor length is left as it gave it.
+absl::Status OutsideCallerMemory(absl::string_view why) {
+  return SeedError(
+      v1::WSAEFAULT, "BUFFER_OUTSIDE_CALLER_MEMORY",
+      absl::StrCat("the buffer is not within the caller's memory: ", why));
+}
+
 void PutLe(std::string* out, uint64_t value, int bytes) {
   for (int i = 0; i < bytes; ++i) {
     out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
@@ -675,6 +683,9 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
                        FindSession(req.session()));
   MRD_ASSIGN_OR_RETURN(uint32_t access,
                        RegistrationAccess(req.flags(), req.mem_flags()));
+  // The Winsock form of the call (WSPRegisterRdmaMemory: MEM_* flags) speaks
+  // Winsock errors: memory that is not the caller's is WSAEFAULT (W2).
+  const bool winsock = req.mem_flags() != 0;
   // W2: check the caller's space before doing anything.
   if (req.descriptor_capacity() != 0 &&
       req.descriptor_capacity() < kDescriptorSize) {
@@ -703,8 +714,13 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
       }
     }
     auto b = session->buffers.find(req.buffer());
-    if (b == session->buffers.end())
+    if (b == session->buffers.end()) {
+      if (winsock) {
+        return OutsideCallerMemory(
+            absl::StrCat("this session has no buffer ", req.buffer()));
+      }
       return UnknownHandle("buffer", req.buffer());
+    }
     if (req.mr() != 0) {
       auto m = session->mrs.find(req.mr());
       if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
@@ -734,8 +750,13 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
     }
     key.base_address = b->second.address + req.offset();
   }
-  MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
-                       file->Span(req.offset(), req.length()));
+  absl::StatusOr<device::MemorySpan> span_or =
+      file->Span(req.offset(), req.length());
+  if (!span_or.ok()) {
+    if (winsock) return OutsideCallerMemory(span_or.status().message());
+    return span_or.status();
+  }
+  const device::MemorySpan span = *span_or;
   if (req.has_base_address()) {
     if (req.base_address() == 0) {
       return SeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS",

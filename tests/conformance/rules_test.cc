@@ -300,5 +300,62 @@ TEST_F(RulesTest, PrivilegedTokenIsNeverUsableByAPeer) {
   NextOfKind(completions, v1::Completion::INVALIDATE);
 }
 
+// W2 both ways, on the Winsock form of the call (MEM_* flags): too small a
+// descriptor space is WSAEFAULT with the size needed; a buffer outside the
+// caller's memory (another session's buffer, a range past the end) is
+// WSAEFAULT with no size, so the caller's length stays as it gave it; and
+// neither registers anything.
+TEST_F(RulesTest, DescriptorSpaceAndForeignMemoryAreWsaefault) {
+  constexpr uint32_t kMemRead = 0x1;
+  Session session = OpenFdSession();
+  Session other = OpenFdSession();
+  Buffer mine = NewBuffer(session, 4096, "mine");
+  Buffer theirs = NewBuffer(other, 4096, "theirs");
+
+  client::RegisterOptions o;
+  o.buffer = mine.id();
+  o.length = 4096;
+  o.mem_flags = kMemRead;
+  o.descriptor_capacity = 8;
+  auto small = Registration::Register(session, o);
+  ExpectError(small.status(), absl::StatusCode::kOutOfRange, v1::WSAEFAULT,
+              "DESCRIPTOR_SPACE_TOO_SMALL");
+  EXPECT_EQ(client::RequiredSizeOf(small.status()), 24u);
+
+  o.descriptor_capacity = 64;
+  o.buffer = theirs.id();
+  auto foreign = Registration::Register(session, o);
+  EXPECT_EQ(GetErrorDetail(foreign.status()).seed_status(), v1::WSAEFAULT)
+      << foreign.status();
+  EXPECT_EQ(GetErrorDetail(foreign.status()).reason(),
+            "BUFFER_OUTSIDE_CALLER_MEMORY");
+  EXPECT_FALSE(client::RequiredSizeOf(foreign.status()).has_value());
+
+  o.buffer = mine.id();
+  o.offset = 4096;
+  o.length = 1;
+  auto past = Registration::Register(session, o);
+  EXPECT_EQ(GetErrorDetail(past.status()).seed_status(), v1::WSAEFAULT)
+      << past.status();
+  EXPECT_FALSE(client::RequiredSizeOf(past.status()).has_value());
+
+  auto list = session.List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->registrations_size(), 0);
+  auto info = client_->GetDeviceInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->pinned_bytes(), 0u);
+
+  // The NDK form keeps NDK codes for the same mistake (R2).
+  client::RegisterOptions ndk;
+  ndk.buffer = mine.id();
+  ndk.offset = 4096;
+  ndk.length = 1;
+  ndk.flags = kRemoteRead;
+  ExpectError(Registration::Register(session, ndk).status(),
+              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
+              "");
+}
+
 }  // namespace
 }  // namespace mrd::testing
