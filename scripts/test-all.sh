@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command (make test): builds and runs every test in the
-# plain build, then in the ASan+UBSan build and the TSan build. Each build
+# plain build, then the device suite on the verbs device inside the Soft-RoCE
+# VM (tests/vm), then every test in the ASan+UBSan build and the TSan build. Each build
 # directory is incremental. MRD_SANITIZERS=0 skips the sanitizer builds.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,13 +34,38 @@ run() {  # name, dir
   return $status
 }
 
+# The device suite and the verbs tests on rxe0 inside the Soft-RoCE VM, with
+# the plain build (mounted writable so ctest can write its logs).
+run_vm() {
+  local dir=$root/build status=0
+  echo "== verbs device in the Soft-RoCE VM ($dir)"
+  rm -f "$dir/ctest-vm.log"
+  tests/vm/run.sh --rw "$dir" --timeout "${MRD_VM_TIMEOUT:-2400}" -- \
+    "$root/scripts/vm-suite.sh" "$dir" || status=$?
+  local line failed total
+  line=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' \
+    "$dir/ctest-vm.log" 2>/dev/null | tail -1)
+  if [ -z "$line" ]; then
+    echo "verbs device suite: no ctest summary came back from the VM (status $status)"
+    total_failed=$((total_failed + 1))
+    return 1
+  fi
+  failed=$(sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/' <<<"$line")
+  total=$(sed -E 's/.* failed out of ([0-9]+).*/\1/' <<<"$line")
+  total_failed=$((total_failed + failed))
+  total_passed=$((total_passed + total - failed))
+  return $status
+}
+
 status=0
 configure build
 run plain build || status=1
+run_vm || status=1
 if [ "${MRD_SANITIZERS:-1}" != 0 ]; then
-  configure build-asan -DMRD_SANITIZE=address
+  # Benchmarks are not built with sanitizers: they are not tests.
+  configure build-asan -DMRD_SANITIZE=address -DMRD_BUILD_BENCH=OFF
   run "asan+ubsan" build-asan || status=1
-  configure build-tsan -DMRD_SANITIZE=thread
+  configure build-tsan -DMRD_SANITIZE=thread -DMRD_BUILD_BENCH=OFF
   run tsan build-tsan || status=1
 fi
 echo "all builds: ${total_passed} passed, ${total_failed} failed"
