@@ -3,9 +3,17 @@
 // software device here, the verbs device on Soft-RoCE inside the VM. Each
 // test names its rules; docs/CONFORMANCE.md maps every rule to its test.
 
-#include <cstring>
-#include <string>
+#include <grpcpp/grpcpp.h>
 
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/notification.h"
+#include "mrd/v1/mrd.grpc.pb.h"
 #include "tests/integration/test_env.h"
 
 namespace mrd::testing {
@@ -355,6 +363,115 @@ TEST_F(RulesTest, DescriptorSpaceAndForeignMemoryAreWsaefault) {
   ExpectError(Registration::Register(session, ndk).status(),
               absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
               "");
+}
+
+// C2, R5, L3 (PENDING): requests complete asynchronously, many at once; a
+// RegisterMr or BuildLam whose deadline expires or which is cancelled before
+// it completes leaves nothing half-done: afterwards each registration or LAM
+// that exists is the session's and works on the wire, and the pinned bytes
+// are exactly what the session owns; closing the session gives all back.
+class PendingTest : public RulesTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions o;
+    // One worker: requests queue behind each other, so deadlines and
+    // cancellations really do catch some of them before they run.
+    o.extra_flags = {"--worker_threads=1"};
+    return o;
+  }
+};
+
+TEST_F(PendingTest, ExpiredOrCancelledRequestsLeaveAllOrNothing) {
+  Session session = OpenFdSession();
+  constexpr int kCount = 16;
+  constexpr uint64_t kChunk = 64 * 4096;
+  Buffer buffer = NewBuffer(session, kCount * kChunk, "pending!");
+  auto stub = v1::MemoryRegistration::NewStub(grpc::CreateChannel(
+      mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
+
+  struct Call {
+    grpc::ClientContext ctx;
+    v1::RegisterMrRequest reg;
+    v1::RegisterMrResponse reg_out;
+    v1::BuildLamRequest lam;
+    v1::BuildLamResponse lam_out;
+    grpc::Status status;
+    absl::Notification done;
+  };
+  std::vector<std::unique_ptr<Call>> calls;
+  for (int i = 0; i < kCount; ++i) {
+    auto call = std::make_unique<Call>();
+    const uint64_t offset = static_cast<uint64_t>(i) * kChunk;
+    Call* c = call.get();
+    auto on_done = [c](grpc::Status st) {
+      c->status = std::move(st);
+      c->done.Notify();
+    };
+    if (i % 4 < 2) {  // some with a deadline already tight
+      c->ctx.set_deadline(std::chrono::system_clock::now() +
+                          std::chrono::milliseconds(i % 2 == 0 ? 1 : 20));
+    }
+    if (i % 2 == 0) {
+      c->reg.set_session(session.token());
+      c->reg.set_buffer(buffer.id());
+      c->reg.set_offset(offset);
+      c->reg.set_length(kChunk);
+      c->reg.set_flags(kRemoteRead);
+      stub->async()->RegisterMr(&c->ctx, &c->reg, &c->reg_out, on_done);
+    } else {
+      c->lam.set_session(session.token());
+      c->lam.set_buffer(buffer.id());
+      c->lam.set_offset(offset);
+      c->lam.set_length(kChunk);
+      stub->async()->BuildLam(&c->ctx, &c->lam, &c->lam_out, on_done);
+    }
+    if (i % 4 >= 2 && i % 3 == 0) c->ctx.TryCancel();
+    calls.push_back(std::move(call));
+  }
+  int completed = 0;
+  for (auto& c : calls) {
+    c->done.WaitForNotification();
+    const auto code = c->status.error_code();
+    EXPECT_TRUE(code == grpc::StatusCode::OK ||
+                code == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                code == grpc::StatusCode::CANCELLED)
+        << code << " " << c->status.error_message();
+    if (code == grpc::StatusCode::OK) ++completed;
+  }
+  std::cerr << completed << " of " << kCount
+            << " requests completed before their deadline or cancellation\n";
+  // A barrier behind every queued request: the single worker has run them
+  // all once this pool RPC returns.
+  ASSERT_TRUE(Mr::Create(session, false).ok());
+
+  auto list = session.List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  uint64_t owned = 0;
+  auto peer = ConnectPeer(session);
+  ASSERT_NE(peer, nullptr);
+  for (const auto& r : list->registrations()) {
+    EXPECT_EQ(r.references(), 1u);
+    owned += r.length();
+    auto read = peer->Read(r.rkey(), r.base_address(), 8);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(*read, "pending!");
+  }
+  for (const auto& l : list->lams()) owned += l.length();
+  EXPECT_GE(static_cast<int>(list->registrations_size() + list->lams_size()),
+            completed);
+  EXPECT_EQ(list->session().pinned_bytes(), owned);
+  auto info = client_->GetDeviceInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->pinned_bytes(), owned);
+
+  ASSERT_TRUE(session.Close().ok());
+  for (int i = 0; i < 200; ++i) {
+    info = client_->GetDeviceInfo();
+    ASSERT_TRUE(info.ok());
+    if (info->pinned_bytes() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(info->pinned_bytes(), 0u);
 }
 
 }  // namespace
