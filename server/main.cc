@@ -20,6 +20,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -29,6 +30,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "server/common/log.h"
 #include "server/common/thread_pool.h"
@@ -279,9 +281,32 @@ int Run() {
                             : absl::StrCat(", debug tcp ", debug_tcp, " (port ",
                                            debug_port, ")"));
 
+  // grpc.health.v1 follows the device: NOT_SERVING while the device reports
+  // itself unhealthy (device lost, port down), SERVING again when it
+  // recovers. GetDeviceInfo carries the device's own message.
+  absl::Notification stop_health;
+  std::thread health_watch([&] {
+    bool serving = true;
+    while (!stop_health.WaitForNotificationWithTimeout(
+        absl::Milliseconds(200))) {
+      device::DeviceHealth now = (*device)->Health();
+      if (now.healthy != serving) {
+        serving = now.healthy;
+        health->SetServingStatus(serving);
+        if (serving) {
+          LogInfo("device healthy again: serving");
+        } else {
+          LogError("device unhealthy (", now.message, "): NOT_SERVING");
+        }
+      }
+    }
+  });
+
   int sig = 0;
   sigwait(&signals, &sig);
   LogInfo("signal ", sig, ": shutting down");
+  stop_health.Notify();
+  health_watch.join();
   health->SetServingStatus(false);
   (*fd_server)->Shutdown();
   core.Shutdown();
