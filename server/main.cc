@@ -29,13 +29,16 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "server/common/log.h"
 #include "server/common/thread_pool.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
+#include "server/device/verbs/verbs_device.h"
 #include "server/metrics/metrics.h"
 #include "server/service/service.h"
 #include "server/session/fd_server.h"
@@ -57,8 +60,14 @@ ABSL_FLAG(std::string, device, "auto",
           "RDMA device: software, verbs or auto (verbs where a device exists, "
           "else software).");
 ABSL_FLAG(std::string, peer_address, "127.0.0.1:7471",
-          "Software device: where remote peers connect (host:port; port 0 = "
-          "any free port).");
+          "Where remote peers connect (numeric host:port; port 0 = any free "
+          "port). Software device: the TCP listener. Verbs device: the "
+          "rdma_cm listener, an address of the RDMA device's interface "
+          "(e.g. 10.77.0.1:0).");
+ABSL_FLAG(std::string, verbs_device, "",
+          "Verbs device: the RDMA device to use (e.g. mlx5_0, rxe0); empty = "
+          "the one --peer_address belongs to. When set, --peer_address must "
+          "be on it.");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
           "Serve Prometheus metrics at http://<address>/metrics. Empty = off.");
 ABSL_FLAG(std::string, shm_dir, "/dev/shm/mrd",
@@ -81,6 +90,15 @@ ABSL_FLAG(uint64_t, max_total_pinned_bytes, uint64_t{16} << 30,
           "Bytes all sessions together may have pinned.");
 ABSL_FLAG(uint64_t, max_session_registrations, 65536,
           "Registrations one session may hold.");
+ABSL_FLAG(uint64_t, max_total_registrations, uint64_t{1} << 20,
+          "Registrations all sessions together may hold.");
+ABSL_FLAG(uint64_t, warm_pin_bytes_per_session, uint64_t{256} << 20,
+          "Bytes of released registrations one session may keep pinned "
+          "(without any key) so that registering them again is cheap; they "
+          "count towards the pinned-bytes limits and give way to new pins. "
+          "0 = off.");
+ABSL_FLAG(uint64_t, warm_pin_bytes_total, uint64_t{1} << 30,
+          "Bytes of warm pins all sessions together may keep. 0 = off.");
 ABSL_FLAG(absl::Duration, lease_ttl, absl::Seconds(60),
           "Default lease TTL of OpenLeaseSession.");
 ABSL_FLAG(absl::Duration, max_lease_ttl, absl::Hours(24),
@@ -175,28 +193,54 @@ int Run() {
              "'");
     return 1;
   }
-  if (device_flag == "verbs") {
-    LogError("--device=verbs: this build has no verbs device yet");
-    return 1;
-  }
+  bool use_verbs = device_flag == "verbs";
   if (device_flag == "auto") {
-    LogInfo("device auto: this build has no verbs device; using the software "
-            "device");
+    std::vector<std::string> verbs_devices = device::ListVerbsDevices();
+    use_verbs = !verbs_devices.empty();
+    LogInfo("device auto: ",
+            use_verbs ? absl::StrCat("RDMA device(s) ",
+                                     absl::StrJoin(verbs_devices, ", "),
+                                     " found; using the verbs device")
+                      : "no RDMA device found; using the software device");
   }
-  device::SoftwareDeviceOptions device_options;
-  device_options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
-  absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> device =
-      device::SoftwareDevice::Create(device_options);
-  if (!device.ok()) {
-    LogError("software device: ", device.status().ToString());
-    return 1;
+  absl::StatusOr<std::unique_ptr<device::Device>> device =
+      absl::InternalError("no device");
+  if (use_verbs) {
+    device::VerbsDeviceOptions verbs_options;
+    verbs_options.device_name = absl::GetFlag(FLAGS_verbs_device);
+    verbs_options.peer_address = absl::GetFlag(FLAGS_peer_address);
+    absl::StatusOr<std::unique_ptr<device::VerbsDevice>> verbs =
+        device::VerbsDevice::Create(verbs_options);
+    if (verbs.ok()) {
+      device = std::unique_ptr<device::Device>(std::move(*verbs));
+    } else if (device_flag == "verbs") {
+      LogError("verbs device: ", verbs.status().ToString());
+      return 1;
+    } else {
+      LogWarning("device auto: the verbs device failed (",
+                 verbs.status().ToString(),
+                 "); falling back to the software device");
+      use_verbs = false;
+    }
   }
+  if (!use_verbs) {
+    device::SoftwareDeviceOptions device_options;
+    device_options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
+    absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
+        device::SoftwareDevice::Create(device_options);
+    if (!software.ok()) {
+      LogError("software device: ", software.status().ToString());
+      return 1;
+    }
+    device = std::unique_ptr<device::Device>(std::move(*software));
+  }
+  const std::string device_kind = (*device)->Attributes().kind;
   if (absl::Status s = (*device)->Start(); !s.ok()) {
-    LogError("software device start: ", s.ToString());
+    LogError(device_kind, " device start: ", s.ToString());
     return 1;
   }
-  LogInfo("device: software, peers connect to ",
-          (*device)->Attributes().peer_address);
+  LogInfo("device: ", device_kind, " (", (*device)->Attributes().name,
+          "), peers connect to ", (*device)->Attributes().peer_address);
 
   // The core.
   core::CoreOptions core_options;
@@ -212,6 +256,11 @@ int Run() {
       absl::GetFlag(FLAGS_max_total_pinned_bytes);
   core_options.max_session_registrations =
       absl::GetFlag(FLAGS_max_session_registrations);
+  core_options.max_total_registrations =
+      absl::GetFlag(FLAGS_max_total_registrations);
+  core_options.warm_pin_bytes_per_session =
+      absl::GetFlag(FLAGS_warm_pin_bytes_per_session);
+  core_options.warm_pin_bytes_total = absl::GetFlag(FLAGS_warm_pin_bytes_total);
   if (!core_options.shm_dir.empty()) {
     // Create it if missing (sticky and world-writable, like /dev/shm), so
     // that `make run` works on a fresh machine.
@@ -328,5 +377,11 @@ int main(int argc, char** argv) {
       "mrd: node-local RDMA memory-registration service.\n"
       "  mrd [--flagfile=/etc/mrd/mrd.flags] [--flags...]");
   absl::ParseCommandLine(argc, argv);
+#ifdef NDEBUG
+  // Debian's Abseil is built with mutex deadlock detection on, which walks a
+  // lock graph on every Lock/Unlock and doubles the cost of a registration
+  // cache hit (bench/cache_bench). Debug builds and the unit tests keep it.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+#endif
   return mrd::Run();
 }

@@ -14,14 +14,20 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
     absl::MutexLock lock(&mu_);
     for (auto it = by_key_.find(key); it != by_key_.end();
          it = by_key_.find(key)) {
-      entry = it->second;
-      if (entry->state == State::kCreating) {
-        ++entry->waiters;
-        Entry* raw = entry.get();
-        mu_.Await(absl::Condition(
-            +[](Entry* e) { return e->state != State::kCreating; }, raw));
-        --entry->waiters;
+      Entry* found = it->second.get();
+      if (found->state == State::kReady) {
+        // The hit: a ready entry in by_key_ is never being torn down.
+        ++found->references;
+        ++stats_.hits;
+        return AcquireResult{found->id, found->registration, found->references,
+                             /*hit=*/true};
       }
+      // Being created: wait for it, holding it alive meanwhile.
+      entry = it->second;
+      ++entry->waiters;
+      mu_.Await(absl::Condition(
+          +[](Entry* e) { return e->state != State::kCreating; }, entry.get()));
+      --entry->waiters;
       if (entry->state == State::kFailed) return entry->failure;
       // Released (or invalidated) while we waited: look again, so that a
       // registration being torn down is never handed out.
@@ -63,18 +69,46 @@ absl::StatusOr<ReleaseResult> RegistrationCache::Release(uint64_t entry_id) {
     return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_REGISTRATION",
                     absl::StrCat("registration ", entry_id, " does not exist"));
   }
-  std::shared_ptr<Entry> entry = it->second;
+  Entry& entry = *it->second;
   ReleaseResult result;
-  result.key = entry->key;
-  result.references = --entry->references;
-  if (entry->references == 0) {
-    by_id_.erase(it);
-    by_key_.erase(entry->key);
-    entry->removed = true;
-    result.released = entry->registration;
+  result.key = entry.key;
+  result.references = --entry.references;
+  if (entry.references == 0) {
+    result.released = entry.registration;
+    EraseKeyOf(entry);
+    entry.removed = true;
     ++stats_.releases;
+    by_id_.erase(it);  // may destroy the entry: last
   }
   return result;
+}
+
+void RegistrationCache::EraseKeyOf(const Entry& entry) {
+  // A restored entry is out of the key map, and its key may name a newer
+  // entry by now: only an entry's own mapping is erased.
+  if (entry.removed) return;
+  auto it = by_key_.find(entry.key);
+  if (it != by_key_.end() && it->second.get() == &entry) by_key_.erase(it);
+}
+
+absl::Status RegistrationCache::Restore(
+    uint64_t entry_id, const CacheKey& key,
+    const CachedRegistration& registration) {
+  absl::MutexLock lock(&mu_);
+  if (by_id_.contains(entry_id)) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "ENTRY_IN_USE",
+                    absl::StrCat("registration ", entry_id, " exists"));
+  }
+  auto entry = std::make_shared<Entry>();
+  entry->id = entry_id;
+  entry->key = key;
+  entry->state = State::kReady;
+  entry->registration = registration;
+  entry->references = 1;
+  entry->removed = true;  // by id only: a new Acquire of the key gets anew
+  by_id_.emplace(entry_id, std::move(entry));
+  if (stats_.releases > 0) --stats_.releases;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<CachedRegistration> RegistrationCache::Invalidate(
@@ -87,7 +121,7 @@ absl::StatusOr<CachedRegistration> RegistrationCache::Invalidate(
   }
   std::shared_ptr<Entry> entry = it->second;
   by_id_.erase(it);
-  by_key_.erase(entry->key);
+  EraseKeyOf(*entry);
   entry->references = 0;
   entry->removed = true;
   ++stats_.invalidations;

@@ -12,17 +12,35 @@
 // ever be handed a registration that is being torn down: it gets a fresh one,
 // with fresh keys.
 //
-// Thread-safe. Every operation is O(log n) in the number of entries.
+// What is shared, and what is not. A remote token is shared only between
+// requests with the same key: session, buffer, file, offset, length, access
+// and base address (W5). A request for a range inside an existing
+// registration (same session, file and access) is NOT served with the
+// container's token, because that token would let a peer reach the whole
+// container — bytes this request did not ask to expose — and would keep the
+// container reachable after the container's own last DeregisterMr for as
+// long as the inner request held it. A contained range instead gets its own
+// registration, bounded to exactly the bytes asked for, with its own key;
+// what it reuses is the container's PIN: the device pins per page with a
+// reference count (software device) or finds the pages resident (verbs), so
+// no page is faulted in or locked anew. The same holds for a range inside a
+// warm pin (warm_pins.h), and an exact range taken from a warm pin reuses the
+// pin's accounting as well. A contained registration is counted against the
+// pinned-bytes limits on its own: the limits never under-count.
+//
+// Thread-safe. Every operation is O(1) expected (hash maps) in the number of
+// entries; a hit copies no shared pointer and takes the lock once.
 #ifndef MRD_SERVER_CACHE_REGISTRATION_CACHE_H_
 #define MRD_SERVER_CACHE_REGISTRATION_CACHE_H_
 
 #include <compare>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -44,6 +62,12 @@ struct CacheKey {
   uint32_t access = 0;        // device::AccessBits
   uint64_t base_address = 0;  // the region's address on the wire
   auto operator<=>(const CacheKey&) const = default;
+  template <typename H>
+  friend H AbslHashValue(H h, const CacheKey& k) {
+    return H::combine(std::move(h), k.session, k.buffer, k.file_device,
+                      k.file_inode, k.offset, k.length, k.access,
+                      k.base_address);
+  }
 };
 
 // The device-side result of a registration, opaque to the cache.
@@ -51,8 +75,12 @@ struct CachedRegistration {
   uint64_t device_mr = 0;
   uint32_t lkey = 0;
   uint32_t rkey = 0;
-  uint64_t buffer = 0;       // the session buffer it was made through
-  uint64_t pinned_bytes = 0; // what it counts against limits
+  uint64_t buffer = 0;        // the session buffer it was made through
+  uint64_t pinned_bytes = 0;  // what it counts against limits
+  // Keeps the memory the device MR points into (the buffer's mapping and
+  // file) alive until whoever deregisters it drops this copy: a buffer
+  // released concurrently never unmaps pages still registered.
+  std::shared_ptr<const void> memory;
 };
 
 struct AcquireResult {
@@ -92,6 +120,12 @@ class RegistrationCache {
   // Takes one reference of `entry` away. NOT_FOUND if unknown.
   absl::StatusOr<ReleaseResult> Release(uint64_t entry);
 
+  // Puts back a released entry whose deregistration failed, with one
+  // reference, reachable by id only (never handed out by key again), so the
+  // caller can retry its release. FAILED_PRECONDITION if the id is in use.
+  absl::Status Restore(uint64_t entry, const CacheKey& key,
+                       const CachedRegistration& registration);
+
   // Removes `entry` whatever its reference count (W11: the memory went away)
   // and returns it for deregistration. NOT_FOUND if unknown.
   absl::StatusOr<CachedRegistration> Invalidate(uint64_t entry);
@@ -115,10 +149,16 @@ class RegistrationCache {
     bool removed = false;  // out of the maps: never hand it out again
   };
 
+  void EraseKeyOf(const Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<CacheKey, std::shared_ptr<Entry>> by_key_ ABSL_GUARDED_BY(mu_);
-  std::map<uint64_t, std::shared_ptr<Entry>> by_id_ ABSL_GUARDED_BY(mu_);
+  // Entries being created and ready ones; an entry leaves by_key_ under the
+  // lock the moment it is released or invalidated.
+  absl::flat_hash_map<CacheKey, std::shared_ptr<Entry>> by_key_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Entry>> by_id_
+      ABSL_GUARDED_BY(mu_);  // ready entries
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

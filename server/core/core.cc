@@ -70,20 +70,19 @@ absl::Status OutsideCallerMemory(absl::string_view why) {
       absl::StrCat("the buffer is not within the caller's memory: ", why));
 }
 
-void PutLe(std::string* out, uint64_t value, int bytes) {
+// Little-endian `bytes` bytes of `value` at `at`.
+void PutLe(char* at, uint64_t value, int bytes) {
   for (int i = 0; i < bytes; ++i) {
-    out->push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+    at[i] = static_cast<char>((value >> (8 * i)) & 0xff);
   }
 }
 
 std::string EncodeDescriptor(uint32_t rkey, uint64_t base, uint64_t length) {
-  std::string d;
-  d.reserve(kDescriptorSize);
-  PutLe(&d, rkey, 4);
-  PutLe(&d, 0, 4);
-  PutLe(&d, base, 8);
-  PutLe(&d, length, 8);
-  return d;
+  char d[kDescriptorSize] = {};
+  PutLe(d, rkey, 4);  // then 4 bytes of padding, zero
+  PutLe(d + 8, base, 8);
+  PutLe(d + 16, length, 8);
+  return std::string(d, sizeof(d));
 }
 
 void FillBufferInfo(const BufferRecord& b, v1::BufferInfo* out) {
@@ -102,7 +101,9 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
     : device_(device),
       clock_(clock),
       options_(std::move(options)),
-      page_size_(device->Attributes().page_size) {
+      page_size_(device->Attributes().page_size),
+      warm_(cache::WarmPinLimits{options_.warm_pin_bytes_per_session,
+                                 options_.warm_pin_bytes_total}) {
   if (!options_.shm_dir.empty()) {
     shm_dir_fd_ =
         ::open(options_.shm_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -274,11 +275,22 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
     if (!s.ok()) LogWarning("teardown: release LAM ", id, ": ", s.ToString());
     UnreservePinned(*session, lam.pinned_bytes);
   }
-  buffers.clear();
+  // `closing` is set: no warm pin of this session can be kept from now on.
+  ReleaseWarm(warm_.DropSession(session->id()));
   if (pd != 0) {
     absl::Status s = device_->DeallocatePd(pd);
     if (!s.ok()) LogWarning("teardown: deallocate PD: ", s.ToString());
   }
+  // Only now may the mappings go: DeallocatePd unpins whatever the PD still
+  // held (an MR or LAM released concurrently), through these mappings.
+  std::vector<std::shared_ptr<const void>> parked;
+  {
+    absl::MutexLock lock(&session->mu);
+    session->pd_gone = true;
+    parked.swap(session->memory_until_pd_gone);
+  }
+  parked.clear();
+  buffers.clear();
   uint64_t leftover;
   {
     absl::MutexLock lock(&session->mu);
@@ -443,11 +455,16 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
   std::vector<uint64_t> entries;
   std::vector<LamRecord> lams;
   std::vector<std::pair<uint64_t, device::MrId>> fr_to_reset;
+  // The mapping (and its fd, through which the software device moves peer
+  // data) must outlive every registration, LAM and warm pin made on it, not
+  // just the buffer's record: a closed fd number may be reused at once.
+  std::shared_ptr<session::MappedFile> file;
   {
     absl::MutexLock lock(&session->mu);
     auto it = session->buffers.find(req.buffer());
     if (it == session->buffers.end())
       return UnknownHandle("buffer", req.buffer());
+    file = std::move(it->second.file);
     session->buffers.erase(it);
     // W11: everything made on this buffer goes with it.
     for (auto r = session->registrations.begin();
@@ -513,6 +530,11 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
     mr.lams.clear();
     mr.pending.clear();
     mr.pending_invalidate_silent.clear();
+    if (!keys.ok()) {
+      LogWarning("release buffer: MR ", id, " could not be given a new device ",
+                 "object: ", keys.status().ToString(),
+                 "; it cannot be fast-registered again");
+    }
     mr.device_mr = keys.ok() ? keys->mr : 0;
     mr.lkey = keys.ok() ? keys->lkey : 0;
     mr.rkey = keys.ok() ? keys->rkey : 0;
@@ -527,9 +549,14 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
   }
   for (const LamRecord& lam : lams) {
     absl::Status s = device_->ReleaseLam(lam.device_lam);
-    if (!s.ok()) LogWarning("release buffer: LAM ", lam.id, ": ", s.ToString());
+    if (!s.ok()) {
+      LogWarning("release buffer: LAM ", lam.id, ": ", s.ToString());
+      KeepUntilPdGone(*session, lam.file);  // still pinned: keep it mapped
+    }
     UnreservePinned(*session, lam.pinned_bytes);
   }
+  // The buffer is out of the session: no warm pin of it can be kept any more.
+  ReleaseWarm(warm_.DropBuffer(session->id(), req.buffer()));
   out->set_invalidated_registrations(invalidated);
   out->set_released_lams(static_cast<uint32_t>(lams.size()));
   return absl::OkStatus();
@@ -543,10 +570,15 @@ uint64_t Core::PageRound(uint64_t address, uint64_t length) const {
   return (last - first + 1) * page_size_;
 }
 
-absl::Status Core::ReservePinned(Session& session, uint64_t bytes) {
+absl::Status Core::TryReservePinned(Session& session, uint64_t bytes,
+                                    PinLimit* hit, uint64_t* over) {
+  *hit = PinLimit::kNone;
+  *over = 0;
   absl::MutexLock session_lock(&session.mu);
   if (session.closing) return NotConnected("the session is closing");
   if (session.pinned_bytes + bytes > options_.max_session_pinned_bytes) {
+    *hit = PinLimit::kSession;
+    *over = session.pinned_bytes + bytes - options_.max_session_pinned_bytes;
     return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
                      "LIMIT_SESSION_PINNED_BYTES",
                      absl::StrCat("pinning ", bytes,
@@ -557,6 +589,8 @@ absl::Status Core::ReservePinned(Session& session, uint64_t bytes) {
   }
   absl::MutexLock lock(&mu_);
   if (total_pinned_ + bytes > options_.max_total_pinned_bytes) {
+    *hit = PinLimit::kTotal;
+    *over = total_pinned_ + bytes - options_.max_total_pinned_bytes;
     return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
                      "LIMIT_TOTAL_PINNED_BYTES",
                      absl::StrCat("pinning ", bytes,
@@ -568,6 +602,47 @@ absl::Status Core::ReservePinned(Session& session, uint64_t bytes) {
   session.pinned_bytes += bytes;
   total_pinned_ += bytes;
   return absl::OkStatus();
+}
+
+absl::Status Core::ReservePinned(Session& session, uint64_t bytes) {
+  for (;;) {
+    PinLimit hit;
+    uint64_t over;
+    absl::Status status = TryReservePinned(session, bytes, &hit, &over);
+    if (hit == PinLimit::kNone) return status;
+    // Warm pins give way before anything is refused: for the session's
+    // limit its own, least recently kept first; for the total, anyone's.
+    // None is evicted in vain: if all of them would not make room, refuse.
+    const std::optional<uint64_t> whose =
+        hit == PinLimit::kSession ? std::optional<uint64_t>(session.id())
+                                  : std::nullopt;
+    const uint64_t evictable =
+        whose.has_value() ? warm_.SessionBytes(*whose) : warm_.Stats().bytes;
+    if (evictable < over) return status;
+    std::optional<cache::WarmPin> victim = warm_.EvictOldest(whose);
+    if (!victim.has_value()) return status;
+    std::vector<cache::WarmPin> victims;
+    victims.push_back(std::move(*victim));
+    ReleaseWarm(std::move(victims));
+  }
+}
+
+absl::Status Core::SessionAwareError(Session& session, absl::Status status,
+                                     absl::string_view call) {
+  absl::MutexLock lock(&session.mu);
+  // The session ended while the device worked: its PD is gone, and the
+  // device's "unknown PD" would only leak an internal id.
+  if (session.closing) {
+    return NotConnected(absl::StrCat("the session ended during ", call));
+  }
+  return status;
+}
+
+void Core::ForceReservePinned(Session& session, uint64_t bytes) {
+  absl::MutexLock session_lock(&session.mu);
+  session.pinned_bytes += bytes;
+  absl::MutexLock lock(&mu_);
+  total_pinned_ += bytes;
 }
 
 void Core::UnreservePinned(Session& session, uint64_t bytes) {
@@ -599,13 +674,13 @@ absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {
   mr.fast_register = req.fast_register();
   mr.allow_remote = req.allow_remote_access();
   if (mr.fast_register) {
-    MRD_ASSIGN_OR_RETURN(
-        device::MrKeys keys,
-        device_->AllocateFastRegisterMr(
-            pd, mr.allow_remote, device_->Attributes().max_page_list_length));
-    mr.device_mr = keys.mr;
-    mr.lkey = keys.lkey;
-    mr.rkey = keys.rkey;
+    absl::StatusOr<device::MrKeys> keys = device_->AllocateFastRegisterMr(
+        pd, mr.allow_remote, device_->Attributes().max_page_list_length);
+    if (!keys.ok())
+      return SessionAwareError(*session, keys.status(), "CreateMr");
+    mr.device_mr = keys->mr;
+    mr.lkey = keys->lkey;
+    mr.rkey = keys->rkey;
   }
   absl::MutexLock lock(&session->mu);
   if (session->closing) {
@@ -644,10 +719,13 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
     }
   }
   if (mr.fast_register) {
+    // device_mr 0: its device object could not be recreated after a
+    // ReleaseBuffer (logged then); there is nothing left to free.
+    if (mr.device_mr == 0) return absl::OkStatus();
     return device_->FreeFastRegisterMr(mr.device_mr);
   }
   if (mr.registration != 0) {
-    MRD_RETURN_IF_ERROR(DropReference(*session, mr.registration).status());
+    MRD_RETURN_IF_ERROR(DropReference(session, mr.registration).status());
   }
   return absl::OkStatus();
 }
@@ -655,15 +733,178 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
 // --- registration
 // -------------------------------------------------------------
 
-absl::StatusOr<uint32_t> Core::DropReference(Session& session, uint64_t entry) {
+absl::Status Core::ReserveRegistration(Session& session) {
+  absl::MutexLock session_lock(&session.mu);
+  if (session.closing) return NotConnected("the session is closing");
+  if (session.device_registrations >= options_.max_session_registrations) {
+    return SeedError(
+        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS",
+        absl::StrCat("the session holds its maximum of ",
+                     options_.max_session_registrations, " registrations"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (total_registrations_ >= options_.max_total_registrations) {
+    return SeedError(
+        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_REGISTRATIONS",
+        absl::StrCat("the server holds its maximum of ",
+                     options_.max_total_registrations, " registrations"));
+  }
+  ++session.device_registrations;
+  ++total_registrations_;
+  return absl::OkStatus();
+}
+
+void Core::UnreserveRegistration(Session& session) {
+  absl::MutexLock session_lock(&session.mu);
+  if (session.device_registrations > 0) --session.device_registrations;
+  absl::MutexLock lock(&mu_);
+  if (total_registrations_ > 0) --total_registrations_;
+}
+
+namespace {
+
+// What a warm pin keeps alive besides its pages: the mapping of the buffer
+// it was made on, and a way back to its session for the accounting.
+struct WarmOwner {
+  std::weak_ptr<Session> session;
+  std::shared_ptr<session::MappedFile> file;
+};
+
+cache::WarmKey WarmKeyOf(const cache::CacheKey& key) {
+  return cache::WarmKey{key.session,    key.buffer, key.file_device,
+                        key.file_inode, key.offset, key.length};
+}
+
+}  // namespace
+
+std::optional<cache::WarmPin> Core::MakeWarmPin(
+    const std::shared_ptr<Session>& session, const cache::CacheKey& key,
+    uint64_t pinned_bytes) {
+  if (!warm_.Admissible(pinned_bytes)) return std::nullopt;
+  std::shared_ptr<session::MappedFile> file;
+  device::PdId pd;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (session->closing) return std::nullopt;
+    auto b = session->buffers.find(key.buffer);
+    if (b == session->buffers.end()) return std::nullopt;
+    file = b->second.file;
+    pd = session->pd;
+  }
+  absl::StatusOr<device::MemorySpan> span = file->Span(key.offset, key.length);
+  if (!span.ok()) return std::nullopt;
+  // A LAM pins the pages and exposes nothing: no peer can use it unless it
+  // is fast-registered, and only the core knows of this one.
+  absl::StatusOr<device::LogicalMapping> lam = device_->BuildLam(pd, *span);
+  if (!lam.ok()) {
+    LogDebug("no warm pin for session ", session->id(), " buffer ", key.buffer,
+             ": ", lam.status().ToString());
+    return std::nullopt;
+  }
+  cache::WarmPin pin;
+  pin.key = WarmKeyOf(key);
+  pin.device_lam = lam->lam;
+  pin.pinned_bytes = pinned_bytes;
+  pin.owner = std::make_shared<WarmOwner>(WarmOwner{session, std::move(file)});
+  return pin;
+}
+
+void Core::KeepWarm(const std::shared_ptr<Session>& session,
+                    cache::WarmPin pin) {
+  std::vector<cache::WarmPin> release;
+  {
+    // Under the session's lock, so that ReleaseBuffer and TearDown (which
+    // drop warm pins after taking the buffer out / setting `closing` under
+    // this lock) cannot miss a pin put here.
+    absl::MutexLock lock(&session->mu);
+    if (session->closing || !session->buffers.contains(pin.key.buffer)) {
+      warm_.CountDrop();
+      release.push_back(std::move(pin));
+    } else {
+      release = warm_.Put(std::move(pin));
+    }
+  }
+  ReleaseWarm(std::move(release));
+}
+
+void Core::KeepUntilPdGone(Session& session,
+                           std::shared_ptr<const void> memory) {
+  if (memory == nullptr) return;
+  absl::MutexLock lock(&session.mu);
+  // Once the PD is gone nothing of it points into the memory any more.
+  if (session.pd_gone) return;
+  session.memory_until_pd_gone.push_back(std::move(memory));
+}
+
+void Core::ReleaseWarm(std::vector<cache::WarmPin> pins) {
+  for (cache::WarmPin& pin : pins) {
+    absl::Status s = device_->ReleaseLam(pin.device_lam);
+    auto* owner = static_cast<WarmOwner*>(pin.owner.get());
+    std::shared_ptr<Session> session =
+        owner == nullptr ? nullptr : owner->session.lock();
+    // Not released (NOT_FOUND: the PD is being torn down and unpins the LAM
+    // itself; anything else: it stays pinned until the PD goes): the pages
+    // must stay mapped until then.
+    if (!s.ok() && session != nullptr) KeepUntilPdGone(*session, pin.owner);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+      // Its pages stay pinned until the PD goes at the session's end: so
+      // do its bytes in the books (the session's end settles them).
+      LogWarning("release warm pin (LAM ", pin.device_lam, "): ", s.ToString(),
+                 "; its pages stay accounted until the session ends");
+      continue;
+    }
+    if (session != nullptr) UnreservePinned(*session, pin.pinned_bytes);
+    // A session that is gone settled its whole reservation when it ended.
+  }
+}
+
+bool Core::EvictWarmForDevice() {
+  std::optional<cache::WarmPin> victim = warm_.EvictOldest(std::nullopt);
+  if (!victim.has_value()) return false;
+  std::vector<cache::WarmPin> victims;
+  victims.push_back(std::move(*victim));
+  ReleaseWarm(std::move(victims));
+  return true;
+}
+
+absl::StatusOr<uint32_t> Core::DropReference(
+    const std::shared_ptr<Session>& session, uint64_t entry) {
   MRD_ASSIGN_OR_RETURN(cache::ReleaseResult result, cache_.Release(entry));
   if (result.released.has_value()) {
-    absl::Status s = device_->DeregisterMr(result.released->device_mr);
+    const cache::CachedRegistration& reg = *result.released;
+    // The warm pin takes the pages before the MR lets go of them, so that
+    // they are never unpinned in between; the key dies either way.
+    std::optional<cache::WarmPin> warm =
+        MakeWarmPin(session, result.key, reg.pinned_bytes);
+    absl::Status s = device_->DeregisterMr(reg.device_mr);
     if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
-      return MrdError(absl::StatusCode::kUnavailable, "DEREGISTER_FAILED",
-                      s.ToString());
+      if (warm.has_value()) {
+        // The MR still holds the reservation; only the LAM goes.
+        if (!device_->ReleaseLam(warm->device_lam).ok()) {
+          KeepUntilPdGone(*session, warm->owner);
+        }
+      }
+      // The registration still exists (its key may still work): it goes
+      // back, with the reference, so the caller's retry can release it.
+      absl::Status restored = cache_.Restore(entry, result.key, reg);
+      if (!restored.ok()) {
+        LogError(
+            "deregistration of MR ", reg.device_mr,
+            " failed and its entry cannot be restored: ", restored.ToString());
+      }
+      return MrdError(
+          absl::StatusCode::kUnavailable, "DEREGISTER_FAILED",
+          absl::StrCat("the device could not deregister it (", s.message(),
+                       "); the registration is unchanged: retry"));
     }
-    UnreservePinned(session, result.released->pinned_bytes);
+    // NOT_FOUND: the PD is being torn down and unpins the MR itself.
+    if (!s.ok()) KeepUntilPdGone(*session, reg.memory);
+    UnreserveRegistration(*session);
+    if (warm.has_value()) {
+      KeepWarm(session, std::move(*warm));  // the reservation moves to it
+    } else {
+      UnreservePinned(*session, reg.pinned_bytes);
+    }
   }
   return result.references;
 }
@@ -671,9 +912,13 @@ absl::StatusOr<uint32_t> Core::DropReference(Session& session, uint64_t entry) {
 void Core::DeregisterCached(Session& session,
                             const cache::CachedRegistration& reg) {
   absl::Status s = device_->DeregisterMr(reg.device_mr);
+  // Not deregistered (NOT_FOUND: the PD is being torn down): the pages stay
+  // pinned until the PD goes, so the mapping stays too.
+  if (!s.ok()) KeepUntilPdGone(session, reg.memory);
   if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
     LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
   }
+  UnreserveRegistration(session);
   UnreservePinned(session, reg.pinned_bytes);
 }
 
@@ -699,8 +944,10 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
 
   std::shared_ptr<session::MappedFile> file;
   cache::CacheKey key;
+  device::PdId pd;
   {
     absl::MutexLock lock(&session->mu);
+    pd = session->pd;
     if (!req.request_id().empty()) {
       auto seen = session->request_ids.find(req.request_id());
       if (seen != session->request_ids.end()) {
@@ -778,34 +1025,54 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   key.length = req.length();
   key.access = access;
   key.buffer = req.buffer();
-
-  device::PdId pd;
-  {
-    absl::MutexLock lock(&session->mu);
-    pd = session->pd;
-  }
   const uint64_t pin_bytes =
       PageRound(reinterpret_cast<uintptr_t>(span.host_address), span.length);
   const uint64_t buffer_id = req.buffer();
   absl::StatusOr<cache::AcquireResult> acquired_or =
       cache_.Acquire(key, [&]() -> absl::StatusOr<cache::CachedRegistration> {
-        {
-          absl::MutexLock lock(&session->mu);
-          if (session->registrations.size() >=
-              options_.max_session_registrations) {
-            return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
-                             "LIMIT_SESSION_REGISTRATIONS",
-                             absl::StrCat("the session holds its maximum of ",
-                                          options_.max_session_registrations,
-                                          " registrations"));
+        MRD_RETURN_IF_ERROR(ReserveRegistration(*session));
+        // A warm pin of exactly these pages: its reservation becomes this
+        // registration's, and the device pins nothing anew.
+        std::optional<cache::WarmPin> warm = warm_.Take(WarmKeyOf(key));
+        if (!warm.has_value()) {
+          if (absl::Status s = ReservePinned(*session, pin_bytes); !s.ok()) {
+            UnreserveRegistration(*session);
+            return s;
           }
         }
-        MRD_RETURN_IF_ERROR(ReservePinned(*session, pin_bytes));
-        absl::StatusOr<device::MrKeys> keys =
-            device_->RegisterMr(pd, span, key.base_address, access);
+        absl::StatusOr<device::MrKeys> keys;
+        do {
+          keys = device_->RegisterMr(pd, span, key.base_address, access);
+        } while (!keys.ok() &&
+                 keys.status().code() == absl::StatusCode::kResourceExhausted &&
+                 EvictWarmForDevice());
         if (!keys.ok()) {
-          UnreservePinned(*session, pin_bytes);
+          if (warm.has_value()) {
+            std::vector<cache::WarmPin> pins;
+            pins.push_back(std::move(*warm));
+            ReleaseWarm(std::move(pins));  // and its reservation
+          } else {
+            UnreservePinned(*session, pin_bytes);
+          }
+          UnreserveRegistration(*session);
           return keys.status();
+        }
+        if (warm.has_value()) {
+          absl::Status s = device_->ReleaseLam(warm->device_lam);
+          if (s.code() == absl::StatusCode::kNotFound) {
+            // The PD is being torn down and unpins the LAM itself.
+            KeepUntilPdGone(*session, warm->owner);
+          } else if (!s.ok()) {
+            // The registration stands; the LAM still pins its pages, so it
+            // stays a warm pin with its bytes accounted (over the limit if
+            // need be: they are pinned) and is released again on eviction
+            // or at the session's end.
+            LogWarning("release warm pin (LAM ", warm->device_lam,
+                       ") after a warm hit: ", s.ToString(),
+                       "; keeping it as a warm pin");
+            ForceReservePinned(*session, warm->pinned_bytes);
+            KeepWarm(session, std::move(*warm));
+          }
         }
         cache::CachedRegistration reg;
         reg.device_mr = keys->mr;
@@ -813,6 +1080,7 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
         reg.rkey = keys->rkey;
         reg.buffer = buffer_id;
         reg.pinned_bytes = pin_bytes;
+        reg.memory = file;  // unmapped only after the MR is deregistered
         return reg;
       });
   if (!acquired_or.ok()) {
@@ -878,7 +1146,7 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
     }
   }
   if (!commit.ok()) {
-    (void)DropReference(*session, acquired.entry);
+    (void)DropReference(session, acquired.entry);
     return commit;
   }
   return absl::OkStatus();
@@ -889,6 +1157,11 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
   uint64_t entry = 0;
+  // What this call took from the session, to put back if the device cannot
+  // deregister (then nothing changed and the caller may retry).
+  RegistrationRecord taken;
+  bool erased = false;
+  uint64_t mr_object = 0;
   {
     absl::MutexLock lock(&session->mu);
     if (req.has_mr()) {
@@ -907,10 +1180,13 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
       }
       entry = m->second.registration;
       m->second.registration = 0;
+      mr_object = req.mr();
       auto r = session->registrations.find(entry);
       if (r != session->registrations.end()) {
         --r->second.mr_refs;
         if (r->second.implicit_refs + r->second.mr_refs == 0) {
+          taken = r->second;
+          erased = true;
           session->registrations.erase(r);
         }
       }
@@ -929,6 +1205,8 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
       entry = r->first;
       --r->second.implicit_refs;
       if (r->second.implicit_refs + r->second.mr_refs == 0) {
+        taken = r->second;
+        erased = true;
         session->registrations.erase(r);
       }
     } else {
@@ -936,8 +1214,28 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
                        "DeregisterMr needs a registration or an mr");
     }
   }
-  MRD_ASSIGN_OR_RETURN(uint32_t left, DropReference(*session, entry));
-  out->set_references(left);
+  absl::StatusOr<uint32_t> left = DropReference(session, entry);
+  if (!left.ok()) {
+    if (GetErrorDetail(left.status()).reason() == "DEREGISTER_FAILED") {
+      absl::MutexLock lock(&session->mu);
+      if (!session->closing) {
+        RegistrationRecord& rec = session->registrations[entry];
+        if (erased) rec = taken;
+        if (mr_object != 0) {
+          ++rec.mr_refs;
+          auto m = session->mrs.find(mr_object);
+          if (m != session->mrs.end()) m->second.registration = entry;
+        } else {
+          ++rec.implicit_refs;
+        }
+      } else {
+        // The session's end takes the PD, and the MR with it.
+        (void)cache_.Invalidate(entry);
+      }
+    }
+    return left.status();
+  }
+  out->set_references(*left);
   return absl::OkStatus();
 }
 
@@ -977,10 +1275,15 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
                      lam_size);
   }
   MRD_RETURN_IF_ERROR(ReservePinned(*session, pin_bytes));
-  absl::StatusOr<device::LogicalMapping> mapping = device_->BuildLam(pd, span);
+  absl::StatusOr<device::LogicalMapping> mapping;
+  do {
+    mapping = device_->BuildLam(pd, span);
+  } while (!mapping.ok() &&
+           mapping.status().code() == absl::StatusCode::kResourceExhausted &&
+           EvictWarmForDevice());
   if (!mapping.ok()) {
     UnreservePinned(*session, pin_bytes);
-    return mapping.status();
+    return SessionAwareError(*session, mapping.status(), "BuildLam");
   }
   LamRecord lam;
   lam.id = next_handle_.fetch_add(1);
@@ -1009,7 +1312,9 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
     }
   }
   // The session or the buffer went away meanwhile (L7: leave nothing).
-  (void)device_->ReleaseLam(lam.device_lam);
+  if (!device_->ReleaseLam(lam.device_lam).ok()) {
+    KeepUntilPdGone(*session, lam.file);
+  }
   UnreservePinned(*session, pin_bytes);
   return NotConnected("the session or its buffer went away during BuildLam");
 }
@@ -1018,6 +1323,7 @@ absl::Status Core::ReleaseLam(const v1::ReleaseLamRequest& req) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
   device::LamId device_lam;
+  std::shared_ptr<session::MappedFile> file;
   {
     absl::MutexLock lock(&session->mu);
     auto l = session->lams.find(req.lam());
@@ -1033,6 +1339,9 @@ absl::Status Core::ReleaseLam(const v1::ReleaseLamRequest& req) {
       }
     }
     device_lam = l->second.device_lam;
+    // Held until the device has unpinned: a ReleaseBuffer racing this call
+    // must not unmap the pages first.
+    file = l->second.file;
   }
   MRD_RETURN_IF_ERROR(device_->ReleaseLam(device_lam));
   uint64_t pinned = 0;
@@ -1189,9 +1498,12 @@ absl::Status Core::CreatePeerTicket(const v1::CreatePeerTicketRequest& req,
     }
     pd = session->pd;
   }
-  MRD_ASSIGN_OR_RETURN(std::string ticket, device_->CreatePeerTicket(pd));
+  absl::StatusOr<std::string> ticket = device_->CreatePeerTicket(pd);
+  if (!ticket.ok()) {
+    return SessionAwareError(*session, ticket.status(), "CreatePeerTicket");
+  }
   absl::MutexLock lock(&session->mu);
-  if (session->peer_ticket.empty()) session->peer_ticket = ticket;
+  if (session->peer_ticket.empty()) session->peer_ticket = *ticket;
   out->set_ticket(session->peer_ticket);
   out->set_peer_address(device_->Attributes().peer_address);
   return absl::OkStatus();
@@ -1213,10 +1525,9 @@ absl::Status Core::GetDeviceInfo(v1::DeviceInfo* out) const {
   out->set_healthy(health.healthy);
   out->set_status_message(health.message);
   out->set_pinned_bytes(device_->PinnedBytes());
-  if (!health.healthy) {
-    return MrdError(absl::StatusCode::kUnavailable, "DEVICE_UNHEALTHY",
-                    absl::StrCat("device ", a.name, ": ", health.message));
-  }
+  // Always answered: this is where a lost or unhealthy device is reported
+  // (healthy = false, status_message says why); requests that need the
+  // device fail with UNAVAILABLE instead.
   return absl::OkStatus();
 }
 
@@ -1332,6 +1643,7 @@ CoreStats Core::Stats() const {
   }
   stats.device_pinned_bytes = device_->PinnedBytes();
   stats.cache = cache_.Stats();
+  stats.warm = warm_.Stats();
   return stats;
 }
 

@@ -21,6 +21,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +33,7 @@
 #include "absl/time/time.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/cache/registration_cache.h"
+#include "server/cache/warm_pins.h"
 #include "server/common/clock.h"
 #include "server/core/session.h"
 #include "server/device/device.h"
@@ -51,8 +53,17 @@ struct CoreOptions {
   uint64_t max_session_pinned_bytes = uint64_t{4} << 30;
   uint64_t max_total_pinned_bytes = uint64_t{16} << 30;
   uint64_t max_session_registrations = 65536;
+  uint64_t max_total_registrations = uint64_t{1} << 20;
   uint64_t max_session_lams = 65536;
   uint64_t max_session_mrs = 65536;
+  // Warm pins (server/cache/warm_pins.h): pages of released registrations
+  // kept pinned, without any key, so that registering the same range again
+  // pins nothing anew. Bytes per session and in total; they count towards
+  // the pinned-bytes limits and are evicted before those refuse anything.
+  // 0 in either disables warm pins (the library default; mrd's flags turn
+  // them on).
+  uint64_t warm_pin_bytes_per_session = 0;
+  uint64_t warm_pin_bytes_total = 0;
   size_t completion_queue_depth = 65536;
   size_t request_id_memory = 4096;  // idempotency keys remembered per session
 };
@@ -72,6 +83,7 @@ struct CoreStats {
   uint64_t sessions_closed_total = 0;
   uint64_t completions_dropped_total = 0;
   cache::CacheStats cache;
+  cache::WarmPinStats warm;
 };
 
 class Core final : public session::FdSessionHandler {
@@ -161,13 +173,50 @@ class Core final : public session::FdSessionHandler {
   absl::StatusOr<v1::BufferInfo> AddBuffer(
       const std::shared_ptr<Session>& session,
       std::unique_ptr<session::MappedFile> file);
-  // Accounting of pinned bytes against the session and total limits.
+  // Accounting of pinned bytes against the session and total limits. A
+  // reservation that would exceed a limit first evicts warm pins (the
+  // session's own for its limit, anyone's for the total), least recently
+  // kept first, and is refused only when none is left to evict.
   absl::Status ReservePinned(Session& session, uint64_t bytes);
   void UnreservePinned(Session& session, uint64_t bytes);
-  // Drops one cache reference; deregisters on the last. Returns refs left.
-  absl::StatusOr<uint32_t> DropReference(Session& session, uint64_t entry);
-  void DeregisterCached(Session& session,
-                        const cache::CachedRegistration& reg);
+  // Accounts bytes that are pinned whatever the limits say (a LAM the device
+  // failed to release).
+  void ForceReservePinned(Session& session, uint64_t bytes);
+  // A device error of a call for `session`, or WSAENOTCONN when the session
+  // ended meanwhile (the device then names a PD that no longer exists).
+  absl::Status SessionAwareError(Session& session, absl::Status status,
+                                 absl::string_view call);
+  enum class PinLimit { kNone, kSession, kTotal };
+  // `over`: by how many bytes the limit `hit` would be exceeded.
+  absl::Status TryReservePinned(Session& session, uint64_t bytes, PinLimit* hit,
+                                uint64_t* over);
+  // Registrations made on the device, against the session and total limits.
+  absl::Status ReserveRegistration(Session& session);
+  void UnreserveRegistration(Session& session);
+  // Drops one cache reference; deregisters on the last (keeping the pages
+  // as a warm pin when it can). Returns refs left.
+  absl::StatusOr<uint32_t> DropReference(
+      const std::shared_ptr<Session>& session, uint64_t entry);
+  void DeregisterCached(Session& session, const cache::CachedRegistration& reg);
+  // Pins the pages of a registration about to be deregistered as a warm
+  // pin; nullopt when warm pins are off, the pin would not fit, the buffer
+  // or session is going, or the device refused.
+  std::optional<cache::WarmPin> MakeWarmPin(
+      const std::shared_ptr<Session>& session, const cache::CacheKey& key,
+      uint64_t pinned_bytes);
+  // Puts a warm pin in the set (its bytes stay reserved), or releases it
+  // when its buffer or session went meanwhile; releases what the set evicts.
+  void KeepWarm(const std::shared_ptr<Session>& session, cache::WarmPin pin);
+  // Keeps `memory` (a mapping an MR or LAM of the session pointed into)
+  // until the session's PD is gone, when the device's release of that MR or
+  // LAM found the PD dying: DeallocatePd unpins it later, and the pages must
+  // still be mapped then. Drops it at once otherwise.
+  void KeepUntilPdGone(Session& session, std::shared_ptr<const void> memory);
+  // Releases warm pins: their LAMs on the device, then their reservations.
+  void ReleaseWarm(std::vector<cache::WarmPin> pins);
+  // Evicts the least recently kept warm pin of anyone (for a device that
+  // ran out of pinnable memory or keys). False if there was none.
+  bool EvictWarmForDevice();
   uint64_t PageRound(uint64_t address, uint64_t length) const;
 
   device::Device* const device_;
@@ -175,6 +224,7 @@ class Core final : public session::FdSessionHandler {
   const CoreOptions options_;
   const uint64_t page_size_;
   cache::RegistrationCache cache_;
+  cache::WarmPinSet warm_;
   int shm_dir_fd_ = -1;
   std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
   std::function<void(const std::string&)> fd_hangup_;  // fixed after Start
@@ -185,6 +235,7 @@ class Core final : public session::FdSessionHandler {
   std::map<std::string, std::shared_ptr<Session>> sessions_
       ABSL_GUARDED_BY(mu_);
   uint64_t total_pinned_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t total_registrations_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions being created (counted against max_sessions before they exist).
   uint64_t pending_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;

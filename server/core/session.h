@@ -121,6 +121,15 @@ class Session final : public device::PdEventSink {
   absl::Duration ttl ABSL_GUARDED_BY(mu) = absl::ZeroDuration();
   absl::Time expires ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
   uint64_t pinned_bytes ABSL_GUARDED_BY(mu) = 0;
+  // Registrations made on the device for this session and not yet
+  // deregistered (what the registration limit counts; cache hits are not).
+  uint64_t device_registrations ABSL_GUARDED_BY(mu) = 0;
+  // Memory the device may still point into until DeallocatePd returns: an MR
+  // or LAM whose own release found the PD already being torn down (NOT_FOUND)
+  // leaves its mapping here, and TearDown drops it once the PD is gone.
+  std::vector<std::shared_ptr<const void>> memory_until_pd_gone
+      ABSL_GUARDED_BY(mu);
+  bool pd_gone ABSL_GUARDED_BY(mu) = false;
   std::string peer_ticket ABSL_GUARDED_BY(mu);
   // Buffers get default base addresses from a per-session space that says
   // nothing about mrd's own address layout.

@@ -140,6 +140,25 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
         Counter("mrd_cache_invalidations_total",
                 "Registrations invalidated because their memory went away.",
                 d(s.cache.invalidations)),
+        Counter("mrd_cache_warm_hits_total",
+                "Registrations served from a warm pin (pages still pinned, "
+                "new key).",
+                d(s.warm.hits)),
+        Counter("mrd_cache_warm_kept_total",
+                "Warm pins kept after a registration's last reference.",
+                d(s.warm.kept)),
+        Counter("mrd_cache_evictions_total",
+                "Warm pins evicted, least recently kept first, for a cap or "
+                "a pinned-bytes limit.",
+                d(s.warm.evictions)),
+        Counter("mrd_cache_warm_drops_total",
+                "Warm pins dropped because their buffer was released or "
+                "their session ended.",
+                d(s.warm.drops)),
+        Gauge("mrd_cache_warm_pins", "Warm pins kept now.", d(s.warm.pins)),
+        Gauge("mrd_cache_warm_bytes",
+              "Bytes held by warm pins now (part of the pinned bytes).",
+              d(s.warm.bytes)),
     };
   }
 

@@ -100,6 +100,10 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
   } else {
     args.push_back("--metrics_address=");
   }
+  // Warm pins off unless a test turns them on: the tests watch pinned bytes
+  // go to zero when a registration is deregistered. (Later flags win.)
+  args.push_back("--warm_pin_bytes_per_session=0");
+  args.push_back("--warm_pin_bytes_total=0");
   for (const auto& f : options.extra_flags) args.push_back(f);
 
   pid_t pid = fork();

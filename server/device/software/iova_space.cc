@@ -6,8 +6,9 @@
 
 namespace mrd::device {
 
-IovaSpace::IovaSpace(uint64_t page_size, uint64_t start, uint64_t limit)
-    : page_size_(page_size), limit_(limit), next_(start) {
+IovaSpace::IovaSpace(uint64_t page_size, uint64_t start, uint64_t limit,
+                     FaultPoints* faults)
+    : page_size_(page_size), limit_(limit), faults_(faults), next_(start) {
   MRD_CHECK(page_size > 0 && start > 0 && start < limit);
   MRD_CHECK(start % page_size == 0 && limit % page_size == 0);
 }
@@ -16,6 +17,7 @@ absl::StatusOr<uint64_t> IovaSpace::Allocate(uint64_t pages,
                                              uint64_t guard_pages,
                                              uint64_t owner) {
   MRD_CHECK(pages > 0);
+  MRD_RETURN_IF_ERROR(FaultPoint(faults_, "iova.allocate"));
   uint64_t room_pages = (limit_ - next_) / page_size_;
   if (guard_pages > room_pages || pages > room_pages - guard_pages) {
     return SeedError(

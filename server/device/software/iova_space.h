@@ -18,13 +18,17 @@
 #include <optional>
 
 #include "absl/status/statusor.h"
+#include "server/device/fault_points.h"
 
 namespace mrd::device {
 
 class IovaSpace {
  public:
   // Addresses in [start, limit); both page-aligned, 0 < start < limit.
-  IovaSpace(uint64_t page_size, uint64_t start, uint64_t limit);
+  // `faults` (tests only; nullptr in production) must outlive the space;
+  // Allocate reaches its step "iova.allocate" before changing anything.
+  IovaSpace(uint64_t page_size, uint64_t start, uint64_t limit,
+            FaultPoints* faults = nullptr);
 
   // Reserves `pages` (> 0) consecutive pages for `owner` after
   // `guard_pages` unmapped ones; returns the first page's address. Errors:
@@ -51,6 +55,7 @@ class IovaSpace {
 
   const uint64_t page_size_;
   const uint64_t limit_;
+  FaultPoints* const faults_;
   uint64_t next_;                     // first address never handed out
   std::map<uint64_t, Range> ranges_;  // by start address
 };

@@ -6,8 +6,9 @@
 
 namespace mrd::device {
 
-KeyTable::KeyTable(uint32_t slots, SecureRandomPool* random)
-    : random_(random), slots_(static_cast<size_t>(slots) + 1) {
+KeyTable::KeyTable(uint32_t slots, SecureRandomPool* random,
+                   FaultPoints* faults)
+    : random_(random), faults_(faults), slots_(static_cast<size_t>(slots) + 1) {
   MRD_CHECK(slots >= 1 && slots <= kMaxSlots);
   free_.reserve(slots);
   for (uint32_t index = slots; index >= 1; --index) free_.push_back(index);
@@ -15,6 +16,7 @@ KeyTable::KeyTable(uint32_t slots, SecureRandomPool* random)
 
 absl::StatusOr<uint8_t> KeyTable::NextKeyByte(const Slot& slot) {
   // Uniform over the 255 bytes that differ from the current one.
+  MRD_RETURN_IF_ERROR(FaultPoint(faults_, "random.key_byte"));
   MRD_ASSIGN_OR_RETURN(uint8_t draw, random_->Byte());
   while (draw == 255) {  // 255 values wanted: reject one to stay uniform
     MRD_ASSIGN_OR_RETURN(draw, random_->Byte());
@@ -24,11 +26,13 @@ absl::StatusOr<uint8_t> KeyTable::NextKeyByte(const Slot& slot) {
 
 absl::StatusOr<uint32_t> KeyTable::Allocate(uint64_t owner) {
   MRD_CHECK(owner != 0);
+  MRD_RETURN_IF_ERROR(FaultPoint(faults_, "keys.allocate"));
   if (free_.empty()) {
     return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
                      absl::StrCat("all ", slots_.size() - 1,
                                   " memory-key slots are in use"));
   }
+  MRD_RETURN_IF_ERROR(FaultPoint(faults_, "random.key_slot"));
   MRD_ASSIGN_OR_RETURN(uint64_t pick, random_->Uint64());
   size_t at = static_cast<size_t>(pick % free_.size());
   uint32_t index = free_[at];

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "server/device/fault_points.h"
 #include "server/device/software/secure_random.h"
 
 namespace mrd::device {
@@ -29,8 +30,13 @@ class KeyTable {
  public:
   static constexpr uint32_t kMaxSlots = (1u << 24) - 1;
 
-  // `slots` in [1, kMaxSlots]; `random` must outlive the table.
-  KeyTable(uint32_t slots, SecureRandomPool* random);
+  // `slots` in [1, kMaxSlots]; `random` must outlive the table, and so must
+  // `faults` (tests only; nullptr in production). Fault points, each before
+  // anything changes: "keys.allocate" (no free slot), "random.key_slot"
+  // (the slot draw) and "random.key_byte" (the key byte draw, in Allocate
+  // and Reissue).
+  KeyTable(uint32_t slots, SecureRandomPool* random,
+           FaultPoints* faults = nullptr);
 
   // Gives a free slot to `owner` (non-zero) with a fresh key byte and
   // returns the key. Errors: RESOURCE_EXHAUSTED (STATUS_INSUFFICIENT_
@@ -56,6 +62,7 @@ class KeyTable {
   absl::StatusOr<uint8_t> NextKeyByte(const Slot& slot);
 
   SecureRandomPool* const random_;
+  FaultPoints* const faults_;
   std::vector<Slot> slots_;     // [0] unused
   std::vector<uint32_t> free_;  // indices of free slots, unordered
 };

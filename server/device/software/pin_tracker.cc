@@ -39,8 +39,8 @@ PinOps* SystemPinOps() {
   return ops;
 }
 
-PinTracker::PinTracker(uint64_t page_size, PinOps* ops)
-    : page_size_(page_size), ops_(ops) {
+PinTracker::PinTracker(uint64_t page_size, PinOps* ops, FaultPoints* faults)
+    : page_size_(page_size), ops_(ops), faults_(faults) {
   MRD_CHECK(page_size > 0 && (page_size & (page_size - 1)) == 0);
   MRD_CHECK(ops != nullptr);
 }
@@ -105,7 +105,11 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length) {
   for (size_t i = 0; i < gaps.size(); ++i) {
     const auto [gap_start, gap_end] = gaps[i];
     int err = ops_->Lock(gap_start, gap_end - gap_start);
-    if (err == 0) continue;
+    // An injected failure comes after the kernel locked the run, like a
+    // real mlock that locks up to a hole and then fails.
+    absl::Status injected =
+        err == 0 ? FaultPoint(faults_, "pin.mlock") : absl::OkStatus();
+    if (err == 0 && injected.ok()) continue;
     // mlock locks the mappings before a hole and then fails with ENOMEM
     // without undoing them, so the failed gap is unlocked too. Gaps were
     // pinned by no one, so this takes no lock away from another pin.
@@ -119,6 +123,7 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length) {
                    " while undoing a failed pin: ", std::strerror(undo));
       }
     }
+    if (!injected.ok()) return injected;
     return SeedError(
         v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
         absl::StrCat("mlock of ", gap_end - gap_start, " bytes at ",

@@ -23,6 +23,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "server/device/fault_points.h"
 
 namespace mrd::device {
 
@@ -42,8 +43,12 @@ PinOps* SystemPinOps();
 
 class PinTracker {
  public:
-  // `page_size` a power of two; `ops` must outlive the tracker.
-  PinTracker(uint64_t page_size, PinOps* ops);
+  // `page_size` a power of two; `ops` must outlive the tracker, and so
+  // must `faults` (tests only; nullptr in production). Its step
+  // "pin.mlock" is reached after each successful mlock of a run of pages;
+  // failing it fails the pin when that run and every run before it are
+  // locked, which the all-or-nothing undo then unlocks.
+  PinTracker(uint64_t page_size, PinOps* ops, FaultPoints* faults = nullptr);
   // Unlocks whatever is still pinned (the device releases everything first;
   // this is a backstop) and logs it.
   ~PinTracker();
@@ -83,6 +88,7 @@ class PinTracker {
 
   const uint64_t page_size_;
   PinOps* const ops_;
+  FaultPoints* const faults_;
   mutable absl::Mutex mu_;
   RunMap runs_ ABSL_GUARDED_BY(mu_);  // disjoint, refs >= 1
   uint64_t pinned_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -240,10 +240,12 @@ SoftwareDevice::SoftwareDevice(const SoftwareDeviceOptions& options,
     : options_(options),
       page_size_(page_size),
       pins_(page_size,
-            options.pin_ops != nullptr ? options.pin_ops : SystemPinOps()),
+            options.pin_ops != nullptr ? options.pin_ops : SystemPinOps(),
+            options.fault_points),
       listener_(std::move(listener)),
-      keys_(options.max_keys, &random_),
-      iova_(page_size, iova_start, kIovaLimit / page_size * page_size) {
+      keys_(options.max_keys, &random_, options.fault_points),
+      iova_(page_size, iova_start, kIovaLimit / page_size * page_size,
+            options.fault_points) {
   attributes_.name = "software";
   attributes_.kind = "software";
   attributes_.page_size = page_size;
@@ -353,6 +355,7 @@ absl::StatusOr<PdId> SoftwareDevice::AllocatePd(PdEventSink* sink) {
     return MrdError(absl::StatusCode::kInvalidArgument, "NULL_SINK",
                     "AllocatePd needs an event sink");
   }
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "pd.allocate"));
   absl::MutexLock lock(&mu_);
   auto pd = std::make_unique<Pd>();
   pd->id = next_pd_++;
@@ -411,9 +414,11 @@ absl::Status SoftwareDevice::DeallocatePd(PdId pd_id) {
 }
 
 absl::StatusOr<std::string> SoftwareDevice::CreatePeerTicket(PdId pd_id) {
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "random.ticket"));
   MRD_ASSIGN_OR_RETURN(std::string ticket, SecureRandomHex(kTicketBytes));
   absl::MutexLock lock(&mu_);
   MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "ticket.insert"));
   tickets_.emplace(ticket, pd_id);
   pd->tickets.push_back(ticket);
   return ticket;
@@ -497,6 +502,11 @@ absl::StatusOr<MrKeys> SoftwareDevice::RegisterPinned(PdId pd_id,
     auto mr = std::make_shared<Mr>();
     mr->id = next_mr_++;
     MRD_ASSIGN_OR_RETURN(mr->key, keys_.Allocate(mr->id));
+    if (absl::Status s = FaultPoint(options_.fault_points, "mr.insert");
+        !s.ok()) {
+      keys_.Release(mr->key);
+      return s;
+    }
     mr->pd = pd_id;
     mr->valid = true;
     mr->base = base_address;
@@ -613,6 +623,7 @@ absl::StatusOr<LogicalMapping> SoftwareDevice::MapPinned(
       [&]() -> absl::StatusOr<LogicalMapping> {
     absl::MutexLock lock(&mu_);
     MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+    MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "random.iova_guard"));
     MRD_ASSIGN_OR_RETURN(uint64_t pick, random_.Uint64());
     auto lam = std::make_unique<Lam>();
     lam->id = next_lam_++;
@@ -625,6 +636,12 @@ absl::StatusOr<LogicalMapping> SoftwareDevice::MapPinned(
     if (!key.ok()) {
       iova_.Free(lam->iova);
       return key.status();
+    }
+    if (absl::Status s = FaultPoint(options_.fault_points, "lam.insert");
+        !s.ok()) {
+      keys_.Release(*key);
+      iova_.Free(lam->iova);
+      return s;
     }
     lam->key = *key;
     lam->pd = pd_id;
@@ -696,6 +713,11 @@ absl::StatusOr<MrKeys> SoftwareDevice::AllocateFastRegisterMr(
   // The key exists from the start, as an MR object's does, but matches
   // nothing until a fast registration makes the MR valid.
   MRD_ASSIGN_OR_RETURN(mr->key, keys_.Allocate(mr->id));
+  if (absl::Status s = FaultPoint(options_.fault_points, "mr.insert");
+      !s.ok()) {
+    keys_.Release(mr->key);
+    return s;
+  }
   mr->pd = pd_id;
   mr->fast = true;
   mr->allow_remote = allow_remote;
@@ -888,6 +910,7 @@ absl::StatusOr<uint64_t> SoftwareDevice::PostFastRegister(
                      work.mr, "'s max_pages ", mr->max_pages));
   }
   MRD_RETURN_IF_ERROR(ResolvePagesLocked(mr->pd, work.pages).status());
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "work.post"));
 
   Work queued;
   queued.kind = WorkCompletion::Kind::kFastRegister;
@@ -919,6 +942,7 @@ absl::StatusOr<uint64_t> SoftwareDevice::PostInvalidate(
   }
   MRD_ASSIGN_OR_RETURN(Connection * connection,
                        FindPostConnectionLocked(connection_id, mr->pd));
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "work.post"));
   Work queued;
   queued.kind = WorkCompletion::Kind::kInvalidate;
   queued.connection = connection_id;
@@ -957,6 +981,25 @@ void SoftwareDevice::WaitForWorkerIdle() {
   absl::MutexLock lock(&mu_);
   if (!started_) return;
   mu_.Await(absl::Condition(this, &SoftwareDevice::WorkerIdle));
+}
+
+SoftwareDevice::ResourceCounts SoftwareDevice::CountResources() const {
+  absl::MutexLock lock(&mu_);
+  ResourceCounts counts;
+  counts.pds = pds_.size();
+  counts.mrs = mrs_.size();
+  for (const auto& [id, mr] : mrs_) counts.valid_mrs += mr->valid ? 1 : 0;
+  counts.lams = lams_.size();
+  counts.keys = options_.max_keys - keys_.free_slots();
+  counts.iova_ranges = iova_.ranges();
+  counts.tickets = tickets_.size();
+  for (const auto& [id, lam] : lams_) {
+    counts.lam_fast_register_refs += lam->fr_users;
+  }
+  for (const auto& [id, pd] : pds_) {
+    counts.pd_objects += pd->mrs.size() + pd->lams.size();
+  }
+  return counts;
 }
 
 void SoftwareDevice::WorkerLoop() {
@@ -1027,6 +1070,8 @@ std::optional<WorkCompletion> SoftwareDevice::Execute(const Work& work) {
 
 absl::Status SoftwareDevice::ExecuteFastRegisterLocked(const Work& work,
                                                        uint32_t* rkey) {
+  MRD_RETURN_IF_ERROR(
+      FaultPoint(options_.fault_points, "fast_register.execute"));
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
   if (mr->valid) {
     return InvalidParameter(
@@ -1038,6 +1083,9 @@ absl::Status SoftwareDevice::ExecuteFastRegisterLocked(const Work& work,
   MRD_ASSIGN_OR_RETURN(ResolvedPages resolved,
                        ResolvePagesLocked(mr->pd, work.fast_register.pages));
   MRD_ASSIGN_OR_RETURN(mr->key, keys_.Reissue(mr->key));
+  // A failure from here leaves the MR free (its new key matches nothing
+  // while it is not valid) and no LAM referenced.
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "fast_register.map"));
   const FastRegisterWork& fr = work.fast_register;
   mr->base = fr.base_address;
   mr->length = fr.length;

@@ -70,6 +70,7 @@
 #include "mrd/v1/peer.pb.h"
 #include "server/common/fd.h"
 #include "server/device/device.h"
+#include "server/device/fault_points.h"
 #include "server/device/software/iova_space.h"
 #include "server/device/software/key_table.h"
 #include "server/device/software/peer_listener.h"
@@ -95,6 +96,24 @@ struct SoftwareDeviceOptions {
   // Tests only: called on the connection thread inside every peer READ/WRITE
   // after the checks passed and before the I/O, while the op is in flight.
   std::function<void()> peer_io_hook_for_test;
+  // Tests only: failure injection (fault_points.h); not owned, must outlive
+  // the device; nullptr (production) disables it. The steps, in the order an
+  // operation reaches them:
+  //   AllocatePd        pd.allocate
+  //   CreatePeerTicket  random.ticket, ticket.insert
+  //   RegisterMr        pin.mlock (once per run of pages not pinned yet),
+  //                     keys.allocate, random.key_slot, random.key_byte,
+  //                     mr.insert
+  //   BuildLam          pin.mlock (per run), random.iova_guard,
+  //                     iova.allocate, keys.allocate, random.key_slot,
+  //                     random.key_byte, lam.insert
+  //   AllocateFastRegisterMr  keys.allocate, random.key_slot,
+  //                     random.key_byte, mr.insert
+  //   PostFastRegister  work.post; then, on the worker, fast_register.execute,
+  //                     random.key_byte, fast_register.map (a failure there
+  //                     is the work's completion status)
+  //   PostInvalidate    work.post
+  FaultPoints* fault_points = nullptr;
 };
 
 class SoftwareDevice final : public Device {
@@ -153,6 +172,20 @@ class SoftwareDevice final : public Device {
   // so far has been delivered. For tests and orderly teardown; must not be
   // called from a sink. Returns at once when the device was never started.
   void WaitForWorkerIdle();
+
+  // What the device holds right now, for leak checks in tests.
+  struct ResourceCounts {
+    size_t pds = 0;
+    size_t mrs = 0;        // registered MRs and fast-register MR objects
+    size_t valid_mrs = 0;  // registered or fast-registered: peers may use
+    size_t lams = 0;
+    size_t keys = 0;         // key-table slots in use (MRs and LAMs)
+    size_t iova_ranges = 0;  // logical address ranges mapped
+    size_t tickets = 0;
+    size_t lam_fast_register_refs = 0;  // sum of the LAMs' fast-reg users
+    size_t pd_objects = 0;              // sum over PDs of their MR and LAM sets
+  };
+  ResourceCounts CountResources() const;
 
  private:
   struct Pd;

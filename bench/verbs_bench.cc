@@ -1,0 +1,213 @@
+// Registration cost through mrd on a real verbs device, against the floor of
+// doing the same registration directly: ibv_reg_mr + ibv_dereg_mr of the same
+// memfd pages in this process, on the same device. Both run in the same
+// process and the same run, so docs/PERFORMANCE.md reports ratios.
+//
+// Runs inside the Soft-RoCE VM (scripts/vm-bench.sh):
+//   MRD_TEST_DEVICE=verbs build/bench/verbs_bench --benchmark_counters_tabular=true
+// Outside the VM (no verbs device) it can still run against the software
+// device for the mrd side (MRD_TEST_DEVICE unset), but then the floor is
+// missing and the run fails: the figures are meant for the verbs device.
+//
+// Cases (argument: buffer size in bytes; 4 KiB, 2 MiB, 64 MiB, 1 GiB):
+//   BM_Floor_IbvRegDereg    ibv_reg_mr + ibv_dereg_mr, in process
+//   BM_Mrd_RegisterDeregister
+//                           RegisterMr + DeregisterMr through the real mrd
+//                           (client library, gRPC over its Unix socket,
+//                           memfd passed with SCM_RIGHTS once at set-up);
+//                           mrd started with warm pins off, so every
+//                           iteration is a cold registration
+//   BM_Mrd_WarmReRegister   the same with mrd's warm pins on: the pages of
+//                           the released registration stay pinned, so the
+//                           next RegisterMr does not pin again (it still
+//                           gets a new key)
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <benchmark/benchmark.h>
+#include <infiniband/verbs.h>
+
+#include "client/lib/mrd_client.h"
+#include "tests/integration/mrd_process.h"
+
+namespace mrd {
+namespace {
+
+constexpr uint64_t kMaxSize = uint64_t{1} << 30;
+
+// The verbs device named by MRD_VERBS_DEVICE (or the first), with a PD.
+struct Verbs {
+  ibv_context* context = nullptr;
+  ibv_pd* pd = nullptr;
+
+  static Verbs& Get() {
+    static Verbs* verbs = [] {
+      auto* v = new Verbs();
+      int n = 0;
+      ibv_device** list = ibv_get_device_list(&n);
+      const char* want = std::getenv("MRD_VERBS_DEVICE");
+      for (int i = 0; list != nullptr && i < n; ++i) {
+        if (want == nullptr || *want == '\0' ||
+            std::strcmp(ibv_get_device_name(list[i]), want) == 0) {
+          v->context = ibv_open_device(list[i]);
+          break;
+        }
+      }
+      if (list != nullptr) ibv_free_device_list(list);
+      if (v->context != nullptr) v->pd = ibv_alloc_pd(v->context);
+      return v;
+    }();
+    return *verbs;
+  }
+};
+
+// A memfd of `size` bytes, mapped and touched so every page exists.
+struct Memory {
+  int fd = -1;
+  void* address = MAP_FAILED;
+  uint64_t size = 0;
+
+  bool Init(uint64_t bytes) {
+    size = bytes;
+    fd = memfd_create("verbs-bench", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0 || ftruncate(fd, static_cast<off_t>(size)) != 0) return false;
+    address = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (address == MAP_FAILED) return false;
+    for (uint64_t i = 0; i < size; i += 4096) {
+      static_cast<char*>(address)[i] = 1;
+    }
+    return true;
+  }
+  ~Memory() {
+    if (address != MAP_FAILED) munmap(address, size);
+    if (fd >= 0) close(fd);
+  }
+};
+
+void BM_Floor_IbvRegDereg(benchmark::State& state) {
+  const uint64_t size = static_cast<uint64_t>(state.range(0));
+  Verbs& verbs = Verbs::Get();
+  if (verbs.pd == nullptr) {
+    state.SkipWithError("no verbs device (run inside the Soft-RoCE VM)");
+    return;
+  }
+  Memory memory;
+  if (!memory.Init(size)) {
+    state.SkipWithError("memfd");
+    return;
+  }
+  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
+                     IBV_ACCESS_REMOTE_WRITE;
+  for (auto _ : state) {
+    ibv_mr* mr = ibv_reg_mr(verbs.pd, memory.address, size, access);
+    if (mr == nullptr) {
+      state.SkipWithError("ibv_reg_mr failed");
+      return;
+    }
+    ibv_dereg_mr(mr);
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(size));
+}
+
+// A real mrd, a client session and one buffer of `size` bytes.
+struct MrdFixture {
+  std::unique_ptr<testing::MrdProcess> mrd;
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<client::Session> session;
+  std::unique_ptr<client::Buffer> buffer;
+
+  bool Init(uint64_t size, bool warm) {
+    testing::MrdProcessOptions options;
+    options.extra_flags = {
+        "--max_session_pinned_bytes=" + std::to_string(4 * kMaxSize),
+        "--max_total_pinned_bytes=" + std::to_string(4 * kMaxSize),
+        warm ? "--warm_pin_bytes_per_session=" + std::to_string(2 * kMaxSize)
+             : "--warm_pin_bytes_per_session=0",
+        warm ? "--warm_pin_bytes_total=" + std::to_string(2 * kMaxSize)
+             : "--warm_pin_bytes_total=0",
+    };
+    auto p = testing::MrdProcess::Start(options);
+    if (!p.ok()) {
+      std::fprintf(stderr, "mrd: %s\n", p.status().ToString().c_str());
+      return false;
+    }
+    mrd = std::move(*p);
+    client::ClientOptions client_options;
+    client_options.socket_path = mrd->grpc_socket();
+    client_options.fd_socket_path = mrd->fd_socket();
+    auto c = client::Client::Connect(client_options);
+    if (!c.ok()) return false;
+    client = std::make_unique<client::Client>(std::move(*c));
+    auto s = client::Session::OpenFd(*client);
+    if (!s.ok()) return false;
+    session = std::make_unique<client::Session>(std::move(*s));
+    auto b = client::Buffer::Create(*session, size);
+    if (!b.ok()) return false;
+    buffer = std::make_unique<client::Buffer>(std::move(*b));
+    for (uint64_t i = 0; i < size; i += 4096) {
+      static_cast<char*>(buffer->data())[i] = 1;
+    }
+    return true;
+  }
+};
+
+void RunMrd(benchmark::State& state, bool warm) {
+  const uint64_t size = static_cast<uint64_t>(state.range(0));
+  MrdFixture f;
+  if (!f.Init(size, warm)) {
+    state.SkipWithError("could not start mrd or open a session");
+    return;
+  }
+  client::RegisterOptions o;
+  o.buffer = f.buffer->id();
+  o.length = size;
+  o.flags = 0x1 | 0x2 | 0x5;  // local write, remote read, remote write
+  auto info = f.client->GetDeviceInfo();
+  if (info.ok()) state.SetLabel(info->kind() + ":" + info->name());
+  for (auto _ : state) {
+    auto r = client::Registration::Register(*f.session, o);
+    if (!r.ok()) {
+      state.SkipWithError(r.status().ToString().c_str());
+      return;
+    }
+    auto left = r->Deregister();
+    if (!left.ok() || *left != 0) {
+      state.SkipWithError("DeregisterMr failed");
+      return;
+    }
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(size));
+}
+
+void BM_Mrd_RegisterDeregister(benchmark::State& state) { RunMrd(state, false); }
+void BM_Mrd_WarmReRegister(benchmark::State& state) { RunMrd(state, true); }
+
+void Sizes(benchmark::internal::Benchmark* b) {
+  b->Arg(4096)->Arg(2 << 20)->Arg(64 << 20);
+  b->Unit(benchmark::kMicrosecond);
+}
+void HugeSize(benchmark::internal::Benchmark* b) {
+  // 1 GiB: few iterations (each pins 262144 pages).
+  b->Arg(int64_t{1} << 30)->Iterations(5)->Unit(benchmark::kMillisecond);
+}
+
+BENCHMARK(BM_Floor_IbvRegDereg)->Apply(Sizes);
+BENCHMARK(BM_Mrd_RegisterDeregister)->Apply(Sizes);
+BENCHMARK(BM_Mrd_WarmReRegister)->Apply(Sizes);
+BENCHMARK(BM_Floor_IbvRegDereg)->Apply(HugeSize);
+BENCHMARK(BM_Mrd_RegisterDeregister)->Apply(HugeSize);
+BENCHMARK(BM_Mrd_WarmReRegister)->Apply(HugeSize);
+
+}  // namespace
+}  // namespace mrd
+
+BENCHMARK_MAIN();

@@ -1,0 +1,414 @@
+// VerbsDevice: mrd's device on a real RDMA adapter (libibverbs + librdmacm),
+// e.g. a ConnectX NIC or Soft-RoCE (rdma_rxe). Peers are remote RC queue
+// pairs that connect with librdmacm and do one-sided READ/WRITE; the adapter
+// enforces keys, PDs, bounds and access rights, mrd only registers memory.
+//
+// Design:
+// * Device: the rdma_cm listener is bound to peer_address first, and the
+//   device is the one that address belongs to: its ibv_context is
+//   librdmacm's own context for that device (listen_id->verbs), so every
+//   rdma_cm id of the peer path shares it and the PDs mrd allocates can hold
+//   their QPs. Only that device is opened (rdma_get_devices would open them
+//   all). peer_address must therefore be an address of the RDMA device's
+//   interface, not a wildcard. Attributes come from ibv_query_device and
+//   ibv_query_port of the listener's port.
+// * Registration: ibv_reg_mr_iova2(pd, host_address, length, iova =
+//   base_address, access). Access: local read always; kAccessLocalWrite ->
+//   LOCAL_WRITE; kAccessRemoteRead -> REMOTE_READ; kAccessRemoteWrite ->
+//   REMOTE_WRITE | LOCAL_WRITE; kAccessReadSink needs nothing on verbs (an
+//   RDMA READ sink only needs LOCAL_WRITE), hence
+//   kAdapterFlagReadSinkNotRequired. DeregisterMr is ibv_dereg_mr: the rkey
+//   is dead when it returns. The adapter translates whole pages, so the base
+//   address must be at the same offset within its page as the memory
+//   (INVALID_ARGUMENT "BASE_ADDRESS_MISALIGNED" otherwise); mrd's default
+//   base addresses always are.
+// * Read-only memory: kernels before 6.2 pin memory that is not to be
+//   written with FOLL_FORCE, which a shared read-only mapping refuses
+//   (EFAULT). When a registration without write access fails that way, the
+//   device registers a writable view of the same file pages instead (mmap
+//   MAP_SHARED of span.fd; mrd never writes through it, and the access
+//   flags still say what peers may do). A file that cannot be mapped
+//   writable (read-only fd, F_SEAL_WRITE) cannot be registered on such
+//   kernels: INVALID_ARGUMENT "READ_ONLY_MEMORY_NOT_PINNABLE".
+// * Pinning: the kernel pins per registration (ib_umem), not per page: two
+//   registrations of one page pin it twice. PinnedBytes() therefore counts
+//   each live verbs registration's page-rounded span (normal MRs, LAMs and
+//   fast-registration remaps), which is what the kernel charges to
+//   pinned_vm.
+// * LAMs: BuildLam maps the span's pages into a logical address space
+//   (IovaSpace, shared with the software device: random non-zero start,
+//   guard gaps, never reused) and pins them with a local-only registration
+//   whose iova is the LAM's first logical address plus FBO. That
+//   registration's lkey is the LAM's privileged token (L9): usable in local
+//   work at the logical addresses, refused by the adapter on the wire (it
+//   grants no remote access).
+// * Fast registration: user-space verbs has no REG_MR work request, so the
+//   device does what the NIC would, on the worker thread: it builds a
+//   contiguous remap of the named pages (mmap PROT_NONE to reserve the
+//   range, then mmap MAP_FIXED|MAP_SHARED of each run of pages from the
+//   LAM's file; writable when the file allows, see read-only memory) and
+//   registers it with ibv_reg_mr_iova2 at base_address. The MR's new rkey
+//   is that registration's; one that happens to get the previous rkey again
+//   is redone, so every fast registration gets a different key.
+//   Invalidation is ibv_dereg_mr plus munmap. Limitation: pages of hugetlbfs
+//   files cannot be remapped one base page at a time; such a fast
+//   registration completes with an error.
+// * Work ordering (same semantics as the software device): posted work runs
+//   on one worker thread in post order per connection; kWorkDefer work is
+//   held until the next non-deferred post on that connection;
+//   kWorkSilentSuccess suppresses only success completions; kWorkReadFence
+//   holds trivially, since the worker executes each request synchronously
+//   and to completion before the next one. The worker also delivers every
+//   sink event (peer connected, completions, peer disconnected), so a PD's
+//   events arrive in order, from one thread, never on a caller's stack.
+// * Peer path: an rdma_cm listener (RDMA_PS_TCP) on peer_address. A connect
+//   request's private data carries the ticket (CreatePeerTicket: 32 hex
+//   characters, NUL-padded by the transport). Unknown ticket: rdma_reject
+//   with private data "BAD_TICKET". Known: an RC QP in the ticket's PD (own
+//   CQ; mrd never posts on it), accepted with responder_resources /
+//   initiator_depth of the request bounded by the device's limits and
+//   private data = {uint64 connection id, uint64 max message size}, both
+//   little-endian (kAcceptPrivateDataBytes). ESTABLISHED -> OnPeerConnected;
+//   DISCONNECTED or a connection error -> OnPeerDisconnected, after queued
+//   work is flushed with STATUS_CONNECTION_INVALID "FLUSHED" completions.
+//   Every rdma_cm id and QP is created and destroyed on the connection-
+//   manager thread only; other threads hand it commands.
+// * Health: a thread reads the device's async events. QP errors mark the
+//   connection in error (posts fail) and disconnect it. PORT_ERR makes
+//   Health() unhealthy until PORT_ACTIVE; requests are still attempted.
+// * Device loss: DEVICE_FATAL, or the rdma_cm DEVICE_REMOVAL event (all a
+//   Soft-RoCE device gets when it is deleted). Health() is unhealthy for
+//   good, and requests that need the adapter fail with UNAVAILABLE
+//   "DEVICE_LOST". The kernel cannot finish removing a device while a
+//   process holds it open, so the device then lets go of everything on it:
+//   connections (sinks hear OnPeerDisconnected), the listener, every MR, LAM
+//   pin and verbs PD (their ids stay valid for DeregisterMr, ReleaseLam and
+//   DeallocatePd, which then have nothing left to undo), and librdmacm's
+//   context (rdma_get_devices + rdma_free_devices make librdmacm notice the
+//   device is gone and close it; as a side effect librdmacm opens the other
+//   RDMA devices, if any). PinnedBytes() is 0 afterwards.
+//
+// Thread safety: every method may be called from any thread (Device
+// contract). Sinks must not call back into the device synchronously.
+#ifndef MRD_SERVER_DEVICE_VERBS_VERBS_DEVICE_H_
+#define MRD_SERVER_DEVICE_VERBS_VERBS_DEVICE_H_
+
+#include <infiniband/verbs.h>
+#include <rdma/rdma_cma.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "server/common/fd.h"
+#include "server/device/device.h"
+#include "server/device/software/iova_space.h"
+#include "server/device/software/secure_random.h"
+
+namespace mrd::device {
+
+struct VerbsDeviceOptions {
+  // ibv device name (e.g. "mlx5_0", "rxe0"); empty = whichever device
+  // peer_address belongs to. When set, peer_address must be on it.
+  std::string device_name;
+  // Numeric "ip:port" of the rdma_cm listener; port 0 picks a free one,
+  // which Attributes().peer_address then reports. The address must be
+  // configured on the RDMA device's network interface (not a wildcard).
+  std::string peer_address;
+  // Longest fast-register page array. User-space verbs does not report the
+  // adapter's fast-register limit (fast registration here is a remap plus
+  // ibv_reg_mr), so this is mrd's bound; it is also capped so that
+  // pages * page_size never exceeds max_mr_size.
+  uint32_t max_page_list_length = 4096;
+  // Caps max_mr_size below the adapter's (0 = the adapter's).
+  uint64_t max_mr_size_limit = 0;
+  // Connected queue pairs at once; further connect requests are rejected.
+  uint32_t max_connections = 1024;
+};
+
+// Private data of the accept reply: two little-endian uint64s.
+inline constexpr size_t kAcceptPrivateDataBytes = 16;
+// Private data of a ticket rejection.
+inline constexpr char kBadTicketRejectData[] = "BAD_TICKET";
+
+// Names of the RDMA devices libibverbs sees (empty when there are none).
+// Opens none of them.
+std::vector<std::string> ListVerbsDevices();
+
+class VerbsDevice final : public Device {
+ public:
+  // Binds the rdma_cm listener (which opens the device) and queries the
+  // device. Errors: NOT_FOUND "NO_VERBS_DEVICE" / "UNKNOWN_VERBS_DEVICE"
+  // (naming the devices there are), INVALID_ARGUMENT "BAD_HOST_PORT" /
+  // "BAD_OPTION" / "PEER_ADDRESS_NOT_ON_DEVICE", or the errno of a
+  // verbs/rdma_cm call.
+  static absl::StatusOr<std::unique_ptr<VerbsDevice>> Create(
+      const VerbsDeviceOptions& options);
+  // Shutdown(), then releases whatever PDs are left (nothing stays pinned),
+  // without calling their sinks.
+  ~VerbsDevice() override;
+  VerbsDevice(const VerbsDevice&) = delete;
+  VerbsDevice& operator=(const VerbsDevice&) = delete;
+
+  const DeviceAttributes& Attributes() const override { return attributes_; }
+  DeviceHealth Health() const override;
+  // Page-rounded bytes of every live verbs registration. Verbs pins per
+  // registration, so overlapping registrations count twice (unlike the
+  // software device, which counts each page once).
+  uint64_t PinnedBytes() const override;
+
+  // Starts listening and the threads. Errors: FAILED_PRECONDITION
+  // "ALREADY_STARTED", or the errno of rdma_listen.
+  absl::Status Start() override;
+  void Shutdown() override;
+
+  absl::StatusOr<PdId> AllocatePd(PdEventSink* sink) override;
+  absl::Status DeallocatePd(PdId pd) override;
+
+  absl::StatusOr<MrKeys> RegisterMr(PdId pd, const MemorySpan& span,
+                                    uint64_t base_address,
+                                    uint32_t access) override;
+  absl::Status DeregisterMr(MrId mr) override;
+
+  absl::StatusOr<LogicalMapping> BuildLam(PdId pd,
+                                          const MemorySpan& span) override;
+  absl::Status ReleaseLam(LamId lam) override;
+
+  absl::StatusOr<MrKeys> AllocateFastRegisterMr(PdId pd, bool allow_remote,
+                                                uint32_t max_pages) override;
+  absl::Status FreeFastRegisterMr(MrId mr) override;
+  absl::StatusOr<MrKeys> QueryMr(MrId mr) const override;
+
+  absl::StatusOr<std::string> CreatePeerTicket(PdId pd) override;
+
+  absl::StatusOr<uint64_t> PostFastRegister(
+      ConnectionId connection, const FastRegisterWork& work) override;
+  absl::StatusOr<uint64_t> PostInvalidate(ConnectionId connection,
+                                          const InvalidateWork& work) override;
+
+  // Beyond Device:
+
+  // The largest peer READ/WRITE (the port's max_msg_sz), as advertised in
+  // the accept reply.
+  uint64_t max_message_size() const { return max_message_size_; }
+  // Blocks until the worker has no task queued or running. For tests and
+  // orderly teardown; must not be called from a sink.
+  void WaitForWorkerIdle();
+
+ private:
+  struct Pd;
+  struct Mr;
+  struct Lam;
+  struct Connection;
+  struct PageRef;
+  struct ResolvedPages;
+  // A connection-manager event, copied out before it is acknowledged.
+  struct CmEvent;
+
+  // One verbs registration: the MR, and the view of the file mrd mapped for
+  // it when it did not register the caller's mapping (fast-registration
+  // remaps, writable views of read-only memory).
+  struct Memory {
+    ibv_mr* mr = nullptr;
+    void* view = nullptr;
+    uint64_t view_length = 0;
+    uint64_t pinned = 0;  // page-rounded bytes the registration pins
+  };
+
+  struct Work {
+    WorkCompletion::Kind kind = WorkCompletion::Kind::kFastRegister;
+    uint64_t id = 0;
+    ConnectionId connection = 0;
+    PdId pd = 0;
+    MrId mr = 0;
+    uint32_t flags = 0;
+    uint64_t request_context = 0;
+    FastRegisterWork fast_register;  // kFastRegister only
+  };
+  struct Task {
+    enum class Kind { kWork, kConnected, kDisconnected };
+    Kind kind = Kind::kWork;
+    PdId pd = 0;
+    ConnectionId connection = 0;
+    std::string remote;  // kConnected
+    Work work;           // kWork
+  };
+  // What other threads ask of the connection-manager thread.
+  struct CmCommand {
+    enum class Kind { kClosePd, kClose, kReleaseAll };
+    Kind kind = Kind::kClose;
+    PdId pd = 0;                  // kClosePd
+    ConnectionId connection = 0;  // kClose
+  };
+  // What HandleAsyncEvent needs of an ibv_async_event, copied before the
+  // event is acknowledged.
+  struct AsyncEvent {
+    ibv_event_type type = IBV_EVENT_DEVICE_FATAL;
+    uint32_t qp_num = 0;   // QP events
+    ibv_cq* cq = nullptr;  // CQ_ERR (compared, never dereferenced)
+    int port_num = 0;      // port events
+  };
+
+  VerbsDevice(const VerbsDeviceOptions& options, uint64_t page_size,
+              uint64_t iova_start);
+
+  absl::Status Open(const VerbsDeviceOptions& options);
+  absl::Status CheckUsableLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ValidateSpan(const MemorySpan& span,
+                            absl::string_view call) const;
+  // ibv_reg_mr_iova2 of [span) at `iova`, through a writable view of the
+  // file when the kernel refuses to pin a read-only mapping (see above).
+  absl::StatusOr<Memory> RegisterSpan(ibv_pd* pd, const MemorySpan& span,
+                                      uint64_t iova, int access,
+                                      absl::string_view what) const;
+  // Deregisters and unmaps. Errors: ibv_dereg_mr's (the memory then stays
+  // pinned and the view mapped).
+  static absl::Status ReleaseMemory(const Memory& memory);
+
+  absl::StatusOr<Pd*> FindPdLocked(PdId pd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the PD busy (DeallocatePd and ReleaseDevice wait until it is idle
+  // again) and returns its verbs PD. Used around verbs calls made outside
+  // the mutex.
+  absl::StatusOr<ibv_pd*> BeginPdOp(PdId pd) ABSL_LOCKS_EXCLUDED(mu_);
+  void EndPdOp(PdId pd) ABSL_LOCKS_EXCLUDED(mu_);
+  void EndPdOpLocked(PdId pd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::StatusOr<std::shared_ptr<Mr>> FindMrLocked(MrId mr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the MR revoking, waits until no fast registration is executing on
+  // it, and erases it from the maps.
+  void DetachMrLocked(const std::shared_ptr<Mr>& mr)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct MrResources {
+    Memory memory;
+    std::vector<LamId> lams;
+  };
+  // Takes the MR's registration out of it (the MR is then not valid).
+  MrResources TakeResourcesLocked(Mr& mr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // ReleaseMemory (no lock held), then drops the LAM references and the
+  // pinned count (taking the mutex).
+  absl::Status ReleaseMrResources(MrResources resources)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void DropLamRefsLocked(const std::vector<LamId>& lams)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::StatusOr<ResolvedPages> ResolvePagesLocked(
+      PdId pd, const std::vector<uint64_t>& pages) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Connection*> FindPostConnectionLocked(ConnectionId connection,
+                                                       PdId pd) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  uint64_t EnqueueLocked(Connection& connection, Work work)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseDeferredLocked(Connection& connection)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Worker.
+  void WorkerLoop();
+  std::optional<WorkCompletion> Execute(const Work& work)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ExecuteFastRegister(const Work& work, uint32_t* rkey)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status ExecuteInvalidate(const Work& work) ABSL_LOCKS_EXCLUDED(mu_);
+  bool WorkerHasTask() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool WorkerIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Connection-manager thread.
+  void CmLoop();
+  void HandleCmEvent(const CmEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
+  void HandleConnectRequest(const CmEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
+  void HandleEstablished(rdma_cm_id* id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes the connection of `id` (if any) and destroys its QP, CQ and the
+  // id itself. `notify`: the PD's sink hears OnPeerDisconnected (if it
+  // heard OnPeerConnected and the PD is not dying).
+  void CloseCmId(rdma_cm_id* id, bool notify) ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes every connection and, with `listener`, destroys the listener.
+  void CloseAllCmIds(bool listener) ABSL_LOCKS_EXCLUDED(mu_);
+  void RunCmCommands() ABSL_LOCKS_EXCLUDED(mu_);
+  void CommandCm(CmCommand command) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Device loss. LoseDevice marks the device lost (once) and starts letting
+  // go of it: the cm thread closes every id (kReleaseAll), then the async
+  // thread runs ReleaseDevice: every MR and LAM pin is deregistered, every
+  // verbs PD deallocated, and librdmacm made to close the device.
+  void LoseDevice(const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
+  void LoseDeviceLocked(const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseDevice() ABSL_LOCKS_EXCLUDED(mu_);
+  bool ReadyToRelease() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Async-event thread.
+  void AsyncLoop();
+  void HandleAsyncEvent(const AsyncEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
+  void MarkConnectionErrorLocked(Connection& connection, const std::string& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const VerbsDeviceOptions options_;
+  const uint64_t page_size_;
+  DeviceAttributes attributes_;
+  uint64_t max_message_size_ = 0;
+  uint32_t max_responder_resources_ = 0;  // device max_qp_rd_atom
+  uint32_t max_initiator_depth_ = 0;      // device max_qp_init_rd_atom
+  uint8_t port_num_ = 1;
+
+  // librdmacm's context of the device (listen_id_->verbs); closed by
+  // librdmacm once every id on it is gone (and, after a loss, the device is
+  // noticed to be gone).
+  ibv_context* context_ = nullptr;
+  rdma_event_channel* channel_ = nullptr;  // owned
+  // Owned. Destroyed by the cm thread on its way out, by ReleaseDevice after
+  // a loss (the cm thread hands it over with cm_released_), or by the
+  // destructor when the device never started.
+  rdma_cm_id* listen_id_ = nullptr;
+  UniqueFd cm_wake_;     // eventfd: commands or stop
+  UniqueFd async_wake_;  // eventfd: stop or device loss
+
+  mutable absl::Mutex mu_;
+  std::thread worker_ ABSL_GUARDED_BY(mu_);
+  std::thread cm_thread_ ABSL_GUARDED_BY(mu_);
+  std::thread async_thread_ ABSL_GUARDED_BY(mu_);
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool cm_stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool cm_running_ ABSL_GUARDED_BY(mu_) = false;
+  bool async_stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool worker_stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool worker_busy_ ABSL_GUARDED_BY(mu_) = false;
+  std::string lost_reason_ ABSL_GUARDED_BY(mu_);   // non-empty: device lost
+  bool cm_released_ ABSL_GUARDED_BY(mu_) = false;  // every id closed
+  bool released_ ABSL_GUARDED_BY(mu_) = false;     // ReleaseDevice done
+  std::string port_problem_ ABSL_GUARDED_BY(mu_);  // non-empty: port down
+  uint64_t pinned_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  SecureRandomPool random_ ABSL_GUARDED_BY(mu_);
+  IovaSpace iova_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<PdId, std::unique_ptr<Pd>> pds_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<MrId, std::shared_ptr<Mr>> mrs_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<LamId, std::unique_ptr<Lam>> lams_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<ConnectionId, std::unique_ptr<Connection>> connections_
+      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<rdma_cm_id*, ConnectionId> by_cm_id_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint32_t, ConnectionId> by_qp_num_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, PdId> tickets_ ABSL_GUARDED_BY(mu_);
+  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
+  std::deque<CmCommand> cm_commands_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_pd_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_mr_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_lam_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t next_work_ ABSL_GUARDED_BY(mu_) = 1;
+};
+
+}  // namespace mrd::device
+
+#endif  // MRD_SERVER_DEVICE_VERBS_VERBS_DEVICE_H_
