@@ -4,7 +4,8 @@
 // process and the same run, so docs/PERFORMANCE.md reports ratios.
 //
 // Runs inside the Soft-RoCE VM (scripts/vm-bench.sh):
-//   MRD_TEST_DEVICE=verbs build/bench/verbs_bench --benchmark_counters_tabular=true
+//   MRD_TEST_DEVICE=verbs build/bench/verbs_bench
+//   --benchmark_counters_tabular=true
 // Outside the VM (no verbs device) it can still run against the software
 // device for the mrd side (MRD_TEST_DEVICE unset), but then the floor is
 // missing and the run fails: the figures are meant for the verbs device.
@@ -15,14 +16,13 @@
 //                           RegisterMr + DeregisterMr through the real mrd
 //                           (client library, gRPC over its Unix socket,
 //                           memfd passed with SCM_RIGHTS once at set-up);
-//                           mrd started with warm pins off, so every
-//                           iteration is a cold registration
-//   BM_Mrd_WarmReRegister   the same with mrd's warm pins on: the pages of
-//                           the released registration stay pinned, so the
-//                           next RegisterMr does not pin again (it still
-//                           gets a new key)
+//                           every iteration a cold registration (mrd keeps
+//                           no warm pins on a device that pins per
+//                           registration, as verbs does)
 
+#include <benchmark/benchmark.h>
 #include <fcntl.h>
+#include <infiniband/verbs.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -32,9 +32,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <benchmark/benchmark.h>
-#include <infiniband/verbs.h>
 
 #include "client/lib/mrd_client.h"
 #include "tests/integration/mrd_process.h"
@@ -105,8 +102,8 @@ void BM_Floor_IbvRegDereg(benchmark::State& state) {
     state.SkipWithError("memfd");
     return;
   }
-  const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ |
-                     IBV_ACCESS_REMOTE_WRITE;
+  const int access =
+      IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
   for (auto _ : state) {
     ibv_mr* mr = ibv_reg_mr(verbs.pd, memory.address, size, access);
     if (mr == nullptr) {
@@ -125,15 +122,11 @@ struct MrdFixture {
   std::unique_ptr<client::Session> session;
   std::unique_ptr<client::Buffer> buffer;
 
-  bool Init(uint64_t size, bool warm) {
+  bool Init(uint64_t size) {
     testing::MrdProcessOptions options;
     options.extra_flags = {
         "--max_session_pinned_bytes=" + std::to_string(4 * kMaxSize),
         "--max_total_pinned_bytes=" + std::to_string(4 * kMaxSize),
-        warm ? "--warm_pin_bytes_per_session=" + std::to_string(2 * kMaxSize)
-             : "--warm_pin_bytes_per_session=0",
-        warm ? "--warm_pin_bytes_total=" + std::to_string(2 * kMaxSize)
-             : "--warm_pin_bytes_total=0",
     };
     auto p = testing::MrdProcess::Start(options);
     if (!p.ok()) {
@@ -160,10 +153,10 @@ struct MrdFixture {
   }
 };
 
-void RunMrd(benchmark::State& state, bool warm) {
+void BM_Mrd_RegisterDeregister(benchmark::State& state) {
   const uint64_t size = static_cast<uint64_t>(state.range(0));
   MrdFixture f;
-  if (!f.Init(size, warm)) {
+  if (!f.Init(size)) {
     state.SkipWithError("could not start mrd or open a session");
     return;
   }
@@ -188,9 +181,6 @@ void RunMrd(benchmark::State& state, bool warm) {
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(size));
 }
 
-void BM_Mrd_RegisterDeregister(benchmark::State& state) { RunMrd(state, false); }
-void BM_Mrd_WarmReRegister(benchmark::State& state) { RunMrd(state, true); }
-
 void Sizes(benchmark::internal::Benchmark* b) {
   b->Arg(4096)->Arg(2 << 20)->Arg(64 << 20);
   b->Unit(benchmark::kMicrosecond);
@@ -202,10 +192,8 @@ void HugeSize(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_Floor_IbvRegDereg)->Apply(Sizes);
 BENCHMARK(BM_Mrd_RegisterDeregister)->Apply(Sizes);
-BENCHMARK(BM_Mrd_WarmReRegister)->Apply(Sizes);
 BENCHMARK(BM_Floor_IbvRegDereg)->Apply(HugeSize);
 BENCHMARK(BM_Mrd_RegisterDeregister)->Apply(HugeSize);
-BENCHMARK(BM_Mrd_WarmReRegister)->Apply(HugeSize);
 
 }  // namespace
 }  // namespace mrd

@@ -261,6 +261,15 @@ int Run() {
   core_options.warm_pin_bytes_per_session =
       absl::GetFlag(FLAGS_warm_pin_bytes_per_session);
   core_options.warm_pin_bytes_total = absl::GetFlag(FLAGS_warm_pin_bytes_total);
+  if (!(*device)->Attributes().shares_pins &&
+      core_options.warm_pin_bytes_total != 0) {
+    // Measured (docs/PERFORMANCE.md): on a device that pins per registration
+    // a warm pin is one more registration and makes re-registering slower.
+    LogInfo("device ", (*device)->Attributes().name,
+            " pins per registration: warm pins are off");
+    core_options.warm_pin_bytes_per_session = 0;
+    core_options.warm_pin_bytes_total = 0;
+  }
   if (!core_options.shm_dir.empty()) {
     // Create it if missing (sticky and world-writable, like /dev/shm), so
     // that `make run` works on a fresh machine.

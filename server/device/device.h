@@ -64,6 +64,11 @@ struct DeviceAttributes {
   // The adapter supports memory windows (verbs: IBV_DEVICE_MEM_WINDOW or
   // max_mw > 0). mrd does not use them; reported for inspection.
   bool supports_memory_windows = false;
+  // Registrations of the same pages share one pin (the software device's
+  // page refcounts): a page already pinned costs nothing to register again,
+  // which is what makes the core's warm pins worth keeping. Verbs pins per
+  // registration, so there a warm pin would only add a registration.
+  bool shares_pins = false;
 };
 
 struct DeviceHealth {

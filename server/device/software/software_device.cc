@@ -248,6 +248,7 @@ SoftwareDevice::SoftwareDevice(const SoftwareDeviceOptions& options,
             options.fault_points) {
   attributes_.name = "software";
   attributes_.kind = "software";
+  attributes_.shares_pins = true;  // PinTracker: page refcounts
   attributes_.page_size = page_size;
   attributes_.max_mr_size = options.max_mr_size;
   attributes_.max_page_list_length = options.max_page_list_length;
