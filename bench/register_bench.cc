@@ -7,18 +7,18 @@
 //
 // Cases (the argument is the buffer size in bytes):
 //   BM_Floor_MlockMunlock     mlock + munlock of the buffer
-//   BM_RegisterDeregister     RegisterMr + DeregisterMr (a cache miss each time)
-//   BM_RegisterCacheHit       RegisterMr of an already-registered range + its
+//   BM_RegisterDeregister     RegisterMr + DeregisterMr (a cache miss each
+//   time) BM_RegisterCacheHit       RegisterMr of an already-registered range +
+//   its
 //                             DeregisterMr (W5: a reference, no pinning)
 
+#include <benchmark/benchmark.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <memory>
 #include <string>
-
-#include <benchmark/benchmark.h>
 
 #include "server/common/clock.h"
 #include "server/common/fd.h"

@@ -58,6 +58,12 @@ run_vm() {
 }
 
 status=0
+# Style: every C++ file as clang-format (.clang-format, Google style) has it.
+echo "== clang-format"
+if ! git ls-files -z '*.cc' '*.h' | xargs -0 clang-format --dry-run --Werror; then
+  echo "clang-format: files above need 'make format'"
+  status=1
+fi
 configure build
 run plain build || status=1
 run_vm || status=1

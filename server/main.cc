@@ -296,8 +296,9 @@ int Run() {
     return 1;
   }
   session::FdServer* fd_server_ptr = fd_server->get();
-  core.SetFdHangup(
-      [fd_server_ptr](const std::string& token) { fd_server_ptr->Hangup(token); });
+  core.SetFdHangup([fd_server_ptr](const std::string& token) {
+    fd_server_ptr->Hangup(token);
+  });
 
   // Metrics.
   metrics::Metrics metrics(&core);
@@ -345,8 +346,8 @@ int Run() {
   absl::Notification stop_health;
   std::thread health_watch([&] {
     bool serving = true;
-    while (!stop_health.WaitForNotificationWithTimeout(
-        absl::Milliseconds(200))) {
+    while (
+        !stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
       device::DeviceHealth now = (*device)->Health();
       if (now.healthy != serving) {
         serving = now.healthy;

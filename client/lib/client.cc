@@ -83,8 +83,8 @@ void CallUnaryAsync(std::shared_ptr<const internal::ClientCore> core,
           // The call (its channel reference, the callback and what it
           // captured) may hold the last reference to the client: it must not
           // be destroyed on this gRPC callback thread.
-          internal::DeferRelease(std::shared_ptr<const void>(
-              call, [](const void* p) {
+          internal::DeferRelease(
+              std::shared_ptr<const void>(call, [](const void* p) {
                 delete static_cast<const AsyncCall<Request, Response>*>(p);
               }));
         });

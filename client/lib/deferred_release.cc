@@ -14,7 +14,9 @@ namespace {
 // still be dropping references while the process exits, which is harmless.
 class Releaser {
  public:
-  Releaser() { std::thread([this] { Run(); }).detach(); }
+  Releaser() {
+    std::thread([this] { Run(); }).detach();
+  }
 
   void Add(std::shared_ptr<const void> object) {
     absl::MutexLock lock(&mu_);

@@ -24,8 +24,8 @@ absl::StatusOr<std::unique_ptr<Peer>> ConnectPeer(
     return std::unique_ptr<Peer>(std::move(*peer));
   }
 #endif
-  return absl::UnimplementedError(
-      absl::StrCat("no peer for device kind '", device_kind, "' in this build"));
+  return absl::UnimplementedError(absl::StrCat("no peer for device kind '",
+                                               device_kind, "' in this build"));
 }
 
 }  // namespace mrd::peer

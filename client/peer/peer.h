@@ -52,9 +52,9 @@ class Peer {
 // Connects to the device of `device_kind` ("software" or "verbs") at
 // `peer_address` (host:port) with `ticket` from CreatePeerTicket.
 // UNIMPLEMENTED for a kind this build has no peer for.
-absl::StatusOr<std::unique_ptr<Peer>> ConnectPeer(absl::string_view device_kind,
-                                                  absl::string_view peer_address,
-                                                  absl::string_view ticket);
+absl::StatusOr<std::unique_ptr<Peer>> ConnectPeer(
+    absl::string_view device_kind, absl::string_view peer_address,
+    absl::string_view ticket);
 
 }  // namespace mrd::peer
 

@@ -34,9 +34,10 @@ void LogLine(LogLevel level, absl::string_view message) {
   if (static_cast<int>(level) < g_min_level.load(std::memory_order_relaxed)) {
     return;
   }
-  std::string line = absl::StrCat(
-      absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(), absl::UTCTimeZone()),
-      " ", LevelName(level), " ", message, "\n");
+  std::string line =
+      absl::StrCat(absl::FormatTime("%Y-%m-%dT%H:%M:%E3SZ", absl::Now(),
+                                    absl::UTCTimeZone()),
+                   " ", LevelName(level), " ", message, "\n");
   // One write per line keeps lines whole across threads.
   std::fwrite(line.data(), 1, line.size(), stderr);
 }

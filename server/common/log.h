@@ -3,9 +3,8 @@
 #ifndef MRD_SERVER_COMMON_LOG_H_
 #define MRD_SERVER_COMMON_LOG_H_
 
-#include "absl/strings/string_view.h"
-
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace mrd {
 
@@ -36,10 +35,11 @@ void LogDebug(const Args&... args) {
 
 }  // namespace mrd
 
-#define MRD_CHECK(cond)                                             \
-  do {                                                              \
-    if (!(cond)) ::mrd::Fatal(absl::StrCat(__FILE__, ":", __LINE__, \
-                                           ": check failed: " #cond)); \
+#define MRD_CHECK(cond)                                                     \
+  do {                                                                      \
+    if (!(cond))                                                            \
+      ::mrd::Fatal(                                                         \
+          absl::StrCat(__FILE__, ":", __LINE__, ": check failed: " #cond)); \
   } while (0)
 
 #endif  // MRD_SERVER_COMMON_LOG_H_

@@ -3,8 +3,8 @@
 #include <cerrno>
 #include <cstring>
 
-#include "absl/strings/str_cat.h"
 #include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
 
 namespace mrd {
 

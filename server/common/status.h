@@ -9,10 +9,10 @@
 
 #include <cstdint>
 #include <string>
-#include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "mrd/v1/mrd.pb.h"
 
 namespace mrd {
@@ -33,7 +33,8 @@ absl::Status MrdError(absl::StatusCode code, absl::string_view reason,
 
 // An error from errno at a system call, with a reason. ENOMEM/EAGAIN/ENOSPC
 // become STATUS_INSUFFICIENT_RESOURCES.
-absl::Status ErrnoError(int err, absl::string_view call, absl::string_view reason);
+absl::Status ErrnoError(int err, absl::string_view call,
+                        absl::string_view reason);
 
 // Reads the detail attached by the functions above. A status without one
 // gets SEED_STATUS_UNSPECIFIED and an empty reason.
@@ -49,15 +50,15 @@ inline constexpr absl::string_view kErrorDetailUrl =
 #define MRD_STATUS_CONCAT_INNER_(a, b) a##b
 #define MRD_STATUS_CONCAT_(a, b) MRD_STATUS_CONCAT_INNER_(a, b)
 
-#define MRD_RETURN_IF_ERROR(expr)               \
-  do {                                          \
-    ::absl::Status mrd_status_ = (expr);        \
-    if (!mrd_status_.ok()) return mrd_status_;  \
+#define MRD_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    ::absl::Status mrd_status_ = (expr);       \
+    if (!mrd_status_.ok()) return mrd_status_; \
   } while (0)
 
-#define MRD_ASSIGN_OR_RETURN(lhs, rexpr) \
-  MRD_ASSIGN_OR_RETURN_IMPL_(            \
-      MRD_STATUS_CONCAT_(mrd_statusor_, __LINE__), lhs, rexpr)
+#define MRD_ASSIGN_OR_RETURN(lhs, rexpr)                                       \
+  MRD_ASSIGN_OR_RETURN_IMPL_(MRD_STATUS_CONCAT_(mrd_statusor_, __LINE__), lhs, \
+                             rexpr)
 
 #define MRD_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, rexpr) \
   auto statusor = (rexpr);                               \

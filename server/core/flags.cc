@@ -115,21 +115,23 @@ absl::Status ValidatePageArray(
   }
   if (count > max_pages) {
     return SeedError(v1::STATUS_INVALID_PARAMETER, "PAGE_ARRAY_TOO_LONG",
-                     absl::StrCat(count, " pages exceed the device's maximum "
-                                  "page-list length of ", max_pages));
+                     absl::StrCat(count,
+                                  " pages exceed the device's maximum "
+                                  "page-list length of ",
+                                  max_pages));
   }
   for (int i = 0; i < pages.size(); ++i) {
     if (pages[i] % page_size != 0) {
-      return SeedError(v1::STATUS_INVALID_PARAMETER, "MISALIGNED_PAGE",
-                       absl::StrCat("page ", i, " (0x", absl::Hex(pages[i]),
-                                    ") is not aligned to PAGE_SIZE ",
-                                    page_size));
+      return SeedError(
+          v1::STATUS_INVALID_PARAMETER, "MISALIGNED_PAGE",
+          absl::StrCat("page ", i, " (0x", absl::Hex(pages[i]),
+                       ") is not aligned to PAGE_SIZE ", page_size));
     }
   }
   if (fbo >= page_size) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "FBO_TOO_LARGE",
-                     absl::StrCat("fbo ", fbo, " must be below PAGE_SIZE ",
-                                  page_size));
+    return SeedError(
+        v1::STATUS_INVALID_PARAMETER, "FBO_TOO_LARGE",
+        absl::StrCat("fbo ", fbo, " must be below PAGE_SIZE ", page_size));
   }
   if (length == 0) {
     return SeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_LENGTH",
@@ -138,10 +140,10 @@ absl::Status ValidatePageArray(
   // count <= max_pages (32 bits) and page_size is small: no overflow.
   const uint64_t capacity = count * page_size - fbo;
   if (length > capacity) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "LENGTH_EXCEEDS_PAGES",
-                     absl::StrCat("length ", length, " exceeds ", count,
-                                  " pages * ", page_size, " - fbo ", fbo,
-                                  " = ", capacity));
+    return SeedError(
+        v1::STATUS_INVALID_PARAMETER, "LENGTH_EXCEEDS_PAGES",
+        absl::StrCat("length ", length, " exceeds ", count, " pages * ",
+                     page_size, " - fbo ", fbo, " = ", capacity));
   }
   if (base_address == 0) {
     return SeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS",
@@ -149,10 +151,10 @@ absl::Status ValidatePageArray(
                      "supported (F6)");
   }
   if (base_address % page_size != fbo) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "BASE_NOT_AT_FBO",
-                     absl::StrCat("base_address 0x", absl::Hex(base_address),
-                                  " must equal fbo (", fbo,
-                                  ") + n * PAGE_SIZE (F2)"));
+    return SeedError(
+        v1::STATUS_INVALID_PARAMETER, "BASE_NOT_AT_FBO",
+        absl::StrCat("base_address 0x", absl::Hex(base_address),
+                     " must equal fbo (", fbo, ") + n * PAGE_SIZE (F2)"));
   }
   if (base_address > UINT64_MAX - length) {
     return SeedError(v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW",

@@ -143,8 +143,7 @@ class Session final : public device::PdEventSink {
   std::map<uint64_t, LamRecord> lams ABSL_GUARDED_BY(mu);
   std::map<device::ConnectionId, std::string> connections ABSL_GUARDED_BY(mu);
   // Idempotency: request_id -> the response first returned.
-  std::map<std::string, v1::RegisterMrResponse> request_ids
-      ABSL_GUARDED_BY(mu);
+  std::map<std::string, v1::RegisterMrResponse> request_ids ABSL_GUARDED_BY(mu);
   std::deque<std::string> request_id_order ABSL_GUARDED_BY(mu);
 
   std::deque<v1::Completion> completions ABSL_GUARDED_BY(mu);

@@ -54,13 +54,13 @@ enum WorkFlags : uint32_t {
 inline constexpr uint32_t kAdapterFlagReadSinkNotRequired = 0x2;
 
 struct DeviceAttributes {
-  std::string name;               // "software", or the verbs device name
-  std::string kind;               // "software" | "verbs"
-  uint64_t page_size = 0;         // L5: every adapter page is this size
+  std::string name;        // "software", or the verbs device name
+  std::string kind;        // "software" | "verbs"
+  uint64_t page_size = 0;  // L5: every adapter page is this size
   uint64_t max_mr_size = 0;
   uint32_t max_page_list_length = 0;  // fast-register page arrays
   uint32_t adapter_flags = 0;
-  std::string peer_address;       // host:port where peers connect
+  std::string peer_address;  // host:port where peers connect
   // The adapter supports memory windows (verbs: IBV_DEVICE_MEM_WINDOW or
   // max_mw > 0). mrd does not use them; reported for inspection.
   bool supports_memory_windows = false;
@@ -112,8 +112,8 @@ struct FastRegisterWork {
   uint32_t fbo = 0;
   uint64_t length = 0;
   uint64_t base_address = 0;
-  uint32_t access = 0;          // AccessBits
-  uint32_t flags = 0;           // WorkFlags
+  uint32_t access = 0;  // AccessBits
+  uint32_t flags = 0;   // WorkFlags
   uint64_t request_context = 0;
 };
 
@@ -130,8 +130,8 @@ struct WorkCompletion {
   uint64_t work_request = 0;
   uint64_t request_context = 0;
   MrId mr = 0;
-  uint32_t rkey = 0;      // kFastRegister success: the MR's new remote token
-  absl::Status status;    // failure reason; failures are always delivered
+  uint32_t rkey = 0;    // kFastRegister success: the MR's new remote token
+  absl::Status status;  // failure reason; failures are always delivered
 };
 
 // Receives what happens asynchronously in one PD. Called on device threads;

@@ -18,29 +18,47 @@ namespace {
 
 const char* CodeName(grpc::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK: return "OK";
-    case grpc::StatusCode::CANCELLED: return "CANCELLED";
-    case grpc::StatusCode::UNKNOWN: return "UNKNOWN";
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::ALREADY_EXISTS: return "ALREADY_EXISTS";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::ABORTED: return "ABORTED";
-    case grpc::StatusCode::OUT_OF_RANGE: return "OUT_OF_RANGE";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::INTERNAL: return "INTERNAL";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DATA_LOSS: return "DATA_LOSS";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return "UNKNOWN";
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
   }
 }
 
-prometheus::MetricFamily Gauge(const std::string& name,
-                               const std::string& help, double value) {
+prometheus::MetricFamily Gauge(const std::string& name, const std::string& help,
+                               double value) {
   prometheus::MetricFamily family;
   family.name = name;
   family.help = help;
@@ -62,9 +80,9 @@ prometheus::MetricFamily Counter(const std::string& name,
 absl::Status ProbeBind(const std::string& address) {
   size_t colon = address.rfind(':');
   if (colon == std::string::npos) {
-    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_ADDRESS",
-                    absl::StrCat("metrics address '", address,
-                                 "' is not host:port"));
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "BAD_ADDRESS",
+        absl::StrCat("metrics address '", address, "' is not host:port"));
   }
   std::string host = address.substr(0, colon);
   std::string port = address.substr(colon + 1);
@@ -78,9 +96,9 @@ absl::Status ProbeBind(const std::string& address) {
   int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(),
                        &hints, &info);
   if (rc != 0) {
-    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_ADDRESS",
-                    absl::StrCat("metrics address '", address,
-                                 "': ", gai_strerror(rc)));
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "BAD_ADDRESS",
+        absl::StrCat("metrics address '", address, "': ", gai_strerror(rc)));
   }
   int fd = socket(info->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   int one = 1;
@@ -185,8 +203,8 @@ absl::Status Metrics::Serve(const std::string& address) {
   // mrd is built without exceptions: probe the address first so that a busy
   // port is a status, not an abort.
   MRD_RETURN_IF_ERROR(ProbeBind(address));
-  std::vector<std::string> options = {"listening_ports", address,
-                                      "num_threads", "2"};
+  std::vector<std::string> options = {"listening_ports", address, "num_threads",
+                                      "2"};
   exposer_ = std::make_unique<prometheus::Exposer>(options);
   if (exposer_->GetListeningPorts().empty()) {
     exposer_.reset();

@@ -117,8 +117,8 @@ class CompletionWriter final
 
 template <typename Fn>
 grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
-                                          absl::string_view method,
-                                          Where where, Fn fn) {
+                                          absl::string_view method, Where where,
+                                          Fn fn) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   const absl::Time start = absl::Now();
   auto work = [this, ctx, reactor, method, start, fn = std::move(fn)]() {
@@ -146,9 +146,8 @@ grpc::ServerUnaryReactor* MrdService::GetDeviceInfo(
 grpc::ServerUnaryReactor* MrdService::OpenLeaseSession(
     grpc::CallbackServerContext* ctx, const v1::OpenLeaseSessionRequest* req,
     v1::SessionInfo* resp) {
-  return Run(ctx, "OpenLeaseSession", Where::kPool, [this, req, resp] {
-    return core_->OpenLeaseSession(*req, resp);
-  });
+  return Run(ctx, "OpenLeaseSession", Where::kPool,
+             [this, req, resp] { return core_->OpenLeaseSession(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::GetSession(
@@ -236,8 +235,7 @@ grpc::ServerUnaryReactor* MrdService::InvalidateMr(
 }
 
 grpc::ServerWriteReactor<v1::Completion>* MrdService::StreamCompletions(
-    grpc::CallbackServerContext* ctx,
-    const v1::StreamCompletionsRequest* req) {
+    grpc::CallbackServerContext* ctx, const v1::StreamCompletionsRequest* req) {
   auto writer = std::make_shared<CompletionWriter>(core_, observer_);
   writer->Start(ctx, *req);
   return writer.get();

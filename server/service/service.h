@@ -41,9 +41,9 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* ctx,
                                        const v1::GetSessionRequest* req,
                                        v1::SessionInfo* resp) override;
-  grpc::ServerUnaryReactor* CloseSession(grpc::CallbackServerContext* ctx,
-                                         const v1::CloseSessionRequest* req,
-                                         v1::CloseSessionResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseSession(
+      grpc::CallbackServerContext* ctx, const v1::CloseSessionRequest* req,
+      v1::CloseSessionResponse* resp) override;
   grpc::ServerUnaryReactor* ImportFile(grpc::CallbackServerContext* ctx,
                                        const v1::ImportFileRequest* req,
                                        v1::BufferInfo* resp) override;
@@ -81,8 +81,7 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
       grpc::CallbackServerContext* ctx, const v1::CreatePeerTicketRequest* req,
       v1::PeerTicket* resp) override;
   grpc::ServerUnaryReactor* ListRegistrations(
-      grpc::CallbackServerContext* ctx,
-      const v1::ListRegistrationsRequest* req,
+      grpc::CallbackServerContext* ctx, const v1::ListRegistrationsRequest* req,
       v1::ListRegistrationsResponse* resp) override;
 
  private:

@@ -32,9 +32,9 @@ int main(int argc, char** argv) {
   if (!reg.ok()) return 5;
   auto ticket = mrd::client::PeerTicket::Create(*session);
   if (!ticket.ok()) return 6;
-  std::string line = absl::StrCat(reg->rkey(), " ", reg->base_address(), " ",
-                                  ticket->ticket(), " ",
-                                  ticket->peer_address(), "\n");
+  std::string line =
+      absl::StrCat(reg->rkey(), " ", reg->base_address(), " ", ticket->ticket(),
+                   " ", ticket->peer_address(), "\n");
   if (write(STDOUT_FILENO, line.data(), line.size()) < 0) return 7;
   while (true) pause();
 }

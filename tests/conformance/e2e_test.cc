@@ -2,9 +2,9 @@
 // memfds with the real mrd over its Unix sockets, and a peer moves data
 // through the returned tokens on the peer path.
 
-#include <sys/socket.h>
-#include <netinet/in.h>
 #include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -29,8 +29,8 @@ using client::Session;
 TEST_F(MrdTest, PeerReadsWhatTheClientWroteAndTheClientSeesThePeersWrite) {
   Session session = OpenFdSession();
   Buffer buffer = NewBuffer(session, 8192, "hello, peer! ");
-  Registration reg = Register(session, buffer, 0, 8192,
-                              kRemoteRead | kRemoteWrite);
+  Registration reg =
+      Register(session, buffer, 0, 8192, kRemoteRead | kRemoteWrite);
   auto peer = ConnectPeer(session);
   ASSERT_NE(peer, nullptr);
 
@@ -38,8 +38,8 @@ TEST_F(MrdTest, PeerReadsWhatTheClientWroteAndTheClientSeesThePeersWrite) {
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ(*read, "hello, peer!");
 
-  ASSERT_TRUE(peer->Write(reg.rkey(), reg.base_address() + 4096, "written")
-                  .ok());
+  ASSERT_TRUE(
+      peer->Write(reg.rkey(), reg.base_address() + 4096, "written").ok());
   EXPECT_EQ(std::memcmp(static_cast<char*>(buffer.data()) + 4096, "written", 7),
             0);
 }
@@ -92,7 +92,8 @@ TEST_F(MrdTest, ReadOnlyIsNeverWritableAndWriteOnlyNeverReadable) {
   }
   {
     auto peer = ConnectPeer(session);
-    ExpectRemoteAccessError(peer->Read(wo.rkey(), wo.base_address(), 1).status());
+    ExpectRemoteAccessError(
+        peer->Read(wo.rkey(), wo.base_address(), 1).status());
   }
   EXPECT_EQ(static_cast<char*>(buffer.data())[0], 'r');
 }
@@ -153,8 +154,8 @@ TEST_F(MrdTest, FastRegisterOntoAnMrGivesATokenThatInvalidateKills) {
   for (int i = 0; i < 13; ++i) expect += pattern[(100 + i) % pattern.size()];
   EXPECT_EQ(*read, expect);
   ASSERT_TRUE(peer->Write(rkey, fr.base_address + 4096, "FR").ok());
-  EXPECT_EQ(std::memcmp(static_cast<char*>(buffer.data()) + 100 + 4096, "FR", 2),
-            0);
+  EXPECT_EQ(
+      std::memcmp(static_cast<char*>(buffer.data()) + 100 + 4096, "FR", 2), 0);
 
   ASSERT_TRUE(mr->Invalidate(peer->connection_id(), 43).ok());
   v1::Completion inval = NextOfKind(completions, v1::Completion::INVALIDATE);
@@ -281,8 +282,8 @@ TEST_F(MrdTest, LeaseSessionRegistersAFileUnderTheSharedMemoryDirectory) {
   ASSERT_TRUE(session.ok()) << session.status();
   auto buffer = Buffer::ImportFile(*session, "leased", /*writable=*/true);
   ASSERT_TRUE(buffer.ok()) << buffer.status();
-  Registration reg = Register(*session, *buffer, 0, 4096,
-                              kRemoteRead | kRemoteWrite);
+  Registration reg =
+      Register(*session, *buffer, 0, 4096, kRemoteRead | kRemoteWrite);
   auto peer = ConnectPeer(*session);
   auto read = peer->Read(reg.rkey(), reg.base_address(), 6);
   ASSERT_TRUE(read.ok()) << read.status();
@@ -318,8 +319,8 @@ class MetricsTest : public MrdTest {
   std::string Scrape() {
     std::string host_port = mrd_->metrics_address();
     int port = 0;
-    EXPECT_TRUE(absl::SimpleAtoi(host_port.substr(host_port.find(':') + 1),
-                                 &port));
+    EXPECT_TRUE(
+        absl::SimpleAtoi(host_port.substr(host_port.find(':') + 1), &port));
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     sockaddr_in addr{};
     addr.sin_family = AF_INET;

@@ -25,9 +25,9 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "client/lib/mrd_client.h"
+#include "client/peer/soft_peer.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
-#include "client/peer/soft_peer.h"
 #include "tests/integration/test_env.h"
 
 #ifndef MRCTL_BINARY

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -17,8 +18,6 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -50,11 +49,13 @@ absl::Status WriteShmFile(const std::string& dir, const std::string& name,
   int fd = open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
   if (fd < 0) return absl::ErrnoToStatus(errno, "open " + path);
   std::string data;
-  while (data.size() < size) data += content.empty() ? std::string(1, '\0') : content;
+  while (data.size() < size)
+    data += content.empty() ? std::string(1, '\0') : content;
   data.resize(size);
   ssize_t n = write(fd, data.data(), data.size());
   close(fd);
-  if (n != static_cast<ssize_t>(size)) return absl::InternalError("short write");
+  if (n != static_cast<ssize_t>(size))
+    return absl::InternalError("short write");
   return absl::OkStatus();
 }
 
@@ -121,8 +122,8 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
   p->pid_ = pid;
   absl::Status ready = p->WaitServing();
   if (!ready.ok()) {
-    return absl::Status(ready.code(), absl::StrCat(ready.message(),
-                                                   "\nmrd log:\n", p->Log()));
+    return absl::Status(
+        ready.code(), absl::StrCat(ready.message(), "\nmrd log:\n", p->Log()));
   }
   return p;
 }
@@ -138,8 +139,8 @@ absl::Status MrdProcess::WaitServing() {
     }
     struct stat st;
     if (stat(grpc_socket().c_str(), &st) == 0) {
-      auto channel =
-          grpc::CreateChannel(grpc_target(), grpc::InsecureChannelCredentials());
+      auto channel = grpc::CreateChannel(grpc_target(),
+                                         grpc::InsecureChannelCredentials());
       auto stub = grpc::health::v1::Health::NewStub(channel);
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() +
@@ -163,8 +164,8 @@ absl::Status MrdProcess::Stop() {
   waitpid(pid_, &status, 0);
   pid_ = -1;
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-    return absl::InternalError(absl::StrCat(
-        "mrd did not exit cleanly (status ", status, ")\nlog:\n", Log()));
+    return absl::InternalError(absl::StrCat("mrd did not exit cleanly (status ",
+                                            status, ")\nlog:\n", Log()));
   }
   if (!absl::StrContains(Log(), "device pinned bytes: 0")) {
     return absl::InternalError("mrd left memory pinned at exit:\n" + Log());

@@ -1,9 +1,9 @@
 // MrdProcess: starts the real mrd binary for a test, with its own runtime
 // directory (sockets), its own shared-memory directory, the software device's
 // peer listener on a free port (software device on loopback; the verbs
-// device on MRD_VERBS_ADDRESS, see DeviceFlags) and metrics off (or on, when asked),
-// and waits until its health service says SERVING. Stop() sends SIGTERM and
-// checks that mrd exited 0 and reported nothing pinned.
+// device on MRD_VERBS_ADDRESS, see DeviceFlags) and metrics off (or on, when
+// asked), and waits until its health service says SERVING. Stop() sends SIGTERM
+// and checks that mrd exited 0 and reported nothing pinned.
 //
 // Not thread-safe; one per test fixture.
 #ifndef MRD_TESTS_INTEGRATION_MRD_PROCESS_H_

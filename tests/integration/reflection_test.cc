@@ -3,12 +3,6 @@
 // reflection, builds messages from JSON against those descriptors, and calls
 // methods with a generic stub.
 
-#include <sys/stat.h>
-
-#include <future>
-#include <memory>
-#include <string>
-
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/descriptor.pb.h>
 #include <google/protobuf/dynamic_message.h>
@@ -17,6 +11,11 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/support/byte_buffer.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <future>
+#include <memory>
+#include <string>
 
 #include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "tests/integration/mrd_process.h"
@@ -131,13 +130,12 @@ class ReflectionTest : public ::testing::Test {
   // Calls `method` (e.g. "GetDeviceInfo") with a JSON request; returns the
   // JSON response, or the status message prefixed by "ERROR:".
   std::string Call(const std::string& method, const std::string& json) {
-    const auto* service = reflection_->pool().FindServiceByName(
-        "mrd.v1.MemoryRegistration");
+    const auto* service =
+        reflection_->pool().FindServiceByName("mrd.v1.MemoryRegistration");
     EXPECT_NE(service, nullptr);
     const auto* m = service->FindMethodByName(method);
     EXPECT_NE(m, nullptr) << method;
-    std::unique_ptr<Message> req(
-        factory_.GetPrototype(m->input_type())->New());
+    std::unique_ptr<Message> req(factory_.GetPrototype(m->input_type())->New());
     auto parsed = google::protobuf::util::JsonStringToMessage(json, req.get());
     EXPECT_TRUE(parsed.ok()) << parsed.ToString();
     std::string bytes = req->SerializeAsString();
@@ -225,24 +223,24 @@ TEST_F(ReflectionTest, CallsGetDeviceInfoAndRegistersThroughALeaseSession) {
   ASSERT_FALSE(session.empty()) << lease;
 
   ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "demo", "hello", 8192).ok());
-  std::string buffer = Call(
-      "ImportFile",
-      R"({"session":")" + session + R"(","path":"demo","writable":true})");
+  std::string buffer =
+      Call("ImportFile",
+           R"({"session":")" + session + R"(","path":"demo","writable":true})");
   ASSERT_EQ(buffer.find("ERROR:"), std::string::npos) << buffer;
   std::string buffer_id = field(buffer, "buffer");
   ASSERT_FALSE(buffer_id.empty()) << buffer;
 
-  std::string reg = Call("RegisterMr", R"({"session":")" + session +
-                                           R"(","buffer":")" + buffer_id +
-                                           R"(","length":"4096","flags":2})");
+  std::string reg =
+      Call("RegisterMr", R"({"session":")" + session + R"(","buffer":")" +
+                             buffer_id + R"(","length":"4096","flags":2})");
   ASSERT_EQ(reg.find("ERROR:"), std::string::npos) << reg;
   EXPECT_FALSE(field(reg, "rkey").empty()) << reg;
   EXPECT_EQ(field(reg, "references"), "1") << reg;
 
   // Errors come back with the seed's name, as grpcurl would print them.
-  std::string bad = Call("RegisterMr", R"({"session":")" + session +
-                                           R"(","buffer":")" + buffer_id +
-                                           R"(","length":"4096","flags":64})");
+  std::string bad =
+      Call("RegisterMr", R"({"session":")" + session + R"(","buffer":")" +
+                             buffer_id + R"(","length":"4096","flags":64})");
   EXPECT_NE(bad.find("ERROR:"), std::string::npos) << bad;
   EXPECT_NE(bad.find("NDK_MR_FLAG"), std::string::npos) << bad;
 

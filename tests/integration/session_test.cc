@@ -30,10 +30,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/peer/soft_peer.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "mrd/v1/fd.pb.h"
 #include "mrd/v1/mrd.grpc.pb.h"
-#include "client/peer/soft_peer.h"
 #include "tests/integration/test_env.h"
 
 namespace mrd::testing {

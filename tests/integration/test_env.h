@@ -5,12 +5,12 @@
 #ifndef MRD_TESTS_INTEGRATION_TEST_ENV_H_
 #define MRD_TESTS_INTEGRATION_TEST_ENV_H_
 
+#include <gtest/gtest.h>
+
 #include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "client/lib/mrd_client.h"
 #include "client/peer/peer.h"

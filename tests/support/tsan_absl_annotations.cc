@@ -96,7 +96,6 @@ bool __wrap__ZNK4absl7debian312Notification30WaitForNotificationWithTimeoutENS0_
   return notified;
 }
 
-
 void __real__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(
     absl::Mutex* mu, const absl::Condition& cond);
 bool __real__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(

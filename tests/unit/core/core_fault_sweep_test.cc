@@ -408,11 +408,10 @@ TEST_F(CoreFaultSweepTest, RegisterMr) {
 // its key works); the LAM stays a warm pin, accounted, for a later release:
 // the books still match the device.
 TEST_F(CoreFaultSweepTest, RegisterMrOnAWarmPin) {
-  EXPECT_THAT(
-      Sweep("RegisterMr(warm hit)",
-            [&] { return std::make_unique<RegisterFlow>(*this, true); },
-            {"ReleaseLam"}),
-      ElementsAre("RegisterMr", "ReleaseLam"));
+  EXPECT_THAT(Sweep("RegisterMr(warm hit)",
+                    [&] { return std::make_unique<RegisterFlow>(*this, true); },
+                    {"ReleaseLam"}),
+              ElementsAre("RegisterMr", "ReleaseLam"));
 }
 
 // The last DeregisterMr of a registration: the pages go to a warm pin (a
