@@ -35,12 +35,15 @@ run() {  # name, dir
 }
 
 # The device suite and the verbs tests on rxe0 inside the Soft-RoCE VM, with
-# the plain build (mounted writable so ctest can write its logs).
+# the plain build.
 run_vm() {
   local dir=$root/build status=0
   echo "== verbs device in the Soft-RoCE VM ($dir)"
   rm -f "$dir/ctest-vm.log"
-  tests/vm/run.sh --rw "$dir" --timeout "${MRD_VM_TIMEOUT:-2400}" -- \
+  # The whole checkout is shared writable: the VM then sees the scripts and
+  # the build wherever the checkout is (even under /tmp, which is a fresh
+  # tmpfs inside the VM), and ctest can write its logs.
+  tests/vm/run.sh --rw "$root" --cwd "$root" --timeout "${MRD_VM_TIMEOUT:-2400}" -- \
     "$root/scripts/vm-suite.sh" "$dir" || status=$?
   local line failed total
   line=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' \
