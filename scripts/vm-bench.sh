@@ -8,7 +8,11 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build_dir=$(cd "${1:-$root/build}" && pwd)
 shift || true
 cmake --build "$build_dir" -j "$(nproc)" --target verbs_bench mrd
-exec "$root/tests/vm/run.sh" --rw "$root" --rw "$build_dir" --cwd "$root" \
-  --mem 6144 --timeout 3000 -- \
+rw=(--rw "$root")
+case "$build_dir/" in
+  "$root"/*) ;;  # inside the checkout: already shared
+  *) rw+=(--rw "$build_dir") ;;
+esac
+exec "$root/tests/vm/run.sh" "${rw[@]}" --cwd "$root" --mem 6144 --timeout 3000 -- \
   env MRD_TEST_DEVICE=verbs "$build_dir/bench/verbs_bench" \
   --benchmark_counters_tabular=true "$@"
