@@ -1,4 +1,5 @@
-// `mrctl peer read|write`: one-sided operations through mrd::peer::SoftPeer.
+// `mrctl peer read|write`: one-sided operations as a remote peer of either
+// device (mrd::peer::ConnectPeer picks SoftPeer or VerbsPeer).
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -7,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/mrctl/commands.h"
 #include "client/mrctl/output.h"
-#include "client/peer/soft_peer.h"
+#include "client/peer/peer.h"
 #include "server/common/status.h"
 
 namespace mrd::mrctl {
@@ -15,6 +16,7 @@ namespace {
 
 struct Target {
   std::string address;
+  std::string kind;  // "software" | "verbs"
   std::string ticket;
   uint32_t rkey = 0;
   uint64_t va = 0;
@@ -29,20 +31,24 @@ absl::StatusOr<Target> TargetOf(const Invocation& inv) {
   target.rkey = static_cast<uint32_t>(rkey);
   MRD_ASSIGN_OR_RETURN(target.va, flags.Uint64("va"));
   target.address = flags.String("address").value_or("");
+  target.kind = flags.String("kind").value_or("");
   return target;
 }
 
-// The peer address: --address, else the local mrd's DeviceInfo.peer_address.
+// The peer address and device kind: --address and --kind, else what the
+// local mrd's GetDeviceInfo reports.
 absl::Status ResolveAddress(const Invocation& inv, Target& target) {
-  if (!target.address.empty()) return absl::OkStatus();
+  if (!target.address.empty() && !target.kind.empty()) return absl::OkStatus();
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(inv.global));
   MRD_ASSIGN_OR_RETURN(v1::DeviceInfo info, c.GetDeviceInfo());
-  if (info.peer_address().empty()) {
-    return UsageError(
-        "mrd reports no peer address (not the software device?); pass "
-        "--address=HOST:PORT");
+  if (target.kind.empty()) target.kind = info.kind();
+  if (target.address.empty()) {
+    if (info.peer_address().empty()) {
+      return UsageError(
+          "mrd reports no peer address; pass --address=HOST:PORT");
+    }
+    target.address = info.peer_address();
   }
-  target.address = info.peer_address();
   return absl::OkStatus();
 }
 
@@ -55,8 +61,9 @@ absl::Status PeerRead(const Invocation& inv, std::FILE* out,
   MRD_ASSIGN_OR_RETURN(uint64_t length, flags.Uint64("length"));
   MRD_ASSIGN_OR_RETURN(bool hex, flags.Bool("hex"));
   MRD_RETURN_IF_ERROR(ResolveAddress(inv, target));
-  MRD_ASSIGN_OR_RETURN(std::unique_ptr<peer::SoftPeer> peer,
-                       peer::SoftPeer::Connect(target.address, target.ticket));
+  MRD_ASSIGN_OR_RETURN(
+      std::unique_ptr<peer::Peer> peer,
+      peer::ConnectPeer(target.kind, target.address, target.ticket));
   MRD_ASSIGN_OR_RETURN(std::string data,
                        peer->Read(target.rkey, target.va, length));
   if (inv.global.json) {
@@ -88,8 +95,9 @@ absl::Status PeerWrite(const Invocation& inv, std::FILE* out, std::FILE* err) {
     data = *std::move(decoded);
   }
   MRD_RETURN_IF_ERROR(ResolveAddress(inv, target));
-  MRD_ASSIGN_OR_RETURN(std::unique_ptr<peer::SoftPeer> peer,
-                       peer::SoftPeer::Connect(target.address, target.ticket));
+  MRD_ASSIGN_OR_RETURN(
+      std::unique_ptr<peer::Peer> peer,
+      peer::ConnectPeer(target.kind, target.address, target.ticket));
   MRD_RETURN_IF_ERROR(peer->Write(target.rkey, target.va, data));
   if (inv.global.json) {
     std::fprintf(out, "{\"written\":\"%zu\"}\n", data.size());
