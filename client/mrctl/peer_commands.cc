@@ -32,6 +32,11 @@ absl::StatusOr<Target> TargetOf(const Invocation& inv) {
   MRD_ASSIGN_OR_RETURN(target.va, flags.Uint64("va"));
   target.address = flags.String("address").value_or("");
   target.kind = flags.String("kind").value_or("");
+  if (!target.kind.empty() && target.kind != "software" &&
+      target.kind != "verbs") {
+    return UsageError(absl::StrCat("--kind must be software or verbs, not '",
+                                   target.kind, "'"));
+  }
   return target;
 }
 

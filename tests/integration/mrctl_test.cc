@@ -696,6 +696,13 @@ TEST_F(MrctlTest, ExitCodeTable) {
       bad_ticket.err,
       "mrctl: UNAUTHENTICATED SEED_STATUS_UNSPECIFIED BAD_TICKET: "))
       << bad_ticket;
+  Result bad_kind = Mrctl({"peer", "read", "--kind=ethernet", "--ticket=t",
+                           "--rkey=1", "--va=1", "--length=1"});
+  EXPECT_EQ(bad_kind.code, kExitUsage) << bad_kind;
+  EXPECT_NE(bad_kind.err.find("--kind must be software or verbs, not "
+                              "'ethernet'"),
+            std::string::npos)
+      << bad_kind;
   const std::string ticket = Fields(Mrctl({"peer-ticket"}).out)["ticket"];
   Result bad_key = Mrctl({"peer", "read", "--ticket=" + ticket, "--rkey=1",
                           "--va=1", "--length=1"});
