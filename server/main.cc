@@ -7,6 +7,7 @@
 // Every flag can also come from a flag file: mrd --flagfile=/etc/mrd/mrd.flags
 // (one --name=value per line; see docs/CONFIG.md).
 
+#include <fcntl.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -34,6 +35,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "server/common/fd.h"
 #include "server/common/log.h"
 #include "server/common/thread_pool.h"
 #include "server/core/core.h"
@@ -92,6 +94,23 @@ ABSL_FLAG(uint64_t, max_session_registrations, 65536,
           "Registrations one session may hold.");
 ABSL_FLAG(uint64_t, max_total_registrations, uint64_t{1} << 20,
           "Registrations all sessions together may hold.");
+ABSL_FLAG(uint64_t, max_total_buffers, 32768,
+          "Buffers all sessions together may hold (each holds an fd and a "
+          "memory map).");
+ABSL_FLAG(uint64_t, max_total_lams, 262144,
+          "LAMs all sessions together may hold (each holds a device key).");
+ABSL_FLAG(uint64_t, max_total_mrs, 262144,
+          "MR objects all sessions together may hold (each holds a device "
+          "key).");
+ABSL_FLAG(std::string, tenants_file, "",
+          "Named tenants and their quotas, one per line: tenant <name> "
+          "uids=<uid>[,...] [sessions=N] [buffers=N] [registrations=N] "
+          "[pinned_bytes=N[K|M|G|T]] [lams=N] [mrs=N] [peer_connections=N]. "
+          "Other uids are tenants of their own (uid:<uid>); lease sessions "
+          "nobody vouched for are the tenant 'anonymous'. Empty = none named.");
+ABSL_FLAG(uint32_t, tenant_default_percent, 25,
+          "A tenant's default quota of each resource, in percent of the "
+          "server's total of it (1-100).");
 ABSL_FLAG(uint64_t, warm_pin_bytes_per_session, uint64_t{256} << 20,
           "Bytes of released registrations one session may keep pinned "
           "(without any key) so that registering them again is cheap; they "
@@ -131,6 +150,29 @@ absl::StatusOr<std::vector<uint32_t>> ParseIds(
     ids.push_back(id);
   }
   return ids;
+}
+
+// The software device's cap on peer connections (its default), which the
+// tenants' default peer-connection quota is a share of.
+constexpr uint64_t kMaxPeerConnectionsTotal = 4096;
+
+// A configuration file of at most 1 MiB.
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return absl::NotFoundError(std::strerror(errno));
+  std::string text;
+  char chunk[4096];
+  for (;;) {
+    ssize_t n = ::read(fd.get(), chunk, sizeof(chunk));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::UnavailableError(std::strerror(errno));
+    if (n == 0) break;
+    text.append(chunk, static_cast<size_t>(n));
+    if (text.size() > (size_t{1} << 20)) {
+      return absl::InvalidArgumentError("larger than 1 MiB");
+    }
+  }
+  return text;
 }
 
 bool IsLoopback(const std::string& address) {
@@ -276,6 +318,55 @@ int Run() {
     if (mkdir(core_options.shm_dir.c_str(), 01777) == 0) {
       chmod(core_options.shm_dir.c_str(), 01777);
     }
+  }
+  core_options.max_total_buffers = absl::GetFlag(FLAGS_max_total_buffers);
+  core_options.max_total_lams = absl::GetFlag(FLAGS_max_total_lams);
+  core_options.max_total_mrs = absl::GetFlag(FLAGS_max_total_mrs);
+  {
+    // Tenants: quotas are shares of these totals unless the file names them.
+    core::TenantTableOptions tenant_options;
+    tenant_options.default_percent =
+        absl::GetFlag(FLAGS_tenant_default_percent);
+    auto total = [&](core::TenantResource r) -> uint64_t& {
+      return tenant_options.totals[static_cast<int>(r)];
+    };
+    total(core::TenantResource::kSessions) = core_options.max_sessions;
+    total(core::TenantResource::kBuffers) = core_options.max_total_buffers;
+    total(core::TenantResource::kRegistrations) =
+        core_options.max_total_registrations;
+    total(core::TenantResource::kPinnedBytes) =
+        core_options.max_total_pinned_bytes;
+    total(core::TenantResource::kLams) = core_options.max_total_lams;
+    total(core::TenantResource::kMrs) = core_options.max_total_mrs;
+    total(core::TenantResource::kPeerConnections) = kMaxPeerConnectionsTotal;
+    std::string text;
+    const std::string path = absl::GetFlag(FLAGS_tenants_file);
+    if (!path.empty()) {
+      absl::StatusOr<std::string> read = ReadSmallFile(path);
+      if (!read.ok()) {
+        LogError("--tenants_file=", path, ": ", read.status().message());
+        return 1;
+      }
+      text = std::move(*read);
+    }
+    absl::StatusOr<std::unique_ptr<core::TenantTable>> tenants =
+        core::TenantTable::Create(tenant_options, text);
+    if (!tenants.ok()) {
+      LogError("--tenants_file=", path, ": ", tenants.status().message());
+      return 1;
+    }
+    core_options.tenants = std::move(*tenants);
+  }
+  // Who can reach the gRPC socket is who an anonymous lease session may be:
+  // ImportFile opens for it only what such a caller could open itself.
+  if (!debug_tcp.empty() || (socket_mode & S_IWOTH) != 0) {
+    core_options.anonymous_reach = core::CoreOptions::Reach::kAnyone;
+  } else if ((socket_mode & S_IWGRP) != 0) {
+    core_options.anonymous_reach = core::CoreOptions::Reach::kGroupMember;
+    core_options.anonymous_id = getegid();
+  } else {
+    core_options.anonymous_reach = core::CoreOptions::Reach::kUser;
+    core_options.anonymous_id = geteuid();
   }
   core::Core core(device->get(), RealClock::Get(), core_options);
   if (absl::Status s = core.Start(); !s.ok()) {

@@ -45,10 +45,16 @@ std::vector<CommandSpec> BuildCommands() {
                false,
                "Open a lease session (OpenLeaseSession).",
                "With -q prints only the token, for\n"
-               "  export MRD_SESSION=$(mrctl lease open -q --ttl=10m)",
+               "  export MRD_SESSION=$(mrctl lease open -q --ttl=10m)\n"
+               "The lease carries your uid when the fd socket lets you in\n"
+               "(it vouches for the lease); otherwise it is anonymous and\n"
+               "may import only files anyone reaching mrd could open.",
                {{"ttl", "DURATION",
                  "lease time, renewed by every call naming the session "
-                 "(default: the server's)"}}});
+                 "(default: the server's)"},
+                {"anonymous", "",
+                 "do not vouch through the fd socket: an anonymous "
+                 "lease"}}});
   c.push_back({"lease close",
                "",
                0,

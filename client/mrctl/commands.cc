@@ -139,6 +139,23 @@ absl::Status LeaseOpen(Context& ctx) {
     request.set_ttl_seconds(static_cast<uint32_t>(seconds));
   }
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  // The lease carries our identity when an fd session (whose uid the server
+  // checks with SO_PEERCRED) vouches for it; it outlives that session.
+  std::optional<client::Session> voucher;
+  absl::StatusOr<bool> anonymous = ctx.flags.Bool("anonymous");
+  if (!anonymous.ok()) return FlagError("anonymous", anonymous.status());
+  if (!*anonymous) {
+    absl::StatusOr<client::Session> fd = client::Session::OpenFd(c);
+    if (fd.ok()) {
+      voucher.emplace(std::move(*fd));
+      request.set_vouching_session(voucher->token());
+    } else if (!ctx.inv.global.quiet) {
+      std::fprintf(ctx.err,
+                   "mrctl: the fd socket cannot vouch for this lease (%s); "
+                   "it is anonymous\n",
+                   std::string(fd.status().message()).c_str());
+    }
+  }
   MRD_ASSIGN_OR_RETURN(v1::SessionInfo info, c.OpenLeaseSession(request));
   if (ctx.inv.global.quiet && !ctx.json()) {
     std::fprintf(ctx.out, "%s\n", info.session().c_str());

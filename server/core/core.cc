@@ -2,14 +2,18 @@
 
 #include <fcntl.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <limits>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "server/common/log.h"
 #include "server/common/status.h"
 #include "server/core/flags.h"
@@ -103,7 +107,19 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
       options_(std::move(options)),
       page_size_(device->Attributes().page_size),
       warm_(cache::WarmPinLimits{options_.warm_pin_bytes_per_session,
-                                 options_.warm_pin_bytes_total}) {
+                                 options_.warm_pin_bytes_total}),
+      tenants_(options_.tenants) {
+  if (tenants_ == nullptr) {
+    // Without a table every tenant may use everything: only the per-session
+    // and total limits apply.
+    TenantTableOptions defaults;
+    defaults.default_percent = 100;
+    defaults.totals.fill(~uint64_t{0});
+    absl::StatusOr<std::unique_ptr<TenantTable>> table =
+        TenantTable::Create(defaults);
+    MRD_CHECK(table.ok());
+    tenants_ = std::move(*table);
+  }
   if (!options_.shm_dir.empty()) {
     shm_dir_fd_ =
         ::open(options_.shm_dir.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -156,7 +172,9 @@ void Core::Shutdown() {
 
 // --- sessions ---------------------------------------------------------------
 
-absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(SessionKind kind) {
+absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(
+    SessionKind kind, const Identity& identity) {
+  std::shared_ptr<Tenant> tenant = tenants_->Resolve(identity);
   std::shared_ptr<Session> session;
   {
     absl::MutexLock lock(&mu_);
@@ -169,12 +187,15 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(SessionKind kind) {
                        absl::StrCat("the server holds its maximum of ",
                                     options_.max_sessions, " sessions"));
     }
+    MRD_RETURN_IF_ERROR(tenant->Reserve(TenantResource::kSessions, 1));
     session = std::make_shared<Session>(next_session_id_++, RandomToken(), kind,
-                                        options_.completion_queue_depth);
+                                        options_.completion_queue_depth,
+                                        identity, tenant);
     ++pending_sessions_;
   }
   absl::StatusOr<device::PdId> pd_or = device_->AllocatePd(session.get());
   if (!pd_or.ok()) {
+    tenant->Release(TenantResource::kSessions, 1);
     absl::MutexLock lock(&mu_);
     --pending_sessions_;
     return pd_or.status();
@@ -187,6 +208,7 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(SessionKind kind) {
   absl::MutexLock lock(&mu_);
   if (shutting_down_) {
     --pending_sessions_;
+    tenant->Release(TenantResource::kSessions, 1);
     // Lost a race with Shutdown: nothing of the session may outlive it.
     mu_.Unlock();
     (void)device_->DeallocatePd(pd);
@@ -290,6 +312,7 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
     parked.swap(session->memory_until_pd_gone);
   }
   parked.clear();
+  const uint64_t buffers_held = buffers.size();
   buffers.clear();
   uint64_t leftover;
   {
@@ -297,6 +320,10 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
     leftover = session->pinned_bytes;
   }
   UnreservePinned(*session, leftover);
+  ReturnObjects(*session, TenantResource::kMrs, mrs.size());
+  ReturnObjects(*session, TenantResource::kLams, lams.size());
+  ReturnObjects(*session, TenantResource::kBuffers, buffers_held);
+  session->tenant()->Release(TenantResource::kSessions, 1);
   session->MarkEndedAndNotify();
 }
 
@@ -319,15 +346,20 @@ void Core::ReapExpiredLeases() {
 
 absl::StatusOr<std::string> Core::OnConnect(
     const session::PeerCredentials& creds) {
+  Identity identity;
+  identity.verified = true;
+  identity.uid = creds.uid;
+  identity.gid = creds.gid;
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                       NewSession(SessionKind::kFd));
+                       NewSession(SessionKind::kFd, identity));
   {
     absl::MutexLock lock(&session->mu);
     session->peer_uid = creds.uid;
     session->peer_pid = static_cast<uint32_t>(creds.pid);
   }
   LogInfo("session ", session->id(), " opened on the fd socket by pid ",
-          creds.pid, " uid ", creds.uid);
+          creds.pid, " uid ", creds.uid, " (tenant ", session->tenant()->name(),
+          ")");
   return session->token();
 }
 
@@ -360,15 +392,38 @@ absl::Status Core::OpenLeaseSession(const v1::OpenLeaseSessionRequest& req,
                      " exceeds the maximum of ",
                      absl::ToInt64Seconds(options_.max_lease_ttl)));
   }
+  // A lease is as trusted as the fd session that vouches for it: that one's
+  // owner was proven by SO_PEERCRED. Without one, the caller is anyone who
+  // can reach the gRPC socket.
+  Identity identity;
+  uint32_t vouching_pid = 0;
+  if (!req.vouching_session().empty()) {
+    absl::StatusOr<std::shared_ptr<Session>> voucher =
+        FindSession(req.vouching_session());
+    if (!voucher.ok() || !(*voucher)->identity().verified) {
+      return MrdError(
+          absl::StatusCode::kPermissionDenied, "BAD_VOUCHING_SESSION",
+          "vouching_session must be a live session of a verified owner (an "
+          "fd session, or a lease it vouched for)");
+    }
+    identity = (*voucher)->identity();
+    absl::MutexLock lock(&(*voucher)->mu);
+    vouching_pid = (*voucher)->peer_pid;
+  }
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                       NewSession(SessionKind::kLease));
+                       NewSession(SessionKind::kLease, identity));
   {
     absl::MutexLock lock(&session->mu);
     session->ttl = ttl;
     session->expires = clock_->Now() + ttl;
+    if (identity.verified) {
+      session->peer_uid = identity.uid;
+      session->peer_pid = vouching_pid;
+    }
   }
   LogInfo("lease session ", session->id(), " opened, ttl ",
-          absl::FormatDuration(ttl));
+          absl::FormatDuration(ttl), ", tenant ", session->tenant()->name(),
+          identity.verified ? " (vouched for)" : " (anonymous)");
   v1::GetSessionRequest get;
   get.set_session(session->token());
   return GetSession(get, out);
@@ -390,6 +445,8 @@ absl::Status Core::GetSession(const v1::GetSessionRequest& req,
   out->set_peer_pid(session->peer_pid);
   out->set_pinned_bytes(session->pinned_bytes);
   out->set_registrations(static_cast<uint32_t>(session->registrations.size()));
+  out->set_tenant(session->tenant()->name());
+  out->set_verified(session->identity().verified);
   return absl::OkStatus();
 }
 
@@ -416,6 +473,7 @@ absl::StatusOr<v1::BufferInfo> Core::AddBuffer(
         absl::StrCat("the session holds its maximum of ",
                      options_.max_buffers_per_session, " buffers"));
   }
+  MRD_RETURN_IF_ERROR(TakeObject(*session, TenantResource::kBuffers));
   BufferRecord record;
   record.id = next_handle_.fetch_add(1);
   record.file = std::move(file);
@@ -444,8 +502,70 @@ absl::Status Core::ImportFile(const v1::ImportFileRequest& req,
   opts.allowed_owner_uids = options_.allowed_uids;
   MRD_ASSIGN_OR_RETURN(std::unique_ptr<session::MappedFile> file,
                        session::OpenSharedFile(shm_dir_fd_, req.path(), opts));
+  // Checked on the open file, so that what was checked is what is mapped.
+  struct stat st;
+  if (::fstat(file->fd(), &st) != 0) {
+    return ErrnoError(errno, "fstat", "BAD_FD");
+  }
+  MRD_RETURN_IF_ERROR(CheckFileAccess(*session, st, req.writable()));
   MRD_ASSIGN_OR_RETURN(*out, AddBuffer(session, std::move(file)));
   return absl::OkStatus();
+}
+
+absl::Status Core::CheckFileAccess(const Session& session,
+                                   const struct stat& st, bool writable) const {
+  const Identity& who = session.identity();
+  // The permission bits that apply to the weakest caller the session can
+  // stand for: its proven owner, or, for an anonymous lease, anyone able to
+  // reach the gRPC socket.
+  std::string principal;
+  mode_t bits;
+  auto as_user = [&](uint32_t uid, std::optional<uint32_t> gid) -> mode_t {
+    if (uid == 0) return S_IRWXO;  // root opens anything
+    if (st.st_uid == uid) return (st.st_mode & S_IRWXU) >> 6;
+    if (gid.has_value() && st.st_gid == *gid) {
+      return (st.st_mode & S_IRWXG) >> 3;
+    }
+    return st.st_mode & S_IRWXO;
+  };
+  if (who.verified) {
+    principal = absl::StrCat("uid ", who.uid, " (gid ", who.gid, ")");
+    bits = as_user(who.uid, who.gid);
+  } else {
+    switch (options_.anonymous_reach) {
+      case CoreOptions::Reach::kUser:
+        principal =
+            absl::StrCat("an anonymous lease (only uid ", options_.anonymous_id,
+                         " can reach the gRPC socket)");
+        bits = as_user(options_.anonymous_id, std::nullopt);
+        break;
+      case CoreOptions::Reach::kGroupMember:
+        principal =
+            absl::StrCat("an anonymous lease (any member of group ",
+                         options_.anonymous_id, " can reach the gRPC socket)");
+        bits = st.st_gid == options_.anonymous_id ? (st.st_mode & S_IRWXG) >> 3
+                                                  : st.st_mode & S_IRWXO;
+        break;
+      case CoreOptions::Reach::kAnyone:
+      default:
+        principal =
+            "an anonymous lease (anyone can reach the gRPC socket or the "
+            "debug listener)";
+        bits = st.st_mode & S_IRWXO;
+        break;
+    }
+  }
+  const mode_t need = S_IROTH | (writable ? S_IWOTH : 0);
+  if ((bits & need) == need) return absl::OkStatus();
+  return MrdError(
+      absl::StatusCode::kPermissionDenied, "IDENTITY_DENIES_ACCESS",
+      absl::StrCat(
+          "the file (owner ", st.st_uid, ", group ", st.st_gid, ", mode ",
+          absl::StrFormat("%04o", st.st_mode & 07777),
+          ") may not be opened for ",
+          writable ? "reading and writing" : "reading", " by ", principal,
+          "; vouch for the lease with an fd session (vouching_session) or "
+          "change the file's mode"));
 }
 
 absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
@@ -505,6 +625,8 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
       }
     }
   }
+  ReturnObjects(*session, TenantResource::kBuffers, 1);
+  ReturnObjects(*session, TenantResource::kLams, lams.size());
   for (auto& [id, device_mr] : fr_to_reset) {
     // There is no synchronous invalidate in the device interface: replace
     // the device MR object, which kills the old key at once.
@@ -599,6 +721,16 @@ absl::Status Core::TryReservePinned(Session& session, uint64_t bytes,
                                   options_.max_total_pinned_bytes, " (",
                                   total_pinned_, " pinned now)"));
   }
+  Tenant& tenant = *session.tenant();
+  if (absl::Status status = tenant.Reserve(TenantResource::kPinnedBytes, bytes);
+      !status.ok()) {
+    // The session's own warm pins are what can give way for its tenant.
+    *hit = PinLimit::kSession;
+    const uint64_t quota = tenant.quota(TenantResource::kPinnedBytes);
+    const uint64_t used = tenant.Used(TenantResource::kPinnedBytes);
+    *over = used + bytes > quota ? used + bytes - quota : 1;
+    return status;
+  }
   session.pinned_bytes += bytes;
   total_pinned_ += bytes;
   return absl::OkStatus();
@@ -639,6 +771,7 @@ absl::Status Core::SessionAwareError(Session& session, absl::Status status,
 }
 
 void Core::ForceReservePinned(Session& session, uint64_t bytes) {
+  session.tenant()->Force(TenantResource::kPinnedBytes, bytes);
   absl::MutexLock session_lock(&session.mu);
   session.pinned_bytes += bytes;
   absl::MutexLock lock(&mu_);
@@ -649,6 +782,7 @@ void Core::UnreservePinned(Session& session, uint64_t bytes) {
   absl::MutexLock session_lock(&session.mu);
   bytes = std::min(bytes, session.pinned_bytes);
   session.pinned_bytes -= bytes;
+  session.tenant()->Release(TenantResource::kPinnedBytes, bytes);
   absl::MutexLock lock(&mu_);
   total_pinned_ -= std::min(bytes, total_pinned_);
 }
@@ -668,8 +802,12 @@ absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {
                        absl::StrCat("the session holds its maximum of ",
                                     options_.max_session_mrs, " MR objects"));
     }
+    MRD_RETURN_IF_ERROR(TakeObject(*session, TenantResource::kMrs));
     pd = session->pd;
   }
+  absl::Cleanup give_back = [&] {
+    ReturnObjects(*session, TenantResource::kMrs, 1);
+  };
   mr.id = next_handle_.fetch_add(1);
   mr.fast_register = req.fast_register();
   mr.allow_remote = req.allow_remote_access();
@@ -695,6 +833,7 @@ absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {
   out->set_state("free");
   out->set_lkey(mr.lkey);
   session->mrs.emplace(mr.id, std::move(mr));
+  std::move(give_back).Cancel();
   return absl::OkStatus();
 }
 
@@ -708,6 +847,7 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
     if (it == session->mrs.end()) return UnknownHandle("mr", req.mr());
     mr = std::move(it->second);
     session->mrs.erase(it);
+    ReturnObjects(*session, TenantResource::kMrs, 1);
     if (mr.registration != 0) {
       auto r = session->registrations.find(mr.registration);
       if (r != session->registrations.end()) {
@@ -733,6 +873,49 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
 // --- registration
 // -------------------------------------------------------------
 
+absl::Status Core::TakeObject(Session& session, TenantResource resource) {
+  uint64_t* total = nullptr;
+  uint64_t limit = 0;
+  absl::MutexLock lock(&mu_);
+  switch (resource) {
+    case TenantResource::kBuffers:
+      total = &total_buffers_;
+      limit = options_.max_total_buffers;
+      break;
+    case TenantResource::kLams:
+      total = &total_lams_;
+      limit = options_.max_total_lams;
+      break;
+    case TenantResource::kMrs:
+      total = &total_mrs_;
+      limit = options_.max_total_mrs;
+      break;
+    default:
+      MRD_CHECK(false);
+  }
+  if (*total >= limit) {
+    const std::string name(TenantResourceName(resource));
+    return SeedError(
+        v1::STATUS_INSUFFICIENT_RESOURCES,
+        absl::StrCat("LIMIT_TOTAL_", absl::AsciiStrToUpper(name)),
+        absl::StrCat("the server holds its maximum of ", limit, " ", name));
+  }
+  MRD_RETURN_IF_ERROR(session.tenant()->Reserve(resource, 1));
+  ++*total;
+  return absl::OkStatus();
+}
+
+void Core::ReturnObjects(Session& session, TenantResource resource,
+                         uint64_t n) {
+  if (n == 0) return;
+  session.tenant()->Release(resource, n);
+  absl::MutexLock lock(&mu_);
+  uint64_t* total = resource == TenantResource::kBuffers ? &total_buffers_
+                    : resource == TenantResource::kLams  ? &total_lams_
+                                                         : &total_mrs_;
+  *total -= std::min(n, *total);
+}
+
 absl::Status Core::ReserveRegistration(Session& session) {
   absl::MutexLock session_lock(&session.mu);
   if (session.closing) return NotConnected("the session is closing");
@@ -749,6 +932,8 @@ absl::Status Core::ReserveRegistration(Session& session) {
         absl::StrCat("the server holds its maximum of ",
                      options_.max_total_registrations, " registrations"));
   }
+  MRD_RETURN_IF_ERROR(
+      session.tenant()->Reserve(TenantResource::kRegistrations, 1));
   ++session.device_registrations;
   ++total_registrations_;
   return absl::OkStatus();
@@ -756,7 +941,10 @@ absl::Status Core::ReserveRegistration(Session& session) {
 
 void Core::UnreserveRegistration(Session& session) {
   absl::MutexLock session_lock(&session.mu);
-  if (session.device_registrations > 0) --session.device_registrations;
+  if (session.device_registrations > 0) {
+    --session.device_registrations;
+    session.tenant()->Release(TenantResource::kRegistrations, 1);
+  }
   absl::MutexLock lock(&mu_);
   if (total_registrations_ > 0) --total_registrations_;
 }
@@ -1258,9 +1446,13 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
                        absl::StrCat("the session holds its maximum of ",
                                     options_.max_session_lams, " LAMs"));
     }
+    MRD_RETURN_IF_ERROR(TakeObject(*session, TenantResource::kLams));
     file = b->second.file;
     pd = session->pd;
   }
+  absl::Cleanup give_back = [&] {
+    ReturnObjects(*session, TenantResource::kLams, 1);
+  };
   MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
                        file->Span(req.offset(), req.length()));
   const uint64_t address = reinterpret_cast<uintptr_t>(span.host_address);
@@ -1308,6 +1500,7 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
       out->set_lam_size(static_cast<uint32_t>(lam_size));
       out->set_privileged_token(mapping->privileged_key);
       session->lams.emplace(lam.id, std::move(lam));
+      std::move(give_back).Cancel();
       return absl::OkStatus();
     }
   }
@@ -1352,6 +1545,7 @@ absl::Status Core::ReleaseLam(const v1::ReleaseLamRequest& req) {
       pinned = l->second.pinned_bytes;
       for (uint64_t page : l->second.pages) session->page_to_lam.erase(page);
       session->lams.erase(l);
+      ReturnObjects(*session, TenantResource::kLams, 1);
     }
   }
   UnreservePinned(*session, pinned);

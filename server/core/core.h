@@ -16,6 +16,8 @@
 #ifndef MRD_SERVER_CORE_CORE_H_
 #define MRD_SERVER_CORE_CORE_H_
 
+#include <sys/stat.h>
+
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -36,6 +38,7 @@
 #include "server/cache/warm_pins.h"
 #include "server/common/clock.h"
 #include "server/core/session.h"
+#include "server/core/tenants.h"
 #include "server/device/device.h"
 #include "server/session/fd_server.h"
 
@@ -56,6 +59,22 @@ struct CoreOptions {
   uint64_t max_total_registrations = uint64_t{1} << 20;
   uint64_t max_session_lams = 65536;
   uint64_t max_session_mrs = 65536;
+  // Server-wide caps beside the totals above: buffers (each holds an fd and
+  // a mapping), LAMs and MR objects (each holds a device key).
+  uint64_t max_total_buffers = 32768;
+  uint64_t max_total_lams = 262144;
+  uint64_t max_total_mrs = 262144;
+  // Tenants (server/core/tenants.h): their quotas. Null = every tenant may
+  // use everything (the library default; mrd builds one from its flags).
+  std::shared_ptr<TenantTable> tenants;
+  // Who an anonymous lease session (no vouching fd session) may be: anyone
+  // who can reach the gRPC socket. ImportFile opens for it only files such
+  // a caller could open itself. kAnyone: only what "other" may open;
+  // kGroupMember: what a member of group `anonymous_id` may (not owner);
+  // kUser: what uid `anonymous_id` may (the socket is owner-only).
+  enum class Reach { kAnyone, kGroupMember, kUser };
+  Reach anonymous_reach = Reach::kAnyone;
+  uint32_t anonymous_id = 0;
   // Warm pins (server/cache/warm_pins.h): pages of released registrations
   // kept pinned, without any key, so that registering the same range again
   // pins nothing anew. Bytes per session and in total; they count towards
@@ -152,6 +171,10 @@ class Core final : public session::FdSessionHandler {
   void UnsubscribeCompletions(const std::shared_ptr<Session>& session);
 
   CoreStats Stats() const;
+  // Every tenant seen so far, for metrics.
+  std::vector<std::shared_ptr<Tenant>> Tenants() const {
+    return tenants_->All();
+  }
   const device::DeviceAttributes& attributes() const {
     return device_->Attributes();
   }
@@ -160,8 +183,14 @@ class Core final : public session::FdSessionHandler {
   void ReapExpiredLeases();
 
  private:
-  absl::StatusOr<std::shared_ptr<Session>> NewSession(SessionKind kind)
+  absl::StatusOr<std::shared_ptr<Session>> NewSession(SessionKind kind,
+                                                      const Identity& identity)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // May the owner of `session` open a file with this owner, group and mode
+  // for reading (and writing)? PERMISSION_DENIED "IDENTITY_DENIES_ACCESS"
+  // naming who the session is and what the mode allows, otherwise.
+  absl::Status CheckFileAccess(const Session& session, const struct stat& st,
+                               bool writable) const;
   // Finds a live session by token and renews its lease.
   absl::StatusOr<std::shared_ptr<Session>> FindSession(const std::string& token)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -190,6 +219,12 @@ class Core final : public session::FdSessionHandler {
   // `over`: by how many bytes the limit `hit` would be exceeded.
   absl::Status TryReservePinned(Session& session, uint64_t bytes, PinLimit* hit,
                                 uint64_t* over);
+  // One buffer, LAM or MR object for `session`: against the server's total
+  // (max_total_buffers/lams/mrs) and the session's tenant's quota.
+  absl::Status TakeObject(Session& session, TenantResource resource)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void ReturnObjects(Session& session, TenantResource resource, uint64_t n)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Registrations made on the device, against the session and total limits.
   absl::Status ReserveRegistration(Session& session);
   void UnreserveRegistration(Session& session);
@@ -225,6 +260,7 @@ class Core final : public session::FdSessionHandler {
   const uint64_t page_size_;
   cache::RegistrationCache cache_;
   cache::WarmPinSet warm_;
+  std::shared_ptr<TenantTable> tenants_;
   int shm_dir_fd_ = -1;
   std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
   std::function<void(const std::string&)> fd_hangup_;  // fixed after Start
@@ -236,6 +272,9 @@ class Core final : public session::FdSessionHandler {
       ABSL_GUARDED_BY(mu_);
   uint64_t total_pinned_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t total_registrations_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t total_buffers_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t total_lams_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t total_mrs_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions being created (counted against max_sessions before they exist).
   uint64_t pending_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;

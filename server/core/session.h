@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "mrd/v1/mrd.pb.h"
+#include "server/core/tenants.h"
 #include "server/device/device.h"
 #include "server/session/memory_file.h"
 
@@ -90,15 +91,21 @@ struct LamRecord {
 class Session final : public device::PdEventSink {
  public:
   Session(uint64_t id, std::string token, SessionKind kind,
-          size_t completion_depth)
+          size_t completion_depth, Identity identity,
+          std::shared_ptr<Tenant> tenant)
       : id_(id),
         token_(std::move(token)),
         kind_(kind),
-        completion_depth_(completion_depth) {}
+        completion_depth_(completion_depth),
+        identity_(identity),
+        tenant_(std::move(tenant)) {}
 
   uint64_t id() const { return id_; }
   const std::string& token() const { return token_; }
   SessionKind kind() const { return kind_; }
+  // Who owns the session, and the tenant its use counts against.
+  const Identity& identity() const { return identity_; }
+  const std::shared_ptr<Tenant>& tenant() const { return tenant_; }
 
   // --- device::PdEventSink ---
   void OnCompletion(const device::WorkCompletion& completion) override;
@@ -158,6 +165,8 @@ class Session final : public device::PdEventSink {
   const std::string token_;
   const SessionKind kind_;
   const size_t completion_depth_;
+  const Identity identity_;
+  const std::shared_ptr<Tenant> tenant_;
 };
 
 }  // namespace mrd::core

@@ -1670,7 +1670,8 @@ class BadInputTotalPinnedLimitTest : public BadInputTest {
     MrdProcessOptions o;
     // The bystander's page plus two.
     o.extra_flags = {
-        absl::StrCat("--max_total_pinned_bytes=", 3 * HostPageSize())};
+        absl::StrCat("--max_total_pinned_bytes=", 3 * HostPageSize()),
+        "--tenant_default_percent=100"};
     return o;
   }
 };
@@ -1701,7 +1702,8 @@ class BadInputSessionLimitTest : public BadInputTest {
  protected:
   MrdProcessOptions ServerOptions() override {
     MrdProcessOptions o;
-    o.extra_flags = {"--max_sessions=2"};
+    // One tenant (this uid) may hold every session here.
+    o.extra_flags = {"--max_sessions=2", "--tenant_default_percent=100"};
     return o;
   }
 };
