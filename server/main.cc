@@ -66,6 +66,15 @@ ABSL_FLAG(std::string, peer_address, "127.0.0.1:7471",
           "port). Software device: the TCP listener. Verbs device: the "
           "rdma_cm listener, an address of the RDMA device's interface "
           "(e.g. 10.77.0.1:0).");
+ABSL_FLAG(std::string, pin_method, "auto",
+          "Software device: how pages are pinned. io_uring (fixed buffers: no "
+          "memory map per pin), mlock (splits a memory map per pinned "
+          "range), or auto (io_uring where the kernel allows it, mlock for "
+          "read-only buffers and when io_uring is unavailable).");
+ABSL_FLAG(uint64_t, pin_max_map_splits, 0,
+          "Software device: memory maps (VMAs) mlock pinning may split, "
+          "beyond which pins are refused with LIMIT_MEMORY_MAPS. 0 = half of "
+          "what vm.max_map_count leaves at start.");
 ABSL_FLAG(std::string, verbs_device, "",
           "Verbs device: the RDMA device to use (e.g. mlx5_0, rxe0); empty = "
           "the one --peer_address belongs to. When set, --peer_address must "
@@ -235,6 +244,12 @@ int Run() {
              "'");
     return 1;
   }
+  absl::StatusOr<device::PinMethod> pin_method =
+      device::ParsePinMethod(absl::GetFlag(FLAGS_pin_method));
+  if (!pin_method.ok()) {
+    LogError("--pin_method: ", pin_method.status().message());
+    return 1;
+  }
   bool use_verbs = device_flag == "verbs";
   if (device_flag == "auto") {
     std::vector<std::string> verbs_devices = device::ListVerbsDevices();
@@ -268,6 +283,9 @@ int Run() {
   if (!use_verbs) {
     device::SoftwareDeviceOptions device_options;
     device_options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
+    device_options.pin_options.method = *pin_method;
+    device_options.pin_options.max_map_splits =
+        absl::GetFlag(FLAGS_pin_max_map_splits);
     absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
         device::SoftwareDevice::Create(device_options);
     if (!software.ok()) {

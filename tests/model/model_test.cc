@@ -79,12 +79,15 @@
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
 #include "tests/model/reference_model.h"
+#include "tests/support/kernel_pins.h"
 
 #ifndef MRD_MODEL_DEFAULT_STEPS
 #define MRD_MODEL_DEFAULT_STEPS 100000
 #endif
 
 namespace mrd::model_test {
+
+using ::mrd::test_support::KernelPinnedBytesSettled;
 
 // Command-line values (main() below), 0 = not given.
 uint64_t g_seed_flag = 0;
@@ -119,21 +122,6 @@ uint64_t EnvNumber(const char* name, uint64_t fallback, bool* given) {
     return n;
   }
   return fallback;
-}
-
-// The process's locked memory as the kernel counts it (VmLck), bytes.
-uint64_t VmLckBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmLck:", 0) != 0) continue;
-    std::vector<std::string> parts =
-        absl::StrSplit(line, ' ', absl::SkipEmpty());
-    uint64_t kib = 0;
-    if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kib))
-      return kib * 1024;
-  }
-  return ~uint64_t{0};
 }
 
 std::string Hex(uint64_t v) { return absl::StrCat("0x", absl::Hex(v)); }
@@ -366,7 +354,7 @@ class Harness {
   std::mt19937_64 rng_;
   const uint64_t page_;
   uint64_t step_ = 0;
-  uint64_t vmlck_before_ = 0;
+  uint64_t kernel_pinned_before_ = 0;
   std::string shm_dir_;
   int shm_dir_fd_ = -1;
   FakeClock clock_;
@@ -390,7 +378,7 @@ class Harness {
 
 bool Harness::SetUp() {
   SetMinLogLevel(LogLevel::kWarning);  // session open/close lines are noise
-  vmlck_before_ = VmLckBytes();
+  kernel_pinned_before_ = KernelPinnedBytesSettled(0);
   char dir[] = "/dev/shm/mrd-model-XXXXXX";
   if (::mkdtemp(dir) != nullptr) {
     shm_dir_ = dir;
@@ -446,9 +434,11 @@ bool Harness::TearDown() {
   core_.reset();
   device_.reset();
   if (!Check(pin_ops_.TakeFailure())) return false;
-  if (const uint64_t vmlck = VmLckBytes(); vmlck != vmlck_before_) {
-    return Check(absl::StrCat("the kernel still counts ", vmlck,
-                              " locked bytes (", vmlck_before_,
+  if (const uint64_t kernel_pinned =
+          KernelPinnedBytesSettled(kernel_pinned_before_);
+      kernel_pinned != kernel_pinned_before_) {
+    return Check(absl::StrCat("the kernel still counts ", kernel_pinned,
+                              " locked bytes (", kernel_pinned_before_,
                               " before the test)"));
   }
   return true;

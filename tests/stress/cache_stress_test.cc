@@ -15,8 +15,8 @@
 //     replaces sessions, and one runs fast-register/invalidate cycles with
 //     completions on its own session. Only the errors such races explain are
 //     accepted; at the end nothing is pinned (device, core accounting and
-//     the kernel's VmLck), the cache is empty, and every mlock/munlock the
-//     device made succeeded.
+//     the kernel's VmLck + VmPin), the cache is empty, and every mlock/munlock
+//     the device made succeeded.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -51,12 +51,15 @@
 #include "server/common/status.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
+#include "tests/support/kernel_pins.h"
 
 #ifndef MRD_STRESS_SCALE
 #define MRD_STRESS_SCALE 2
 #endif
 
 namespace mrd {
+
+using ::mrd::test_support::KernelPinnedBytesSettled;
 namespace {
 
 constexpr int kScale = MRD_STRESS_SCALE;
@@ -348,20 +351,6 @@ TEST(CacheStressTest, ManyThreadsAcquireReleaseInvalidateWithFailures) {
 
 // ---------------------------------------------------------------------------
 // Core over the software device.
-
-uint64_t VmLckBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmLck:", 0) != 0) continue;
-    std::vector<std::string> parts =
-        absl::StrSplit(line, ' ', absl::SkipEmpty());
-    uint64_t kib = 0;
-    if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kib))
-      return kib * 1024;
-  }
-  return ~uint64_t{0};
-}
 
 // mlock/munlock as the device makes them: every one must succeed (a failed
 // munlock means pinned memory was unmapped before it was unpinned).
@@ -772,7 +761,7 @@ class CoreStress {
 
 TEST(CoreStressTest, RegistrationsLamsPeersWhileBuffersAndSessionsGo) {
   SetMinLogLevel(LogLevel::kError);
-  const uint64_t vmlck_before = VmLckBytes();
+  const uint64_t kernel_pinned_before = KernelPinnedBytesSettled(0);
   {
     CoreStress stress;
     ASSERT_TRUE(stress.Start());
@@ -793,8 +782,10 @@ TEST(CoreStressTest, RegistrationsLamsPeersWhileBuffersAndSessionsGo) {
     EXPECT_EQ(stress.pin_problems().count(), 0)
         << "failed mlock/munlock calls:" << stress.pin_problems().Describe();
   }
-  EXPECT_EQ(VmLckBytes(), vmlck_before) << "the kernel still counts locked "
-                                           "memory";
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before),
+            kernel_pinned_before)
+      << "the kernel still counts locked "
+         "memory";
 }
 
 }  // namespace

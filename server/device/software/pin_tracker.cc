@@ -1,8 +1,5 @@
 #include "server/device/software/pin_tracker.h"
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -13,29 +10,22 @@
 #include "absl/strings/str_cat.h"
 #include "server/common/log.h"
 #include "server/common/status.h"
+#include "server/device/software/kernel_pin_ops.h"
 
 namespace mrd::device {
 namespace {
-
-// The raw system calls, not the libc wrappers: sanitizer runtimes intercept
-// mlock/munlock and turn them into no-ops that report success, which would
-// make sanitizer builds pin nothing while claiming to.
-class SystemPinOpsImpl final : public PinOps {
- public:
-  int Lock(uint64_t address, uint64_t length) override {
-    return ::syscall(SYS_mlock, address, length) == 0 ? 0 : errno;
-  }
-  int Unlock(uint64_t address, uint64_t length) override {
-    return ::syscall(SYS_munlock, address, length) == 0 ? 0 : errno;
-  }
-};
 
 std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
 
 }  // namespace
 
 PinOps* SystemPinOps() {
-  static PinOps* ops = new SystemPinOpsImpl();
+  static PinOps* ops = [] {
+    absl::StatusOr<std::unique_ptr<KernelPinOps>> made =
+        KernelPinOps::Create(KernelPinOptions{});
+    MRD_CHECK(made.ok());  // kAuto with default options cannot fail
+    return static_cast<PinOps*>(made->release());
+  }();
   return ops;
 }
 
@@ -124,9 +114,17 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length) {
       }
     }
     if (!injected.ok()) return injected;
+    if (err == kErrMapBudget) {
+      return SeedError(
+          v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_MEMORY_MAPS",
+          absl::StrCat("pinning ", length, " bytes at ", Hex(address),
+                       " would cost more memory maps (VMAs) than mrd allows "
+                       "itself below vm.max_map_count (mlock splits a "
+                       "mapping; see --pin_method and --pin_max_map_splits)"));
+    }
     return SeedError(
         v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
-        absl::StrCat("mlock of ", gap_end - gap_start, " bytes at ",
+        absl::StrCat("pinning ", gap_end - gap_start, " bytes at ",
                      Hex(gap_start), " (pinning ", length, " bytes at ",
                      Hex(address), ") failed: ", std::strerror(err)));
   }

@@ -1,22 +1,24 @@
 // PinTracker: page-granular reference counts of pinned host memory.
 //
-// mlock(2) is not reference-counted by the kernel: one munlock undoes any
-// number of mlocks of the same page. Registrations and LAMs overlap freely
-// (the same buffer registered twice, a LAM over a registered range), so the
-// device pins through this tracker: a page is mlocked when its count goes
-// 0 -> 1 and munlocked when it goes 1 -> 0. Counts are kept as an interval
-// map of [start, end) runs with equal counts, so an operation costs
-// O(log n + runs it touches), not O(pages): a 1 GiB span is one run.
+// The kernel's pins are not reference-counted the way mrd needs: one munlock
+// undoes any number of mlocks of the same page, and an io_uring slot pins
+// exactly the range it was given (kernel_pin_ops.h). Registrations and LAMs
+// overlap freely (the same buffer registered twice, a LAM over a registered
+// range), so the device pins through this tracker: a page is pinned
+// (PinOps::Lock) when its count goes 0 -> 1 and unpinned when it goes 1 -> 0.
+// Counts are kept as an interval map of [start, end) runs with equal counts, so
+// an operation costs O(log n + runs it touches), not O(pages): a 1 GiB span is
+// one run.
 //
-// Pin is all-or-nothing (L7): if any mlock fails, every page it locked is
-// unlocked again before the error returns, including a prefix that a
-// failing mlock may itself have locked before reaching a hole.
+// Pin is all-or-nothing (L7): if any Lock fails, every page it locked is
+// unlocked again before the error returns.
 //
-// Thread-safe. Pin holds the tracker's lock across mlock, which faults pages
+// Thread-safe. Pin holds the tracker's lock across Lock, which faults pages
 // in, so callers must not hold locks of their own that the data path needs.
 #ifndef MRD_SERVER_DEVICE_SOFTWARE_PIN_TRACKER_H_
 #define MRD_SERVER_DEVICE_SOFTWARE_PIN_TRACKER_H_
 
+#include <cerrno>
 #include <cstdint>
 #include <map>
 
@@ -27,18 +29,27 @@
 
 namespace mrd::device {
 
-// The two system calls the tracker makes, so that tests can watch and fail
-// them. Implementations must be thread-safe.
+// Lock's error when pinning would cost more memory maps (VMAs) than the
+// pinning method's budget; the tracker refuses with LIMIT_MEMORY_MAPS.
+inline constexpr int kErrMapBudget = EMLINK;
+
+// How the tracker pins and unpins pages in the kernel, so that tests can
+// watch and fail it. Implementations must be thread-safe.
 class PinOps {
  public:
   virtual ~PinOps() = default;
-  // mlock(2) of [address, address + length): 0 or the errno.
+  // Pins [address, address + length) (pages no one pins yet): 0 or the
+  // errno (kErrMapBudget: see above). On error nothing stays pinned.
   virtual int Lock(uint64_t address, uint64_t length) = 0;
-  // munlock(2) of [address, address + length): 0 or the errno.
+  // Unpins [address, address + length), all or a part of earlier Locks:
+  // 0 or the errno.
   virtual int Unlock(uint64_t address, uint64_t length) = 0;
 };
 
-// mlock/munlock. Process-wide, stateless, never destroyed.
+// The kernel's pins (kernel_pin_ops.h: io_uring fixed buffers, mlock where
+// io_uring cannot pin) with default options. Process-wide, never destroyed;
+// one tracker at a time may use it, since it refuses to pin a page twice.
+// The software device makes its own (SoftwareDeviceOptions::pin_method).
 PinOps* SystemPinOps();
 
 class PinTracker {
@@ -58,8 +69,10 @@ class PinTracker {
   // Takes one reference on every page of [address, address + length).
   // Errors: INVALID_ARGUMENT (STATUS_INVALID_PARAMETER "SPAN_OVERFLOW") for
   // an empty range or one that wraps; RESOURCE_EXHAUSTED
-  // (STATUS_INSUFFICIENT_RESOURCES "PIN_FAILED") when mlock fails (ENOMEM:
-  // RLIMIT_MEMLOCK or an unmapped page; EPERM; EAGAIN). On error no page's
+  // (STATUS_INSUFFICIENT_RESOURCES "PIN_FAILED") when the kernel refuses
+  // (ENOMEM: RLIMIT_MEMLOCK or an unmapped page; EPERM; EAGAIN), or
+  // "LIMIT_MEMORY_MAPS" when pinning would cost more memory maps than the
+  // budget (kErrMapBudget). On error no page's
   // count or lock state has changed.
   absl::Status Pin(uint64_t address, uint64_t length);
   // Drops the references a successful Pin of the same range took. Unpinning

@@ -229,18 +229,25 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   uint64_t pick = 0;
   MRD_RETURN_IF_ERROR(SecureRandomBytes(&pick, sizeof(pick)));
   uint64_t iova_start = (kIovaFloorPages + pick % kIovaSpreadPages) * ps;
-  return std::unique_ptr<SoftwareDevice>(
-      new SoftwareDevice(options, ps, std::move(listener), iova_start));
+  std::unique_ptr<KernelPinOps> own_pin_ops;
+  if (options.pin_ops == nullptr) {
+    MRD_ASSIGN_OR_RETURN(own_pin_ops,
+                         KernelPinOps::Create(options.pin_options, true));
+  }
+  return std::unique_ptr<SoftwareDevice>(new SoftwareDevice(
+      options, ps, std::move(listener), iova_start, std::move(own_pin_ops)));
 }
 
 SoftwareDevice::SoftwareDevice(const SoftwareDeviceOptions& options,
                                uint64_t page_size,
                                std::unique_ptr<PeerListener> listener,
-                               uint64_t iova_start)
+                               uint64_t iova_start,
+                               std::unique_ptr<KernelPinOps> own_pin_ops)
     : options_(options),
       page_size_(page_size),
+      own_pin_ops_(std::move(own_pin_ops)),
       pins_(page_size,
-            options.pin_ops != nullptr ? options.pin_ops : SystemPinOps(),
+            options.pin_ops != nullptr ? options.pin_ops : own_pin_ops_.get(),
             options.fault_points),
       listener_(std::move(listener)),
       keys_(options.max_keys, &random_, options.fault_points),

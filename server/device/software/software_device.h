@@ -72,6 +72,7 @@
 #include "server/device/device.h"
 #include "server/device/fault_points.h"
 #include "server/device/software/iova_space.h"
+#include "server/device/software/kernel_pin_ops.h"
 #include "server/device/software/key_table.h"
 #include "server/device/software/peer_listener.h"
 #include "server/device/software/pin_tracker.h"
@@ -90,8 +91,13 @@ struct SoftwareDeviceOptions {
   // Largest peer READ/WRITE (advertised in the hello reply), <= 1 GiB.
   uint64_t max_message_size = uint64_t{16} << 20;
   uint32_t max_connections = 1024;
-  // mlock/munlock; tests substitute failing ones. Not owned; nullptr means
-  // SystemPinOps().
+  // How pages are pinned when `pin_ops` is nullptr (kernel_pin_ops.h):
+  // io_uring fixed buffers (no VMA per pin) with an mlock fallback whose
+  // VMA splits are budgeted. The device owns that KernelPinOps and logs
+  // the method once.
+  KernelPinOptions pin_options;
+  // Tests substitute watching or failing ones. Not owned; nullptr means the
+  // device's own KernelPinOps.
   PinOps* pin_ops = nullptr;
   // Tests only: called on the connection thread inside every peer READ/WRITE
   // after the checks passed and before the I/O, while the op is in flight.
@@ -217,7 +223,8 @@ class SoftwareDevice final : public Device {
   };
 
   SoftwareDevice(const SoftwareDeviceOptions& options, uint64_t page_size,
-                 std::unique_ptr<PeerListener> listener, uint64_t iova_start);
+                 std::unique_ptr<PeerListener> listener, uint64_t iova_start,
+                 std::unique_ptr<KernelPinOps> own_pin_ops);
 
   absl::Status ValidateSpan(const MemorySpan& span,
                             absl::string_view call) const;
@@ -306,6 +313,8 @@ class SoftwareDevice final : public Device {
   const SoftwareDeviceOptions options_;
   const uint64_t page_size_;
   DeviceAttributes attributes_;
+  // Before pins_, which uses it (when options_.pin_ops is nullptr).
+  const std::unique_ptr<KernelPinOps> own_pin_ops_;
   PinTracker pins_;
   const std::unique_ptr<PeerListener> listener_;
 

@@ -32,9 +32,12 @@
 #include "server/core/core.h"
 #include "server/device/software/pin_tracker.h"
 #include "server/device/software/software_device.h"
+#include "tests/support/kernel_pins.h"
 #include "tests/unit/core/core_test_util.h"
 
 namespace mrd::core_test {
+
+using ::mrd::test_support::KernelPinnedBytesSettled;
 namespace {
 
 // mlock/munlock, counted; a failed call is counted too (munlock fails with
@@ -57,20 +60,6 @@ class CountingPinOps final : public device::PinOps {
   std::atomic<int> unlocks{0};
   std::atomic<int> failures{0};
 };
-
-// The process's locked memory as the kernel counts it (VmLck), in bytes.
-uint64_t VmLckBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmLck:", 0) != 0) continue;
-    uint64_t kib = 0;
-    std::istringstream fields(line.substr(6));
-    fields >> kib;
-    return kib * 1024;
-  }
-  return ~uint64_t{0};
-}
 
 bool IsRemoteAccessError(const absl::Status& s) {
   return s.code() == absl::StatusCode::kPermissionDenied &&
@@ -272,16 +261,17 @@ TEST_F(SoftwareCoreTest, InnerRangeReusesThePinButItsTokenReachesOnlyIt) {
 class SoftwareCoreConcurrentTest : public SoftwareCoreTest {
  protected:
   void SetUp() override {
-    vm_lck_before_ = VmLckBytes();
+    kernel_pinned_before_ = KernelPinnedBytesSettled(0);
     Start(/*warm=*/true, /*warm_per_session=*/6, /*warm_total=*/10);
   }
   void TearDown() override {
     SoftwareCoreTest::TearDown();
     core_.reset();
     device_.reset();
-    EXPECT_EQ(VmLckBytes(), vm_lck_before_);
+    EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
+              kernel_pinned_before_);
   }
-  uint64_t vm_lck_before_ = 0;
+  uint64_t kernel_pinned_before_ = 0;
 };
 
 TEST_F(SoftwareCoreConcurrentTest, SessionsAndBuffersGoWhileWarmPinsCome) {

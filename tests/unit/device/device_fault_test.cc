@@ -4,8 +4,9 @@
 // memory, and afterwards
 //   * the operation returned exactly the injected status, and stopped there;
 //   * nothing is pinned that was not before: the device's PinnedBytes and the
-//     kernel's VmLck (/proc/self/status) are unchanged, even when the failure
-//     came after some runs of pages had been mlocked (partial pins);
+//     kernel's pins (VmLck + VmPin, /proc/self/status) are unchanged, even when
+//     the failure came after some runs of pages had been mlocked (partial
+//     pins);
 //   * nothing is held that was not before: PDs, MRs, LAMs, key-table slots,
 //     logical address ranges, tickets, LAM references of fast registrations;
 //   * the device still works: the same operation on the same memory then
@@ -35,16 +36,19 @@
 #include "server/device/fault_points.h"
 #include "server/device/software/pin_tracker.h"
 #include "server/device/software/software_device.h"
+#include "tests/support/kernel_pins.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace mrd::device {
+
+using ::mrd::test_support::KernelPinnedBytes;
+using ::mrd::test_support::KernelPinnedBytesSettled;
 namespace {
 
 using ::mrd::device::testing::IsMrdError;
 using ::mrd::device::testing::MemfdBuffer;
 using ::mrd::device::testing::PageSize;
 using ::mrd::device::testing::RecordingSink;
-using ::mrd::device::testing::VmLckBytes;
 using ::mrd::peer::SoftPeer;
 using ::testing::ElementsAre;
 
@@ -126,15 +130,15 @@ TEST(FaultPointsTest, ConcurrentHitsFireExactlyOnce) {
 // ---------------------------------------------------------------------------
 // The software device under failure at every step.
 
-// mlock/munlock through the system, noting the most memory the kernel had
-// locked (VmLck) right after any successful mlock: how far a pin got before
+// The system's pins (SystemPinOps), noting the most memory the kernel had
+// pinned right after any successful Lock: how far a pin got before
 // it failed.
 class ObservingPinOps final : public PinOps {
  public:
   int Lock(uint64_t address, uint64_t length) override {
     int err = SystemPinOps()->Lock(address, length);
     if (err == 0) {
-      uint64_t now = VmLckBytes();
+      uint64_t now = KernelPinnedBytes();
       absl::MutexLock lock(&mu_);
       peak_ = std::max(peak_, now);
     }
@@ -160,18 +164,18 @@ class ObservingPinOps final : public PinOps {
 // What the device and the kernel hold at one moment.
 struct Snapshot {
   uint64_t pinned = 0;
-  uint64_t vm_lck = 0;
+  uint64_t kernel_pinned = 0;
   SoftwareDevice::ResourceCounts counts;
 };
 
 std::string Describe(const Snapshot& s) {
   const SoftwareDevice::ResourceCounts& c = s.counts;
-  return absl::StrCat("pinned=", s.pinned, " vm_lck=", s.vm_lck, " pds=", c.pds,
-                      " mrs=", c.mrs, " valid_mrs=", c.valid_mrs,
-                      " lams=", c.lams, " keys=", c.keys,
-                      " iova_ranges=", c.iova_ranges, " tickets=", c.tickets,
-                      " lam_fast_register_refs=", c.lam_fast_register_refs,
-                      " pd_objects=", c.pd_objects);
+  return absl::StrCat(
+      "pinned=", s.pinned, " kernel_pinned=", s.kernel_pinned, " pds=", c.pds,
+      " mrs=", c.mrs, " valid_mrs=", c.valid_mrs, " lams=", c.lams,
+      " keys=", c.keys, " iova_ranges=", c.iova_ranges, " tickets=", c.tickets,
+      " lam_fast_register_refs=", c.lam_fast_register_refs,
+      " pd_objects=", c.pd_objects);
 }
 
 // One run of an operation on fresh memory. The constructor prepares (outside
@@ -191,7 +195,7 @@ class Trial {
 class DeviceFaultTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    vm_lck_before_ = VmLckBytes();
+    kernel_pinned_before_ = KernelPinnedBytesSettled(0);
     SoftwareDeviceOptions options;
     options.fault_points = &faults_;
     options.pin_ops = &pin_ops_;
@@ -227,7 +231,8 @@ class DeviceFaultTest : public ::testing::Test {
       EXPECT_EQ(device_->CountResources().iova_ranges, 0u);
     }
     device_.reset();
-    EXPECT_EQ(VmLckBytes(), vm_lck_before_);
+    EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
+              kernel_pinned_before_);
   }
 
   // Public: the trials, local classes of the tests, use these.
@@ -235,7 +240,10 @@ class DeviceFaultTest : public ::testing::Test {
   Snapshot Take() const {
     Snapshot s;
     s.pinned = device_->PinnedBytes();
-    s.vm_lck = VmLckBytes();
+    // The kernel holds the baseline and what the device counts (older
+    // kernels release io_uring pins a moment later).
+    s.kernel_pinned =
+        KernelPinnedBytesSettled(kernel_pinned_before_ + s.pinned);
     s.counts = device_->CountResources();
     return s;
   }
@@ -372,7 +380,7 @@ class DeviceFaultTest : public ::testing::Test {
   PdId pd_ = 0;
   std::unique_ptr<SoftPeer> peer_;
   std::string probe_ticket_;
-  uint64_t vm_lck_before_ = 0;
+  uint64_t kernel_pinned_before_ = 0;
   uint8_t seed_ = 0;
 };
 
@@ -417,7 +425,7 @@ void ExpectPartialPinWasUndone(const std::vector<std::string>& steps, size_t k,
   if (steps[k - 1] != "pin.mlock") return;
   const uint64_t runs = static_cast<uint64_t>(
       std::count(steps.begin(), steps.begin() + k, "pin.mlock"));
-  EXPECT_EQ(peak - before.vm_lck,
+  EXPECT_EQ(peak - before.kernel_pinned,
             runs * PartlyPinnedMemory::kRunPages * PageSize())
       << "mlock calls before the failure did not lock what they should";
 }

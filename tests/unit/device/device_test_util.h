@@ -146,23 +146,6 @@ class RecordingSink final : public PdEventSink {
   std::string last_peer_ ABSL_GUARDED_BY(mu_);
 };
 
-// The process's locked memory as the kernel accounts it (VmLck in
-// /proc/self/status), in bytes.
-inline uint64_t VmLckBytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmLck:", 0) != 0) continue;
-    std::vector<std::string> parts =
-        absl::StrSplit(line, ' ', absl::SkipEmpty());
-    uint64_t kib = 0;
-    if (parts.size() >= 2 && absl::SimpleAtoi(parts[1], &kib)) {
-      return kib * 1024;
-    }
-  }
-  return ~uint64_t{0};
-}
-
 // A status with this code and mrd reason.
 MATCHER_P2(IsMrdError, code, reason,
            ::testing::PrintToString(code) + " with reason " + reason) {

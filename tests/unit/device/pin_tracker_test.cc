@@ -9,14 +9,16 @@
 #include "absl/synchronization/mutex.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/kernel_pins.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace mrd::device {
+
+using ::mrd::test_support::KernelPinnedBytesSettled;
 namespace {
 
 using ::mrd::device::testing::IsSeedError;
 using ::mrd::device::testing::PageSize;
-using ::mrd::device::testing::VmLckBytes;
 using ::testing::ElementsAre;
 using ::testing::IsEmpty;
 using ::testing::Pair;
@@ -183,25 +185,25 @@ TEST(PinTrackerDeathTest, UnpinningWhatWasNeverPinnedAborts) {
   EXPECT_DEATH(tracker.Unpin(uint64_t{1} << 40, PageSize()), "check failed");
 }
 
-// The same accounting against the kernel: VmLck follows the tracker.
+// The same accounting against the kernel: its pins follow the tracker.
 TEST(PinTrackerSystemTest, RealPinsAreReferenceCountedInTheKernel) {
   const uint64_t ps = PageSize();
   void* map = mmap(nullptr, 4 * ps, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   ASSERT_NE(map, MAP_FAILED);
   const uint64_t base = reinterpret_cast<uint64_t>(map);
-  const uint64_t before = VmLckBytes();
+  const uint64_t before = KernelPinnedBytesSettled(0);
   {
     PinTracker tracker(ps, SystemPinOps());
     ASSERT_TRUE(tracker.Pin(base, 3 * ps).ok());
     ASSERT_TRUE(tracker.Pin(base + ps, 3 * ps).ok());
-    EXPECT_EQ(VmLckBytes() - before, 4 * ps);
+    EXPECT_EQ(KernelPinnedBytesSettled(before + 4 * ps) - before, 4 * ps);
     tracker.Unpin(base, 3 * ps);
     // A plain munlock of the first range would have dropped pages 1-2 too.
-    EXPECT_EQ(VmLckBytes() - before, 3 * ps);
+    EXPECT_EQ(KernelPinnedBytesSettled(before + 3 * ps) - before, 3 * ps);
     EXPECT_EQ(tracker.PinnedBytes(), 3 * ps);
     tracker.Unpin(base + ps, 3 * ps);
-    EXPECT_EQ(VmLckBytes(), before);
+    EXPECT_EQ(KernelPinnedBytesSettled(before), before);
   }
   munmap(map, 4 * ps);
 }
@@ -213,13 +215,13 @@ TEST(PinTrackerSystemTest, PinOverAHoleLeavesNothingLocked) {
   ASSERT_NE(map, MAP_FAILED);
   const uint64_t base = reinterpret_cast<uint64_t>(map);
   ASSERT_EQ(munmap(reinterpret_cast<void*>(base + ps), ps), 0);
-  const uint64_t before = VmLckBytes();
+  const uint64_t before = KernelPinnedBytesSettled(0);
   {
     PinTracker tracker(ps, SystemPinOps());
     EXPECT_THAT(tracker.Pin(base, 3 * ps),
                 IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
     // mlock itself locked page 0 before failing on the hole.
-    EXPECT_EQ(VmLckBytes(), before);
+    EXPECT_EQ(KernelPinnedBytesSettled(before), before);
     EXPECT_EQ(tracker.PinnedBytes(), 0u);
   }
   munmap(map, ps);
@@ -234,11 +236,11 @@ TEST(PinTrackerSystemTest, PinPastEndOfFileLeavesNothingLocked) {
       testing::MemfdBuffer::Create(3);
   ASSERT_NE(buffer, nullptr);
   ASSERT_EQ(ftruncate(buffer->fd(), static_cast<off_t>(ps)), 0);
-  const uint64_t before = VmLckBytes();
+  const uint64_t before = KernelPinnedBytesSettled(0);
   PinTracker tracker(ps, SystemPinOps());
   EXPECT_THAT(tracker.Pin(reinterpret_cast<uint64_t>(buffer->data()), 3 * ps),
               IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
-  EXPECT_EQ(VmLckBytes(), before);
+  EXPECT_EQ(KernelPinnedBytesSettled(before), before);
   EXPECT_EQ(tracker.PinnedBytes(), 0u);
 }
 

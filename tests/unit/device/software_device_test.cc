@@ -20,9 +20,12 @@
 #include "client/peer/soft_peer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/support/kernel_pins.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace mrd::device {
+
+using ::mrd::test_support::KernelPinnedBytesSettled;
 namespace {
 
 using ::mrd::device::testing::IsMrdError;
@@ -30,7 +33,6 @@ using ::mrd::device::testing::IsSeedError;
 using ::mrd::device::testing::MemfdBuffer;
 using ::mrd::device::testing::PageSize;
 using ::mrd::device::testing::RecordingSink;
-using ::mrd::device::testing::VmLckBytes;
 using ::mrd::peer::SoftPeer;
 using Event = RecordingSink::Event;
 
@@ -80,7 +82,7 @@ class Gate {
 class SoftwareDeviceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    vm_lck_before_ = VmLckBytes();
+    kernel_pinned_before_ = KernelPinnedBytesSettled(0);
     StartDevice(SoftwareDeviceOptions{});
   }
 
@@ -94,7 +96,8 @@ class SoftwareDeviceTest : public ::testing::Test {
     }
     EXPECT_EQ(device_->PinnedBytes(), 0u);
     device_.reset();
-    EXPECT_EQ(VmLckBytes(), vm_lck_before_);
+    EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
+              kernel_pinned_before_);
   }
 
   void StartDevice(const SoftwareDeviceOptions& options) {
@@ -190,7 +193,7 @@ class SoftwareDeviceTest : public ::testing::Test {
   std::vector<std::unique_ptr<MemfdBuffer>> buffers_;
   std::unique_ptr<SoftwareDevice> device_;
   std::vector<PdId> pds_;
-  uint64_t vm_lck_before_ = 0;
+  uint64_t kernel_pinned_before_ = 0;
 };
 
 // ---------------------------------------------------------------------------
@@ -267,16 +270,21 @@ TEST_F(SoftwareDeviceTest, OverlappingRegistrationsPinEachPageOnce) {
   MrKeys a = Register(pd, buffer, 0, 4 * ps, kAccessRemoteRead);
   MrKeys b = Register(pd, buffer, 2 * ps, 4 * ps, kAccessRemoteRead);
   EXPECT_EQ(device_->PinnedBytes(), 6 * ps);
-  EXPECT_EQ(VmLckBytes() - vm_lck_before_, 6 * ps);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_ + 6 * ps) -
+                kernel_pinned_before_,
+            6 * ps);
 
   ASSERT_TRUE(device_->DeregisterMr(a.mr).ok());
   // Pages 2-5 stay locked for b: mlock is not counted by the kernel.
   EXPECT_EQ(device_->PinnedBytes(), 4 * ps);
-  EXPECT_EQ(VmLckBytes() - vm_lck_before_, 4 * ps);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_ + 4 * ps) -
+                kernel_pinned_before_,
+            4 * ps);
 
   ASSERT_TRUE(device_->DeregisterMr(b.mr).ok());
   EXPECT_EQ(device_->PinnedBytes(), 0u);
-  EXPECT_EQ(VmLckBytes(), vm_lck_before_);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
+            kernel_pinned_before_);
 }
 
 TEST_F(SoftwareDeviceTest, SameRangeRegisteredTwiceStaysPinnedUntilBothGo) {
@@ -289,7 +297,9 @@ TEST_F(SoftwareDeviceTest, SameRangeRegisteredTwiceStaysPinnedUntilBothGo) {
   EXPECT_EQ(device_->PinnedBytes(), 2 * ps);  // 10 + ps straddles two pages
   ASSERT_TRUE(device_->DeregisterMr(b.mr).ok());
   EXPECT_EQ(device_->PinnedBytes(), 2 * ps);
-  EXPECT_EQ(VmLckBytes() - vm_lck_before_, 2 * ps);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_ + 2 * ps) -
+                kernel_pinned_before_,
+            2 * ps);
   ASSERT_TRUE(device_->DeregisterMr(a.mr).ok());
   EXPECT_THAT(device_->DeregisterMr(a.mr),
               IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR"));
@@ -333,7 +343,8 @@ TEST_F(SoftwareDeviceTest, PinFailureIsInsufficientResourcesAndPinsNothing) {
       device_->RegisterMr(pd, buffer.Span(0, 3 * ps), kBase, 0).status(),
       IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
   EXPECT_EQ(device_->PinnedBytes(), 0u);
-  EXPECT_EQ(VmLckBytes(), vm_lck_before_);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
+            kernel_pinned_before_);
 }
 
 // ---------------------------------------------------------------------------
@@ -696,7 +707,9 @@ TEST_F(SoftwareDeviceTest, BuildLamMapsAlignedPagesWithFboAndReleaseUnpins) {
   }
   EXPECT_EQ(lam.pages[1], lam.pages[0] + ps);
   EXPECT_EQ(device_->PinnedBytes(), 3 * ps);
-  EXPECT_EQ(VmLckBytes() - vm_lck_before_, 3 * ps);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_ + 3 * ps) -
+                kernel_pinned_before_,
+            3 * ps);
 
   LogicalMapping second = Lam(pd, buffer, 0, ps);
   EXPECT_EQ(second.fbo, 0u);
@@ -708,7 +721,8 @@ TEST_F(SoftwareDeviceTest, BuildLamMapsAlignedPagesWithFboAndReleaseUnpins) {
   EXPECT_EQ(device_->PinnedBytes(), ps);
   ASSERT_TRUE(device_->ReleaseLam(second.lam).ok());
   EXPECT_EQ(device_->PinnedBytes(), 0u);
-  EXPECT_EQ(VmLckBytes(), vm_lck_before_);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
+            kernel_pinned_before_);
   EXPECT_THAT(device_->ReleaseLam(lam.lam),
               IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_LAM"));
 }
@@ -725,9 +739,12 @@ TEST_F(SoftwareDeviceTest, BuildLamThatFailsPartWayLeavesNothingPinned) {
               IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
   // L7: the LAM left nothing behind, and the registration keeps its pages.
   EXPECT_EQ(device_->PinnedBytes(), 2 * ps);
-  EXPECT_EQ(VmLckBytes() - vm_lck_before_, 2 * ps);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_ + 2 * ps) -
+                kernel_pinned_before_,
+            2 * ps);
   ASSERT_TRUE(device_->DeregisterMr(kept.mr).ok());
-  EXPECT_EQ(VmLckBytes(), vm_lck_before_);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
+            kernel_pinned_before_);
 }
 
 TEST_F(SoftwareDeviceTest, BuildLamRefusesASpanWhosePagesDoNotLineUp) {
@@ -1066,7 +1083,8 @@ TEST_F(FastRegisterTest, DeallocatePdReleasesEverythingAndSilencesTheSink) {
 
   ASSERT_TRUE(device_->DeallocatePd(pd_).ok());
   EXPECT_EQ(device_->PinnedBytes(), 0u);
-  EXPECT_EQ(VmLckBytes(), vm_lck_before_);
+  EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
+            kernel_pinned_before_);
   EXPECT_THAT(peer_->Read(rkey, kBase, 8).status(), IsGone());
   EXPECT_THAT(
       SoftPeer::Connect(device_->Attributes().peer_address, ticket).status(),

@@ -1,0 +1,395 @@
+#include "server/device/software/kernel_pin_ops.h"
+
+#include <linux/io_uring.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/common/log.h"
+#include "server/common/status.h"
+
+namespace mrd::device {
+namespace {
+
+std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
+
+// Sets slot `slot` of `ring` to [address, address + length), or empties it
+// (address 0, length 0): 0 or the errno.
+int UpdateSlot(int ring, uint32_t slot, uint64_t address, uint64_t length) {
+  struct iovec iov = {reinterpret_cast<void*>(address),
+                      static_cast<size_t>(length)};
+  struct io_uring_rsrc_update2 update;
+  std::memset(&update, 0, sizeof(update));
+  update.offset = slot;
+  update.data = reinterpret_cast<uint64_t>(&iov);
+  update.nr = 1;
+  for (;;) {
+    long rc =
+        ::syscall(__NR_io_uring_register, ring, IORING_REGISTER_BUFFERS_UPDATE,
+                  &update, sizeof(update));
+    if (rc == 1) return 0;
+    if (rc >= 0) return EIO;
+    if (errno != EINTR) return errno;
+  }
+}
+
+// Lines of /proc/self/maps: the process's VMA count.
+uint64_t MapCount() {
+  std::ifstream maps("/proc/self/maps");
+  uint64_t lines = 0;
+  std::string line;
+  while (std::getline(maps, line)) ++lines;
+  return lines;
+}
+
+uint64_t MaxMapCount() {
+  std::ifstream file("/proc/sys/vm/max_map_count");
+  uint64_t value = 0;
+  if (!(file >> value) || value == 0) value = 65530;  // the kernel default
+  return value;
+}
+
+}  // namespace
+
+absl::StatusOr<PinMethod> ParsePinMethod(absl::string_view name) {
+  if (name == "auto") return PinMethod::kAuto;
+  if (name == "io_uring") return PinMethod::kIoUring;
+  if (name == "mlock") return PinMethod::kMlock;
+  return MrdError(absl::StatusCode::kInvalidArgument, "BAD_OPTION",
+                  absl::StrCat("pin method must be auto, io_uring or mlock, "
+                               "not '",
+                               name, "'"));
+}
+
+KernelPinOps::KernelPinOps(const KernelPinOptions& options, uint64_t page_size)
+    : options_(options), page_size_(page_size) {}
+
+absl::StatusOr<std::unique_ptr<KernelPinOps>> KernelPinOps::Create(
+    const KernelPinOptions& options, bool log) {
+  const long page = ::sysconf(_SC_PAGESIZE);
+  const uint64_t ps = page > 0 ? static_cast<uint64_t>(page) : 4096;
+  if (options.slot_span < ps || options.slot_span > kMaxSlotSpan ||
+      (options.slot_span & (options.slot_span - 1)) != 0 ||
+      options.slots_per_ring == 0 ||
+      options.slots_per_ring > kMaxSlotsPerRing) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_OPTION",
+                    absl::StrCat("pin slot span ", options.slot_span,
+                                 " (a power of two from the page size to 1 "
+                                 "GiB) or slots per ring ",
+                                 options.slots_per_ring, " (1 to ",
+                                 kMaxSlotsPerRing, ") out of range"));
+  }
+  std::unique_ptr<KernelPinOps> ops(new KernelPinOps(options, ps));
+  if (options.method != PinMethod::kMlock) {
+    absl::MutexLock lock(&ops->mu_);
+    if (int err = ops->AddRingLocked(); err != 0) {
+      ops->io_uring_error_ = std::strerror(err);
+      if (options.method == PinMethod::kIoUring) {
+        return MrdError(absl::StatusCode::kFailedPrecondition,
+                        "IO_URING_UNAVAILABLE",
+                        absl::StrCat("--pin_method=io_uring, but no io_uring "
+                                     "ring with fixed buffers can be set up: ",
+                                     ops->io_uring_error_));
+      }
+    } else {
+      ops->io_uring_ok_ = true;
+    }
+  } else {
+    ops->io_uring_error_ = "--pin_method=mlock";
+  }
+  const uint64_t max_maps = MaxMapCount();
+  const uint64_t maps = MapCount();
+  ops->max_map_splits_ = options.max_map_splits != 0
+                             ? options.max_map_splits
+                             : (max_maps > maps ? (max_maps - maps) / 2 : 0);
+  if (log) LogInfo("pinning memory with ", ops->Describe());
+  return ops;
+}
+
+KernelPinOps::~KernelPinOps() {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [start, piece] : pieces_) {
+    if (piece.mlocked) ::syscall(SYS_munlock, start, piece.end - start);
+  }
+  for (int ring : rings_) ::close(ring);
+}
+
+std::string KernelPinOps::Describe() const {
+  const std::string budget =
+      absl::StrCat("mlock may split at most ", max_map_splits_,
+                   " VMAs (vm.max_map_count ", MaxMapCount(), ")");
+  if (!io_uring_ok_) {
+    return absl::StrCat("mlock (io_uring not used: ", io_uring_error_, "); ",
+                        budget);
+  }
+  if (options_.method == PinMethod::kIoUring) {
+    return absl::StrCat("io_uring fixed buffers (slots of at most ",
+                        options_.slot_span, " bytes)");
+  }
+  return absl::StrCat(
+      "io_uring fixed buffers (slots of at most ", options_.slot_span,
+      " bytes), mlock for read-only or refused memory; ", budget);
+}
+
+int KernelPinOps::AddRingLocked() {
+  struct io_uring_params params;
+  std::memset(&params, 0, sizeof(params));
+  const long fd = ::syscall(__NR_io_uring_setup, 1, &params);
+  if (fd < 0) return errno;
+  struct io_uring_rsrc_register reg;
+  std::memset(&reg, 0, sizeof(reg));
+  reg.nr = options_.slots_per_ring;
+  reg.flags = IORING_RSRC_REGISTER_SPARSE;
+  if (::syscall(__NR_io_uring_register, fd, IORING_REGISTER_BUFFERS2, &reg,
+                sizeof(reg)) != 0) {
+    const int err = errno;
+    ::close(static_cast<int>(fd));
+    return err;
+  }
+  const uint32_t first = static_cast<uint32_t>(slots_.size());
+  rings_.push_back(static_cast<int>(fd));
+  slots_.resize(slots_.size() + options_.slots_per_ring);
+  // Handed out lowest first.
+  for (uint32_t i = options_.slots_per_ring; i-- > 0;) {
+    free_slots_.push_back(first + i);
+  }
+  return 0;
+}
+
+int KernelPinOps::RegisterLocked(uint64_t start, uint64_t end, uint32_t* slot) {
+  if (free_slots_.empty()) {
+    if (int err = AddRingLocked(); err != 0) return err;
+  }
+  const uint32_t id = free_slots_.back();
+  const uint32_t per_ring = options_.slots_per_ring;
+  if (int err =
+          UpdateSlot(rings_[id / per_ring], id % per_ring, start, end - start);
+      err != 0) {
+    return err;
+  }
+  free_slots_.pop_back();
+  slots_[id] = Slot{start, end, 1};
+  registered_bytes_ += end - start;
+  *slot = id;
+  return 0;
+}
+
+void KernelPinOps::ClearLocked(uint32_t slot) {
+  const uint32_t per_ring = options_.slots_per_ring;
+  if (int err = UpdateSlot(rings_[slot / per_ring], slot % per_ring, 0, 0);
+      err != 0) {
+    // Emptying a slot only fails if the ring is gone; keep it out of use.
+    LogWarning("emptying io_uring slot ", slot, ": ", std::strerror(err));
+    return;
+  }
+  registered_bytes_ -= slots_[slot].end - slots_[slot].start;
+  slots_[slot] = Slot{};
+  free_slots_.push_back(slot);
+}
+
+void KernelPinOps::ReleaseSlotLocked(uint32_t slot) {
+  if (--slots_[slot].pieces == 0) ClearLocked(slot);
+}
+
+int KernelPinOps::LockIoUringLocked(uint64_t start, uint64_t end) {
+  std::vector<std::pair<uint64_t, uint32_t>> done;  // piece start, slot
+  const uint64_t span = options_.slot_span;
+  int err = 0;
+  for (uint64_t at = start; at < end;) {
+    const uint64_t boundary = (at & ~(span - 1)) + span;
+    const uint64_t to = boundary != 0 ? std::min(end, boundary) : end;
+    uint32_t slot = 0;
+    if (err = RegisterLocked(at, to, &slot); err != 0) break;
+    pieces_.emplace(at, Piece{to, false, slot});
+    io_uring_bytes_ += to - at;
+    done.emplace_back(at, slot);
+    at = to;
+  }
+  if (err == 0) return 0;
+  for (const auto& [at, slot] : done) {
+    io_uring_bytes_ -= pieces_[at].end - at;
+    pieces_.erase(at);
+    ReleaseSlotLocked(slot);
+  }
+  return err;
+}
+
+uint64_t KernelPinOps::MlockNeighboursLocked(uint64_t start,
+                                             uint64_t end) const {
+  uint64_t neighbours = 0;
+  auto next = pieces_.lower_bound(start);
+  if (next != pieces_.end() && next->first == end && next->second.mlocked) {
+    ++neighbours;
+  }
+  if (next != pieces_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second.end == start && prev->second.mlocked) ++neighbours;
+  }
+  return neighbours;
+}
+
+int KernelPinOps::LockMlockLocked(uint64_t start, uint64_t end) {
+  // Each maximal mlocked run can split a VMA at both ends; refuse before the
+  // runs could cost more VMAs than the budget.
+  const uint64_t runs = mlock_runs_ + 1 - MlockNeighboursLocked(start, end);
+  if (2 * runs > max_map_splits_ && runs > mlock_runs_) return kErrMapBudget;
+  if (::syscall(SYS_mlock, start, end - start) != 0) {
+    // mlock locks the mappings before a hole and then fails without undoing
+    // them; the range was pinned by no one, so unlock all of it.
+    const int err = errno;
+    ::syscall(SYS_munlock, start, end - start);
+    return err;
+  }
+  mlock_runs_ = runs;
+  mlocked_bytes_ += end - start;
+  // Coalesce with mlocked neighbours so that a piece is a maximal run.
+  uint64_t from = start;
+  uint64_t to = end;
+  auto next = pieces_.lower_bound(start);
+  if (next != pieces_.end() && next->first == end && next->second.mlocked) {
+    to = next->second.end;
+    next = pieces_.erase(next);
+  }
+  if (next != pieces_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->second.end == start && prev->second.mlocked) {
+      from = prev->first;
+      pieces_.erase(prev);
+    }
+  }
+  pieces_.emplace(from, Piece{to, true, 0});
+  return 0;
+}
+
+int KernelPinOps::Lock(uint64_t address, uint64_t length) {
+  if (length == 0 || address + length < address) return EINVAL;
+  const uint64_t start = address & ~(page_size_ - 1);
+  const uint64_t end = (address + length + page_size_ - 1) & ~(page_size_ - 1);
+  absl::MutexLock lock(&mu_);
+  // The tracker locks only pages no one pins; an overlap is a caller bug.
+  auto it = pieces_.lower_bound(start);
+  if ((it != pieces_.end() && it->first < end) ||
+      (it != pieces_.begin() && std::prev(it)->second.end > start)) {
+    return EEXIST;
+  }
+  if (io_uring_ok_) {
+    const int err = LockIoUringLocked(start, end);
+    if (err == 0 || options_.method == PinMethod::kIoUring) return err;
+    // EFAULT: a read-only mapping (io_uring pins for writing) or a hole;
+    // EOPNOTSUPP: memory io_uring does not pin long-term; EMFILE: no fd for
+    // another ring. mlock tells a hole from the rest.
+  }
+  return LockMlockLocked(start, end);
+}
+
+int KernelPinOps::UnlockPieceLocked(std::map<uint64_t, Piece>::iterator it,
+                                    uint64_t from, uint64_t to) {
+  const uint64_t start = it->first;
+  const Piece piece = it->second;
+  from = std::max(from, start);
+  to = std::min(to, piece.end);
+  std::vector<std::pair<uint64_t, uint64_t>> rest;
+  if (start < from) rest.emplace_back(start, from);
+  if (to < piece.end) rest.emplace_back(to, piece.end);
+  pieces_.erase(it);
+
+  if (piece.mlocked) {
+    int err = 0;
+    if (::syscall(SYS_munlock, from, to - from) != 0) err = errno;
+    mlocked_bytes_ -= to - from;
+    mlock_runs_ = mlock_runs_ - 1 + rest.size();
+    for (const auto& [a, b] : rest) pieces_.emplace(a, Piece{b, true, 0});
+    return err;
+  }
+
+  io_uring_bytes_ -= to - from;
+  // Pin what stays into new slots before the old one lets go of anything.
+  std::vector<uint32_t> fresh;
+  int err = 0;
+  for (const auto& [a, b] : rest) {
+    uint32_t slot = 0;
+    if (err = RegisterLocked(a, b, &slot); err != 0) break;
+    fresh.push_back(slot);
+  }
+  if (err != 0) {
+    for (uint32_t slot : fresh) ReleaseSlotLocked(slot);
+    // Keep the old slot: the rest stays pinned through it, and so do the
+    // released pages until the rest goes too.
+    LogWarning("could not re-pin ", rest.size(), " pieces of io_uring slot ",
+               piece.slot, " (", Hex(start), "+", piece.end - start,
+               "): ", std::strerror(err), "; ", to - from, " bytes at ",
+               Hex(from), " stay pinned until the rest is released");
+    for (const auto& [a, b] : rest) {
+      pieces_.emplace(a, Piece{b, false, piece.slot});
+      ++slots_[piece.slot].pieces;
+    }
+    ReleaseSlotLocked(piece.slot);
+    return 0;
+  }
+  for (size_t i = 0; i < rest.size(); ++i) {
+    pieces_.emplace(rest[i].first, Piece{rest[i].second, false, fresh[i]});
+  }
+  ReleaseSlotLocked(piece.slot);
+  return 0;
+}
+
+int KernelPinOps::Unlock(uint64_t address, uint64_t length) {
+  if (length == 0 || address + length < address) return EINVAL;
+  const uint64_t start = address & ~(page_size_ - 1);
+  const uint64_t end = (address + length + page_size_ - 1) & ~(page_size_ - 1);
+  absl::MutexLock lock(&mu_);
+  int first_err = 0;
+  uint64_t cursor = start;
+  auto it = pieces_.upper_bound(start);
+  if (it != pieces_.begin() && std::prev(it)->second.end > start) --it;
+  while (it != pieces_.end() && it->first < end) {
+    if (it->first > cursor && first_err == 0) first_err = ENOENT;
+    const uint64_t next_start = it->second.end;
+    cursor = next_start;
+    int err = UnlockPieceLocked(it, start, end);
+    if (err != 0 && first_err == 0) first_err = err;
+    it = pieces_.lower_bound(next_start);
+  }
+  if (cursor < end && first_err == 0) first_err = ENOENT;
+  return first_err;
+}
+
+size_t KernelPinOps::Rings() const {
+  absl::MutexLock lock(&mu_);
+  return rings_.size();
+}
+
+size_t KernelPinOps::Slots() const {
+  absl::MutexLock lock(&mu_);
+  return slots_.size() - free_slots_.size();
+}
+
+uint64_t KernelPinOps::IoUringBytes() const {
+  absl::MutexLock lock(&mu_);
+  return io_uring_bytes_;
+}
+
+uint64_t KernelPinOps::MlockedBytes() const {
+  absl::MutexLock lock(&mu_);
+  return mlocked_bytes_;
+}
+
+uint64_t KernelPinOps::StaleBytes() const {
+  absl::MutexLock lock(&mu_);
+  return registered_bytes_ - io_uring_bytes_;
+}
+
+uint64_t KernelPinOps::MapSplits() const {
+  absl::MutexLock lock(&mu_);
+  return 2 * mlock_runs_;
+}
+
+}  // namespace mrd::device

@@ -1,0 +1,159 @@
+// KernelPinOps: the PinOps the software device pins real memory with.
+//
+// mlock(2) of a sub-range splits the mapping's VMA, so pinning every other
+// page of one buffer costs a VMA per pin and reaches vm.max_map_count
+// (65,530 by default) after ~32,000 pins. KernelPinOps pins pages the way
+// RDMA drivers do, without touching VMAs: it registers them as io_uring
+// fixed buffers (pin_user_pages with FOLL_LONGTERM). Each pinned range is a
+// slot of a ring that is never submitted to; a ring has up to 16,384 slots
+// and more rings are created on demand. The kernel shows these pins in
+// /proc/<pid>/status as VmPin, not VmLck.
+//
+// A slot never crosses a multiple of `slot_span` (16 MiB by default, at most
+// the kernel's 1 GiB), so releasing a sub-range of an earlier Lock (the
+// tracker unlocks exactly the pages whose count dropped to zero) re-pins at
+// most two slot spans: the pieces that stay pinned are registered into new
+// slots before the old slot is cleared, so no page is ever unpinned while
+// counted. If that registration fails the old slot stays (its released
+// pages stay pinned, counted by StaleBytes()) until its last piece goes.
+//
+// io_uring pins with FOLL_WRITE, so read-only mappings (and memory io_uring
+// refuses, or every range when io_uring is unavailable: seccomp,
+// kernel.io_uring_disabled, ENOSYS) fall back to mlock. mlock ranges are
+// counted as VMA splits, two per maximal locked run (the most a run can
+// cost), and a Lock that would take the count past `max_map_splits` fails
+// with kErrMapBudget (the tracker refuses with LIMIT_MEMORY_MAPS) instead of
+// letting the process reach vm.max_map_count.
+//
+// Thread-safe; system calls are made under the object's lock.
+#ifndef MRD_SERVER_DEVICE_SOFTWARE_KERNEL_PIN_OPS_H_
+#define MRD_SERVER_DEVICE_SOFTWARE_KERNEL_PIN_OPS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "server/device/software/pin_tracker.h"
+
+namespace mrd::device {
+
+enum class PinMethod {
+  kAuto,     // io_uring where it works, else mlock (per range)
+  kIoUring,  // io_uring only: a range it refuses fails
+  kMlock,    // mlock only (VMA budget applies)
+};
+
+// "auto", "io_uring", "mlock"; INVALID_ARGUMENT "BAD_OPTION" otherwise.
+absl::StatusOr<PinMethod> ParsePinMethod(absl::string_view name);
+
+struct KernelPinOptions {
+  PinMethod method = PinMethod::kAuto;
+  // Largest slot, and the alignment no slot crosses: a power of two between
+  // the page size and 1 GiB (the kernel's limit per fixed buffer).
+  uint64_t slot_span = uint64_t{16} << 20;
+  // Slots per ring, at most kMaxSlotsPerRing (tests use fewer).
+  uint32_t slots_per_ring = 16384;
+  // VMA splits mlock may cause; 0 = half of what vm.max_map_count leaves
+  // above the process's map count at creation (the rest is the reserve for
+  // gRPC, libraries, thread stacks and buffer mappings).
+  uint64_t max_map_splits = 0;
+};
+
+class KernelPinOps final : public PinOps {
+ public:
+  static constexpr uint32_t kMaxSlotsPerRing = 16384;
+  static constexpr uint64_t kMaxSlotSpan = uint64_t{1} << 30;
+
+  // INVALID_ARGUMENT "BAD_OPTION" for bad options; with kIoUring,
+  // FAILED_PRECONDITION "IO_URING_UNAVAILABLE" when no ring can be created.
+  // `log` logs the method chosen (once, at start).
+  static absl::StatusOr<std::unique_ptr<KernelPinOps>> Create(
+      const KernelPinOptions& options, bool log = false);
+  // Closes the rings (the kernel unpins their slots) and munlocks what is
+  // still mlocked.
+  ~KernelPinOps() override;
+  KernelPinOps(const KernelPinOps&) = delete;
+  KernelPinOps& operator=(const KernelPinOps&) = delete;
+
+  int Lock(uint64_t address, uint64_t length) override;
+  int Unlock(uint64_t address, uint64_t length) override;
+
+  // What the object uses: "io_uring", "mlock", or "io_uring+mlock" (auto)
+  // and why io_uring is not used when it is not.
+  std::string Describe() const;
+  bool io_uring_available() const { return io_uring_ok_; }
+  uint64_t max_map_splits() const { return max_map_splits_; }
+
+  // Introspection (tests, metrics).
+  size_t Rings() const;
+  // Slots in use.
+  size_t Slots() const;
+  // Bytes pinned through io_uring slots that are still counted.
+  uint64_t IoUringBytes() const;
+  // Bytes mlocked.
+  uint64_t MlockedBytes() const;
+  // Bytes released by Unlock that stay pinned because a split failed.
+  uint64_t StaleBytes() const;
+  // VMA splits mlock may have caused (two per maximal mlocked run).
+  uint64_t MapSplits() const;
+
+ private:
+  struct Slot {
+    uint64_t start = 0;  // registered range
+    uint64_t end = 0;
+    uint32_t pieces = 0;  // pieces_ entries that point here; 0 = free
+  };
+  struct Piece {
+    uint64_t end = 0;
+    bool mlocked = false;
+    uint32_t slot = 0;  // if !mlocked
+  };
+
+  KernelPinOps(const KernelPinOptions& options, uint64_t page_size);
+
+  // Creates a ring with sparse slots; 0 or the errno.
+  int AddRingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers [start, end) (within one slot span) into a free slot.
+  int RegisterLocked(uint64_t start, uint64_t end, uint32_t* slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Empties a slot (the kernel unpins its pages) and frees it.
+  void ClearLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops one piece's reference on `slot`, clearing it at zero.
+  void ReleaseSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int LockIoUringLocked(uint64_t start, uint64_t end)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int LockMlockLocked(uint64_t start, uint64_t end)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unpins [from, to) of the piece at `it`, keeping the rest pinned.
+  int UnlockPieceLocked(std::map<uint64_t, Piece>::iterator it, uint64_t from,
+                        uint64_t to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Number of maximal mlocked runs that [start, end) touches or adjoins.
+  uint64_t MlockNeighboursLocked(uint64_t start, uint64_t end) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const KernelPinOptions options_;
+  const uint64_t page_size_;
+  bool io_uring_ok_ = false;
+  std::string io_uring_error_;
+  uint64_t max_map_splits_ = 0;
+
+  mutable absl::Mutex mu_;
+  std::vector<int> rings_ ABSL_GUARDED_BY(mu_);   // ring fds
+  std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);  // ring i: [i*n, (i+1)*n)
+  std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Piece> pieces_ ABSL_GUARDED_BY(mu_);  // disjoint
+  uint64_t io_uring_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t registered_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // sum of live slots
+  uint64_t mlocked_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t mlock_runs_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace mrd::device
+
+#endif  // MRD_SERVER_DEVICE_SOFTWARE_KERNEL_PIN_OPS_H_

@@ -1,0 +1,66 @@
+// What the kernel has pinned for a process, for tests that check real
+// kernel state after mrd pins and unpins memory.
+//
+// The software device pins through io_uring fixed buffers, which the kernel
+// counts in VmPin (pin_user_pages), and falls back to mlock(2), counted in
+// VmLck; the verbs device's registrations are in VmPin too. A page is in
+// exactly one of them (mrd never pins a page both ways), so their sum is
+// what mrd has pinned.
+//
+// Kernels before 6.13 (Debian 12's 6.1) release an emptied io_uring slot's
+// pages from a work item about a second later, so a check that expects
+// fewer pinned bytes polls: KernelPinnedBytesSettled.
+#ifndef MRD_TESTS_SUPPORT_KERNEL_PINS_H_
+#define MRD_TESTS_SUPPORT_KERNEL_PINS_H_
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace mrd::test_support {
+
+// VmLck + VmPin of /proc/<pid>/status in bytes ("self": this process);
+// ~0 if the file cannot be read.
+inline uint64_t KernelPinnedBytes(const std::string& pid = "self") {
+  std::ifstream status("/proc/" + pid + "/status");
+  std::string line;
+  uint64_t total = 0;
+  int found = 0;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmLck:", 0) != 0 && line.rfind("VmPin:", 0) != 0) {
+      continue;
+    }
+    std::vector<std::string> parts =
+        absl::StrSplit(line, ' ', absl::SkipEmpty());
+    uint64_t kib = 0;
+    if (parts.size() < 2 || !absl::SimpleAtoi(parts[1], &kib)) {
+      return ~uint64_t{0};
+    }
+    total += kib * 1024;
+    ++found;
+  }
+  return found == 2 ? total : ~uint64_t{0};
+}
+
+// KernelPinnedBytes(pid) once it equals `expected`, or the last reading
+// when `timeout` passes first (then the caller's comparison fails).
+inline uint64_t KernelPinnedBytesSettled(
+    uint64_t expected, const std::string& pid = "self",
+    absl::Duration timeout = absl::Seconds(5)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    const uint64_t now = KernelPinnedBytes(pid);
+    if (now == expected || absl::Now() > deadline) return now;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+}
+
+}  // namespace mrd::test_support
+
+#endif  // MRD_TESTS_SUPPORT_KERNEL_PINS_H_

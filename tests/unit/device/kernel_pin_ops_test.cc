@@ -1,0 +1,306 @@
+// KernelPinOps against the real kernel: io_uring slots pin pages without
+// splitting memory maps, sub-range unpins keep the rest pinned, slots never
+// cross their span, rings are added as slots run out, read-only memory falls
+// back to mlock, and mlock's map splits are refused past the budget.
+#include "server/device/software/kernel_pin_ops.h"
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/device/software/pin_tracker.h"
+#include "tests/support/kernel_pins.h"
+#include "tests/unit/device/device_test_util.h"
+
+namespace mrd::device {
+namespace {
+
+using ::mrd::device::testing::IsSeedError;
+using ::mrd::device::testing::MemfdBuffer;
+using ::mrd::device::testing::PageSize;
+using ::mrd::test_support::KernelPinnedBytes;
+using ::mrd::test_support::KernelPinnedBytesSettled;
+
+uint64_t MapCount() {
+  std::ifstream maps("/proc/self/maps");
+  uint64_t lines = 0;
+  std::string line;
+  while (std::getline(maps, line)) ++lines;
+  return lines;
+}
+
+std::unique_ptr<KernelPinOps> Make(KernelPinOptions options) {
+  absl::StatusOr<std::unique_ptr<KernelPinOps>> ops =
+      KernelPinOps::Create(options);
+  EXPECT_TRUE(ops.ok()) << ops.status();
+  return ops.ok() ? std::move(*ops) : nullptr;
+}
+
+class KernelPinOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    before_ = KernelPinnedBytesSettled(0);
+    ops_ = Make(KernelPinOptions{});
+    ASSERT_NE(ops_, nullptr);
+    if (!ops_->io_uring_available()) {
+      GTEST_SKIP() << "io_uring unavailable here: " << ops_->Describe();
+    }
+  }
+  void TearDown() override {
+    ops_.reset();
+    EXPECT_EQ(KernelPinnedBytesSettled(before_), before_);
+  }
+  uint64_t Pinned() { return KernelPinnedBytes() - before_; }
+  uint64_t PinnedSettled(uint64_t expected) {
+    return KernelPinnedBytesSettled(before_ + expected) - before_;
+  }
+
+  uint64_t before_ = 0;
+  std::unique_ptr<KernelPinOps> ops_;
+};
+
+// The failure of issue 8: one pin per other page used to cost two VMAs.
+TEST_F(KernelPinOpsTest, EveryOtherPageCostsNoMemoryMap) {
+  const uint64_t ps = PageSize();
+  constexpr uint64_t kPages = 4096;
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(kPages);
+  ASSERT_NE(buffer, nullptr);
+  const uint64_t base = reinterpret_cast<uint64_t>(buffer->data());
+  const uint64_t maps = MapCount();
+  for (uint64_t page = 0; page < kPages; page += 2) {
+    ASSERT_EQ(ops_->Lock(base + page * ps, ps), 0) << page;
+  }
+  EXPECT_LE(MapCount(), maps + 2);  // a ring or two, never a VMA per pin
+  EXPECT_EQ(Pinned(), kPages / 2 * ps);
+  EXPECT_EQ(ops_->Slots(), kPages / 2);
+  EXPECT_EQ(ops_->IoUringBytes(), kPages / 2 * ps);
+  EXPECT_EQ(ops_->MlockedBytes(), 0u);
+  for (uint64_t page = 0; page < kPages; page += 2) {
+    ASSERT_EQ(ops_->Unlock(base + page * ps, ps), 0) << page;
+  }
+  EXPECT_EQ(ops_->Slots(), 0u);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// Unlocking parts of one Lock re-pins what stays into new slots: the kernel
+// keeps exactly the pages still counted.
+TEST_F(KernelPinOpsTest, UnlockingPartOfASlotKeepsTheRestPinned) {
+  const uint64_t ps = PageSize();
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(8);
+  ASSERT_NE(buffer, nullptr);
+  const uint64_t base = reinterpret_cast<uint64_t>(buffer->data());
+  ASSERT_EQ(ops_->Lock(base, 8 * ps), 0);
+  EXPECT_EQ(Pinned(), 8 * ps);
+  EXPECT_EQ(ops_->Slots(), 1u);
+  ASSERT_EQ(ops_->Unlock(base + 2 * ps, 2 * ps), 0);  // [0,2) [4,8) stay
+  EXPECT_EQ(ops_->Slots(), 2u);
+  EXPECT_EQ(PinnedSettled(6 * ps), 6 * ps);
+  ASSERT_EQ(ops_->Unlock(base + 6 * ps, ps), 0);  // [0,2) [4,6) [7,8)
+  EXPECT_EQ(ops_->Slots(), 3u);
+  EXPECT_EQ(PinnedSettled(5 * ps), 5 * ps);
+  EXPECT_EQ(ops_->IoUringBytes(), 5 * ps);
+  EXPECT_EQ(ops_->StaleBytes(), 0u);
+  // One Unlock over pinned pieces and the holes between them.
+  EXPECT_EQ(ops_->Unlock(base, 8 * ps), ENOENT);  // the holes are reported
+  EXPECT_EQ(ops_->Slots(), 0u);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// A page that is pinned cannot be locked again: the tracker owns the counts.
+TEST_F(KernelPinOpsTest, OverlappingLockIsRefused) {
+  const uint64_t ps = PageSize();
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(4);
+  ASSERT_NE(buffer, nullptr);
+  const uint64_t base = reinterpret_cast<uint64_t>(buffer->data());
+  ASSERT_EQ(ops_->Lock(base + ps, 2 * ps), 0);
+  EXPECT_EQ(ops_->Lock(base, 2 * ps), EEXIST);
+  EXPECT_EQ(ops_->Lock(base + 2 * ps, 2 * ps), EEXIST);
+  EXPECT_EQ(Pinned(), 2 * ps);
+  ASSERT_EQ(ops_->Unlock(base + ps, 2 * ps), 0);
+}
+
+TEST(KernelPinOptionsTest, SlotSpanIsAPowerOfTwoUpToOneGiB) {
+  for (uint64_t span : {uint64_t{0}, uint64_t{3} << 20,
+                        KernelPinOps::kMaxSlotSpan * 2, PageSize() / 2}) {
+    KernelPinOptions options;
+    options.slot_span = span;
+    EXPECT_EQ(KernelPinOps::Create(options).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << span;
+  }
+  KernelPinOptions options;
+  options.slot_span = KernelPinOps::kMaxSlotSpan;
+  EXPECT_TRUE(KernelPinOps::Create(options).ok());
+  options.slots_per_ring = KernelPinOps::kMaxSlotsPerRing + 1;
+  EXPECT_FALSE(KernelPinOps::Create(options).ok());
+  EXPECT_FALSE(ParsePinMethod("mmap").ok());
+  EXPECT_EQ(*ParsePinMethod("io_uring"), PinMethod::kIoUring);
+}
+
+// No slot crosses a multiple of the span (the kernel takes at most 1 GiB
+// per slot; a smaller span bounds what a split re-pins).
+TEST_F(KernelPinOpsTest, SlotsNeverCrossTheSpan) {
+  const uint64_t ps = PageSize();
+  KernelPinOptions options;
+  options.slot_span = 16 * ps;
+  ops_ = Make(options);
+  ASSERT_NE(ops_, nullptr);
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(64);
+  ASSERT_NE(buffer, nullptr);
+  const uint64_t base = reinterpret_cast<uint64_t>(buffer->data());
+  // From 3 pages past a span boundary, 40 pages: 13 + 16 + 11.
+  const uint64_t aligned = (base + 16 * ps - 1) & ~(16 * ps - 1);
+  const uint64_t start = aligned + 3 * ps;
+  ASSERT_LE(start + 40 * ps, base + 64 * ps);
+  ASSERT_EQ(ops_->Lock(start, 40 * ps), 0);
+  EXPECT_EQ(ops_->Slots(), 3u);
+  EXPECT_EQ(Pinned(), 40 * ps);
+  // Dropping one page in the middle re-pins only its own slot's rest.
+  ASSERT_EQ(ops_->Unlock(start + 20 * ps, ps), 0);
+  EXPECT_EQ(ops_->Slots(), 4u);
+  EXPECT_EQ(PinnedSettled(39 * ps), 39 * ps);
+  ASSERT_EQ(ops_->Unlock(start, 20 * ps), 0);
+  ASSERT_EQ(ops_->Unlock(start + 21 * ps, 19 * ps), 0);
+  EXPECT_EQ(ops_->Slots(), 0u);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// More rings are created as slots run out.
+TEST_F(KernelPinOpsTest, RingsAreAddedAsSlotsRunOut) {
+  const uint64_t ps = PageSize();
+  KernelPinOptions options;
+  options.slots_per_ring = 8;
+  ops_ = Make(options);
+  ASSERT_NE(ops_, nullptr);
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(40);
+  ASSERT_NE(buffer, nullptr);
+  const uint64_t base = reinterpret_cast<uint64_t>(buffer->data());
+  for (uint64_t page = 0; page < 40; page += 2) {
+    ASSERT_EQ(ops_->Lock(base + page * ps, ps), 0) << page;
+  }
+  EXPECT_EQ(ops_->Rings(), 3u);
+  EXPECT_EQ(ops_->Slots(), 20u);
+  EXPECT_EQ(Pinned(), 20 * ps);
+  for (uint64_t page = 0; page < 40; page += 2) {
+    ASSERT_EQ(ops_->Unlock(base + page * ps, ps), 0) << page;
+  }
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// When the rest of a slot cannot be re-pinned (here: no fd for another
+// ring), the old slot stays: nothing still counted is ever unpinned, and
+// the released pages go when the rest does.
+TEST_F(KernelPinOpsTest, FailedSplitKeepsTheOldSlot) {
+  const uint64_t ps = PageSize();
+  KernelPinOptions options;
+  options.slots_per_ring = 1;
+  ops_ = Make(options);
+  ASSERT_NE(ops_, nullptr);
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(4);
+  ASSERT_NE(buffer, nullptr);
+  const uint64_t base = reinterpret_cast<uint64_t>(buffer->data());
+  ASSERT_EQ(ops_->Lock(base, 4 * ps), 0);
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  const int lowest_free = dup(0);
+  ASSERT_GE(lowest_free, 0);
+  close(lowest_free);
+  struct rlimit tight = saved;
+  tight.rlim_cur = static_cast<rlim_t>(lowest_free);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &tight), 0);
+  const int err = ops_->Unlock(base + ps, ps);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  EXPECT_EQ(err, 0);
+  EXPECT_EQ(ops_->StaleBytes(), ps);
+  EXPECT_EQ(ops_->IoUringBytes(), 3 * ps);
+  EXPECT_EQ(Pinned(), 4 * ps);  // page 1 stays pinned with its slot
+  ASSERT_EQ(ops_->Unlock(base, ps), 0);
+  ASSERT_EQ(ops_->Unlock(base + 2 * ps, 2 * ps), 0);
+  EXPECT_EQ(ops_->StaleBytes(), 0u);
+  EXPECT_EQ(ops_->Slots(), 0u);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// io_uring pins for writing: a read-only mapping falls back to mlock (auto)
+// or is refused (io_uring only).
+TEST_F(KernelPinOpsTest, ReadOnlyMemoryFallsBackToMlock) {
+  const uint64_t ps = PageSize();
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(4);
+  ASSERT_NE(buffer, nullptr);
+  void* map = mmap(nullptr, 4 * ps, PROT_READ, MAP_SHARED, buffer->fd(), 0);
+  ASSERT_NE(map, MAP_FAILED);
+  const uint64_t base = reinterpret_cast<uint64_t>(map);
+  ASSERT_EQ(ops_->Lock(base + ps, 2 * ps), 0);
+  EXPECT_EQ(ops_->MlockedBytes(), 2 * ps);
+  EXPECT_EQ(ops_->IoUringBytes(), 0u);
+  EXPECT_EQ(ops_->MapSplits(), 2u);
+  EXPECT_EQ(Pinned(), 2 * ps);
+  ASSERT_EQ(ops_->Unlock(base + ps, ps), 0);
+  EXPECT_EQ(Pinned(), ps);
+  ASSERT_EQ(ops_->Unlock(base + 2 * ps, ps), 0);
+  EXPECT_EQ(ops_->MapSplits(), 0u);
+
+  KernelPinOptions options;
+  options.method = PinMethod::kIoUring;
+  std::unique_ptr<KernelPinOps> strict = Make(options);
+  ASSERT_NE(strict, nullptr);
+  EXPECT_EQ(strict->Lock(base, ps), EFAULT);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+  munmap(map, 4 * ps);
+}
+
+// With mlock, each maximal locked run may split a map twice; past the
+// budget Lock refuses, and the tracker turns that into LIMIT_MEMORY_MAPS.
+TEST(KernelPinMlockTest, MapSplitsPastTheBudgetAreRefused) {
+  const uint64_t ps = PageSize();
+  const uint64_t before = KernelPinnedBytesSettled(0);
+  KernelPinOptions options;
+  options.method = PinMethod::kMlock;
+  options.max_map_splits = 10;
+  std::unique_ptr<KernelPinOps> ops = Make(options);
+  ASSERT_NE(ops, nullptr);
+  EXPECT_FALSE(ops->io_uring_available());
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(32);
+  ASSERT_NE(buffer, nullptr);
+  const uint64_t base = reinterpret_cast<uint64_t>(buffer->data());
+  {
+    PinTracker tracker(ps, ops.get());
+    // One round first, so that lazily made allocations do not count.
+    ASSERT_TRUE(tracker.Pin(base, ps).ok());
+    tracker.Unpin(base, ps);
+    const uint64_t maps = MapCount();
+    for (uint64_t page = 1; page < 10; page += 2) {  // 5 runs: 10 splits
+      ASSERT_TRUE(tracker.Pin(base + page * ps, ps).ok()) << page;
+    }
+    EXPECT_EQ(ops->MapSplits(), 10u);
+    EXPECT_LE(MapCount(), maps + ops->MapSplits());
+    EXPECT_THAT(
+        tracker.Pin(base + 11 * ps, ps),
+        IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_MEMORY_MAPS"));
+    EXPECT_EQ(ops->Lock(base + 11 * ps, ps), kErrMapBudget);
+    // Joining two runs costs no new split, so it is allowed.
+    ASSERT_TRUE(tracker.Pin(base + 2 * ps, ps).ok());
+    EXPECT_EQ(ops->MapSplits(), 8u);
+    EXPECT_EQ(KernelPinnedBytes() - before, 6 * ps);
+    EXPECT_EQ(tracker.PinnedBytes(), 6 * ps);
+    ASSERT_TRUE(tracker.Pin(base + 11 * ps, ps).ok());
+    tracker.Unpin(base + 11 * ps, ps);
+    tracker.Unpin(base + 2 * ps, ps);
+    for (uint64_t page = 1; page < 10; page += 2) {
+      tracker.Unpin(base + page * ps, ps);
+    }
+    EXPECT_EQ(MapCount(), maps);  // the kernel merged the maps again
+  }
+  EXPECT_EQ(ops->MapSplits(), 0u);
+  EXPECT_EQ(KernelPinnedBytes(), before);
+}
+
+}  // namespace
+}  // namespace mrd::device
