@@ -1,5 +1,6 @@
 #include "client/lib/session.h"
 
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -50,6 +51,13 @@ absl::StatusOr<Session> Session::OpenLease(const Client& client,
       return absl::InvalidArgumentError("lease ttl too large");
     }
     request.set_ttl_seconds(static_cast<uint32_t>(seconds < 1 ? 1 : seconds));
+  }
+  // Vouched for by an fd session when the fd socket lets us in, so that the
+  // lease carries our uid (and may import our own files); anonymous else.
+  std::optional<Session> voucher;
+  if (absl::StatusOr<Session> fd = OpenFd(client); fd.ok()) {
+    voucher.emplace(std::move(*fd));
+    request.set_vouching_session(voucher->token());
   }
   MRD_ASSIGN_OR_RETURN(v1::SessionInfo info, client.OpenLeaseSession(request));
   return Session(std::make_shared<internal::SessionCore>(

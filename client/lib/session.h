@@ -52,6 +52,9 @@ class Session {
   static absl::StatusOr<Session> OpenFd(const Client& client,
                                         absl::string_view fd_socket_path = "");
   // OpenLeaseSession with `ttl` (zero: the server's default; whole seconds).
+  // When the fd socket lets the caller in, a short-lived fd session vouches
+  // for the lease, which then carries the caller's uid (its tenant, and the
+  // files it may import); otherwise the lease is anonymous.
   // Errors: INVALID_ARGUMENT (ttl out of range), RESOURCE_EXHAUSTED.
   static absl::StatusOr<Session> OpenLease(
       const Client& client, absl::Duration ttl = absl::ZeroDuration());

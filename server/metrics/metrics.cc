@@ -177,10 +177,56 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
         Gauge("mrd_cache_warm_bytes",
               "Bytes held by warm pins now (part of the pinned bytes).",
               d(s.warm.bytes)),
+        TenantFamily(prometheus::MetricType::Gauge, "mrd_tenant_usage",
+                     "What each tenant holds now, by resource.",
+                     [](const core::Tenant& t, core::TenantResource r) {
+                       return static_cast<double>(t.Used(r));
+                     }),
+        TenantFamily(prometheus::MetricType::Gauge, "mrd_tenant_limit",
+                     "Each tenant's quota, by resource.",
+                     [](const core::Tenant& t, core::TenantResource r) {
+                       return static_cast<double>(t.quota(r));
+                     }),
+        TenantFamily(prometheus::MetricType::Counter,
+                     "mrd_tenant_refusals_total",
+                     "Requests refused because the tenant's quota was "
+                     "reached, by resource.",
+                     [](const core::Tenant& t, core::TenantResource r) {
+                       return static_cast<double>(t.Refused(r));
+                     }),
     };
   }
 
  private:
+  // One series per tenant and resource: {tenant="...",resource="..."}.
+  template <typename ValueFn>
+  prometheus::MetricFamily TenantFamily(prometheus::MetricType type,
+                                        const std::string& name,
+                                        const std::string& help,
+                                        ValueFn value) const {
+    prometheus::MetricFamily family;
+    family.name = name;
+    family.help = help;
+    family.type = type;
+    for (const std::shared_ptr<core::Tenant>& tenant : core_->Tenants()) {
+      for (int i = 0; i < core::kTenantResourceCount; ++i) {
+        const auto resource = static_cast<core::TenantResource>(i);
+        prometheus::ClientMetric metric;
+        metric.label.push_back({"tenant", tenant->name()});
+        metric.label.push_back(
+            {"resource", std::string(core::TenantResourceName(resource))});
+        const double v = value(*tenant, resource);
+        if (type == prometheus::MetricType::Counter) {
+          metric.counter.value = v;
+        } else {
+          metric.gauge.value = v;
+        }
+        family.metric.push_back(std::move(metric));
+      }
+    }
+    return family;
+  }
+
   const core::Core* const core_;
 };
 

@@ -224,6 +224,27 @@ TEST_F(ClientLibTest, ConnectToMissingSocketIsUnavailableAtOnce) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
 }
 
+// Usage and quota of every tenant, by resource, as operators alert on them.
+TEST_F(ClientLibTest, TenantUsageAndLimitsAreExported) {
+  Session session = OpenFdSession();
+  Buffer buffer = NewBuffer(session, 8192);
+  Registration reg = Register(session, buffer, 0, 8192, kRemoteRead);
+  const std::string tenant = absl::StrCat("tenant=\"uid:", getuid(), "\"");
+  auto series = [&](const std::string& name, const std::string& resource) {
+    return absl::StrCat(name, "{", tenant, ",resource=\"", resource, "\"}");
+  };
+  std::map<std::string, double> m = Metrics();
+  EXPECT_EQ(m[series("mrd_tenant_usage", "sessions")], 1);
+  EXPECT_EQ(m[series("mrd_tenant_usage", "buffers")], 1);
+  EXPECT_EQ(m[series("mrd_tenant_usage", "registrations")], 1);
+  EXPECT_EQ(m[series("mrd_tenant_usage", "pinned_bytes")], 8192);
+  // 25 % of --max_sessions=1024 and of 16 GiB.
+  EXPECT_EQ(m[series("mrd_tenant_limit", "sessions")], 256);
+  EXPECT_EQ(m[series("mrd_tenant_limit", "pinned_bytes")],
+            static_cast<double>(uint64_t{4} << 30));
+  EXPECT_EQ(m.count(series("mrd_tenant_refusals_total", "sessions")), 1u);
+}
+
 TEST_F(ClientLibTest, DeviceInfoAndHealth) {
   absl::StatusOr<v1::DeviceInfo> info = client_->GetDeviceInfo();
   ASSERT_TRUE(info.ok()) << info.status();
