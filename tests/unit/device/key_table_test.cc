@@ -1,5 +1,6 @@
 #include "server/device/software/key_table.h"
 
+#include <cstdio>
 #include <set>
 #include <string>
 #include <vector>
@@ -126,6 +127,8 @@ TEST(KeyTableTest, LazyTableTakesMoreThanOneMiKeysWithMemoryFollowingUse) {
   // ~16 bytes a slot plus the free pool: under 40 bytes per grown slot,
   // where the full 16 Mi table would take 256 MiB.
   EXPECT_LT(table.MemoryBytes(), size_t{table.grown_slots()} * 40);
+  std::printf("key table: %u keys held, %u slots grown, %zu bytes\n",
+              table.in_use(), table.grown_slots(), table.MemoryBytes());
   for (size_t i = 0; i < keys.size(); i += 4099) {
     EXPECT_EQ(table.Lookup(keys[i]), i + 2);
   }
