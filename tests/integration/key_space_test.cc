@@ -6,11 +6,13 @@
 // stopped by its own limit, and a bystander keeps registering and reading.
 #include <gtest/gtest.h>
 #include <pthread.h>
+#include <sys/wait.h>
 
 #include <atomic>
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "tests/integration/test_env.h"
 
 namespace mrd::testing {
@@ -109,6 +111,22 @@ TEST_F(KeySpaceTest, ASessionAtItsRegistrationLimitLeavesKeysForOthers) {
   peer.reset();
   held.clear();
   EXPECT_TRUE(greedy.Close().ok());  // releases its 65,536 registrations
+}
+
+// Totals the 24-bit key index cannot cover are refused at start, not found
+// out later as KEYS_EXHAUSTED.
+TEST(KeySpaceFlagsTest, TotalsBeyondTheKeySpaceAreRefusedAtStart) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
+  MrdProcessOptions options;
+  options.extra_flags = {"--max_total_registrations=16777216"};
+  absl::StatusOr<MrdExit> exit = MrdProcess::RunToExit(options);
+  ASSERT_TRUE(exit.ok()) << exit.status();
+  EXPECT_TRUE(WIFEXITED(exit->status) && WEXITSTATUS(exit->status) == 1)
+      << exit->log;
+  EXPECT_TRUE(absl::StrContains(exit->log,
+                                "exceeds the software device's "
+                                "16777215 memory keys"))
+      << exit->log;
 }
 
 }  // namespace
