@@ -37,6 +37,7 @@
 #include "absl/time/time.h"
 #include "server/common/fd.h"
 #include "server/common/log.h"
+#include "server/common/path_trust.h"
 #include "server/common/thread_pool.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
@@ -184,6 +185,13 @@ absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   return text;
 }
 
+// Software-device key slots that cover the core's global limits.
+uint64_t SoftwareKeySlots(uint64_t registrations, uint64_t lams, uint64_t mrs) {
+  constexpr uint64_t kHuge = uint64_t{1} << 40;  // no overflow below
+  if (registrations > kHuge || lams > kHuge || mrs > kHuge) return kHuge;
+  return registrations + lams + mrs;
+}
+
 bool IsLoopback(const std::string& address) {
   return absl::StartsWith(address, "127.") ||
          absl::StartsWith(address, "[::1]:") ||
@@ -202,17 +210,46 @@ int Run() {
 
   if (absl::GetFlag(FLAGS_verbose)) SetMinLogLevel(LogLevel::kDebug);
 
+  // Directories someone else could change are refused (docs/RELIABILITY.md,
+  // "Runtime directory and shm_dir"): whoever can rename our sockets can
+  // listen in their place and be handed our clients' memory.
   std::string runtime_dir = absl::GetFlag(FLAGS_runtime_dir);
   if (runtime_dir.empty()) runtime_dir = DefaultRuntimeDir();
-  if (mkdir(runtime_dir.c_str(), 0755) != 0 && errno != EEXIST) {
-    LogError("cannot create runtime dir ", runtime_dir, ": ",
-             std::strerror(errno));
+  if (absl::StatusOr<std::string> trusted =
+          PrepareRuntimeDir(runtime_dir, geteuid());
+      trusted.ok()) {
+    runtime_dir = *std::move(trusted);
+  } else {
+    LogError("refusing to start: runtime dir ", runtime_dir, ": ",
+             trusted.status().message());
     return 1;
   }
   std::string grpc_socket = absl::GetFlag(FLAGS_grpc_socket);
-  if (grpc_socket.empty()) grpc_socket = runtime_dir + "/mrd.sock";
   std::string fd_socket = absl::GetFlag(FLAGS_fd_socket);
+  for (std::string* socket : {&grpc_socket, &fd_socket}) {
+    if (socket->empty()) continue;
+    absl::StatusOr<std::string> trusted = CheckSocketPath(*socket, geteuid());
+    if (!trusted.ok()) {
+      LogError("refusing to start: socket ", *socket, ": ",
+               trusted.status().message());
+      return 1;
+    }
+    *socket = *std::move(trusted);
+  }
+  if (grpc_socket.empty()) grpc_socket = runtime_dir + "/mrd.sock";
   if (fd_socket.empty()) fd_socket = runtime_dir + "/fd.sock";
+  std::string shm_dir = absl::GetFlag(FLAGS_shm_dir);
+  if (!shm_dir.empty()) {
+    // Created if missing (sticky and world-writable, like /dev/shm), so that
+    // `make run` works on a fresh machine; refused off tmpfs/hugetlbfs.
+    absl::StatusOr<std::string> trusted = PrepareShmDir(shm_dir, geteuid());
+    if (!trusted.ok()) {
+      LogError("refusing to start: --shm_dir ", shm_dir, ": ",
+               trusted.status().message());
+      return 1;
+    }
+    shm_dir = *std::move(trusted);
+  }
   mode_t socket_mode = static_cast<mode_t>(
       std::strtoul(absl::GetFlag(FLAGS_socket_mode).c_str(), nullptr, 8));
 
@@ -286,6 +323,22 @@ int Run() {
     device_options.pin_options.method = *pin_method;
     device_options.pin_options.max_map_splits =
         absl::GetFlag(FLAGS_pin_max_map_splits);
+    // The key space covers everything the core's global limits allow, so
+    // no session can exhaust it (docs/RELIABILITY.md, "Key space"); the
+    // table grows only as keys are taken.
+    const uint64_t key_slots =
+        SoftwareKeySlots(absl::GetFlag(FLAGS_max_total_registrations),
+                         absl::GetFlag(FLAGS_max_total_lams),
+                         absl::GetFlag(FLAGS_max_total_mrs));
+    if (key_slots > device::KeyTable::kMaxSlots) {
+      LogError(
+          "refusing to start: --max_total_registrations plus LAMs and "
+          "fast-register MRs (",
+          key_slots, ") exceeds the software device's ",
+          device::KeyTable::kMaxSlots, " memory keys");
+      return 1;
+    }
+    device_options.max_keys = static_cast<uint32_t>(key_slots);
     absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
         device::SoftwareDevice::Create(device_options);
     if (!software.ok()) {
@@ -304,7 +357,7 @@ int Run() {
 
   // The core.
   core::CoreOptions core_options;
-  core_options.shm_dir = absl::GetFlag(FLAGS_shm_dir);
+  core_options.shm_dir = shm_dir;
   core_options.allowed_uids = *uids;
   core_options.default_lease_ttl = absl::GetFlag(FLAGS_lease_ttl);
   core_options.max_lease_ttl = absl::GetFlag(FLAGS_max_lease_ttl);
@@ -329,13 +382,6 @@ int Run() {
             " pins per registration: warm pins are off");
     core_options.warm_pin_bytes_per_session = 0;
     core_options.warm_pin_bytes_total = 0;
-  }
-  if (!core_options.shm_dir.empty()) {
-    // Create it if missing (sticky and world-writable, like /dev/shm), so
-    // that `make run` works on a fresh machine.
-    if (mkdir(core_options.shm_dir.c_str(), 01777) == 0) {
-      chmod(core_options.shm_dir.c_str(), 01777);
-    }
   }
   core_options.max_total_buffers = absl::GetFlag(FLAGS_max_total_buffers);
   core_options.max_total_lams = absl::GetFlag(FLAGS_max_total_lams);

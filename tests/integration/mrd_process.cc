@@ -77,17 +77,36 @@ std::vector<std::string> DeviceFlags() {
                        address == nullptr ? "127.0.0.1" : address, ":0")};
 }
 
-absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
+absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
     const MrdProcessOptions& options) {
   std::unique_ptr<MrdProcess> p(new MrdProcess());
-  char run_template[] = "/tmp/mrd-test-run-XXXXXX";
-  char shm_template[] = "/dev/shm/mrd-test-shm-XXXXXX";
-  if (mkdtemp(run_template) == nullptr || mkdtemp(shm_template) == nullptr) {
-    return absl::ErrnoToStatus(errno, "mkdtemp");
+  if (options.runtime_dir.empty()) {
+    char run_template[] = "/tmp/mrd-test-run-XXXXXX";
+    if (mkdtemp(run_template) == nullptr) {
+      return absl::ErrnoToStatus(errno, "mkdtemp");
+    }
+    p->runtime_dir_ = run_template;
+    p->owns_runtime_dir_ = true;
+    p->log_path_ = p->runtime_dir_ + "/mrd.log";
+  } else {
+    p->runtime_dir_ = options.runtime_dir;
+    char log_template[] = "/tmp/mrd-test-log-XXXXXX";
+    int log = mkstemp(log_template);
+    if (log < 0) return absl::ErrnoToStatus(errno, "mkstemp");
+    close(log);
+    p->log_path_ = log_template;
+    p->owns_log_ = true;
   }
-  p->runtime_dir_ = run_template;
-  p->shm_dir_ = shm_template;
-  p->log_path_ = p->runtime_dir_ + "/mrd.log";
+  if (options.shm_dir.empty()) {
+    char shm_template[] = "/dev/shm/mrd-test-shm-XXXXXX";
+    if (mkdtemp(shm_template) == nullptr) {
+      return absl::ErrnoToStatus(errno, "mkdtemp");
+    }
+    p->shm_dir_ = shm_template;
+    p->owns_shm_dir_ = true;
+  } else {
+    p->shm_dir_ = options.shm_dir;
+  }
 
   std::vector<std::string> args = {
       MRD_BINARY,
@@ -120,12 +139,40 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
     _exit(127);
   }
   p->pid_ = pid;
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
+    const MrdProcessOptions& options) {
+  absl::StatusOr<std::unique_ptr<MrdProcess>> launched = Launch(options);
+  if (!launched.ok()) return launched.status();
+  std::unique_ptr<MrdProcess> p = std::move(*launched);
   absl::Status ready = p->WaitServing();
   if (!ready.ok()) {
     return absl::Status(
         ready.code(), absl::StrCat(ready.message(), "\nmrd log:\n", p->Log()));
   }
   return p;
+}
+
+absl::StatusOr<MrdExit> MrdProcess::RunToExit(const MrdProcessOptions& options,
+                                              int timeout_ms) {
+  absl::StatusOr<std::unique_ptr<MrdProcess>> launched = Launch(options);
+  if (!launched.ok()) return launched.status();
+  MrdProcess& p = **launched;
+  auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(p.pid_, &status, WNOHANG) == p.pid_) {
+      p.pid_ = -1;
+      return MrdExit{status, p.Log()};
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return absl::DeadlineExceededError(
+      absl::StrCat("mrd was expected to exit but still runs after ", timeout_ms,
+                   " ms\nlog:\n", p.Log()));  // the destructor kills it
 }
 
 absl::Status MrdProcess::WaitServing() {
@@ -186,8 +233,9 @@ MrdProcess::~MrdProcess() {
     waitpid(pid_, nullptr, 0);
   }
   std::error_code ec;
-  std::filesystem::remove_all(runtime_dir_, ec);
-  std::filesystem::remove_all(shm_dir_, ec);
+  if (owns_runtime_dir_) std::filesystem::remove_all(runtime_dir_, ec);
+  if (owns_shm_dir_) std::filesystem::remove_all(shm_dir_, ec);
+  if (owns_log_) std::filesystem::remove(log_path_, ec);
 }
 
 }  // namespace mrd::testing

@@ -23,12 +23,28 @@ namespace mrd::testing {
 struct MrdProcessOptions {
   std::vector<std::string> extra_flags;
   bool metrics = false;  // serve metrics on a free loopback port
+  // --runtime_dir and --shm_dir: empty = a fresh private directory that the
+  // process removes when it goes. A given one belongs to the test (not
+  // removed); with a given runtime_dir the log goes to a file of its own.
+  std::string runtime_dir;
+  std::string shm_dir;
+};
+
+// How an mrd that was expected to refuse to start ended.
+struct MrdExit {
+  int status = 0;  // as from waitpid
+  std::string log;
 };
 
 class MrdProcess {
  public:
   static absl::StatusOr<std::unique_ptr<MrdProcess>> Start(
       const MrdProcessOptions& options = {});
+  // Runs mrd expecting it to exit on its own within `timeout_ms` (a refusal
+  // to start): returns how it exited and its log. An error when it is still
+  // running then (it is killed) or cannot be started.
+  static absl::StatusOr<MrdExit> RunToExit(const MrdProcessOptions& options,
+                                           int timeout_ms = 10000);
   ~MrdProcess();
 
   const std::string& runtime_dir() const { return runtime_dir_; }
@@ -46,12 +62,18 @@ class MrdProcess {
 
  private:
   MrdProcess() = default;
+  // Forks and execs mrd with `options`; does not wait.
+  static absl::StatusOr<std::unique_ptr<MrdProcess>> Launch(
+      const MrdProcessOptions& options);
   absl::Status WaitServing();
 
   pid_t pid_ = -1;
   std::string runtime_dir_;
   std::string shm_dir_;
   std::string log_path_;
+  bool owns_runtime_dir_ = false;  // removed by the destructor
+  bool owns_shm_dir_ = false;
+  bool owns_log_ = false;  // log_path_ lies outside runtime_dir_
   std::string metrics_address_;
 };
 

@@ -1,5 +1,8 @@
 #include "server/device/software/key_table.h"
 
+#include <algorithm>
+#include <new>
+
 #include "absl/strings/str_cat.h"
 #include "server/common/log.h"
 #include "server/common/status.h"
@@ -7,11 +10,55 @@
 namespace mrd::device {
 
 KeyTable::KeyTable(uint32_t slots, SecureRandomPool* random,
-                   FaultPoints* faults)
-    : random_(random), faults_(faults), slots_(static_cast<size_t>(slots) + 1) {
+                   FaultPoints* faults, uint32_t chunk_slots)
+    : random_(random),
+      faults_(faults),
+      capacity_(slots),
+      chunk_slots_(chunk_slots) {
   MRD_CHECK(slots >= 1 && slots <= kMaxSlots);
-  free_.reserve(slots);
-  for (uint32_t index = slots; index >= 1; --index) free_.push_back(index);
+  MRD_CHECK(chunk_slots >= 1);
+}
+
+KeyTable::Slot* KeyTable::Find(uint32_t index) {
+  if (index == 0 || index > grown_) return nullptr;
+  return &chunks_[index / chunk_slots_][index % chunk_slots_];
+}
+
+const KeyTable::Slot* KeyTable::Find(uint32_t index) const {
+  if (index == 0 || index > grown_) return nullptr;
+  return &chunks_[index / chunk_slots_][index % chunk_slots_];
+}
+
+size_t KeyTable::MemoryBytes() const {
+  size_t chunk_bytes = 0;
+  for (size_t c = 0; c < chunks_.size(); ++c) {
+    uint64_t first = uint64_t{c} * chunk_slots_;
+    uint64_t end =
+        std::min<uint64_t>(first + chunk_slots_, uint64_t{capacity_} + 1);
+    chunk_bytes += static_cast<size_t>(end - first) * sizeof(Slot);
+  }
+  return chunk_bytes + free_.capacity() * sizeof(uint32_t) +
+         chunks_.capacity() * sizeof(chunks_[0]);
+}
+
+bool KeyTable::Grow() {
+  // The next chunk starts right after the last index grown (index 0 belongs
+  // to chunk 0 and is skipped).
+  const uint64_t first = uint64_t{chunks_.size()} * chunk_slots_;
+  const uint64_t end =
+      std::min<uint64_t>(first + chunk_slots_, uint64_t{capacity_} + 1);
+  const size_t count = static_cast<size_t>(end - first);
+  std::unique_ptr<Slot[]> chunk(new (std::nothrow) Slot[count]);
+  if (chunk == nullptr) return false;
+  chunks_.push_back(std::move(chunk));
+  // No shuffle is needed: Allocate draws uniformly from the whole pool, so
+  // the pool's order never shows in the keys.
+  free_.reserve(free_.size() + count);
+  for (uint64_t index = std::max<uint64_t>(first, 1); index < end; ++index) {
+    free_.push_back(static_cast<uint32_t>(index));
+  }
+  grown_ = static_cast<uint32_t>(end - 1);
+  return true;
 }
 
 absl::StatusOr<uint8_t> KeyTable::NextKeyByte(const Slot& slot) {
@@ -27,45 +74,57 @@ absl::StatusOr<uint8_t> KeyTable::NextKeyByte(const Slot& slot) {
 absl::StatusOr<uint32_t> KeyTable::Allocate(uint64_t owner) {
   MRD_CHECK(owner != 0);
   MRD_RETURN_IF_ERROR(FaultPoint(faults_, "keys.allocate"));
+  if (in_use_ >= capacity_) {
+    return SeedError(
+        v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
+        absl::StrCat("all ", capacity_, " memory-key slots are in use"));
+  }
+  // Keep the pool wide enough that the slot draw stays spread out: grow
+  // before it runs dry, not only when it is empty.
+  const size_t low_water = std::max(chunk_slots_ / 16, 1u);
+  while (grown_ < capacity_ && free_.size() < low_water) {
+    if (!Grow()) break;
+  }
   if (free_.empty()) {
     return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
-                     absl::StrCat("all ", slots_.size() - 1,
-                                  " memory-key slots are in use"));
+                     absl::StrCat("out of memory growing the memory-key "
+                                  "table beyond ",
+                                  grown_, " slots"));
   }
   MRD_RETURN_IF_ERROR(FaultPoint(faults_, "random.key_slot"));
   MRD_ASSIGN_OR_RETURN(uint64_t pick, random_->Uint64());
   size_t at = static_cast<size_t>(pick % free_.size());
   uint32_t index = free_[at];
-  Slot& slot = slots_[index];
+  Slot& slot = *Find(index);
   MRD_ASSIGN_OR_RETURN(uint8_t key_byte, NextKeyByte(slot));
   free_[at] = free_.back();
   free_.pop_back();
   slot.owner = owner;
   slot.key_byte = key_byte;
+  ++in_use_;
   return (index << 8) | key_byte;
 }
 
 absl::StatusOr<uint32_t> KeyTable::Reissue(uint32_t key) {
-  uint32_t index = key >> 8;
-  MRD_CHECK(index >= 1 && index < slots_.size() && slots_[index].owner != 0);
-  Slot& slot = slots_[index];
-  MRD_ASSIGN_OR_RETURN(slot.key_byte, NextKeyByte(slot));
-  return (index << 8) | slot.key_byte;
+  Slot* slot = Find(key >> 8);
+  MRD_CHECK(slot != nullptr && slot->owner != 0);
+  MRD_ASSIGN_OR_RETURN(slot->key_byte, NextKeyByte(*slot));
+  return (key & ~0xffu) | slot->key_byte;
 }
 
 void KeyTable::Release(uint32_t key) {
-  uint32_t index = key >> 8;
-  MRD_CHECK(index >= 1 && index < slots_.size() && slots_[index].owner != 0);
-  slots_[index].owner = 0;
-  free_.push_back(index);
+  Slot* slot = Find(key >> 8);
+  MRD_CHECK(slot != nullptr && slot->owner != 0);
+  slot->owner = 0;
+  free_.push_back(key >> 8);
+  --in_use_;
 }
 
 uint64_t KeyTable::Lookup(uint32_t key) const {
-  uint32_t index = key >> 8;
-  if (index == 0 || index >= slots_.size()) return 0;
-  const Slot& slot = slots_[index];
-  if (slot.owner == 0 || slot.key_byte != (key & 0xff)) return 0;
-  return slot.owner;
+  const Slot* slot = Find(key >> 8);
+  if (slot == nullptr) return 0;
+  if (slot->owner == 0 || slot->key_byte != (key & 0xff)) return 0;
+  return slot->owner;
 }
 
 }  // namespace mrd::device

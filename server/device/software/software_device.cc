@@ -211,6 +211,9 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
     return bad(absl::StrCat("max_keys must be in [1, ", KeyTable::kMaxSlots,
                             "], got ", options.max_keys));
   }
+  if (options.key_chunk_slots == 0) {
+    return bad("key_chunk_slots must be > 0");
+  }
   if (options.max_message_size == 0 ||
       options.max_message_size > kMaxMessageSizeLimit) {
     return bad(absl::StrCat("max_message_size must be in [1, ",
@@ -250,7 +253,8 @@ SoftwareDevice::SoftwareDevice(const SoftwareDeviceOptions& options,
             options.pin_ops != nullptr ? options.pin_ops : own_pin_ops_.get(),
             options.fault_points),
       listener_(std::move(listener)),
-      keys_(options.max_keys, &random_, options.fault_points),
+      keys_(options.max_keys, &random_, options.fault_points,
+            options.key_chunk_slots),
       iova_(page_size, iova_start, kIovaLimit / page_size * page_size,
             options.fault_points) {
   attributes_.name = "software";
@@ -998,7 +1002,8 @@ SoftwareDevice::ResourceCounts SoftwareDevice::CountResources() const {
   counts.mrs = mrs_.size();
   for (const auto& [id, mr] : mrs_) counts.valid_mrs += mr->valid ? 1 : 0;
   counts.lams = lams_.size();
-  counts.keys = options_.max_keys - keys_.free_slots();
+  counts.keys = keys_.in_use();
+  counts.key_slots_grown = keys_.grown_slots();
   counts.iova_ranges = iova_.ranges();
   counts.tickets = tickets_.size();
   for (const auto& [id, lam] : lams_) {

@@ -80,14 +80,25 @@
 
 namespace mrd::device {
 
+// 1 Mi registrations + 256 Ki LAMs + 256 Ki fast-register MRs: the core's
+// default global limits.
+inline constexpr uint32_t kDefaultMaxKeys =
+    (1u << 20) + (1u << 18) + (1u << 18);
+
 struct SoftwareDeviceOptions {
   // Numeric host:port for the peer listener; port 0 picks a free one, which
   // Attributes().peer_address then reports.
   std::string peer_listen_address = "127.0.0.1:0";
   uint64_t max_mr_size = uint64_t{1} << 40;  // 1 TiB
   uint32_t max_page_list_length = 4096;      // 16 MiB of 4 KiB pages
-  // Key-table slots (MRs alive at once), at most KeyTable::kMaxSlots.
-  uint32_t max_keys = 1u << 16;
+  // Key-table slots: MRs (registrations and fast-register MRs) and LAMs
+  // alive at once, at most KeyTable::kMaxSlots. mrd sets it to the sum of
+  // the core's global limits (--max_total_registrations, LAMs, fast-register
+  // MRs) so that the key space covers everything the core allows; the table
+  // grows in chunks of key_chunk_slots as keys are taken, so a large value
+  // costs memory only when used (docs/RELIABILITY.md, "Key space").
+  uint32_t max_keys = kDefaultMaxKeys;
+  uint32_t key_chunk_slots = KeyTable::kDefaultChunkSlots;
   // Largest peer READ/WRITE (advertised in the hello reply), <= 1 GiB.
   uint64_t max_message_size = uint64_t{16} << 20;
   uint32_t max_connections = 1024;
@@ -185,8 +196,9 @@ class SoftwareDevice final : public Device {
     size_t mrs = 0;        // registered MRs and fast-register MR objects
     size_t valid_mrs = 0;  // registered or fast-registered: peers may use
     size_t lams = 0;
-    size_t keys = 0;         // key-table slots in use (MRs and LAMs)
-    size_t iova_ranges = 0;  // logical address ranges mapped
+    size_t keys = 0;             // key-table slots in use (MRs and LAMs)
+    size_t key_slots_grown = 0;  // key-table slots allocated (lazily)
+    size_t iova_ranges = 0;      // logical address ranges mapped
     size_t tickets = 0;
     size_t lam_fast_register_refs = 0;  // sum of the LAMs' fast-reg users
     size_t pd_objects = 0;              // sum over PDs of their MR and LAM sets

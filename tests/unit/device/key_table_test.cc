@@ -1,6 +1,9 @@
 #include "server/device/software/key_table.h"
 
+#include <cstdio>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -87,6 +90,106 @@ TEST(KeyTableTest, SlotsAreHandedOutInNoFixedOrder) {
     previous = key;
   }
   EXPECT_LT(ascending, 10);
+}
+
+// Issue 8 item 5: the key space must cover the core's 1 Mi total
+// registrations (plus LAMs and fast-register MRs), yet cost memory only as
+// keys are taken.
+TEST(KeyTableTest, LazyTableTakesMoreThanOneMiKeysWithMemoryFollowingUse) {
+  SecureRandomPool random;
+  KeyTable table(KeyTable::kMaxSlots, &random);
+  EXPECT_EQ(table.MemoryBytes(), 0u);
+  EXPECT_EQ(table.free_slots(), KeyTable::kMaxSlots);
+
+  ASSERT_TRUE(table.Allocate(1).ok());
+  // One chunk of 64 Ki slots, not 16 Mi.
+  EXPECT_EQ(table.grown_slots(), KeyTable::kDefaultChunkSlots - 1);
+  EXPECT_LT(table.MemoryBytes(), size_t{2} << 20);
+
+  constexpr uint32_t kKeys = (1u << 20) + 4096;
+  std::vector<uint32_t> keys;
+  keys.reserve(kKeys);
+  std::vector<bool> seen(KeyTable::kMaxSlots + 1);
+  for (uint32_t i = 2; i <= kKeys; ++i) {
+    absl::StatusOr<uint32_t> key = table.Allocate(i);
+    ASSERT_TRUE(key.ok()) << "key " << i << ": " << key.status();
+    uint32_t index = *key >> 8;
+    ASSERT_GE(index, 1u);
+    ASSERT_FALSE(seen[index]) << "index handed out twice: " << index;
+    seen[index] = true;
+    keys.push_back(*key);
+  }
+  EXPECT_EQ(table.in_use(), kKeys);
+  EXPECT_EQ(table.free_slots(), KeyTable::kMaxSlots - kKeys);
+  // Grown by whole chunks as needed, at most one chunk (and the low-water
+  // margin) ahead of use.
+  EXPECT_LE(table.grown_slots(), kKeys + KeyTable::kDefaultChunkSlots + 4096);
+  // ~16 bytes a slot plus the free pool: under 40 bytes per grown slot,
+  // where the full 16 Mi table would take 256 MiB.
+  EXPECT_LT(table.MemoryBytes(), size_t{table.grown_slots()} * 40);
+  std::printf("key table: %u keys held, %u slots grown, %zu bytes\n",
+              table.in_use(), table.grown_slots(), table.MemoryBytes());
+  for (size_t i = 0; i < keys.size(); i += 4099) {
+    EXPECT_EQ(table.Lookup(keys[i]), i + 2);
+  }
+  // Released keys are reused before anything grows.
+  const uint32_t grown = table.grown_slots();
+  for (size_t i = 0; i < 100000; ++i) table.Release(keys[i]);
+  for (uint32_t i = 0; i < 100000; ++i) {
+    ASSERT_TRUE(table.Allocate(kKeys + 1 + i).ok());
+  }
+  EXPECT_EQ(table.grown_slots(), grown);
+}
+
+TEST(KeyTableTest, GrowsChunkByChunkAndExhaustsAtExactlyTheCapacity) {
+  SecureRandomPool random;
+  KeyTable table(1000, &random, nullptr, /*chunk_slots=*/128);
+  EXPECT_EQ(table.grown_slots(), 0u);
+  std::set<uint32_t> indices;
+  for (uint64_t owner = 1; owner <= 1000; ++owner) {
+    absl::StatusOr<uint32_t> key = table.Allocate(owner);
+    ASSERT_TRUE(key.ok()) << owner << ": " << key.status();
+    EXPECT_LE(table.grown_slots(), owner + 128 + 8);
+    indices.insert(*key >> 8);
+  }
+  EXPECT_EQ(indices.size(), 1000u);
+  EXPECT_EQ(*indices.begin(), 1u);
+  EXPECT_EQ(*indices.rbegin(), 1000u);
+  EXPECT_EQ(table.grown_slots(), 1000u);
+  EXPECT_THAT(table.Allocate(1001).status(),
+              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+}
+
+TEST(KeyTableTest, ChunksOfOneSlotStillWork) {
+  SecureRandomPool random;
+  KeyTable table(5, &random, nullptr, /*chunk_slots=*/1);
+  std::set<uint32_t> indices;
+  for (uint64_t owner = 1; owner <= 5; ++owner) {
+    indices.insert(*table.Allocate(owner) >> 8);
+  }
+  EXPECT_EQ(indices, (std::set<uint32_t>{1, 2, 3, 4, 5}));
+  EXPECT_FALSE(table.Allocate(6).ok());
+}
+
+TEST(KeyTableTest, FaultPointsFailWithoutTakingASlot) {
+  SecureRandomPool random;
+  FaultPoints faults;
+  KeyTable table(4, &random, &faults);
+  faults.Reset();
+  uint32_t first = *table.Allocate(1);
+  table.Release(first);
+  std::vector<std::string> steps = faults.Steps();
+  EXPECT_EQ(steps, (std::vector<std::string>{"keys.allocate", "random.key_slot",
+                                             "random.key_byte"}));
+  for (size_t k = 1; k <= steps.size(); ++k) {
+    faults.Arm(static_cast<int>(k), absl::InternalError("injected"));
+    EXPECT_EQ(table.Allocate(2).status(), absl::InternalError("injected"));
+    EXPECT_EQ(faults.FiredStep(), steps[k - 1]);
+    EXPECT_EQ(table.in_use(), 0u);
+    EXPECT_EQ(table.free_slots(), 4u);
+  }
+  faults.Reset();
+  EXPECT_TRUE(table.Allocate(2).ok());
 }
 
 TEST(IovaSpaceTest, RangesArePageAlignedDisjointAndSeparatedByGuards) {

@@ -370,6 +370,74 @@ TEST_F(SoftwareDeviceTest, KeyByteChangesEveryTimeASlotIsReused) {
   }
 }
 
+// Issue 8 item 5: the key table had 65,536 slots, as many as one session's
+// registrations, so one session took every key. The default key space now
+// covers the core's global limits: one PD holding a whole session's worth
+// (65,536) leaves keys for everyone else, and the table grew only as used.
+TEST_F(SoftwareDeviceTest,
+       OnePdHoldingASessionsWorthOfKeysLeavesKeysForOthers) {
+  constexpr size_t kSessionRegistrations = 65536;  // the core's default cap
+  PdId greedy = NewPd();
+  PdId bystander = NewPd();
+  MemfdBuffer& buffer = NewBuffer(1);
+  std::vector<MrId> mrs;
+  mrs.reserve(kSessionRegistrations);
+  for (size_t i = 0; i < kSessionRegistrations; ++i) {
+    absl::StatusOr<MrKeys> keys = device_->RegisterMr(
+        greedy, buffer.Span(0, 64), kBase, kAccessRemoteRead);
+    ASSERT_TRUE(keys.ok()) << "registration " << i << ": " << keys.status();
+    mrs.push_back(keys->mr);
+  }
+  for (int i = 0; i < 1000; ++i) {
+    absl::StatusOr<MrKeys> keys = device_->RegisterMr(
+        bystander, buffer.Span(0, 64), kBase, kAccessRemoteRead);
+    ASSERT_TRUE(keys.ok()) << "bystander " << i << ": " << keys.status();
+  }
+  absl::StatusOr<LogicalMapping> lam =
+      device_->BuildLam(bystander, buffer.Span(0, 64));
+  EXPECT_TRUE(lam.ok()) << lam.status();
+  SoftwareDevice::ResourceCounts counts = device_->CountResources();
+  EXPECT_EQ(counts.keys, kSessionRegistrations + 1001);
+  // Lazy: grown in 64 Ki chunks, nowhere near the 1.5 Mi capacity.
+  EXPECT_LE(counts.key_slots_grown, counts.keys + 2 * 65536);
+  EXPECT_LT(counts.key_slots_grown, kDefaultMaxKeys / 4);
+  for (MrId mr : mrs) ASSERT_TRUE(device_->DeregisterMr(mr).ok());
+}
+
+// With a small key space (slots = N), keys run out at exactly N across all
+// PDs, and what one PD gives back another PD gets.
+TEST_F(SoftwareDeviceTest, KeySpaceIsSharedAndExhaustsAtItsCapacity) {
+  SoftwareDeviceOptions options;
+  options.max_keys = 300;
+  options.key_chunk_slots = 64;  // several growth steps
+  StartDevice(options);
+  PdId a = NewPd();
+  PdId b = NewPd();
+  MemfdBuffer& buffer = NewBuffer(1);
+  std::vector<MrId> a_mrs;
+  std::set<uint32_t> keys;
+  for (int i = 0; i < 200; ++i) {
+    MrKeys k = Register(a, buffer, 0, 64, kAccessRemoteRead);
+    a_mrs.push_back(k.mr);
+    keys.insert(k.rkey);
+  }
+  for (int i = 0; i < 100; ++i) {
+    keys.insert(Register(b, buffer, 0, 64, kAccessRemoteRead).rkey);
+  }
+  EXPECT_EQ(keys.size(), 300u);
+  for (uint32_t key : keys) {
+    EXPECT_GE(key >> 8, 1u);
+    EXPECT_LE(key >> 8, 300u);
+  }
+  EXPECT_THAT(device_->RegisterMr(b, buffer.Span(0, 64), kBase, 0).status(),
+              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+  EXPECT_THAT(device_->AllocateFastRegisterMr(b, true, 1).status(),
+              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+  ASSERT_TRUE(device_->DeregisterMr(a_mrs.back()).ok());
+  EXPECT_TRUE(device_->RegisterMr(b, buffer.Span(0, 64), kBase, 0).ok());
+  EXPECT_EQ(device_->CountResources().key_slots_grown, 300u);
+}
+
 TEST_F(SoftwareDeviceTest, RkeysAreNotSequential) {
   PdId pd = NewPd();
   MemfdBuffer& buffer = NewBuffer(1);
