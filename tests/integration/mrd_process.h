@@ -23,6 +23,10 @@ namespace mrd::testing {
 struct MrdProcessOptions {
   std::vector<std::string> extra_flags;
   bool metrics = false;  // serve metrics on a free loopback port
+  // Non-empty: run mrd under `prlimit --nofile=<nofile>` (util-linux), e.g.
+  // "1024" (soft and hard) or "512:4096" (soft:hard). prlimit execs mrd, so
+  // pid() is still mrd's.
+  std::string nofile;
 };
 
 class MrdProcess {
