@@ -36,8 +36,10 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "server/common/fd.h"
+#include "server/common/fd_budget.h"
 #include "server/common/log.h"
 #include "server/common/path_trust.h"
+#include "server/common/thread.h"
 #include "server/common/thread_pool.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
@@ -94,6 +96,14 @@ ABSL_FLAG(bool, allow_any_peer, false,
           "Allow any local uid on the fd socket (the socket mode still "
           "applies).");
 ABSL_FLAG(uint64_t, max_sessions, 1024, "Open sessions at most.");
+ABSL_FLAG(uint64_t, fd_reserve, 0,
+          "File descriptors no client can make mrd use (kept for gRPC, "
+          "peers, metrics, logs, the device). 0 = max(256, limit/8), at most "
+          "3/4 of the open-file limit (RLIMIT_NOFILE, raised to the hard "
+          "limit at start).");
+ABSL_FLAG(uint64_t, max_session_fds, 0,
+          "File descriptors (imported buffers) one session may make mrd "
+          "hold. 0 = min(4096, budget/4), budget = limit - fd_reserve.");
 ABSL_FLAG(uint64_t, max_buffer_size, uint64_t{1} << 40,
           "Largest buffer (bytes) a session may import.");
 ABSL_FLAG(uint64_t, max_session_pinned_bytes, uint64_t{4} << 30,
@@ -209,6 +219,25 @@ int Run() {
   signal(SIGPIPE, SIG_IGN);
 
   if (absl::GetFlag(FLAGS_verbose)) SetMinLogLevel(LogLevel::kDebug);
+
+  // File descriptors (docs/RELIABILITY.md): the highest open-file limit we
+  // may have, and a budget for clients that leaves a reserve for mrd itself.
+  absl::StatusOr<NofileLimits> nofile = RaiseNofileLimit();
+  if (!nofile.ok()) {
+    LogError("open-file limit: ", nofile.status().ToString());
+    return 1;
+  }
+  FdBudgetOptions fd_budget_options;
+  fd_budget_options.limit = nofile->soft;
+  fd_budget_options.reserve = absl::GetFlag(FLAGS_fd_reserve);
+  fd_budget_options.per_owner = absl::GetFlag(FLAGS_max_session_fds);
+  fd_budget_options.per_owner_cap = core::CoreOptions().max_buffers_per_session;
+  absl::StatusOr<std::unique_ptr<FdBudget>> fd_budget =
+      FdBudget::Create(fd_budget_options);
+  if (!fd_budget.ok()) {
+    LogError("--fd_reserve: ", fd_budget.status().message());
+    return 1;
+  }
 
   // Directories someone else could change are refused (docs/RELIABILITY.md,
   // "Runtime directory and shm_dir"): whoever can rename our sockets can
@@ -374,6 +403,7 @@ int Run() {
   core_options.warm_pin_bytes_per_session =
       absl::GetFlag(FLAGS_warm_pin_bytes_per_session);
   core_options.warm_pin_bytes_total = absl::GetFlag(FLAGS_warm_pin_bytes_total);
+  core_options.fd_budget = fd_budget->get();
   if (!(*device)->Attributes().shares_pins &&
       core_options.warm_pin_bytes_total != 0) {
     // Measured (docs/PERFORMANCE.md): on a device that pins per registration
@@ -444,6 +474,7 @@ int Run() {
   fd_options.mode = socket_mode;
   fd_options.allowed_uids = *uids;
   fd_options.allowed_gids = *gids;
+  fd_options.fd_budget = fd_budget->get();
   absl::StatusOr<std::unique_ptr<session::FdServer>> fd_server =
       session::FdServer::Start(fd_options, &core);
   if (!fd_server.ok()) {
@@ -456,7 +487,7 @@ int Run() {
   });
 
   // Metrics.
-  metrics::Metrics metrics(&core);
+  metrics::Metrics metrics(&core, fd_budget->get());
   const std::string metrics_address = absl::GetFlag(FLAGS_metrics_address);
   if (!metrics_address.empty()) {
     if (absl::Status s = metrics.Serve(metrics_address); !s.ok()) {
@@ -467,7 +498,12 @@ int Run() {
   }
 
   // gRPC.
-  ThreadPool pool(absl::GetFlag(FLAGS_worker_threads));
+  ThreadPool pool;
+  if (absl::Status s = pool.Start(absl::GetFlag(FLAGS_worker_threads));
+      !s.ok()) {
+    LogError("--worker_threads: ", s.ToString());
+    return 1;
+  }
   service::MrdService service(&core, &pool, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -498,11 +534,15 @@ int Run() {
   // grpc.health.v1 follows the device: NOT_SERVING while the device reports
   // itself unhealthy (device lost, port down), SERVING again when it
   // recovers. GetDeviceInfo carries the device's own message.
+  // The same thread samples the open fds once a second (loud log when the
+  // fd reserve is being eaten).
   absl::Notification stop_health;
-  std::thread health_watch([&] {
+  FdBudget* const budget = fd_budget->get();
+  absl::StatusOr<Thread> health_watch = Thread::Start("mrd-health", [&] {
     bool serving = true;
     while (
         !stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+      budget->Sample(absl::Seconds(1));
       device::DeviceHealth now = (*device)->Health();
       if (now.healthy != serving) {
         serving = now.healthy;
@@ -515,12 +555,20 @@ int Run() {
       }
     }
   });
+  if (!health_watch.ok()) {
+    LogError("health watch: ", health_watch.status().ToString());
+    server->Shutdown();
+    (*fd_server)->Shutdown();
+    core.Shutdown();
+    (*device)->Shutdown();
+    return 1;
+  }
 
   int sig = 0;
   sigwait(&signals, &sig);
   LogInfo("signal ", sig, ": shutting down");
   stop_health.Notify();
-  health_watch.join();
+  health_watch->Join();
   health->SetServingStatus(false);
   (*fd_server)->Shutdown();
   core.Shutdown();

@@ -2,11 +2,24 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
+#include "server/common/status.h"
+
 namespace mrd {
 
-ThreadPool::ThreadPool(int threads) {
+absl::Status ThreadPool::Start(int threads) {
+  if (threads < 1) {
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "BAD_OPTIONS",
+        absl::StrCat("a thread pool needs at least one thread, not ", threads));
+  }
   threads_.reserve(static_cast<size_t>(threads));
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { Run(); });
+  for (int i = 0; i < threads; ++i) {
+    MRD_ASSIGN_OR_RETURN(Thread thread,
+                         Thread::Start("mrd-worker", [this] { Run(); }));
+    threads_.push_back(std::move(thread));
+  }
+  return absl::OkStatus();
 }
 
 ThreadPool::~ThreadPool() {
@@ -14,7 +27,7 @@ ThreadPool::~ThreadPool() {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
-  for (auto& t : threads_) t.join();
+  for (auto& t : threads_) t.Join();
 }
 
 void ThreadPool::Schedule(absl::AnyInvocable<void() &&> task) {

@@ -137,17 +137,18 @@ Core::~Core() {
 }
 
 absl::Status Core::Start() {
-  reaper_ = std::thread([this] {
-    absl::MutexLock lock(&reaper_mu_);
-    while (!reaper_stop_) {
-      reaper_mu_.AwaitWithTimeout(absl::Condition(&reaper_stop_),
-                                  absl::Seconds(1));
-      if (reaper_stop_) break;
-      reaper_mu_.Unlock();
-      ReapExpiredLeases();
-      reaper_mu_.Lock();
-    }
-  });
+  MRD_ASSIGN_OR_RETURN(reaper_, Thread::Start("mrd-reaper", [this] {
+                         absl::MutexLock lock(&reaper_mu_);
+                         while (!reaper_stop_) {
+                           reaper_mu_.AwaitWithTimeout(
+                               absl::Condition(&reaper_stop_),
+                               absl::Seconds(1));
+                           if (reaper_stop_) break;
+                           reaper_mu_.Unlock();
+                           ReapExpiredLeases();
+                           reaper_mu_.Lock();
+                         }
+                       }));
   return absl::OkStatus();
 }
 
@@ -156,7 +157,7 @@ void Core::Shutdown() {
     absl::MutexLock lock(&reaper_mu_);
     reaper_stop_ = true;
   }
-  if (reaper_.joinable()) reaper_.join();
+  reaper_.Join();
   std::map<std::string, std::shared_ptr<Session>> sessions;
   {
     absl::MutexLock lock(&mu_);
@@ -371,9 +372,14 @@ absl::StatusOr<v1::BufferInfo> Core::OnImport(const std::string& token,
   opts.writable = request.writable();
   opts.expected_size = request.expected_size();
   opts.max_size = options_.max_buffer_size;
+  // fd budget: the memfd is charged to the session until it is closed.
+  MRD_ASSIGN_OR_RETURN(
+      FdCharge charge,
+      ChargeFd(options_.fd_budget, session->id(), "an imported memfd"));
   MRD_ASSIGN_OR_RETURN(std::unique_ptr<session::MappedFile> file,
                        session::MapMemfd(std::move(fd), opts));
-  return AddBuffer(session, std::move(file));
+  return AddBuffer(session,
+                   ShareWithCharge(std::move(file), std::move(charge)));
 }
 
 void Core::OnDisconnect(const std::string& token) {
@@ -464,7 +470,7 @@ absl::Status Core::CloseSession(const v1::CloseSessionRequest& req) {
 
 absl::StatusOr<v1::BufferInfo> Core::AddBuffer(
     const std::shared_ptr<Session>& session,
-    std::unique_ptr<session::MappedFile> file) {
+    std::shared_ptr<session::MappedFile> file) {
   absl::MutexLock lock(&session->mu);
   if (session->closing) return NotConnected("the session is closing");
   if (session->buffers.size() >= options_.max_buffers_per_session) {
@@ -500,6 +506,10 @@ absl::Status Core::ImportFile(const v1::ImportFileRequest& req,
   opts.writable = req.writable();
   opts.max_size = options_.max_buffer_size;
   opts.allowed_owner_uids = options_.allowed_uids;
+  // fd budget: the file is charged to the session until it is closed.
+  MRD_ASSIGN_OR_RETURN(
+      FdCharge charge,
+      ChargeFd(options_.fd_budget, session->id(), "an imported file"));
   MRD_ASSIGN_OR_RETURN(std::unique_ptr<session::MappedFile> file,
                        session::OpenSharedFile(shm_dir_fd_, req.path(), opts));
   // Checked on the open file, so that what was checked is what is mapped.
@@ -508,7 +518,9 @@ absl::Status Core::ImportFile(const v1::ImportFileRequest& req,
     return ErrnoError(errno, "fstat", "BAD_FD");
   }
   MRD_RETURN_IF_ERROR(CheckFileAccess(*session, st, req.writable()));
-  MRD_ASSIGN_OR_RETURN(*out, AddBuffer(session, std::move(file)));
+  MRD_ASSIGN_OR_RETURN(
+      *out,
+      AddBuffer(session, ShareWithCharge(std::move(file), std::move(charge))));
   return absl::OkStatus();
 }
 

@@ -37,6 +37,8 @@
 #include "server/cache/registration_cache.h"
 #include "server/cache/warm_pins.h"
 #include "server/common/clock.h"
+#include "server/common/fd_budget.h"
+#include "server/common/thread.h"
 #include "server/core/session.h"
 #include "server/core/tenants.h"
 #include "server/device/device.h"
@@ -85,6 +87,9 @@ struct CoreOptions {
   uint64_t warm_pin_bytes_total = 0;
   size_t completion_queue_depth = 65536;
   size_t request_id_memory = 4096;  // idempotency keys remembered per session
+  // fd budget (docs/RELIABILITY.md, "File descriptors"): each imported
+  // buffer's fd is charged to its session here. Not owned; null = none.
+  FdBudget* fd_budget = nullptr;
 };
 
 struct CoreStats {
@@ -120,7 +125,7 @@ class Core final : public session::FdSessionHandler {
     fd_hangup_ = std::move(hangup);
   }
 
-  // Starts the lease reaper thread.
+  // Starts the lease reaper thread. Errors: THREAD_FAILED.
   absl::Status Start();
   // Ends every session (releasing everything) and refuses new ones. Idempotent.
   void Shutdown();
@@ -201,7 +206,7 @@ class Core final : public session::FdSessionHandler {
 
   absl::StatusOr<v1::BufferInfo> AddBuffer(
       const std::shared_ptr<Session>& session,
-      std::unique_ptr<session::MappedFile> file);
+      std::shared_ptr<session::MappedFile> file);
   // Accounting of pinned bytes against the session and total limits. A
   // reservation that would exceed a limit first evicts warm pins (the
   // session's own for its limit, anyone's for the total), least recently
@@ -282,7 +287,7 @@ class Core final : public session::FdSessionHandler {
 
   absl::Mutex reaper_mu_;
   bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;
-  std::thread reaper_;
+  Thread reaper_;  // started by Start, joined by Shutdown
 };
 
 }  // namespace mrd::core

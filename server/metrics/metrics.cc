@@ -120,11 +120,12 @@ absl::Status ProbeBind(const std::string& address) {
 // Reads the core at scrape time: no background polling, always current.
 class Metrics::CoreCollector final : public prometheus::Collectable {
  public:
-  explicit CoreCollector(const core::Core* core) : core_(core) {}
+  CoreCollector(const core::Core* core, FdBudget* fd_budget)
+      : core_(core), fd_budget_(fd_budget) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
     core::CoreStats s = core_->Stats();
     auto d = [](uint64_t v) { return static_cast<double>(v); };
-    return {
+    std::vector<prometheus::MetricFamily> out = {
         Gauge("mrd_sessions", "Open sessions (fd and lease).", d(s.sessions)),
         Gauge("mrd_fd_sessions", "Open fd-socket sessions.", d(s.fd_sessions)),
         Gauge("mrd_lease_sessions", "Open lease sessions.",
@@ -195,6 +196,37 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                        return static_cast<double>(t.Refused(r));
                      }),
     };
+    if (fd_budget_ != nullptr) {
+      fd_budget_->Sample(absl::Seconds(1));
+      const FdBudgetStats f = fd_budget_->Stats();
+      out.push_back(Gauge("mrd_fd_limit",
+                          "The open-file limit (RLIMIT_NOFILE) mrd runs with.",
+                          d(f.limit)));
+      out.push_back(Gauge("mrd_fd_reserve",
+                          "fds kept from clients (gRPC, peers, metrics).",
+                          d(f.reserve)));
+      out.push_back(Gauge("mrd_fd_budget",
+                          "fds clients may make mrd hold, all together.",
+                          d(f.budget)));
+      out.push_back(Gauge("mrd_fd_session_limit",
+                          "fds one session may make mrd hold.",
+                          d(f.per_owner)));
+      out.push_back(Gauge("mrd_fds_charged",
+                          "fds clients make mrd hold now (buffers, fd socket "
+                          "connections).",
+                          d(f.charged)));
+      out.push_back(Gauge("mrd_fds_open", "fds mrd has open (sampled).",
+                          static_cast<double>(f.open_fds)));
+      out.push_back(Counter("mrd_fd_refusals_total",
+                            "Imports and connections refused for lack of fd "
+                            "budget (LIMIT_SESSION_FDS, LIMIT_TOTAL_FDS).",
+                            d(f.refused_owner_total + f.refused_budget_total)));
+      out.push_back(Counter("mrd_fd_reserve_low_total",
+                            "Samples that found less than half of the fd "
+                            "reserve left.",
+                            d(f.reserve_low_total)));
+    }
+    return out;
   }
 
  private:
@@ -228,11 +260,12 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
   }
 
   const core::Core* const core_;
+  FdBudget* const fd_budget_;
 };
 
-Metrics::Metrics(const core::Core* core)
+Metrics::Metrics(const core::Core* core, FdBudget* fd_budget)
     : registry_(std::make_shared<prometheus::Registry>()),
-      collector_(std::make_shared<CoreCollector>(core)),
+      collector_(std::make_shared<CoreCollector>(core, fd_budget)),
       rpcs_(prometheus::BuildCounter()
                 .Name("mrd_rpcs_total")
                 .Help("Finished RPCs by method and status code.")

@@ -16,6 +16,7 @@
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "server/common/fd_budget.h"
 #include "server/core/core.h"
 #include "server/service/service.h"
 
@@ -23,8 +24,8 @@ namespace mrd::metrics {
 
 class Metrics final : public service::RpcObserver {
  public:
-  // `core` must outlive this object.
-  explicit Metrics(const core::Core* core);
+  // `core` (and `fd_budget`, if given) must outlive this object.
+  explicit Metrics(const core::Core* core, FdBudget* fd_budget = nullptr);
   ~Metrics() override;
 
   // Serves /metrics on `address` (host:port). Errors: UNAVAILABLE when the

@@ -1,5 +1,6 @@
 #include "server/session/fd_server.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -154,6 +155,7 @@ absl::Status RemoveStaleSocket(const std::string& path,
 
 struct FdServer::Connection {
   uint64_t id = 0;
+  FdCharge fd_charge;  // declared before `sock`: released after it is closed
   UniqueFd sock;
   PeerCredentials creds;
   std::string session;
@@ -250,12 +252,19 @@ absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
     }
   }
 
-  std::move(unlink_on_error).Cancel();
+  server->spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!server->spare_fd_.valid()) {
+    const int err = errno;
+    return ErrnoError(err, "open /dev/null (spare fd)", "SPARE_FD_FAILED");
+  }
+
   FdServer* raw = server.get();
   {
     absl::MutexLock lock(&server->shutdown_mu_);
-    server->thread_ = std::thread([raw] { raw->Run(); });
+    MRD_ASSIGN_OR_RETURN(server->thread_,
+                         Thread::Start("mrd-fd-socket", [raw] { raw->Run(); }));
   }
+  std::move(unlink_on_error).Cancel();
   LogInfo("fd socket: listening on ", options.path);
   return server;
 }
@@ -280,7 +289,7 @@ void FdServer::Shutdown() {
       Fatal(absl::StrCat("FdServer: eventfd write: ", std::strerror(err)));
     }
   }
-  thread_.join();
+  thread_.Join();
 }
 
 void FdServer::Hangup(const std::string& session) {
@@ -367,6 +376,10 @@ void FdServer::AcceptAll() {
       case ECONNABORTED:
       case EPROTO:
         continue;
+      case EMFILE:
+      case ENFILE:
+        if (AcceptWithSpareFd()) continue;
+        [[fallthrough]];
       default:
         // EMFILE, ENFILE, ENOBUFS, ENOMEM: the pending connection stays in
         // the backlog and the socket stays readable.
@@ -376,6 +389,28 @@ void FdServer::AcceptAll() {
         return;
     }
   }
+}
+
+bool FdServer::AcceptWithSpareFd() {
+  if (!spare_fd_.valid()) return false;
+  spare_fd_.Reset();
+  UniqueFd sock(::accept4(listen_fd_.get(), nullptr, nullptr,
+                          SOCK_NONBLOCK | SOCK_CLOEXEC));
+  const bool accepted = sock.valid();
+  if (accepted) {
+    v1::FdReply refusal;
+    SetError(refusal,
+             SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_OPEN_FILES",
+                       "mrd has reached its open-file limit (RLIMIT_NOFILE); "
+                       "try again later"));
+    SendOnce(sock.get(), refusal);
+    sock.Reset();
+    LogError(
+        "fd socket: out of file descriptors (accept: EMFILE/ENFILE); "
+        "refused a connection with LIMIT_OPEN_FILES");
+  }
+  spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  return accepted && spare_fd_.valid();
 }
 
 void FdServer::PauseAccepting() {
@@ -441,6 +476,16 @@ void FdServer::Accept(UniqueFd sock) {
     SendOnce(sock.get(), refusal);
     return;
   }
+  // The connection's socket is an fd a client makes mrd hold.
+  absl::StatusOr<FdCharge> charge =
+      ChargeFd(options_.fd_budget, /*owner=*/0, "an fd socket connection");
+  if (!charge.ok()) {
+    LogWarning("fd socket: refused pid ", creds.pid, ": ",
+               charge.status().message());
+    SetError(refusal, charge.status());
+    SendOnce(sock.get(), refusal);
+    return;
+  }
   absl::StatusOr<std::string> session = handler_->OnConnect(creds);
   if (!session.ok()) {
     LogInfo("fd socket: no session for pid ", creds.pid, ": ",
@@ -457,6 +502,7 @@ void FdServer::Accept(UniqueFd sock) {
   conn.sock = std::move(sock);
   conn.creds = creds;
   conn.session = *std::move(session);
+  conn.fd_charge = *std::move(charge);
   connections_.emplace(id, std::move(owned));
   {
     absl::MutexLock lock(&mu_);

@@ -30,7 +30,10 @@
 //   UNKNOWN_OPERATION (empty request, or an op this server does not know);
 //   plus whatever OnImport returns.
 // On connect, followed by close: PERMISSION_DENIED PEER_NOT_ALLOWED,
-//   RESOURCE_EXHAUSTED TOO_MANY_SESSIONS, or OnConnect's error.
+//   RESOURCE_EXHAUSTED TOO_MANY_SESSIONS, LIMIT_TOTAL_FDS (the fd budget),
+//   LIMIT_OPEN_FILES (accept hit the process's open-file limit: a spare fd,
+//   kept for this, is closed to accept the connection and refuse it, so the
+//   backlog drains instead of filling), or OnConnect's error.
 #ifndef MRD_SERVER_SESSION_FD_SERVER_H_
 #define MRD_SERVER_SESSION_FD_SERVER_H_
 
@@ -41,7 +44,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -51,6 +53,8 @@
 #include "mrd/v1/fd.pb.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/common/fd.h"
+#include "server/common/fd_budget.h"
+#include "server/common/thread.h"
 
 namespace mrd::session {
 
@@ -96,6 +100,10 @@ struct FdServerOptions {
   std::vector<uint32_t> allowed_gids;
   // Connections beyond this are refused with TOO_MANY_SESSIONS.
   size_t max_connections = 1024;
+  // Each connection's socket is charged here (shared owner: the total only)
+  // and refused with LIMIT_TOTAL_FDS when it does not fit. Not owned; null =
+  // no budgeting.
+  FdBudget* fd_budget = nullptr;
 };
 
 // Thread safety: Start, Shutdown, ConnectionCount and path may be called from
@@ -116,7 +124,8 @@ class FdServer final {
   //     path; it is left alone), SOCKET_IN_USE (a server accepts connections
   //     there; found by connecting once, so that server sees one short
   //     connection). A socket file nobody listens on is replaced;
-  //   socket/bind/chmod/listen/epoll failures: ErrnoError.
+  //   socket/bind/chmod/listen/epoll failures: ErrnoError; no thread:
+  //   RESOURCE_EXHAUSTED THREAD_FAILED.
   static absl::StatusOr<std::unique_ptr<FdServer>> Start(
       const FdServerOptions& options, FdSessionHandler* handler);
 
@@ -151,6 +160,9 @@ class FdServer final {
   void Run();
   void AcceptAll();
   void Accept(UniqueFd sock);
+  // accept() failed for lack of fds: uses the spare fd to accept one
+  // connection and refuse it. False if that did not work either.
+  bool AcceptWithSpareFd();
   void HandleEvent(uint64_t id, uint32_t events);
   void ReadRequests(Connection& conn);
   // One reply per datagram. Every fd received dies with `datagram` (or is
@@ -169,7 +181,8 @@ class FdServer final {
   FdSessionHandler* const handler_;
   UniqueFd listen_fd_;
   UniqueFd epoll_fd_;
-  UniqueFd wake_fd_;            // eventfd: Shutdown wakes the loop
+  UniqueFd wake_fd_;   // eventfd: Shutdown wakes the loop
+  UniqueFd spare_fd_;  // given up to accept-and-refuse on EMFILE/ENFILE
   uint64_t socket_device_ = 0;  // st_dev/st_ino of the socket file we made
   uint64_t socket_inode_ = 0;
 
@@ -187,7 +200,7 @@ class FdServer final {
 
   // Held for the whole of Shutdown, so a second caller waits for the first.
   absl::Mutex shutdown_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  std::thread thread_ ABSL_GUARDED_BY(shutdown_mu_);
+  Thread thread_ ABSL_GUARDED_BY(shutdown_mu_);
 };
 
 }  // namespace mrd::session

@@ -108,11 +108,16 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
     p->shm_dir_ = options.shm_dir;
   }
 
-  std::vector<std::string> args = {
+  std::vector<std::string> args;
+  if (!options.nofile.empty()) {
+    args = {"/usr/bin/prlimit", "--nofile=" + options.nofile, "--"};
+  }
+  std::vector<std::string> mrd_args = {
       MRD_BINARY,
       "--runtime_dir=" + p->runtime_dir_,
       "--shm_dir=" + p->shm_dir_,
   };
+  for (std::string& a : mrd_args) args.push_back(std::move(a));
   for (std::string& flag : DeviceFlags()) args.push_back(std::move(flag));
   if (options.metrics) {
     p->metrics_address_ = absl::StrCat("127.0.0.1:", PickFreePort());

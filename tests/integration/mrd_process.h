@@ -28,6 +28,10 @@ struct MrdProcessOptions {
   // removed); with a given runtime_dir the log goes to a file of its own.
   std::string runtime_dir;
   std::string shm_dir;
+  // Non-empty: run mrd under `prlimit --nofile=<nofile>` (util-linux), e.g.
+  // "1024" (soft and hard) or "512:4096" (soft:hard). prlimit execs mrd, so
+  // pid() is still mrd's.
+  std::string nofile;
 };
 
 // How an mrd that was expected to refuse to start ended.

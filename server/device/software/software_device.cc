@@ -297,7 +297,8 @@ absl::Status SoftwareDevice::Start() {
                       "the software device was started or shut down before");
     }
     started_ = true;
-    worker_ = std::thread([this] { WorkerLoop(); });
+    MRD_ASSIGN_OR_RETURN(
+        worker_, Thread::Start("mrd-soft-work", [this] { WorkerLoop(); }));
   }
   return listener_->Start([this](UniqueFd socket, std::string remote) {
     ServeConnection(std::move(socket), std::move(remote));
@@ -320,7 +321,7 @@ void SoftwareDevice::Shutdown() {
     }
   }
   listener_->JoinConnections();
-  std::thread worker;
+  Thread worker;
   {
     absl::MutexLock lock(&mu_);
     // The worker drains what the closing connections queued (flushes,
@@ -328,7 +329,7 @@ void SoftwareDevice::Shutdown() {
     worker_stop_ = true;
     worker = std::move(worker_);
   }
-  if (worker.joinable()) worker.join();
+  worker.Join();
 }
 
 // ---------------------------------------------------------------------------

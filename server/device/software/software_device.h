@@ -69,6 +69,7 @@
 #include "absl/synchronization/mutex.h"
 #include "mrd/v1/peer.pb.h"
 #include "server/common/fd.h"
+#include "server/common/thread.h"
 #include "server/device/device.h"
 #include "server/device/fault_points.h"
 #include "server/device/software/iova_space.h"
@@ -331,7 +332,7 @@ class SoftwareDevice final : public Device {
   const std::unique_ptr<PeerListener> listener_;
 
   mutable absl::Mutex mu_;
-  std::thread worker_ ABSL_GUARDED_BY(mu_);
+  Thread worker_ ABSL_GUARDED_BY(mu_);
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_stop_ ABSL_GUARDED_BY(mu_) = false;

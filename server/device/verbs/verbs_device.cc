@@ -492,14 +492,18 @@ absl::Status VerbsDevice::Start() {
   }
   started_ = true;
   cm_running_ = true;
-  worker_ = std::thread([this] { WorkerLoop(); });
-  cm_thread_ = std::thread([this] { CmLoop(); });
-  async_thread_ = std::thread([this] { AsyncLoop(); });
+  // A thread that cannot be made is an error (Shutdown joins those made).
+  MRD_ASSIGN_OR_RETURN(
+      worker_, Thread::Start("mrd-verbs-work", [this] { WorkerLoop(); }));
+  MRD_ASSIGN_OR_RETURN(cm_thread_,
+                       Thread::Start("mrd-verbs-cm", [this] { CmLoop(); }));
+  MRD_ASSIGN_OR_RETURN(
+      async_thread_, Thread::Start("mrd-verbs-async", [this] { AsyncLoop(); }));
   return absl::OkStatus();
 }
 
 void VerbsDevice::Shutdown() {
-  std::thread cm_thread;
+  Thread cm_thread;
   {
     absl::MutexLock lock(&mu_);
     if (shut_down_) return;
@@ -510,9 +514,9 @@ void VerbsDevice::Shutdown() {
   // The cm thread closes every connection (queueing flushes and
   // disconnects for the worker) and destroys the listener on its way out.
   Wake(cm_wake_.get());
-  if (cm_thread.joinable()) cm_thread.join();
-  std::thread worker;
-  std::thread async_thread;
+  cm_thread.Join();
+  Thread worker;
+  Thread async_thread;
   {
     absl::MutexLock lock(&mu_);
     worker_stop_ = true;  // after draining what is queued
@@ -521,8 +525,8 @@ void VerbsDevice::Shutdown() {
     async_thread = std::move(async_thread_);
   }
   Wake(async_wake_.get());
-  if (worker.joinable()) worker.join();
-  if (async_thread.joinable()) async_thread.join();
+  worker.Join();
+  async_thread.Join();
 }
 
 absl::Status VerbsDevice::CheckUsableLocked() const {

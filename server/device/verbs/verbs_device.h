@@ -112,6 +112,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "server/common/fd.h"
+#include "server/common/thread.h"
 #include "server/device/device.h"
 #include "server/device/software/iova_space.h"
 #include "server/device/software/secure_random.h"
@@ -375,9 +376,9 @@ class VerbsDevice final : public Device {
   UniqueFd async_wake_;  // eventfd: stop or device loss
 
   mutable absl::Mutex mu_;
-  std::thread worker_ ABSL_GUARDED_BY(mu_);
-  std::thread cm_thread_ ABSL_GUARDED_BY(mu_);
-  std::thread async_thread_ ABSL_GUARDED_BY(mu_);
+  Thread worker_ ABSL_GUARDED_BY(mu_);
+  Thread cm_thread_ ABSL_GUARDED_BY(mu_);
+  Thread async_thread_ ABSL_GUARDED_BY(mu_);
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   bool cm_stop_ ABSL_GUARDED_BY(mu_) = false;

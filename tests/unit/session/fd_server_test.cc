@@ -5,6 +5,7 @@
 #include "server/session/fd_server.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -25,6 +26,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "server/common/fd_budget.h"
 #include "server/common/status.h"
 #include "server/session/memory_file.h"
 #include "tests/unit/session/session_test_util.h"
@@ -366,6 +368,75 @@ TEST_F(FdServerTest, ConnectionsBeyondTheLimitAreRefused) {
 
   a->Close();
   ASSERT_TRUE(handler_.WaitForDisconnects(1));
+  EXPECT_NE(Connect(), nullptr);
+}
+
+TEST_F(FdServerTest, ConnectionsBeyondTheFdBudgetAreRefused) {
+  FdBudgetOptions budget_options;
+  budget_options.limit = 12;
+  budget_options.reserve = 10;  // room for two connections
+  absl::StatusOr<std::unique_ptr<FdBudget>> budget =
+      FdBudget::Create(budget_options);
+  ASSERT_TRUE(budget.ok()) << budget.status();
+  FdServerOptions options;
+  options.fd_budget = budget->get();
+  StartServer(options);
+  std::unique_ptr<RawClient> a = Connect();
+  std::unique_ptr<RawClient> b = Connect();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ((*budget)->Stats().charged, 2u);
+
+  RawClient c(SocketPath());
+  std::optional<v1::FdReply> reply = c.Receive();
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_TRUE(IsErrorReply(*reply, absl::StatusCode::kResourceExhausted,
+                           "LIMIT_TOTAL_FDS"));
+  EXPECT_TRUE(c.ReceiveEof());
+  EXPECT_EQ(handler_.Connects().size(), 2u);
+
+  a->Close();
+  ASSERT_TRUE(handler_.WaitForDisconnects(1));
+  EXPECT_NE(Connect(), nullptr);
+  server_->Shutdown();
+  EXPECT_EQ((*budget)->Stats().charged, 0u);
+}
+
+// The process is out of fds when a client connects: the server gives up its
+// spare fd to accept the connection and refuse it (LIMIT_OPEN_FILES), instead
+// of leaving it in the backlog, and serves normally once fds are back.
+TEST_F(FdServerTest, AcceptAtTheOpenFileLimitRefusesWithTheSpareFd) {
+  StartServer();
+  std::unique_ptr<RawClient> a = Connect();
+  ASSERT_NE(a, nullptr);
+  struct rlimit saved;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  // Fill every hole below the highest open fd, so that with the limit at
+  // highest + 2 exactly one fd is left: the client's socket.
+  std::vector<UniqueFd> fillers;
+  int highest = -1;
+  for (int fd = 0; fd < 65536; ++fd) {
+    if (FdIsOpen(fd)) highest = fd;
+  }
+  while (true) {
+    UniqueFd filler(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+    ASSERT_TRUE(filler.valid());
+    if (filler.get() > highest) break;
+    fillers.push_back(std::move(filler));
+  }
+  struct rlimit tight = saved;
+  tight.rlim_cur = static_cast<rlim_t>(highest) + 2;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &tight), 0);
+  std::optional<v1::FdReply> reply;
+  {
+    RawClient c(SocketPath());
+    reply = c.Receive();
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  }
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_TRUE(IsErrorReply(*reply, absl::StatusCode::kResourceExhausted,
+                           "LIMIT_OPEN_FILES"));
+  EXPECT_TRUE(PingWorks(*a, 1));
   EXPECT_NE(Connect(), nullptr);
 }
 
