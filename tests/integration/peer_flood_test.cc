@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <fstream>
+#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -176,6 +177,8 @@ TEST_F(PeerFloodTest, IdleFloodKeepsThreadsFewAndLetsTicketedPeersIn) {
       << failures.size() << " of " << 2 * reads
       << " bystander reads failed, first: " << failures.front();
   EXPECT_LT(max_threads, 64u);
+  std::cout << "mrd threads at most " << max_threads << " during " << kIdle
+            << " idle connections; " << 2 * reads << " bystander reads\n";
   // Every stranger is gone by the hello deadline (default 5 s).
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   size_t open = idle.size();
@@ -212,6 +215,9 @@ TEST_F(PeerFloodTest, SilentLargeFramesCommitNoMemory) {
   EXPECT_LT(rss_after, rss_before + (uint64_t{32} << 20))
       << "RSS " << (rss_before >> 20) << " MiB -> " << (rss_after >> 20)
       << " MiB";
+  std::cout << "mrd RSS " << (rss_before >> 10) << " KiB -> "
+            << (rss_after >> 10) << " KiB with " << kConnections
+            << " silent 16 MiB frames\n";
   EXPECT_TRUE(BystanderRead().ok());
   for (UniqueFd& fd : conns) EXPECT_FALSE(ClosedByServer(fd.get()));
 }

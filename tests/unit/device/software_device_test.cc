@@ -276,6 +276,19 @@ bool ClosedWithin(int fd, absl::Duration limit) {
   return false;
 }
 
+// The listener publishes its stats once per reactor round, which may come
+// just after a peer saw the effect: polls `holds` for up to 3 s.
+template <typename Fn>
+bool StatsSoon(const SoftwareDevice& device, Fn holds) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(3);
+  while (!holds(device.PeerStats())) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+using PeerPathStats = SoftwareDevice::PeerPathStats;
+
 // A raw connection that has said hello with a valid ticket.
 UniqueFd HelloConnection(SoftwareDevice& device, PdId pd) {
   absl::StatusOr<std::string> ticket = device.CreatePeerTicket(pd);
@@ -324,10 +337,10 @@ TEST_F(SoftwareDeviceTest, ThreadCountDoesNotGrowWithConnections) {
   std::vector<std::unique_ptr<SoftPeer>> peers;
   for (int i = 0; i < 64; ++i) peers.push_back(Connect(pd));
   for (auto& peer : peers) ASSERT_TRUE(peer->Read(keys.rkey, kBase, 8).ok());
-  SoftwareDevice::PeerPathStats stats = device_->PeerStats();
-  EXPECT_EQ(stats.listener.threads, 3u);  // reactor + 2 workers
-  EXPECT_EQ(stats.listener.connections, 64u);
-  EXPECT_EQ(stats.listener.unauthenticated, 0u);
+  EXPECT_EQ(device_->PeerStats().listener.threads, 3u);  // reactor + 2
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.connections == 64 && s.listener.unauthenticated == 0;
+  }));
 }
 
 TEST_F(SoftwareDeviceTest, HelloDeadlineClosesSilentConnections) {
@@ -338,7 +351,9 @@ TEST_F(SoftwareDeviceTest, HelloDeadlineClosesSilentConnections) {
       mrd::peer::ConnectTcp(device_->Attributes().peer_address);
   ASSERT_TRUE(idle.ok()) << idle.status();
   EXPECT_TRUE(ClosedWithin(idle->get(), absl::Seconds(3)));
-  EXPECT_EQ(device_->PeerStats().listener.hello_timeouts, 1u);
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.hello_timeouts == 1;
+  }));
   // A peer that said hello is never subject to it.
   PdId pd = NewPd();
   MemfdBuffer& buffer = NewBuffer(1);
@@ -359,7 +374,7 @@ TEST_F(SoftwareDeviceTest, UnauthenticatedCapShedsTheOldestForAValidPeer) {
     ASSERT_TRUE(fd.ok()) << fd.status();
     strangers.push_back(std::move(*fd));
   }
-  ASSERT_TRUE(ClosedWithin(strangers[0].get(), absl::Milliseconds(1)) == false);
+  ASSERT_FALSE(ClosedWithin(strangers[0].get(), absl::Milliseconds(1)));
   PdId pd = NewPd();
   MemfdBuffer& buffer = NewBuffer(1);
   MrKeys keys = Register(pd, buffer, 0, 64, kRemoteRw);
@@ -368,7 +383,8 @@ TEST_F(SoftwareDeviceTest, UnauthenticatedCapShedsTheOldestForAValidPeer) {
   EXPECT_TRUE(peer->Read(keys.rkey, kBase, 8).ok());
   EXPECT_TRUE(ClosedWithin(strangers[0].get(), absl::Seconds(2)));
   EXPECT_FALSE(ClosedWithin(strangers[2].get(), absl::Milliseconds(50)));
-  EXPECT_GE(device_->PeerStats().listener.shed, 1u);
+  EXPECT_TRUE(StatsSoon(
+      *device_, [](const PeerPathStats& s) { return s.listener.shed >= 1; }));
 }
 
 TEST_F(SoftwareDeviceTest, TotalCapRefusesOnlyWhenNobodyCanBeShed) {
@@ -384,7 +400,9 @@ TEST_F(SoftwareDeviceTest, TotalCapRefusesOnlyWhenNobodyCanBeShed) {
   ASSERT_NE(b, nullptr);
   EXPECT_TRUE(ClosedWithin(stranger->get(), absl::Seconds(2)));
   EXPECT_THAT(TryConnect(pd).status(), IsGone());  // both past hello
-  EXPECT_GE(device_->PeerStats().listener.refused, 1u);
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.refused >= 1;
+  }));
 }
 
 TEST_F(SoftwareDeviceTest, SessionConnectionCapRefusesHelloWithTheLimit) {
@@ -424,8 +442,9 @@ TEST_F(SoftwareDeviceTest, StalledFrameIsClosedAndCommitsNoMemory) {
   // Charged: what arrived rounded up to one growth step, not 16 MiB.
   EXPECT_LE(device_->PeerStats().listener.buffered_bytes, 64u << 10);
   EXPECT_TRUE(ClosedWithin(fd.get(), absl::Seconds(3)));
-  EXPECT_EQ(device_->PeerStats().listener.stall_timeouts, 1u);
-  EXPECT_EQ(device_->PeerStats().listener.buffered_bytes, 0u);
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.stall_timeouts == 1 && s.listener.buffered_bytes == 0;
+  }));
 }
 
 TEST_F(SoftwareDeviceTest, BufferBudgetHoldsFramesBackUntilMemoryFrees) {
@@ -447,9 +466,11 @@ TEST_F(SoftwareDeviceTest, BufferBudgetHoldsFramesBackUntilMemoryFrees) {
   ta.join();
   tb.join();
   EXPECT_EQ(ok.load(), 2);
-  SoftwareDevice::PeerPathStats stats = device_->PeerStats();
-  EXPECT_LE(stats.listener.max_buffer_bytes, options.peer_buffer_bytes);
-  EXPECT_EQ(stats.listener.buffered_bytes, 0u);
+  EXPECT_EQ(device_->PeerStats().listener.max_buffer_bytes,
+            options.peer_buffer_bytes);
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.buffered_bytes == 0;
+  }));
 }
 
 // ---------------------------------------------------------------------------
