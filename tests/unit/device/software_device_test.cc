@@ -250,7 +250,7 @@ TEST_F(SoftwareDeviceTest, ConnectionsOverTheLimitAreClosedOnAccept) {
   EXPECT_THAT(TryConnect(pd).status(), IsGone());
   first.reset();
   ASSERT_TRUE(sink->WaitFor(Event::Kind::kDisconnected, 1));
-  // The slot frees once the first connection's thread has finished.
+  // The slot frees once the listener has seen the first one close.
   absl::StatusOr<std::unique_ptr<SoftPeer>> second = TryConnect(pd);
   for (int i = 0; i < 100 && !second.ok(); ++i) {
     absl::SleepFor(absl::Milliseconds(10));
