@@ -78,6 +78,28 @@ ABSL_FLAG(uint64_t, pin_max_map_splits, 0,
           "Software device: memory maps (VMAs) mlock pinning may split, "
           "beyond which pins are refused with LIMIT_MEMORY_MAPS. 0 = half of "
           "what vm.max_map_count leaves at start.");
+ABSL_FLAG(uint32_t, peer_max_connections, 4096,
+          "Software device: peer TCP connections open at once; past it a new "
+          "one sheds the oldest connection that has not said hello, or is "
+          "refused.");
+ABSL_FLAG(uint32_t, peer_max_unauthenticated, 256,
+          "Software device: peer connections before hello; past it the oldest "
+          "such connection is closed to admit the new one.");
+ABSL_FLAG(uint32_t, peer_max_session_connections, 1024,
+          "Software device: peer connections bound to one session; past it "
+          "hello gets LIMIT_PEER_CONNECTIONS.");
+ABSL_FLAG(absl::Duration, peer_hello_timeout, absl::Seconds(5),
+          "Software device: a peer connection without a successful hello by "
+          "then is closed.");
+ABSL_FLAG(absl::Duration, peer_stall_timeout, absl::Seconds(30),
+          "Software device: a peer connection making no progress inside a "
+          "frame (or a response) for this long is closed.");
+ABSL_FLAG(uint64_t, peer_buffer_bytes, uint64_t{256} << 20,
+          "Software device: memory for peer frames of all connections "
+          "together; when reached, frame bodies wait unread.");
+ABSL_FLAG(uint32_t, peer_workers, 4,
+          "Software device: threads handling peer requests (fixed; no thread "
+          "per connection).");
 ABSL_FLAG(std::string, verbs_device, "",
           "Verbs device: the RDMA device to use (e.g. mlx5_0, rxe0); empty = "
           "the one --peer_address belongs to. When set, --peer_address must "
@@ -368,6 +390,15 @@ int Run() {
       return 1;
     }
     device_options.max_keys = static_cast<uint32_t>(key_slots);
+    device_options.max_connections = absl::GetFlag(FLAGS_peer_max_connections);
+    device_options.max_unauthenticated_connections =
+        absl::GetFlag(FLAGS_peer_max_unauthenticated);
+    device_options.max_session_connections =
+        absl::GetFlag(FLAGS_peer_max_session_connections);
+    device_options.peer_hello_timeout = absl::GetFlag(FLAGS_peer_hello_timeout);
+    device_options.peer_stall_timeout = absl::GetFlag(FLAGS_peer_stall_timeout);
+    device_options.peer_buffer_bytes = absl::GetFlag(FLAGS_peer_buffer_bytes);
+    device_options.peer_workers = absl::GetFlag(FLAGS_peer_workers);
     absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
         device::SoftwareDevice::Create(device_options);
     if (!software.ok()) {

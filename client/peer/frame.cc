@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <sys/types.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -63,6 +64,29 @@ absl::Status RecvAll(int fd, char* data, size_t size) {
 
 }  // namespace
 
+absl::Status AppendFrame(const google::protobuf::MessageLite& message,
+                         std::string* out) {
+  size_t body = message.ByteSizeLong();
+  if (body > std::numeric_limits<uint32_t>::max()) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "FRAME_TOO_LARGE",
+                    absl::StrCat("peer message of ", body,
+                                 " bytes does not fit a 32-bit frame length"));
+  }
+  const size_t start = out->size();
+  out->resize(start + kFrameHeaderBytes + body);
+  uint32_t length = static_cast<uint32_t>(body);
+  for (size_t i = 0; i < kFrameHeaderBytes; ++i) {
+    (*out)[start + i] = static_cast<char>((length >> (8 * i)) & 0xff);
+  }
+  if (!message.SerializeToArray(out->data() + start + kFrameHeaderBytes,
+                                static_cast<int>(body))) {
+    out->resize(start);
+    return MrdError(absl::StatusCode::kInternal, "FRAME_SERIALIZE_FAILED",
+                    "peer message could not be serialized");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status WriteFrame(int fd, const google::protobuf::MessageLite& message) {
   size_t body = message.ByteSizeLong();
   if (body > std::numeric_limits<uint32_t>::max()) {
@@ -101,14 +125,21 @@ absl::Status ReadFrame(int fd, uint32_t max_body_bytes,
         absl::StrCat("peer frame of ", length, " bytes exceeds the limit of ",
                      max_body_bytes));
   }
-  std::string body(length, '\0');
-  if (length > 0) {
-    absl::Status status = RecvAll(fd, body.data(), body.size());
+  // Grown as the bytes arrive (doubling from 64 KiB), not sized from the
+  // header: a header alone must not commit `length` bytes of memory.
+  std::string body;
+  size_t received = 0;
+  while (received < length) {
+    size_t chunk = std::min<size_t>(length - received,
+                                    std::max<size_t>(received, 64 << 10));
+    body.resize(received + chunk);
+    absl::Status status = RecvAll(fd, body.data() + received, chunk);
     if (!status.ok()) {
       // The header arrived, so any end of stream here is inside the frame.
       return MrdError(absl::StatusCode::kUnavailable, "PEER_CONNECTION_BROKEN",
                       status.message());
     }
+    received += chunk;
   }
   if (!message->ParseFromString(body)) {
     return MrdError(absl::StatusCode::kInvalidArgument, "FRAME_UNPARSABLE",

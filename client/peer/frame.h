@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "google/protobuf/message_lite.h"
@@ -25,6 +26,12 @@ inline constexpr size_t kFrameHeaderBytes = 4;
 // INVALID_ARGUMENT "FRAME_TOO_LARGE" (the body does not fit 32 bits).
 absl::Status WriteFrame(int fd, const google::protobuf::MessageLite& message);
 
+// Appends header and serialized body of `message` to `out` (what WriteFrame
+// sends). Errors: INVALID_ARGUMENT "FRAME_TOO_LARGE", INTERNAL
+// "FRAME_SERIALIZE_FAILED".
+absl::Status AppendFrame(const google::protobuf::MessageLite& message,
+                         std::string* out);
+
 // Receives one frame whose body is at most `max_body_bytes` and parses it
 // into `message`. Errors: UNAVAILABLE "PEER_CONNECTION_CLOSED" (orderly end
 // of stream at a frame boundary), UNAVAILABLE "PEER_CONNECTION_BROKEN" (end of
@@ -32,7 +39,8 @@ absl::Status WriteFrame(int fd, const google::protobuf::MessageLite& message);
 // "FRAME_TOO_LARGE" (the header announces more than `max_body_bytes`; the
 // body is left unread, so the stream is no longer usable), INVALID_ARGUMENT
 // "FRAME_UNPARSABLE" (the body is not a valid message; the stream is still
-// in sync).
+// in sync). Memory follows the bytes received (the buffer at most doubles
+// ahead of them), never the header's announcement alone.
 absl::Status ReadFrame(int fd, uint32_t max_body_bytes,
                        google::protobuf::MessageLite* message);
 

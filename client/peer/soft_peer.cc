@@ -28,6 +28,9 @@ absl::Status StatusFromResponse(const v1::PeerResponse& response) {
     case v1::PEER_BAD_TICKET:
       return MrdError(absl::StatusCode::kUnauthenticated, "BAD_TICKET",
                       response.message());
+    case v1::PEER_RESOURCE_EXHAUSTED:
+      return MrdError(absl::StatusCode::kResourceExhausted,
+                      "LIMIT_PEER_CONNECTIONS", response.message());
     default:
       return MrdError(absl::StatusCode::kInternal, "PEER_PROTOCOL_ERROR",
                       absl::StrCat("device answered with peer status ",

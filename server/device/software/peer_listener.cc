@@ -1,172 +1,738 @@
 #include "server/device/software/peer_listener.h"
 
 #include <fcntl.h>
-#include <poll.h>
+#include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "absl/time/time.h"
+#include "client/peer/frame.h"
 #include "client/peer/net.h"
 #include "server/common/log.h"
 #include "server/common/status.h"
 
 namespace mrd::device {
+namespace {
+
+constexpr uint64_t kListenerId = 0;
+constexpr uint64_t kWakeId = 1;
+// A frame buffer grows by at least this much (and at least doubles), and
+// only when the bytes already received fill it.
+constexpr uint64_t kGrowBytes = 64 << 10;
+// One recv reads at most this much, so at most this much of the buffer is
+// zero-filled ahead of the data.
+constexpr uint64_t kRecvBytes = 256 << 10;
+// Fairness: bytes read from one connection per readiness event.
+constexpr uint64_t kReadRoundBytes = 1 << 20;
+constexpr int kAcceptBatch = 32;
+constexpr int kTickMs = 100;
+constexpr int kListenBacklog = 1024;
+
+}  // namespace
+
+struct PeerListener::Conn {
+  enum class State { kReading, kParked, kBusy, kWriting };
+  uint64_t id = 0;
+  UniqueFd fd;
+  std::string remote;
+  std::shared_ptr<void> context;
+  State state = State::kReading;
+  bool registered = false;  // in the epoll set
+  bool authenticated = false;
+  bool doomed = false;  // close as soon as the worker returns
+  bool keep_open = true;
+  absl::Time accepted_at;
+  absl::Time last_progress;
+  // The frame being assembled.
+  unsigned char header[peer::kFrameHeaderBytes] = {};
+  size_t header_got = 0;  // 0 between frames
+  uint64_t body_length = 0;
+  std::string body;       // size() = bytes received
+  uint64_t body_cap = 0;  // bytes reserved (and charged) for the body
+  // Memory charged to buffer_bytes: body_cap while reading, then kept
+  // while the frame is handled, then the unsent response.
+  uint64_t charge = 0;
+  std::string out;
+  size_t out_off = 0;
+};
 
 absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Bind(
-    absl::string_view address, uint32_t max_connections) {
-  MRD_ASSIGN_OR_RETURN(UniqueFd listen_fd, peer::ListenTcp(address, 128));
-  // Non-blocking, so that a connection reset between poll and accept makes
-  // accept fail instead of hanging the acceptor.
+    absl::string_view address, const PeerListenerOptions& options) {
+  auto bad = [](std::string message) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_OPTION",
+                    std::move(message));
+  };
+  if (options.max_connections == 0) return bad("max_connections must be > 0");
+  if (options.max_unauthenticated == 0) {
+    return bad("max_unauthenticated connections must be > 0");
+  }
+  if (options.workers == 0 || options.workers > 256) {
+    return bad("peer workers must be in [1, 256]");
+  }
+  if (options.hello_timeout <= absl::ZeroDuration() ||
+      options.stall_timeout <= absl::ZeroDuration()) {
+    return bad("peer hello and stall timeouts must be > 0");
+  }
+  if (options.buffer_bytes <
+      uint64_t{options.max_frame_bytes} + options.hello_frame_bytes) {
+    return bad(absl::StrCat("peer buffer bytes (", options.buffer_bytes,
+                            ") must hold at least one largest frame (",
+                            options.max_frame_bytes, " bytes) and a hello"));
+  }
+  MRD_ASSIGN_OR_RETURN(UniqueFd listen_fd,
+                       peer::ListenTcp(address, kListenBacklog));
   int flags = fcntl(listen_fd.get(), F_GETFL);
   if (flags < 0 || fcntl(listen_fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
     return ErrnoError(errno, "fcntl(O_NONBLOCK)", "PEER_LISTEN_FAILED");
   }
+  UniqueFd epoll_fd(epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_fd.valid()) {
+    return ErrnoError(errno, "epoll_create1", "PEER_LISTEN_FAILED");
+  }
   UniqueFd wake_fd(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!wake_fd.valid())
+  if (!wake_fd.valid()) {
     return ErrnoError(errno, "eventfd", "PEER_LISTEN_FAILED");
+  }
+  epoll_event event{};
+  event.events = EPOLLIN;
+  event.data.u64 = kWakeId;
+  if (epoll_ctl(epoll_fd.get(), EPOLL_CTL_ADD, wake_fd.get(), &event) != 0) {
+    return ErrnoError(errno, "epoll_ctl", "PEER_LISTEN_FAILED");
+  }
   MRD_ASSIGN_OR_RETURN(std::string bound, peer::LocalAddress(listen_fd.get()));
   return std::unique_ptr<PeerListener>(
-      new PeerListener(std::move(listen_fd), std::move(wake_fd),
-                       std::move(bound), max_connections));
+      new PeerListener(std::move(listen_fd), std::move(epoll_fd),
+                       std::move(wake_fd), std::move(bound), options));
 }
 
-PeerListener::PeerListener(UniqueFd listen_fd, UniqueFd wake_fd,
-                           std::string address, uint32_t max_connections)
-    : listen_fd_(std::move(listen_fd)),
+PeerListener::PeerListener(UniqueFd listen_fd, UniqueFd epoll_fd,
+                           UniqueFd wake_fd, std::string address,
+                           const PeerListenerOptions& options)
+    : options_(options),
+      listen_fd_(std::move(listen_fd)),
+      epoll_fd_(std::move(epoll_fd)),
       wake_fd_(std::move(wake_fd)),
-      address_(std::move(address)),
-      max_connections_(max_connections) {}
-
-PeerListener::~PeerListener() {
-  StopAccepting();
-  JoinConnections();
+      address_(std::move(address)) {
+  local_.max_connections = options_.max_connections;
+  local_.max_unauthenticated = options_.max_unauthenticated;
+  local_.max_buffer_bytes = options_.buffer_bytes;
+  absl::MutexLock lock(&mu_);
+  stats_ = local_;
 }
 
-absl::Status PeerListener::Start(ServeFn serve) {
-  absl::MutexLock lock(&mu_);
-  if (started_ || stopping_) {
+PeerListener::~PeerListener() { Stop(); }
+
+absl::Status PeerListener::Start(Handler handler) {
+  absl::MutexLock start_lock(&start_mu_);
+  if (started_ || stopped_) {
     return MrdError(absl::StatusCode::kFailedPrecondition, "ALREADY_STARTED",
                     absl::StrCat("peer listener on ", address_,
                                  " was started or stopped before"));
   }
   started_ = true;
-  serve_ = std::move(serve);
-  acceptor_ = std::thread([this] { AcceptLoop(); });
+  handler_ = std::move(handler);
+  absl::Status status;
+  for (uint32_t i = 0; i < options_.workers && status.ok(); ++i) {
+    status = FaultPoint(options_.fault_points, "thread.create");
+    if (!status.ok()) break;
+    absl::StatusOr<Thread> worker =
+        Thread::Start("mrd-peer-work", [this] { WorkerLoop(); });
+    if (!worker.ok()) {
+      status = worker.status();
+      break;
+    }
+    workers_.push_back(std::move(*worker));
+  }
+  if (status.ok()) status = FaultPoint(options_.fault_points, "thread.create");
+  if (status.ok()) {
+    absl::StatusOr<Thread> reactor =
+        Thread::Start("mrd-peer-io", [this] { ReactorLoop(); });
+    if (reactor.ok()) {
+      reactor_ = std::move(*reactor);
+    } else {
+      status = reactor.status();
+    }
+  }
+  if (!status.ok()) {
+    LogError("peer listener ", address_, ": cannot start: ", status.message());
+    {
+      absl::MutexLock lock(&mu_);
+      workers_stop_ = true;
+    }
+    for (Thread& worker : workers_) worker.Join();
+    workers_.clear();
+    stopped_ = true;
+    listen_fd_.Reset();
+    return status;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.threads = local_.threads = workers_.size() + 1;
+  }
   return absl::OkStatus();
 }
 
-void PeerListener::Wake() {
-  uint64_t one = 1;
-  // Only fails when the counter would overflow, which still wakes poll.
-  (void)!::write(wake_fd_.get(), &one, sizeof(one));
-}
-
-void PeerListener::StopAccepting() {
+void PeerListener::Stop() {
+  absl::MutexLock start_lock(&start_mu_);
+  if (stopped_) return;
+  stopped_ = true;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
   }
   Wake();
-  // Only the owner calls this, never the acceptor itself.
-  if (acceptor_.joinable()) acceptor_.join();
-  // Safe without the lock: the acceptor, its only other user, has exited
-  // (or never ran), and concurrent StopAccepting calls are the owner's to
-  // avoid.
-  listen_fd_.Reset();
-}
-
-void PeerListener::JoinConnections() {
-  absl::flat_hash_map<uint64_t, std::thread> threads;
+  // The reactor closes the listener and every connection, waiting for the
+  // frames in the workers, then returns.
+  reactor_.Join();
   {
     absl::MutexLock lock(&mu_);
-    threads.swap(threads_);
-    finished_.clear();
+    workers_stop_ = true;
   }
-  for (auto& [id, thread] : threads) thread.join();
+  for (Thread& worker : workers_) worker.Join();
+  workers_.clear();
+  listen_fd_.Reset();  // never started: the reactor did not close it
 }
 
-void PeerListener::ReapFinished() {
-  std::vector<std::thread> done;
-  {
-    absl::MutexLock lock(&mu_);
-    for (uint64_t id : finished_) {
-      auto it = threads_.find(id);
-      if (it == threads_.end()) continue;
-      done.push_back(std::move(it->second));
-      threads_.erase(it);
-    }
-    finished_.clear();
-  }
-  for (std::thread& thread : done) thread.join();
-}
-
-void PeerListener::Spawn(UniqueFd socket) {
-  peer::SetNoDelay(socket.get());
-  absl::StatusOr<std::string> remote = peer::RemoteAddress(socket.get());
-  std::string name = remote.ok() ? *remote : "unknown";
+PeerListenerStats PeerListener::Stats() const {
   absl::MutexLock lock(&mu_);
-  if (stopping_) return;  // closes the socket
-  if (live_ >= max_connections_) {
-    LogWarning("peer listener ", address_, ": refusing ", name, ", already ",
-               live_, " connections (max ", max_connections_, ")");
-    return;
-  }
-  uint64_t id = next_thread_++;
-  ++live_;
-  threads_.emplace(id, std::thread([this, id, socket = std::move(socket),
-                                    name = std::move(name)]() mutable {
-                     serve_(std::move(socket), std::move(name));
-                     {
-                       absl::MutexLock done_lock(&mu_);
-                       --live_;
-                       finished_.push_back(id);
-                     }
-                     Wake();  // lets the acceptor join this thread
-                   }));
+  return stats_;
 }
 
-void PeerListener::AcceptLoop() {
+void PeerListener::Wake() {
+  uint64_t one = 1;
+  // Only fails when the counter would overflow, which still wakes epoll.
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+void PeerListener::Publish() {
+  local_.connections = conns_.size();
+  local_.unauthenticated = unauthenticated_.size();
+  local_.buffered_bytes = charged_;
+  absl::MutexLock lock(&mu_);
+  uint64_t threads = stats_.threads;
+  stats_ = local_;
+  stats_.threads = threads;
+}
+
+// ---------------------------------------------------------------------------
+// Workers.
+
+bool PeerListener::WorkerHasJob() const {
+  return workers_stop_ || !jobs_.empty();
+}
+
+void PeerListener::WorkerLoop() {
   while (true) {
-    pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0},
-                     {wake_fd_.get(), POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) {
-      int err = errno;
-      if (err == EINTR) continue;
-      LogError("peer listener ", address_, ": poll: ", std::strerror(err));
-      absl::SleepFor(absl::Milliseconds(100));
-      continue;
+    Job job;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &PeerListener::WorkerHasJob));
+      if (jobs_.empty()) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
     }
-    if (fds[1].revents != 0) {
-      uint64_t count = 0;
-      (void)!::read(wake_fd_.get(), &count, sizeof(count));
+    Done done;
+    done.id = job.id;
+    std::string response;
+    done.verdict = handler_.frame(job.context, std::move(job.body), &response);
+    // Most responses fit the socket buffer: send them from here, and leave
+    // only what the socket does not take to the reactor.
+    size_t sent = 0;
+    while (sent < response.size()) {
+      ssize_t n = ::send(job.fd, response.data() + sent, response.size() - sent,
+                         MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0) {
+        int err = errno;
+        if (err == EINTR) continue;
+        if (err != EAGAIN && err != EWOULDBLOCK) done.broken = true;
+        break;
+      }
+      sent += static_cast<size_t>(n);
+    }
+    if (!done.broken && sent < response.size()) {
+      if (sent == 0) {
+        done.unsent = std::move(response);
+      } else {
+        done.unsent.assign(response, sent, std::string::npos);
+      }
     }
     {
       absl::MutexLock lock(&mu_);
-      if (stopping_) return;
+      done_.push_back(std::move(done));
     }
-    ReapFinished();
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    int fd = ::accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC);
+    Wake();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Reactor.
+
+void PeerListener::Arm(Conn& conn, uint32_t events) {
+  epoll_event event{};
+  event.events = events | EPOLLONESHOT;
+  event.data.u64 = conn.id;
+  int op = conn.registered ? EPOLL_CTL_MOD : EPOLL_CTL_ADD;
+  if (epoll_ctl(epoll_fd_.get(), op, conn.fd.get(), &event) != 0) {
+    int err = errno;
+    LogWarning("peer listener ", address_, ": epoll_ctl for ", conn.remote,
+               ": ", std::strerror(err), "; closing it");
+    CloseConn(conn.id, nullptr);
+    return;
+  }
+  conn.registered = true;
+}
+
+void PeerListener::LogShed(const char* what, const std::string& remote) {
+  ++shed_since_log_;
+  absl::Time now = absl::Now();
+  if (now - last_shed_log_ < absl::Seconds(1)) return;
+  LogWarning("peer listener ", address_, ": ", what, " ", remote, " (",
+             shed_since_log_, " connections shed or refused since the last ",
+             "report; open ", conns_.size(), "/", options_.max_connections,
+             ", before hello ", unauthenticated_.size(), "/",
+             options_.max_unauthenticated, ")");
+  last_shed_log_ = now;
+  shed_since_log_ = 0;
+}
+
+void PeerListener::CloseConn(uint64_t id, const char* why) {
+  auto it = conns_.find(id);
+  if (it == conns_.end()) return;
+  Conn& conn = *it->second;
+  if (conn.state == Conn::State::kBusy) {
+    conn.doomed = true;  // the worker holds its fd; Finish closes it
+    return;
+  }
+  if (why != nullptr) {
+    LogDebug("peer listener ", address_, ": closing ", conn.remote, ": ", why);
+  }
+  handler_.close(conn.context);
+  charged_ -= conn.charge;
+  unauthenticated_.erase(id);
+  conns_.erase(it);  // closes the fd, which leaves the epoll set
+}
+
+bool PeerListener::MakeRoom(bool for_total) {
+  for (uint64_t id : unauthenticated_) {
+    auto found = conns_.find(id);
+    if (found == conns_.end()) continue;
+    Conn& conn = *found->second;
+    if (conn.state == Conn::State::kBusy) continue;  // its hello is running
+    std::string remote = conn.remote;
+    CloseConn(id, "shed");
+    ++local_.shed;
+    LogShed(for_total ? "max connections reached: shed the oldest "
+                        "connection before hello,"
+                      : "max connections before hello reached: shed the "
+                        "oldest,",
+            remote);
+    return true;
+  }
+  return false;
+}
+
+void PeerListener::AcceptBatch() {
+  for (int i = 0; i < kAcceptBatch; ++i) {
+    int fd = ::accept4(listen_fd_.get(), nullptr, nullptr,
+                       SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) {
       int err = errno;
-      if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR ||
-          err == ECONNABORTED) {
-        continue;
-      }
-      LogWarning("peer listener ", address_, ": accept: ", std::strerror(err));
-      // Out of descriptors leaves the connection pending, so poll would
-      // report it again at once; back off instead of spinning.
-      absl::SleepFor(absl::Milliseconds(50));
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if ((err == EMFILE || err == ENFILE) && MakeRoom(false)) continue;
+      // Out of descriptors (or worse) with nobody to shed: the connection
+      // stays pending, so stop watching the listener for a tick instead of
+      // spinning on it.
+      LogWarning("peer listener ", address_, ": accept: ", std::strerror(err),
+                 "; pausing accepts");
+      epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
+      listen_armed_ = false;
+      accept_paused_until_ = absl::Now() + absl::Milliseconds(kTickMs);
+      return;
+    }
+    UniqueFd socket(fd);
+    absl::StatusOr<std::string> remote_or = peer::RemoteAddress(fd);
+    std::string remote = remote_or.ok() ? *remote_or : "unknown";
+    if (conns_.size() >= options_.max_connections && !MakeRoom(true)) {
+      ++local_.refused;
+      LogShed("max connections reached, all past hello: refused", remote);
       continue;
     }
-    Spawn(UniqueFd(fd));
+    if (unauthenticated_.size() >= options_.max_unauthenticated &&
+        !MakeRoom(false)) {
+      ++local_.refused;
+      LogShed("max connections before hello reached, all busy: refused",
+              remote);
+      continue;
+    }
+    peer::SetNoDelay(fd);
+    std::shared_ptr<void> context = handler_.open(fd, remote);
+    if (context == nullptr) continue;  // closes the socket
+    ++local_.accepted;
+    auto conn = std::make_unique<Conn>();
+    conn->id = next_id_++;
+    conn->fd = std::move(socket);
+    conn->remote = std::move(remote);
+    conn->context = std::move(context);
+    conn->accepted_at = conn->last_progress = absl::Now();
+    Conn& ref = *conn;
+    conns_.emplace(ref.id, std::move(conn));
+    unauthenticated_.insert(ref.id);
+    // A hello that came with the connection is handled at once.
+    ReadSome(ref);
+  }
+}
+
+void PeerListener::ReadSome(Conn& conn) {
+  uint64_t round = 0;
+  while (true) {
+    if (conn.header_got < peer::kFrameHeaderBytes) {
+      ssize_t n = ::recv(conn.fd.get(), conn.header + conn.header_got,
+                         peer::kFrameHeaderBytes - conn.header_got, 0);
+      if (n == 0) {
+        CloseConn(conn.id, conn.header_got == 0 ? nullptr : "end in a frame");
+        return;
+      }
+      if (n < 0) {
+        int err = errno;
+        if (err == EINTR) continue;
+        if (err == EAGAIN || err == EWOULDBLOCK) {
+          Arm(conn, EPOLLIN);
+        } else {
+          CloseConn(conn.id, std::strerror(err));
+        }
+        return;
+      }
+      conn.header_got += static_cast<size_t>(n);
+      conn.last_progress = absl::Now();
+      if (conn.header_got < peer::kFrameHeaderBytes) continue;
+      uint32_t length = 0;
+      for (size_t i = 0; i < peer::kFrameHeaderBytes; ++i) {
+        length |= static_cast<uint32_t>(conn.header[i]) << (8 * i);
+      }
+      const uint32_t limit = conn.authenticated ? options_.max_frame_bytes
+                                                : options_.hello_frame_bytes;
+      if (length > limit) {
+        Dispatch(conn,
+                 MrdError(absl::StatusCode::kInvalidArgument, "FRAME_TOO_LARGE",
+                          absl::StrCat("peer frame of ", length,
+                                       " bytes exceeds the limit of ", limit)));
+        return;
+      }
+      conn.body_length = length;
+      if (length == 0) {
+        Dispatch(conn, std::string());
+        return;
+      }
+      continue;
+    }
+    if (conn.body.size() == conn.body_cap) {
+      // Full: grow, charging the budget first. Memory follows the bytes
+      // that arrived, never the header's promise.
+      const uint64_t want = NextCap(conn);
+      const uint64_t delta = want - conn.body_cap;
+      if (!CanGrow(conn, delta)) {
+        conn.state = Conn::State::kParked;
+        parked_.push_back(conn.id);
+        ++local_.memory_waits;
+        return;  // not armed: nothing is read until memory frees
+      }
+      std::string bigger;
+      bigger.reserve(want);  // from empty: exactly `want`
+      bigger.append(conn.body);
+      conn.body.swap(bigger);
+      charged_ += delta;
+      conn.charge += delta;
+      conn.body_cap = want;
+    }
+    const size_t old = conn.body.size();
+    const size_t room = std::min<uint64_t>(conn.body_cap - old, kRecvBytes);
+    conn.body.resize(old + room);
+    ssize_t n = ::recv(conn.fd.get(), conn.body.data() + old, room, 0);
+    conn.body.resize(old + (n > 0 ? static_cast<size_t>(n) : 0));
+    if (n == 0) {
+      CloseConn(conn.id, "end in a frame");
+      return;
+    }
+    if (n < 0) {
+      int err = errno;
+      if (err == EINTR) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) {
+        Arm(conn, EPOLLIN);
+      } else {
+        CloseConn(conn.id, std::strerror(err));
+      }
+      return;
+    }
+    conn.last_progress = absl::Now();
+    if (conn.body.size() == conn.body_length) {
+      std::string body;
+      body.swap(conn.body);
+      conn.body_cap = 0;  // the charge stays until the frame is handled
+      Dispatch(conn, std::move(body));
+      return;
+    }
+    round += static_cast<uint64_t>(n);
+    if (round >= kReadRoundBytes) {
+      Arm(conn, EPOLLIN);  // one-shot: fires again at once if data is left
+      return;
+    }
+  }
+}
+
+void PeerListener::Dispatch(Conn& conn, absl::StatusOr<std::string> body) {
+  conn.state = Conn::State::kBusy;
+  conn.header_got = 0;
+  conn.body_length = 0;
+  Job job;
+  job.id = conn.id;
+  job.fd = conn.fd.get();
+  job.context = conn.context;
+  job.body = std::move(body);
+  absl::MutexLock lock(&mu_);
+  jobs_.push_back(std::move(job));
+}
+
+void PeerListener::Finish(Done done) {
+  auto it = conns_.find(done.id);
+  if (it == conns_.end()) return;  // cannot happen: busy ones stay
+  Conn& conn = *it->second;
+  conn.state = Conn::State::kReading;
+  charged_ -= conn.charge;  // the frame is gone
+  conn.charge = 0;
+  if (done.verdict.authenticated && !conn.authenticated) {
+    conn.authenticated = true;
+    unauthenticated_.erase(conn.id);
+  }
+  if (conn.doomed || done.broken) {
+    CloseConn(conn.id, done.broken ? "send failed" : nullptr);
+    return;
+  }
+  conn.keep_open = done.verdict.keep_open;
+  if (!done.unsent.empty()) {
+    conn.out = std::move(done.unsent);
+    conn.out_off = 0;
+    // Already allocated: charged even past the budget, which then holds
+    // back reading until it drains.
+    conn.charge = conn.out.size();
+    charged_ += conn.charge;
+    conn.state = Conn::State::kWriting;
+    conn.last_progress = absl::Now();
+    Arm(conn, EPOLLOUT);
+    return;
+  }
+  if (!conn.keep_open) {
+    CloseConn(conn.id, nullptr);
+    return;
+  }
+  ReadSome(conn);  // the next request may be waiting already
+}
+
+void PeerListener::WriteSome(Conn& conn) {
+  while (conn.out_off < conn.out.size()) {
+    ssize_t n = ::send(conn.fd.get(), conn.out.data() + conn.out_off,
+                       conn.out.size() - conn.out_off, MSG_NOSIGNAL);
+    if (n < 0) {
+      int err = errno;
+      if (err == EINTR) continue;
+      if (err == EAGAIN || err == EWOULDBLOCK) {
+        Arm(conn, EPOLLOUT);
+      } else {
+        CloseConn(conn.id, std::strerror(err));
+      }
+      return;
+    }
+    conn.out_off += static_cast<size_t>(n);
+    conn.last_progress = absl::Now();
+  }
+  charged_ -= conn.charge;
+  conn.charge = 0;
+  std::string().swap(conn.out);
+  conn.out_off = 0;
+  if (!conn.keep_open) {
+    CloseConn(conn.id, nullptr);
+    return;
+  }
+  conn.state = Conn::State::kReading;
+  ReadSome(conn);
+}
+
+uint64_t PeerListener::NextCap(const Conn& conn) {
+  return std::min<uint64_t>(
+      conn.body_length,
+      std::max<uint64_t>(conn.body_cap * 2, conn.body.size() + kGrowBytes));
+}
+
+bool PeerListener::CanGrow(const Conn& conn, uint64_t delta) const {
+  if (charged_ + delta > options_.buffer_bytes) return false;
+  // Deadlock avoidance (a banker's rule): after this growth, some frame
+  // being received must still be able to complete with the memory left plus
+  // what frames being handled or written will give back. Otherwise every
+  // frame could end up waiting for memory that only another waiting frame
+  // holds.
+  uint64_t reclaimable = 0;
+  for (const auto& [id, other] : conns_) {
+    if (other->state == Conn::State::kBusy ||
+        other->state == Conn::State::kWriting) {
+      reclaimable += other->charge;
+    }
+  }
+  const uint64_t free_after =
+      options_.buffer_bytes - charged_ - delta + reclaimable;
+  if (conn.body_length - (conn.body_cap + delta) <= free_after) return true;
+  for (const auto& [id, other] : conns_) {
+    if (other.get() == &conn || other->body_cap == 0) continue;
+    if (other->state != Conn::State::kReading &&
+        other->state != Conn::State::kParked) {
+      continue;
+    }
+    if (other->body_length - other->body_cap <= free_after) return true;
+  }
+  return false;
+}
+
+void PeerListener::ResumeParked() {
+  // Any parked frame that may grow now goes on (not only the oldest: the
+  // one that can complete must never wait behind one that cannot).
+  size_t rounds = parked_.size();
+  while (rounds-- > 0 && !parked_.empty()) {
+    uint64_t id = parked_.front();
+    parked_.pop_front();
+    auto it = conns_.find(id);
+    if (it == conns_.end() || it->second->state != Conn::State::kParked) {
+      continue;
+    }
+    Conn& conn = *it->second;
+    if (!CanGrow(conn, NextCap(conn) - conn.body_cap)) {
+      parked_.push_back(id);
+      continue;
+    }
+    conn.state = Conn::State::kReading;
+    ReadSome(conn);
+  }
+}
+
+void PeerListener::CheckDeadlines(absl::Time now) {
+  // Oldest first: the first one still within its deadline ends the scan.
+  for (auto it = unauthenticated_.begin(); it != unauthenticated_.end();) {
+    const uint64_t id = *it++;
+    auto found = conns_.find(id);
+    if (found == conns_.end()) continue;
+    Conn& conn = *found->second;
+    if (conn.accepted_at + options_.hello_timeout > now) break;
+    if (conn.state == Conn::State::kBusy) continue;
+    ++local_.hello_timeouts;
+    CloseConn(id, "no hello in time");
+  }
+  std::vector<uint64_t> stalled;
+  for (const auto& [id, conn] : conns_) {
+    bool in_frame =
+        (conn->state == Conn::State::kReading && conn->header_got > 0) ||
+        conn->state == Conn::State::kParked ||
+        conn->state == Conn::State::kWriting;
+    if (in_frame && conn->last_progress + options_.stall_timeout <= now) {
+      stalled.push_back(id);
+    }
+  }
+  for (uint64_t id : stalled) {
+    ++local_.stall_timeouts;
+    CloseConn(id, "stalled inside a frame");
+  }
+}
+
+void PeerListener::ReactorLoop() {
+  {
+    epoll_event event{};
+    event.events = EPOLLIN;
+    event.data.u64 = kListenerId;
+    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(), &event) ==
+        0) {
+      listen_armed_ = true;
+    } else {
+      LogError("peer listener ", address_,
+               ": epoll_ctl(listener): ", std::strerror(errno));
+    }
+  }
+  bool stopping = false;
+  absl::Time next_tick = absl::Now() + absl::Milliseconds(kTickMs);
+  epoll_event events[128];
+  while (true) {
+    int timeout = -1;
+    if (!conns_.empty() || !listen_armed_) timeout = kTickMs;
+    int n = epoll_wait(epoll_fd_.get(), events, 128, timeout);
+    if (n < 0) {
+      int err = errno;
+      if (err != EINTR) {
+        LogError("peer listener ", address_,
+                 ": epoll_wait: ", std::strerror(err));
+        absl::SleepFor(absl::Milliseconds(kTickMs));
+      }
+      n = 0;
+    }
+    for (int i = 0; i < n; ++i) {
+      const uint64_t id = events[i].data.u64;
+      if (id == kWakeId) {
+        uint64_t count = 0;
+        (void)!::read(wake_fd_.get(), &count, sizeof(count));
+        continue;
+      }
+      if (id == kListenerId) {
+        if (!stopping) AcceptBatch();
+        continue;
+      }
+      auto it = conns_.find(id);
+      if (it == conns_.end() || stopping) continue;
+      Conn& conn = *it->second;
+      if (conn.state == Conn::State::kReading) {
+        ReadSome(conn);
+      } else if (conn.state == Conn::State::kWriting) {
+        WriteSome(conn);
+      }
+    }
+    std::vector<Done> done;
+    {
+      absl::MutexLock lock(&mu_);
+      done.swap(done_);
+      if (stopping_) stopping = true;
+    }
+    for (Done& d : done) Finish(std::move(d));
+    if (!parked_.empty()) ResumeParked();
+    if (stopping) {
+      if (listen_fd_.valid()) {
+        epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
+        listen_fd_.Reset();    // later connection attempts are refused
+        listen_armed_ = true;  // nothing to re-arm
+      }
+      std::vector<uint64_t> ids;
+      ids.reserve(conns_.size());
+      for (const auto& [id, conn] : conns_) ids.push_back(id);
+      for (uint64_t id : ids) CloseConn(id, nullptr);  // busy ones: doomed
+      Publish();
+      if (conns_.empty()) return;
+      continue;
+    }
+    absl::Time now = absl::Now();
+    if (now >= next_tick) {
+      next_tick = now + absl::Milliseconds(kTickMs);
+      CheckDeadlines(now);
+      if (!listen_armed_ && now >= accept_paused_until_) {
+        epoll_event event{};
+        event.events = EPOLLIN;
+        event.data.u64 = kListenerId;
+        if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(),
+                      &event) == 0) {
+          listen_armed_ = true;
+        }
+      }
+    }
+    Publish();
   }
 }
 

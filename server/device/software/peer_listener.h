@@ -1,23 +1,45 @@
 // PeerListener: the TCP front door of the software device's peer path. It
-// owns the listening socket, one acceptor thread, and one thread per
-// accepted connection on which it runs the device's serve function; it knows
-// nothing of the protocol.
+// owns the listening socket, ONE reactor thread (epoll: accept, non-blocking
+// reads that assemble frames byte by byte, non-blocking writes of queued
+// responses, deadlines) and a small fixed pool of workers that run the
+// owner's frame handler. It knows the framing (client/peer/frame.h) but not
+// the messages.
+//
+// Per connection, frames are handled strictly one at a time, in order (RC
+// queue-pair semantics): while a frame is being handled or its response is
+// being written, the connection is not read (backpressure). No thread is
+// created per connection, so the number of threads is fixed at Start.
+//
+// Defences against hostile peers (docs/RELIABILITY.md, "Peer path"):
+// * a connection that has not authenticated (the handler says so) within
+//   hello_timeout is closed; one that stalls inside a frame (or a response
+//   write) for stall_timeout is closed;
+// * at most max_unauthenticated connections before hello: a new one sheds
+//   the OLDEST unauthenticated connection, so a fresh peer with a ticket
+//   always gets in; at most max_connections in all (a new one sheds the
+//   oldest unauthenticated one, else is refused);
+// * frame memory is committed as bytes arrive (the buffer grows in chunks,
+//   never sized from the header), one frame per connection (hello_frame_bytes
+//   before authentication, max_frame_bytes after), and at most buffer_bytes
+//   across connections: when that is reached, frame bodies wait unread until
+//   memory frees.
 //
 // Lifecycle: Bind (socket bound and listening, address known) -> Start
-// (acceptor runs) -> StopAccepting -> JoinConnections. The owner must make
-// every running serve call return (shutdown(2) of its socket) between the
-// last two. The destructor does both stop steps.
+// (threads run) -> Stop (closes the listener, then every connection, waiting
+// for frames being handled; joins every thread). The destructor stops.
 //
-// Thread safety: all methods are thread-safe; the serve function is called
-// concurrently from connection threads.
+// Thread safety: all public methods are thread-safe. The handler's open and
+// close run on the reactor thread (or Stop's caller after the reactor ended),
+// frame on a worker.
 #ifndef MRD_SERVER_DEVICE_SOFTWARE_PEER_LISTENER_H_
 #define MRD_SERVER_DEVICE_SOFTWARE_PEER_LISTENER_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -26,21 +48,73 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/common/fd.h"
+#include "server/common/thread.h"
+#include "server/device/fault_points.h"
 
 namespace mrd::device {
 
+struct PeerListenerOptions {
+  uint32_t max_connections = 4096;
+  uint32_t max_unauthenticated = 256;
+  absl::Duration hello_timeout = absl::Seconds(5);
+  absl::Duration stall_timeout = absl::Seconds(30);
+  // Frame buffers (and unsent responses) of all connections together.
+  uint64_t buffer_bytes = uint64_t{256} << 20;
+  uint32_t workers = 4;
+  uint32_t hello_frame_bytes = 4096;              // body limit before auth
+  uint32_t max_frame_bytes = (16u << 20) + 1024;  // body limit after auth
+  // Tests only: "thread.create" before each thread Start creates.
+  FaultPoints* fault_points = nullptr;
+};
+
+// Counters and gauges of the peer path, for metrics and tests.
+struct PeerListenerStats {
+  uint64_t connections = 0;      // open now
+  uint64_t unauthenticated = 0;  // open now, hello not done
+  uint64_t buffered_bytes = 0;   // frame and response memory charged now
+  uint64_t threads = 0;          // reactor + workers
+  uint64_t accepted = 0;         // totals from here on
+  uint64_t refused = 0;          // max_connections, nobody to shed
+  uint64_t shed = 0;             // closed to make room for a new connection
+  uint64_t hello_timeouts = 0;
+  uint64_t stall_timeouts = 0;
+  uint64_t memory_waits = 0;  // reads deferred: buffer_bytes reached
+  // The limits in force.
+  uint64_t max_connections = 0;
+  uint64_t max_unauthenticated = 0;
+  uint64_t max_buffer_bytes = 0;
+};
+
 class PeerListener {
  public:
-  // Runs one connection to its end; owns `socket`. `remote` is host:port.
-  using ServeFn = std::function<void(UniqueFd socket, std::string remote)>;
+  // What the handler decided about the connection after one frame.
+  struct Verdict {
+    bool keep_open = true;       // false: close once the response is sent
+    bool authenticated = false;  // hello succeeded (sticky)
+  };
+  struct Handler {
+    // A new connection (fd is non-blocking; the listener owns it). Returns
+    // the owner's context for it, or nullptr to refuse it.
+    std::function<std::shared_ptr<void>(int fd, const std::string& remote)>
+        open;
+    // One frame: its body, or why it cannot be read (INVALID_ARGUMENT
+    // "FRAME_TOO_LARGE"; the stream is then out of sync). Appends the
+    // encoded response frame(s) to `response`.
+    std::function<Verdict(const std::shared_ptr<void>& context,
+                          absl::StatusOr<std::string> body,
+                          std::string* response)>
+        frame;
+    // The connection ends; its fd is closed right after this returns.
+    std::function<void(const std::shared_ptr<void>& context)> close;
+  };
 
-  // Binds `address` (numeric host:port; port 0 picks one). At most
-  // `max_connections` connections are served at once; more are closed on
-  // accept. Errors: INVALID_ARGUMENT "BAD_HOST_PORT", errors of
-  // bind/listen ("PEER_LISTEN_FAILED").
+  // Binds `address` (numeric host:port; port 0 picks one). Errors:
+  // INVALID_ARGUMENT "BAD_HOST_PORT" / "BAD_OPTION", errors of bind/listen
+  // ("PEER_LISTEN_FAILED").
   static absl::StatusOr<std::unique_ptr<PeerListener>> Bind(
-      absl::string_view address, uint32_t max_connections);
+      absl::string_view address, const PeerListenerOptions& options);
   ~PeerListener();
   PeerListener(const PeerListener&) = delete;
   PeerListener& operator=(const PeerListener&) = delete;
@@ -48,40 +122,90 @@ class PeerListener {
   // The bound address, host:port, with the real port.
   const std::string& address() const { return address_; }
 
-  // Starts the acceptor. Errors: FAILED_PRECONDITION "ALREADY_STARTED"
-  // (started or stopped before), or the errno of thread creation.
-  absl::Status Start(ServeFn serve);
-  // Stops accepting, joins the acceptor and closes the listening socket, so
-  // that later connection attempts are refused instead of left unanswered
-  // in the backlog. Idempotent.
-  void StopAccepting();
-  // Joins every connection thread. Idempotent.
-  void JoinConnections();
+  // Starts the workers and the reactor. Errors: FAILED_PRECONDITION
+  // "ALREADY_STARTED", or "THREAD_FAILED" (then nothing runs and the
+  // listener is stopped).
+  absl::Status Start(Handler handler);
+  // Closes the listening socket and every connection (the handler's close
+  // runs for each), joins every thread. Idempotent.
+  void Stop();
+
+  PeerListenerStats Stats() const;
 
  private:
-  PeerListener(UniqueFd listen_fd, UniqueFd wake_fd, std::string address,
-               uint32_t max_connections);
-  void AcceptLoop();
-  // Hands one accepted socket to a new connection thread, or drops it.
-  void Spawn(UniqueFd socket);
-  // Joins the threads whose serve call has returned.
-  void ReapFinished();
+  struct Conn;
+  // A frame handed to a worker.
+  struct Job {
+    uint64_t id = 0;
+    int fd = -1;
+    std::shared_ptr<void> context;
+    absl::StatusOr<std::string> body;
+  };
+  // A worker's result, back to the reactor.
+  struct Done {
+    uint64_t id = 0;
+    Verdict verdict;
+    std::string unsent;  // response bytes the socket did not take at once
+    bool broken = false;
+  };
+
+  PeerListener(UniqueFd listen_fd, UniqueFd epoll_fd, UniqueFd wake_fd,
+               std::string address, const PeerListenerOptions& options);
+
+  // Reactor thread.
+  void ReactorLoop();
+  void AcceptBatch();
+  bool MakeRoom(bool for_total);
+  void ReadSome(Conn& conn);
+  void WriteSome(Conn& conn);
+  void Dispatch(Conn& conn, absl::StatusOr<std::string> body);
+  void Finish(Done done);
+  void Arm(Conn& conn, uint32_t events);
+  void CloseConn(uint64_t id, const char* why);
+  void Release(Conn& conn);
+  void ResumeParked();
+  static uint64_t NextCap(const Conn& conn);
+  bool CanGrow(const Conn& conn, uint64_t delta) const;
+  void CheckDeadlines(absl::Time now);
+  void LogShed(const char* what, const std::string& remote);
+  void Publish();
   void Wake();
 
-  UniqueFd listen_fd_;      // reset by StopAccepting once the acceptor is gone
-  const UniqueFd wake_fd_;  // eventfd: stop requests and finished threads
-  const std::string address_;
-  const uint32_t max_connections_;
-  ServeFn serve_;  // set by Start before any thread reads it
-  std::thread acceptor_;
+  // Workers.
+  void WorkerLoop();
+  bool WorkerHasJob() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  absl::Mutex mu_;
-  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  const PeerListenerOptions options_;
+  UniqueFd listen_fd_;  // reactor only; closed by it on stop
+  const UniqueFd epoll_fd_;
+  const UniqueFd wake_fd_;  // eventfd: stop requests and finished jobs
+  const std::string address_;
+  Handler handler_;  // set by Start before any thread reads it
+
+  // Reactor-only state (no lock: one thread).
+  absl::flat_hash_map<uint64_t, std::unique_ptr<Conn>> conns_;
+  std::set<uint64_t> unauthenticated_;  // ids, oldest (smallest) first
+  std::deque<uint64_t> parked_;         // waiting for buffer memory
+  uint64_t next_id_ = 2;                // 0: listener, 1: wake fd
+  uint64_t charged_ = 0;                // bytes of buffer_bytes in use
+  absl::Time accept_paused_until_ = absl::InfinitePast();
+  bool listen_armed_ = false;
+  absl::Time last_shed_log_ = absl::InfinitePast();
+  uint64_t shed_since_log_ = 0;
+  PeerListenerStats local_;  // counters; Publish copies them to stats_
+
+  absl::Mutex start_mu_;  // serializes Start and Stop
+  bool started_ ABSL_GUARDED_BY(start_mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(start_mu_) = false;
+  Thread reactor_ ABSL_GUARDED_BY(start_mu_);
+  std::vector<Thread> workers_ ABSL_GUARDED_BY(start_mu_);
+
+  mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t next_thread_ ABSL_GUARDED_BY(mu_) = 1;
-  absl::flat_hash_map<uint64_t, std::thread> threads_ ABSL_GUARDED_BY(mu_);
-  std::vector<uint64_t> finished_ ABSL_GUARDED_BY(mu_);
-  uint32_t live_ ABSL_GUARDED_BY(mu_) = 0;  // serve calls not yet returned
+  bool workers_stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<Done> done_ ABSL_GUARDED_BY(mu_);
+  PeerListenerStats stats_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mrd::device

@@ -112,11 +112,14 @@ struct SoftwareDevice::Lam {
 struct SoftwareDevice::Connection {
   enum class State { kHandshake, kReady, kError, kClosed };
   ConnectionId id = 0;  // immutable
-  int fd = -1;          // immutable; closed by its thread after removal
+  int fd = -1;          // immutable; the listener closes it after removal
   std::string remote;   // immutable
   State state = State::kHandshake;
   PdId pd = 0;                // set by hello
   std::deque<Work> deferred;  // kWorkDefer work held back
+  // Not guarded: touched only by the connection's frame handler, which the
+  // listener runs one frame at a time (its queue orders the accesses).
+  bool said_hello = false;
 };
 
 struct SoftwareDevice::IoSegment {
@@ -220,15 +223,27 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
                             kMaxMessageSizeLimit, "], got ",
                             options.max_message_size));
   }
-  if (options.max_connections == 0) return bad("max_connections must be > 0");
+  if (options.max_session_connections == 0) {
+    return bad("max_session_connections must be > 0");
+  }
 
   long page_size = sysconf(_SC_PAGESIZE);
   if (page_size <= 0) return ErrnoError(errno, "sysconf", "PAGE_SIZE_UNKNOWN");
   uint64_t ps = static_cast<uint64_t>(page_size);
 
-  MRD_ASSIGN_OR_RETURN(
-      std::unique_ptr<PeerListener> listener,
-      PeerListener::Bind(options.peer_listen_address, options.max_connections));
+  PeerListenerOptions peer;
+  peer.max_connections = options.max_connections;
+  peer.max_unauthenticated = options.max_unauthenticated_connections;
+  peer.hello_timeout = options.peer_hello_timeout;
+  peer.stall_timeout = options.peer_stall_timeout;
+  peer.buffer_bytes = options.peer_buffer_bytes;
+  peer.workers = options.peer_workers;
+  peer.hello_frame_bytes = kHelloFrameBytes;
+  peer.max_frame_bytes =
+      static_cast<uint32_t>(options.max_message_size) + kRequestOverheadBytes;
+  peer.fault_points = options.fault_points;
+  MRD_ASSIGN_OR_RETURN(std::unique_ptr<PeerListener> listener,
+                       PeerListener::Bind(options.peer_listen_address, peer));
   uint64_t pick = 0;
   MRD_RETURN_IF_ERROR(SecureRandomBytes(&pick, sizeof(pick)));
   uint64_t iova_start = (kIovaFloorPages + pick % kIovaSpreadPages) * ps;
@@ -296,31 +311,43 @@ absl::Status SoftwareDevice::Start() {
       return MrdError(absl::StatusCode::kFailedPrecondition, "ALREADY_STARTED",
                       "the software device was started or shut down before");
     }
+    MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "thread.create"));
+    MRD_ASSIGN_OR_RETURN(
+        worker_, Thread::Start("mrd-soft-work", [this] { WorkerLoop(); }));
     started_ = true;
     MRD_ASSIGN_OR_RETURN(
         worker_, Thread::Start("mrd-soft-work", [this] { WorkerLoop(); }));
   }
-  return listener_->Start([this](UniqueFd socket, std::string remote) {
-    ServeConnection(std::move(socket), std::move(remote));
-  });
+  PeerListener::Handler handler;
+  handler.open = [this](int fd, const std::string& remote) {
+    return std::static_pointer_cast<void>(OpenConnection(fd, remote));
+  };
+  handler.frame = [this](const std::shared_ptr<void>& context,
+                         absl::StatusOr<std::string> body, std::string* out) {
+    return HandleFrame(std::static_pointer_cast<Connection>(context),
+                       std::move(body), out);
+  };
+  handler.close = [this](const std::shared_ptr<void>& context) {
+    CloseConnection(std::static_pointer_cast<Connection>(context));
+  };
+  absl::Status status = listener_->Start(std::move(handler));
+  if (!status.ok()) {
+    // No peer can ever connect: stop the worker again, so that the device
+    // is cleanly shut down rather than half started.
+    Shutdown();
+  }
+  return status;
 }
 
 void SoftwareDevice::Shutdown() {
   {
     absl::MutexLock lock(&mu_);
     if (shut_down_) return;
-    shut_down_ = true;  // from here ServeConnection refuses new connections
+    shut_down_ = true;  // from here OpenConnection refuses new connections
   }
-  listener_->StopAccepting();
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, connection] : connections_) {
-      // Wakes the connection thread (recv returns 0, send fails); the thread
-      // itself closes the descriptor once the connection is unregistered.
-      ::shutdown(connection->fd, SHUT_RDWR);
-    }
-  }
-  listener_->JoinConnections();
+  // Closes the listener, then every connection (CloseConnection queues
+  // their flushes and disconnects), after the frames being handled.
+  listener_->Stop();
   Thread worker;
   {
     absl::MutexLock lock(&mu_);
@@ -1016,6 +1043,15 @@ SoftwareDevice::ResourceCounts SoftwareDevice::CountResources() const {
   return counts;
 }
 
+SoftwareDevice::PeerPathStats SoftwareDevice::PeerStats() const {
+  PeerPathStats stats;
+  stats.listener = listener_->Stats();
+  stats.max_session_connections = options_.max_session_connections;
+  absl::MutexLock lock(&mu_);
+  stats.session_limit_refusals = session_limit_refusals_;
+  return stats;
+}
+
 void SoftwareDevice::WorkerLoop() {
   while (true) {
     Task task;
@@ -1129,49 +1165,55 @@ absl::Status SoftwareDevice::ExecuteInvalidateLocked(const Work& work) {
 // ---------------------------------------------------------------------------
 // Peer path.
 
-void SoftwareDevice::ServeConnection(UniqueFd socket, std::string remote) {
+std::shared_ptr<SoftwareDevice::Connection> SoftwareDevice::OpenConnection(
+    int fd, const std::string& remote) {
   auto connection = std::make_shared<Connection>();
-  {
-    absl::MutexLock lock(&mu_);
-    if (shut_down_) return;  // closes the socket
-    connection->id = next_connection_++;
-    connection->fd = socket.get();
-    connection->remote = std::move(remote);
-    connections_.emplace(connection->id, connection);
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return nullptr;  // the listener closes the socket
+  connection->id = next_connection_++;
+  connection->fd = fd;
+  connection->remote = remote;
+  connections_.emplace(connection->id, connection);
+  return connection;
+}
+
+PeerListener::Verdict SoftwareDevice::HandleFrame(
+    const std::shared_ptr<Connection>& connection,
+    absl::StatusOr<std::string> body, std::string* out) {
+  PeerListener::Verdict verdict;
+  v1::PeerResponse response;
+  v1::PeerRequest request;
+  if (body.ok() && !request.ParseFromString(*body)) {
+    body = MrdError(absl::StatusCode::kInvalidArgument, "FRAME_UNPARSABLE",
+                    absl::StrCat("peer frame of ", body->size(),
+                                 " bytes is not a valid message"));
   }
-  const uint32_t max_frame =
-      static_cast<uint32_t>(options_.max_message_size) + kRequestOverheadBytes;
-  bool bound = false;  // this thread's view: hello succeeded
-  while (true) {
-    v1::PeerRequest request;
-    absl::Status status = peer::ReadFrame(
-        socket.get(), bound ? max_frame : kHelloFrameBytes, &request);
-    if (!status.ok()) {
-      if (status.code() == absl::StatusCode::kInvalidArgument) {
-        // A frame we cannot take: answer, then drop the connection, since
-        // an RC queue pair fails on a malformed packet too.
-        v1::PeerResponse response;
-        response.set_status(v1::PEER_REMOTE_INVALID_REQUEST);
-        response.set_message(std::string(status.message()));
-        (void)peer::WriteFrame(socket.get(), response);
-      }
-      break;
-    }
-    v1::PeerResponse response;
+  if (!body.ok()) {
+    // A frame we cannot take: answer, then drop the connection, since an
+    // RC queue pair fails on a malformed packet too.
+    response.set_status(v1::PEER_REMOTE_INVALID_REQUEST);
+    response.set_message(std::string(body.status().message()));
+    verdict.keep_open = false;
+  } else {
     response.set_id(request.id());
-    bool keep_open;
-    if (!bound && !request.has_hello()) {
+    if (!connection->said_hello && !request.has_hello()) {
       response.set_status(v1::PEER_REMOTE_INVALID_REQUEST);
       response.set_message("the first request must be hello");
-      keep_open = false;
+      verdict.keep_open = false;
     } else {
-      keep_open = HandleRequest(connection, request, &response);
+      verdict.keep_open = HandleRequest(connection, request, &response);
     }
-    bound =
-        bound || (request.has_hello() && response.status() == v1::PEER_SUCCESS);
-    if (!peer::WriteFrame(socket.get(), response).ok() || !keep_open) break;
+    if (request.has_hello() && response.status() == v1::PEER_SUCCESS) {
+      connection->said_hello = true;
+    }
   }
-  CloseConnection(connection);
+  verdict.authenticated = connection->said_hello;
+  if (absl::Status status = peer::AppendFrame(response, out); !status.ok()) {
+    LogWarning("peer connection ", connection->id, " (", connection->remote,
+               "): ", status.message());
+    verdict.keep_open = false;
+  }
+  return verdict;
 }
 
 bool SoftwareDevice::HandleRequest(
@@ -1210,6 +1252,15 @@ bool SoftwareDevice::HandleHello(const std::shared_ptr<Connection>& connection,
   if (pd == nullptr) {
     response->set_status(v1::PEER_BAD_TICKET);
     response->set_message("unknown ticket, or its session has ended");
+    return false;
+  }
+  if (pd->connections.size() >= options_.max_session_connections) {
+    ++session_limit_refusals_;
+    response->set_status(v1::PEER_RESOURCE_EXHAUSTED);
+    response->set_message(
+        absl::StrCat("LIMIT_PEER_CONNECTIONS: the session already has ",
+                     pd->connections.size(), " peer connections (max ",
+                     options_.max_session_connections, ")"));
     return false;
   }
   connection->pd = pd->id;

@@ -26,8 +26,10 @@
 //   then waits for the in-flight count to drain. So every peer op either
 //   completes before the revoking call returns (or the invalidation's
 //   completion is delivered) or fails.
-// * Threads: an acceptor plus one thread per peer connection
-//   (peer_listener.h), and one worker that executes posted work in post
+// * Threads: a fixed set, whatever the number of peer connections: the peer
+//   listener's reactor and its worker pool (peer_listener.h), which run
+//   HandleRequest one frame at a time per connection, and one worker that
+//   executes posted work in post
 //   order and delivers every sink event (peer connected, completions, peer
 //   disconnected). A PD's events therefore arrive in order, from one thread,
 //   never with a caller's device call on the stack. Because the worker runs
@@ -39,7 +41,9 @@
 //
 // Peer connections. The first request must be hello (anything else:
 // PEER_REMOTE_INVALID_REQUEST, then close) with a ticket of a live PD (else
-// PEER_BAD_TICKET, then close); before it, frames over 4 KiB are refused. A
+// PEER_BAD_TICKET, then close; a PD already at max_session_connections gets
+// PEER_RESOURCE_EXHAUSTED "LIMIT_PEER_CONNECTIONS", then close); before it,
+// frames over 4 KiB are refused. A
 // READ/WRITE failing any check gets PEER_REMOTE_ACCESS_ERROR and the connection
 // then closes (RC error state); queued work is flushed with
 // STATUS_CONNECTION_INVALID "FLUSHED" completions, then OnPeerDisconnected.
@@ -58,7 +62,6 @@
 #include <memory>
 #include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -67,6 +70,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "mrd/v1/peer.pb.h"
 #include "server/common/fd.h"
 #include "server/common/thread.h"
@@ -102,7 +106,14 @@ struct SoftwareDeviceOptions {
   uint32_t key_chunk_slots = KeyTable::kDefaultChunkSlots;
   // Largest peer READ/WRITE (advertised in the hello reply), <= 1 GiB.
   uint64_t max_message_size = uint64_t{16} << 20;
-  uint32_t max_connections = 1024;
+  // Peer path limits (peer_listener.h, docs/RELIABILITY.md "Peer path").
+  uint32_t max_connections = 4096;                 // open at once
+  uint32_t max_unauthenticated_connections = 256;  // before hello
+  uint32_t max_session_connections = 1024;         // bound to one PD
+  absl::Duration peer_hello_timeout = absl::Seconds(5);
+  absl::Duration peer_stall_timeout = absl::Seconds(30);  // inside a frame
+  uint64_t peer_buffer_bytes = uint64_t{256} << 20;       // all frame buffers
+  uint32_t peer_workers = 4;
   // How pages are pinned when `pin_ops` is nullptr (kernel_pin_ops.h):
   // io_uring fixed buffers (no VMA per pin) with an mlock fallback whose
   // VMA splits are budgeted. The device owns that KernelPinOps and logs
@@ -111,7 +122,7 @@ struct SoftwareDeviceOptions {
   // Tests substitute watching or failing ones. Not owned; nullptr means the
   // device's own KernelPinOps.
   PinOps* pin_ops = nullptr;
-  // Tests only: called on the connection thread inside every peer READ/WRITE
+  // Tests only: called on a peer worker thread inside every peer READ/WRITE
   // after the checks passed and before the I/O, while the op is in flight.
   std::function<void()> peer_io_hook_for_test;
   // Tests only: failure injection (fault_points.h); not owned, must outlive
@@ -131,6 +142,8 @@ struct SoftwareDeviceOptions {
   //                     random.key_byte, fast_register.map (a failure there
   //                     is the work's completion status)
   //   PostInvalidate    work.post
+  //   Start             thread.create (the device worker, each peer
+  //                     worker, the peer reactor)
   FaultPoints* fault_points = nullptr;
 };
 
@@ -205,6 +218,14 @@ class SoftwareDevice final : public Device {
     size_t pd_objects = 0;              // sum over PDs of their MR and LAM sets
   };
   ResourceCounts CountResources() const;
+
+  // The peer path's gauges, counters and limits (for metrics and tests).
+  struct PeerPathStats {
+    PeerListenerStats listener;
+    uint64_t max_session_connections = 0;
+    uint64_t session_limit_refusals = 0;  // hellos refused: PD at its cap
+  };
+  PeerPathStats PeerStats() const;
 
  private:
   struct Pd;
@@ -299,8 +320,13 @@ class SoftwareDevice final : public Device {
   bool WorkerHasTask() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool WorkerIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Peer path, on connection threads.
-  void ServeConnection(UniqueFd socket, std::string remote)
+  // Peer path: open and close on the listener's reactor, frames on its
+  // workers, one at a time per connection.
+  std::shared_ptr<Connection> OpenConnection(int fd, const std::string& remote)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  PeerListener::Verdict HandleFrame(
+      const std::shared_ptr<Connection>& connection,
+      absl::StatusOr<std::string> body, std::string* out)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Fills `response`; false = close the connection after sending it.
   bool HandleRequest(const std::shared_ptr<Connection>& connection,
@@ -352,6 +378,7 @@ class SoftwareDevice final : public Device {
   uint64_t next_lam_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_work_ ABSL_GUARDED_BY(mu_) = 1;
+  uint64_t session_limit_refusals_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace mrd::device

@@ -1,10 +1,12 @@
 #include "server/device/software/software_device.h"
 
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <memory>
 #include <set>
 #include <string>
@@ -251,13 +253,227 @@ TEST_F(SoftwareDeviceTest, ConnectionsOverTheLimitAreClosedOnAccept) {
   EXPECT_THAT(TryConnect(pd).status(), IsGone());
   first.reset();
   ASSERT_TRUE(sink->WaitFor(Event::Kind::kDisconnected, 1));
-  // The slot frees once the first connection's thread has finished.
+  // The slot frees once the listener has seen the first one close.
   absl::StatusOr<std::unique_ptr<SoftPeer>> second = TryConnect(pd);
   for (int i = 0; i < 100 && !second.ok(); ++i) {
     absl::SleepFor(absl::Milliseconds(10));
     second = TryConnect(pd);
   }
   EXPECT_TRUE(second.ok()) << second.status();
+}
+
+// ---------------------------------------------------------------------------
+// Peer path under hostile peers (docs/RELIABILITY.md, "Peer path").
+
+// True when the other end has closed `fd` (EOF or reset) within `limit`.
+bool ClosedWithin(int fd, absl::Duration limit) {
+  const absl::Time deadline = absl::Now() + limit;
+  while (absl::Now() < deadline) {
+    char byte;
+    ssize_t n = ::recv(fd, &byte, 1, MSG_DONTWAIT);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return false;
+}
+
+// The listener publishes its stats once per reactor round, which may come
+// just after a peer saw the effect: polls `holds` for up to 3 s.
+template <typename Fn>
+bool StatsSoon(const SoftwareDevice& device, Fn holds) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(3);
+  while (!holds(device.PeerStats())) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+using PeerPathStats = SoftwareDevice::PeerPathStats;
+
+// A raw connection that has said hello with a valid ticket.
+UniqueFd HelloConnection(SoftwareDevice& device, PdId pd) {
+  absl::StatusOr<std::string> ticket = device.CreatePeerTicket(pd);
+  EXPECT_TRUE(ticket.ok()) << ticket.status();
+  absl::StatusOr<UniqueFd> fd =
+      mrd::peer::ConnectTcp(device.Attributes().peer_address);
+  EXPECT_TRUE(fd.ok()) << fd.status();
+  if (!fd.ok() || !ticket.ok()) return UniqueFd();
+  v1::PeerRequest hello;
+  hello.mutable_hello()->set_ticket(*ticket);
+  EXPECT_TRUE(mrd::peer::WriteFrame(fd->get(), hello).ok());
+  v1::PeerResponse response;
+  EXPECT_TRUE(mrd::peer::ReadFrame(fd->get(), 4096, &response).ok());
+  EXPECT_EQ(response.status(), v1::PEER_SUCCESS);
+  return std::move(*fd);
+}
+
+TEST_F(SoftwareDeviceTest, StartReportsAThreadThatCannotBeCreated) {
+  // Threads: the device worker, each peer worker, the peer reactor. Each
+  // failing is a Status from Start, never an abort, and the device is then
+  // shut down cleanly (no thread left behind, no peer admitted).
+  const absl::Status injected = absl::ResourceExhaustedError("no threads");
+  for (int nth = 1; nth <= 4; ++nth) {
+    FaultPoints faults;
+    SoftwareDeviceOptions options;
+    options.peer_workers = 2;
+    options.fault_points = &faults;
+    absl::StatusOr<std::unique_ptr<SoftwareDevice>> device =
+        SoftwareDevice::Create(options);
+    ASSERT_TRUE(device.ok()) << device.status();
+    faults.Arm(nth, injected);
+    EXPECT_EQ((*device)->Start(), injected) << "thread " << nth;
+    EXPECT_EQ(faults.FiredStep(), "thread.create");
+    EXPECT_FALSE((*device)->Health().healthy);
+    EXPECT_EQ((*device)->PeerStats().listener.threads, 0u);
+  }
+}
+
+TEST_F(SoftwareDeviceTest, ThreadCountDoesNotGrowWithConnections) {
+  SoftwareDeviceOptions options;
+  options.peer_workers = 2;
+  StartDevice(options);
+  PdId pd = NewPd();
+  MemfdBuffer& buffer = NewBuffer(1);
+  MrKeys keys = Register(pd, buffer, 0, 64, kRemoteRw);
+  std::vector<std::unique_ptr<SoftPeer>> peers;
+  for (int i = 0; i < 64; ++i) peers.push_back(Connect(pd));
+  for (auto& peer : peers) ASSERT_TRUE(peer->Read(keys.rkey, kBase, 8).ok());
+  EXPECT_EQ(device_->PeerStats().listener.threads, 3u);  // reactor + 2
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.connections == 64 && s.listener.unauthenticated == 0;
+  }));
+}
+
+TEST_F(SoftwareDeviceTest, HelloDeadlineClosesSilentConnections) {
+  SoftwareDeviceOptions options;
+  options.peer_hello_timeout = absl::Milliseconds(300);
+  StartDevice(options);
+  absl::StatusOr<UniqueFd> idle =
+      mrd::peer::ConnectTcp(device_->Attributes().peer_address);
+  ASSERT_TRUE(idle.ok()) << idle.status();
+  EXPECT_TRUE(ClosedWithin(idle->get(), absl::Seconds(3)));
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.hello_timeouts == 1;
+  }));
+  // A peer that said hello is never subject to it.
+  PdId pd = NewPd();
+  MemfdBuffer& buffer = NewBuffer(1);
+  MrKeys keys = Register(pd, buffer, 0, 64, kRemoteRw);
+  std::unique_ptr<SoftPeer> peer = Connect(pd);
+  absl::SleepFor(absl::Milliseconds(600));
+  EXPECT_TRUE(peer->Read(keys.rkey, kBase, 8).ok());
+}
+
+TEST_F(SoftwareDeviceTest, UnauthenticatedCapShedsTheOldestForAValidPeer) {
+  SoftwareDeviceOptions options;
+  options.max_unauthenticated_connections = 3;
+  StartDevice(options);
+  std::vector<UniqueFd> strangers;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<UniqueFd> fd =
+        mrd::peer::ConnectTcp(device_->Attributes().peer_address);
+    ASSERT_TRUE(fd.ok()) << fd.status();
+    strangers.push_back(std::move(*fd));
+  }
+  ASSERT_FALSE(ClosedWithin(strangers[0].get(), absl::Milliseconds(1)));
+  PdId pd = NewPd();
+  MemfdBuffer& buffer = NewBuffer(1);
+  MrKeys keys = Register(pd, buffer, 0, 64, kRemoteRw);
+  std::unique_ptr<SoftPeer> peer = Connect(pd);  // sheds strangers[0]
+  ASSERT_NE(peer, nullptr);
+  EXPECT_TRUE(peer->Read(keys.rkey, kBase, 8).ok());
+  EXPECT_TRUE(ClosedWithin(strangers[0].get(), absl::Seconds(2)));
+  EXPECT_FALSE(ClosedWithin(strangers[2].get(), absl::Milliseconds(50)));
+  EXPECT_TRUE(StatsSoon(
+      *device_, [](const PeerPathStats& s) { return s.listener.shed >= 1; }));
+}
+
+TEST_F(SoftwareDeviceTest, TotalCapRefusesOnlyWhenNobodyCanBeShed) {
+  SoftwareDeviceOptions options;
+  options.max_connections = 2;
+  StartDevice(options);
+  PdId pd = NewPd();
+  std::unique_ptr<SoftPeer> a = Connect(pd);
+  absl::StatusOr<UniqueFd> stranger =
+      mrd::peer::ConnectTcp(device_->Attributes().peer_address);
+  ASSERT_TRUE(stranger.ok());
+  std::unique_ptr<SoftPeer> b = Connect(pd);  // sheds the stranger
+  ASSERT_NE(b, nullptr);
+  EXPECT_TRUE(ClosedWithin(stranger->get(), absl::Seconds(2)));
+  EXPECT_THAT(TryConnect(pd).status(), IsGone());  // both past hello
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.refused >= 1;
+  }));
+}
+
+TEST_F(SoftwareDeviceTest, SessionConnectionCapRefusesHelloWithTheLimit) {
+  SoftwareDeviceOptions options;
+  options.max_session_connections = 2;
+  StartDevice(options);
+  PdId pd = NewPd();
+  std::unique_ptr<SoftPeer> a = Connect(pd);
+  std::unique_ptr<SoftPeer> b = Connect(pd);
+  EXPECT_THAT(TryConnect(pd).status(),
+              IsMrdError(absl::StatusCode::kResourceExhausted,
+                         "LIMIT_PEER_CONNECTIONS"));
+  EXPECT_NE(Connect(NewPd()), nullptr);  // another session is not affected
+  EXPECT_EQ(device_->PeerStats().session_limit_refusals, 1u);
+  b.reset();  // a slot frees once the device has seen the close
+  absl::StatusOr<std::unique_ptr<SoftPeer>> c = TryConnect(pd);
+  for (int i = 0; i < 100 && !c.ok(); ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+    c = TryConnect(pd);
+  }
+  EXPECT_TRUE(c.ok()) << c.status();
+}
+
+TEST_F(SoftwareDeviceTest, StalledFrameIsClosedAndCommitsNoMemory) {
+  SoftwareDeviceOptions options;
+  options.peer_stall_timeout = absl::Milliseconds(300);
+  StartDevice(options);
+  PdId pd = NewPd();
+  UniqueFd fd = HelloConnection(*device_, pd);
+  ASSERT_TRUE(fd.valid());
+  // A header announcing 16 MiB and 10 bytes of body, then silence.
+  const uint32_t length = 16u << 20;
+  char frame[14] = {};
+  for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>(length >> (8 * i));
+  ASSERT_EQ(::send(fd.get(), frame, sizeof(frame), MSG_NOSIGNAL), 14);
+  absl::SleepFor(absl::Milliseconds(100));
+  // Charged: what arrived rounded up to one growth step, not 16 MiB.
+  EXPECT_LE(device_->PeerStats().listener.buffered_bytes, 64u << 10);
+  EXPECT_TRUE(ClosedWithin(fd.get(), absl::Seconds(3)));
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.stall_timeouts == 1 && s.listener.buffered_bytes == 0;
+  }));
+}
+
+TEST_F(SoftwareDeviceTest, BufferBudgetHoldsFramesBackUntilMemoryFrees) {
+  // Budget for one largest frame and a hello: a second large frame waits
+  // unread until the first is handled, and then goes through.
+  SoftwareDeviceOptions options;
+  options.max_message_size = 256 << 10;
+  options.peer_buffer_bytes = (256 << 10) + 1024 + 4096;
+  StartDevice(options);
+  PdId pd = NewPd();
+  MemfdBuffer& buffer = NewBuffer((256 << 10) / PageSize());
+  MrKeys keys = Register(pd, buffer, 0, 256 << 10, kRemoteRw);
+  std::unique_ptr<SoftPeer> a = Connect(pd);
+  std::unique_ptr<SoftPeer> b = Connect(pd);
+  std::string data(256 << 10, 'x');
+  std::atomic<int> ok{0};
+  std::thread ta([&] { ok += a->Write(keys.rkey, kBase, data).ok(); });
+  std::thread tb([&] { ok += b->Write(keys.rkey, kBase, data).ok(); });
+  ta.join();
+  tb.join();
+  EXPECT_EQ(ok.load(), 2);
+  EXPECT_EQ(device_->PeerStats().listener.max_buffer_bytes,
+            options.peer_buffer_bytes);
+  EXPECT_TRUE(StatsSoon(*device_, [](const PeerPathStats& s) {
+    return s.listener.buffered_bytes == 0;
+  }));
 }
 
 // ---------------------------------------------------------------------------
