@@ -194,10 +194,6 @@ absl::StatusOr<std::vector<uint32_t>> ParseIds(
   return ids;
 }
 
-// The software device's cap on peer connections (its default), which the
-// tenants' default peer-connection quota is a share of.
-constexpr uint64_t kMaxPeerConnectionsTotal = 4096;
-
 // A configuration file of at most 1 MiB.
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
   UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
@@ -463,7 +459,8 @@ int Run() {
         core_options.max_total_pinned_bytes;
     total(core::TenantResource::kLams) = core_options.max_total_lams;
     total(core::TenantResource::kMrs) = core_options.max_total_mrs;
-    total(core::TenantResource::kPeerConnections) = kMaxPeerConnectionsTotal;
+    total(core::TenantResource::kPeerConnections) =
+        absl::GetFlag(FLAGS_peer_max_connections);
     std::string text;
     const std::string path = absl::GetFlag(FLAGS_tenants_file);
     if (!path.empty()) {

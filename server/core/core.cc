@@ -324,6 +324,7 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   ReturnObjects(*session, TenantResource::kMrs, mrs.size());
   ReturnObjects(*session, TenantResource::kLams, lams.size());
   ReturnObjects(*session, TenantResource::kBuffers, buffers_held);
+  session->ReleasePeerConnections();
   session->tenant()->Release(TenantResource::kSessions, 1);
   session->MarkEndedAndNotify();
 }

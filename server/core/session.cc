@@ -80,7 +80,25 @@ void Session::OnPeerConnected(device::ConnectionId connection,
   Push(std::move(c));
 }
 
+absl::Status Session::AdmitPeerConnection() {
+  MRD_RETURN_IF_ERROR(tenant_->Reserve(TenantResource::kPeerConnections, 1));
+  admitted_peers_.fetch_add(1);
+  return absl::OkStatus();
+}
+
+void Session::ReleasePeerConnections() {
+  tenant_->Release(TenantResource::kPeerConnections,
+                   admitted_peers_.exchange(0));
+}
+
 void Session::OnPeerDisconnected(device::ConnectionId connection) {
+  // One admitted connection is gone (never below zero: teardown may have
+  // given them all back already).
+  uint64_t admitted = admitted_peers_.load();
+  while (admitted > 0 &&
+         !admitted_peers_.compare_exchange_weak(admitted, admitted - 1)) {
+  }
+  if (admitted > 0) tenant_->Release(TenantResource::kPeerConnections, 1);
   {
     absl::MutexLock lock(&mu);
     connections.erase(connection);

@@ -8,6 +8,7 @@
 #ifndef MRD_SERVER_CORE_SESSION_H_
 #define MRD_SERVER_CORE_SESSION_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -112,6 +113,11 @@ class Session final : public device::PdEventSink {
   void OnPeerConnected(device::ConnectionId connection,
                        const std::string& peer) override;
   void OnPeerDisconnected(device::ConnectionId connection) override;
+  // Charges the connection to the tenant's peer-connection quota.
+  absl::Status AdmitPeerConnection() override;
+  // Gives back what admitted connections still hold (the session ended, so
+  // their disconnects will not come).
+  void ReleasePeerConnections();
 
   // Completion stream plumbing.
   std::optional<v1::Completion> PopCompletion() ABSL_LOCKS_EXCLUDED(mu);
@@ -167,6 +173,9 @@ class Session final : public device::PdEventSink {
   const size_t completion_depth_;
   const Identity identity_;
   const std::shared_ptr<Tenant> tenant_;
+  // Connections admitted and not yet disconnected (not under `mu`: admission
+  // runs under the device's lock).
+  std::atomic<uint64_t> admitted_peers_{0};
 };
 
 }  // namespace mrd::core

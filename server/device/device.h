@@ -143,6 +143,12 @@ class PdEventSink {
   virtual void OnPeerConnected(ConnectionId connection,
                                const std::string& peer) = 0;
   virtual void OnPeerDisconnected(ConnectionId connection) = 0;
+  // Asked before a peer connection is bound to this PD (a successful
+  // hello), under the device's lock: must not block or call the device. A
+  // refusal is sent to the peer as a resource refusal with the status's
+  // message. Every admitted connection is later matched by one
+  // OnPeerDisconnected, unless the PD is deallocated first.
+  virtual absl::Status AdmitPeerConnection() { return absl::OkStatus(); }
 };
 
 class Device {

@@ -12,6 +12,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <future>
 #include <memory>
@@ -223,6 +224,12 @@ TEST_F(ReflectionTest, CallsGetDeviceInfoAndRegistersThroughALeaseSession) {
   ASSERT_FALSE(session.empty()) << lease;
 
   ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "demo", "hello", 8192).ok());
+  // The lease is anonymous (grpcurl cannot vouch through the fd socket), and
+  // anyone in mrd's group can reach its socket (mode 0660): the file must be
+  // one a member of that group may read and write (README recipe).
+  const std::string demo = mrd_->shm_dir() + "/demo";
+  ASSERT_EQ(::chown(demo.c_str(), static_cast<uid_t>(-1), getegid()), 0);
+  ASSERT_EQ(::chmod(demo.c_str(), 0660), 0);
   std::string buffer =
       Call("ImportFile",
            R"({"session":")" + session + R"(","path":"demo","writable":true})");

@@ -19,6 +19,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "tests/integration/test_env.h"
 
 #ifndef MRCTL_BINARY
@@ -327,6 +328,46 @@ TEST_F(TenantsFileTest, NamedTenantGetsItsQuota) {
       << fourth.status();
   // Anonymous leases are another tenant, unaffected.
   EXPECT_TRUE(OpenLease(*client_).ok());
+}
+
+// Peer connections count against the tenant of the session they are bound
+// to: one uid's sessions together hold at most its share.
+class TenantPeerTest : public MrdTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions o;
+    // 16 peer connections in all; a tenant may hold 25 %: 4.
+    o.extra_flags = {"--peer_max_connections=16"};
+    return o;
+  }
+};
+
+TEST_F(TenantPeerTest, PeerConnectionsCountAgainstTheTenant) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
+  client::Session a = OpenFdSession();
+  client::Session b = OpenFdSession();
+  std::vector<std::unique_ptr<peer::Peer>> peers;
+  for (int i = 0; i < 2; ++i) peers.push_back(ConnectPeer(a));
+  for (int i = 0; i < 2; ++i) peers.push_back(ConnectPeer(b));
+  auto ticket = client::PeerTicket::Create(b);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  absl::StatusOr<std::unique_ptr<peer::Peer>> fifth =
+      TryConnectPeer(ticket->peer_address(), ticket->ticket());
+  ASSERT_FALSE(fifth.ok());
+  EXPECT_EQ(fifth.status().code(), absl::StatusCode::kResourceExhausted)
+      << fifth.status();
+  EXPECT_TRUE(absl::StrContains(fifth.status().message(),
+                                "LIMIT_TENANT_PEER_CONNECTIONS"))
+      << fifth.status();
+  // A disconnect gives the slot back.
+  peers.pop_back();
+  absl::StatusOr<std::unique_ptr<peer::Peer>> again;
+  for (int i = 0; i < 50; ++i) {
+    again = TryConnectPeer(ticket->peer_address(), ticket->ticket());
+    if (again.ok()) break;
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  EXPECT_TRUE(again.ok()) << again.status();
 }
 
 TEST(TenantsFileErrorTest, BadFileRefusesToStart) {

@@ -1263,6 +1263,12 @@ bool SoftwareDevice::HandleHello(const std::shared_ptr<Connection>& connection,
                      options_.max_session_connections, ")"));
     return false;
   }
+  if (absl::Status admitted = pd->sink->AdmitPeerConnection(); !admitted.ok()) {
+    response->set_status(v1::PEER_RESOURCE_EXHAUSTED);
+    response->set_message(absl::StrCat(GetErrorDetail(admitted).reason(), ": ",
+                                       admitted.message()));
+    return false;
+  }
   connection->pd = pd->id;
   connection->state = Connection::State::kReady;
   pd->connections.insert(connection->id);
