@@ -3,6 +3,8 @@
 #   make test  installs what is missing, builds, and runs every test (plain,
 #              ASan+UBSan and TSan builds)
 # Both are incremental: a second run rebuilds only what changed.
+#   make fuzz  runs each libFuzzer target (tests/fuzz) for FUZZ_SECONDS
+#              (default 600) in build-fuzz (clang-14, ASan+UBSan)
 
 BUILD_DIR ?= build
 BUILD_TYPE ?= RelWithDebInfo
@@ -10,8 +12,10 @@ JOBS ?= $(shell nproc)
 # Extra flags for `make run`, e.g. MRD_FLAGS="--peer_address=127.0.0.1:0"
 MRD_FLAGS ?=
 CMAKE_ARGS ?=
+# Seconds per fuzz target for `make fuzz` (make test runs them for 45 s).
+FUZZ_SECONDS ?= 600
 
-.PHONY: all deps build run test test-plain test-asan test-tsan format clean
+.PHONY: all deps build run test test-plain test-asan test-tsan fuzz format clean
 
 all: build
 
@@ -42,8 +46,12 @@ test-asan: deps
 test-tsan: deps
 	$(MAKE) BUILD_DIR=build-tsan CMAKE_ARGS=-DMRD_SANITIZE=thread test-plain
 
+# Every fuzz target, longer than make test runs them (scripts/fuzz.sh).
+fuzz: deps
+	scripts/fuzz.sh $(FUZZ_SECONDS)
+
 format:
 	git ls-files '*.cc' '*.h' | xargs clang-format -i
 
 clean:
-	rm -rf build build-asan build-tsan
+	rm -rf build build-asan build-tsan build-fuzz

@@ -20,6 +20,22 @@ elseif(NOT MRD_SANITIZE STREQUAL "")
   message(FATAL_ERROR "MRD_SANITIZE must be '', 'address' or 'thread'")
 endif()
 
+# The fuzz build (tests/fuzz, scripts/fuzz.sh): clang only, its own build
+# directory. Everything is compiled with ASan+UBSan and libFuzzer's coverage
+# instrumentation, so the fuzzers see the coverage of the server libraries;
+# only the fuzz targets link libFuzzer itself (-fsanitize=fuzzer).
+if(MRD_FUZZ)
+  if(NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    message(FATAL_ERROR "MRD_FUZZ needs clang (CXX=clang++-14)")
+  endif()
+  if(NOT MRD_SANITIZE STREQUAL "")
+    message(FATAL_ERROR "MRD_FUZZ brings its own sanitizers; leave MRD_SANITIZE empty")
+  endif()
+  add_compile_options(-fsanitize=fuzzer-no-link,address,undefined
+    -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
+  add_link_options(-fsanitize=address,undefined)
+endif()
+
 # TSan with Debian's Abseil: libabsl is not built with -fsanitize=thread, so
 # every executable gets tests/support/tsan_absl_annotations.cc, which tells
 # TSan about absl::Mutex/CondVar/Notification synchronization (see there).

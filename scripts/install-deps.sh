@@ -6,6 +6,9 @@ set -euo pipefail
 PACKAGES=(
   # toolchain
   cmake ninja-build g++ pkg-config clang-format
+  # the fuzz targets (tests/fuzz, scripts/fuzz.sh): clang with libFuzzer and
+  # the sanitizer runtimes
+  clang-14 libclang-rt-14-dev
   # gRPC, protobuf, reflection/health protos
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   # Abseil

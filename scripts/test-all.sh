@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The README's test command (make test): builds and runs every test in the
 # plain build, then the device suite on the verbs device inside the Soft-RoCE
-# VM (tests/vm), then every test in the ASan+UBSan build and the TSan build. Each build
-# directory is incremental. MRD_SANITIZERS=0 skips the sanitizer builds.
+# VM (tests/vm), then every test in the ASan+UBSan build and the TSan build,
+# then each libFuzzer target for a short while (scripts/fuzz.sh, clang-14,
+# build-fuzz; each target counts as one test). Each build directory is
+# incremental. MRD_SANITIZERS=0 skips the sanitizer builds and the fuzzers;
+# MRD_FUZZ_SECONDS sets the seconds per fuzz target (default 45).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -60,6 +63,24 @@ run_vm() {
   return $status
 }
 
+# The fuzz targets, each for a bounded time; each target is one test.
+run_fuzz() {
+  local status=0 line log
+  echo "== fuzz targets (build-fuzz)"
+  log=$(mktemp)
+  scripts/fuzz.sh "${MRD_FUZZ_SECONDS:-45}" 2>&1 | tee "$log" || status=$?
+  line=$(grep -E '^fuzz: [0-9]+ passed, [0-9]+ failed' "$log" | tail -1)
+  rm -f "$log"
+  if [ -z "$line" ]; then
+    echo "fuzz: the fuzz build or run failed before any target ran"
+    total_failed=$((total_failed + 1))
+    return 1
+  fi
+  total_passed=$((total_passed + $(sed -E 's/fuzz: ([0-9]+) passed.*/\1/' <<<"$line")))
+  total_failed=$((total_failed + $(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$line")))
+  return $status
+}
+
 status=0
 # Style: every C++ file as clang-format (.clang-format, Google style) has it.
 echo "== clang-format"
@@ -76,6 +97,7 @@ if [ "${MRD_SANITIZERS:-1}" != 0 ]; then
   run "asan+ubsan" build-asan || status=1
   configure build-tsan -DMRD_SANITIZE=thread -DMRD_BUILD_BENCH=OFF
   run tsan build-tsan || status=1
+  run_fuzz || status=1
 fi
 echo "all builds: ${total_passed} passed, ${total_failed} failed"
 exit $status

@@ -395,7 +395,8 @@ absl::Status VerbsPeer::EnsureBounceLocked(uint64_t length) {
                       absl::StrCat("mmap of a ", size, "-byte bounce buffer"),
                       "PEER_BOUNCE_BUFFER_FAILED");
   }
-  ibv_mr* mr = ibv_reg_mr(pd_, memory, size, IBV_ACCESS_LOCAL_WRITE);
+  ibv_mr* mr =
+      ibv_reg_mr(pd_, memory, size, static_cast<int>(IBV_ACCESS_LOCAL_WRITE));
   if (mr == nullptr) {
     int err = errno;
     ::munmap(memory, size);

@@ -20,7 +20,9 @@
 // closes its socket loses the requests it had queued: they are dropped (fds
 // included) without reaching the handler. A half-closed peer
 // (shutdown(SHUT_WR)) gets replies to everything it sent, then the session
-// ends.
+// ends; except that an empty datagram without fds sent last before the
+// shutdown reads exactly like the end of stream on SOCK_SEQPACKET, and ends
+// the session unanswered.
 //
 // Error replies (FdError.code, detail.reason). Per request, all
 // INVALID_ARGUMENT, sequence echoed when the datagram parsed:

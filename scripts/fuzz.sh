@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets (tests/fuzz) in build-fuzz with clang-14,
+# ASan+UBSan and libFuzzer's coverage (incrementally), then runs each target
+# for a bounded time on a working copy of its seed corpus.
+#   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
+# SECONDS_PER_TARGET defaults to $FUZZ_SECONDS or 45. The seed corpora in
+# tests/fuzz/corpus/<target> are copied to build-fuzz/corpus/<target> (the
+# repository is never written); what the fuzzer finds stays there for the
+# next run. A crash, leak, timeout or violated invariant fails the run: the
+# reproducer is kept under build-fuzz/artifacts/ and its path printed
+# (reproduce with: build-fuzz/tests/fuzz/<target> <reproducer>).
+# Prints the executions of each target and, last,
+#   fuzz: N passed, M failed
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+seconds=${1:-${FUZZ_SECONDS:-45}}
+shift || true
+targets=("$@")
+if [ ${#targets[@]} -eq 0 ]; then
+  targets=(fd_socket_fuzzer peer_fuzzer import_path_fuzzer core_fuzzer)
+fi
+dir=build-fuzz
+jobs=$(nproc)
+
+if [ ! -f "$dir/build.ninja" ]; then
+  launcher=()
+  if command -v ccache >/dev/null; then
+    launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_C_COMPILER_LAUNCHER=ccache)
+  fi
+  CC=clang-14 CXX=clang++-14 cmake -S . -B "$dir" -G Ninja \
+    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMRD_WERROR=ON -DMRD_FUZZ=ON \
+    -DMRD_BUILD_BENCH=OFF "${launcher[@]}"
+fi
+cmake --build "$dir" -j "$jobs" --target "${targets[@]}"
+
+mkdir -p "$dir/artifacts" "$dir/corpus"
+# Leaks are checked at the end of each run (and by libFuzzer after an input
+# whose allocations do not balance, except where noted below).
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1:symbolize=1
+export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+passed=0
+failed=0
+summary=()
+for t in "${targets[@]}"; do
+  corpus="$dir/corpus/$t"
+  mkdir -p "$corpus"
+  if [ -d "tests/fuzz/corpus/$t" ]; then
+    cp -n "tests/fuzz/corpus/$t"/* "$corpus"/ 2>/dev/null || true
+  fi
+  extra=()
+  case "$t" in
+    # The device's connection threads allocate while libFuzzer counts
+    # mallocs, so its per-input leak check would run LSan after nearly every
+    # input (4x slower); leaks are still checked when the run ends.
+    peer_fuzzer | core_fuzzer) extra=(-detect_leaks=0) ;;
+  esac
+  log="$dir/artifacts/$t.log"
+  echo "== fuzz $t for ${seconds}s (corpus $corpus)"
+  status=0
+  # Inputs and timing are libFuzzer's; -timeout: an input running 30 s is a
+  # hang (every harness wait is bounded at 10 s). -rss_limit_mb: ASan plus
+  # the device's mappings stay far below it unless something grows.
+  "$dir/tests/fuzz/$t" -max_total_time="$seconds" -print_final_stats=1 \
+    -use_value_profile=1 -timeout=30 -rss_limit_mb=4096 -max_len=4096 \
+    -artifact_prefix="$dir/artifacts/$t-" "${extra[@]}" "$corpus" \
+    >"$log" 2>&1 || status=$?
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+  if [ "$status" -eq 0 ]; then
+    passed=$((passed + 1))
+    summary+=("$t: ok, ${execs:-?} executions in ${seconds}s")
+    echo "$t: ok, ${execs:-?} executions"
+  else
+    failed=$((failed + 1))
+    repro=$(grep -oE "Test unit written to [^ ]+" "$log" | tail -1 |
+      sed 's/Test unit written to //')
+    summary+=("$t: FAILED (exit $status) after ${execs:-?} executions; reproducer: ${repro:-none written}; log: $log")
+    echo "$t: FAILED (exit $status); last lines of $log:"
+    grep -E "invariant violated|ERROR:|SUMMARY:|runtime error" "$log" | head -5 || true
+    tail -n 20 "$log"
+    echo "reproducer: ${repro:-none written}"
+  fi
+done
+echo "== fuzz summary"
+printf '%s\n' "${summary[@]}"
+echo "fuzz: ${passed} passed, ${failed} failed"
+[ "$failed" -eq 0 ]

@@ -1,0 +1,656 @@
+// Fuzzes the core's request handling (server/core/core.cc) with fuzzed
+// protobuf requests: a real Core on a real SoftwareDevice, a shared-memory
+// directory with files, real memfds and real peers on the device's TCP port.
+//
+// The input is a sequence of (RPC selector, serialized request, fix-ups).
+// The request bytes are parsed as that RPC's message (whatever parses);
+// the fix-ups then, most of the time, put a live session token and live
+// handles (buffers, registrations, MR objects, LAMs and their pages, peer
+// connections) into it, so the fuzzer gets past "unknown session" and
+// reaches deep: limits, the registration cache, warm pins, fast
+// registration, invalidation, leases expiring on a fake clock, sessions
+// ending with everything in them. Limits are small in half of the runs, so
+// that every limit is hit.
+//
+// Invariants, after every input: once every session is closed (fd sessions
+// as their socket would, lease sessions with CloseSession), the core holds
+// no session, buffer, registration, LAM, MR or connection and accounts no
+// pinned byte; the device holds no PD, MR, LAM, key or ticket and pins no
+// byte; and no fd is left open. Every failed call must carry a reason.
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "client/peer/frame.h"
+#include "mrd/v1/mrd.pb.h"
+#include "mrd/v1/peer.pb.h"
+#include "server/common/clock.h"
+#include "server/common/fd.h"
+#include "server/common/status.h"
+#include "server/core/core.h"
+#include "server/device/software/software_device.h"
+#include "tests/fuzz/fuzz_util.h"
+
+namespace mrd::fuzz {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+
+struct Fixture {
+  std::unique_ptr<device::SoftwareDevice> device;
+  std::string shm_dir;
+  uint16_t port = 0;
+};
+
+void WriteFile(const std::string& path, uint64_t size, mode_t mode) {
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, mode));
+  FUZZ_CHECK(fd.valid(), "create ", path, ": ", std::strerror(errno));
+  FUZZ_CHECK(::ftruncate(fd.get(), static_cast<off_t>(size)) == 0);
+}
+
+Fixture* GetFixture() {
+  static Fixture* fixture = [] {
+    QuietLogs();
+    auto* f = new Fixture;
+    device::SoftwareDeviceOptions options;
+    options.max_message_size = 64 * 1024;
+    options.max_page_list_length = 64;
+    absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> dev =
+        device::SoftwareDevice::Create(options);
+    FUZZ_CHECK(dev.ok(), dev.status().ToString());
+    f->device = *std::move(dev);
+    FUZZ_CHECK(f->device->Start().ok());
+    std::vector<std::string> host_port =
+        absl::StrSplit(f->device->Attributes().peer_address, ':');
+    uint32_t port = 0;
+    FUZZ_CHECK(host_port.size() == 2 && absl::SimpleAtoi(host_port[1], &port));
+    f->port = static_cast<uint16_t>(port);
+    f->shm_dir = MakeTempDir("/dev/shm", "mrd-fuzz-core-");
+    WriteFile(f->shm_dir + "/a", 8 * kPage, 0600);
+    WriteFile(f->shm_dir + "/b", 3 * kPage + 17, 0600);
+    WriteFile(f->shm_dir + "/ro", 2 * kPage, 0400);
+    FUZZ_CHECK(::mkdir((f->shm_dir + "/d").c_str(), 0755) == 0);
+    WriteFile(f->shm_dir + "/d/c", 64 * kPage, 0600);
+    FUZZ_CHECK(::symlink("a", (f->shm_dir + "/link").c_str()) == 0);
+    std::atexit([] { RemoveTree(GetFixture()->shm_dir); });
+    return f;
+  }();
+  return fixture;
+}
+
+// Everything the input has seen so far, to aim requests at.
+struct Live {
+  std::vector<std::string> sessions;  // fd and lease
+  std::vector<std::string> fd_sessions;
+  std::vector<uint64_t> buffers;
+  std::vector<uint64_t> buffer_sizes;
+  std::vector<uint64_t> registrations;
+  std::vector<uint64_t> mrs;
+  std::vector<uint64_t> lams;
+  std::vector<std::vector<uint64_t>> lam_pages;
+  std::vector<uint64_t> connections;
+  std::vector<std::string> tickets;
+  std::vector<UniqueFd> peers;  // open peer connections
+  // The session each handle was made in, by kind: a request aimed at a
+  // handle is sent in its session (with the session fix-up).
+  std::map<uint64_t, std::string> buffer_owner, registration_owner, mr_owner,
+      lam_owner, connection_owner;
+};
+
+// The session of `handle` in `owners`, or `otherwise`.
+std::string OwnerOf(const std::map<uint64_t, std::string>& owners,
+                    uint64_t handle, const std::string& otherwise) {
+  auto it = owners.find(handle);
+  return it == owners.end() ? otherwise : it->second;
+}
+
+// The handles of `all` made in `session`.
+std::vector<uint64_t> Owned(const std::vector<uint64_t>& all,
+                            const std::map<uint64_t, std::string>& owners,
+                            const std::string& session) {
+  std::vector<uint64_t> out;
+  for (uint64_t h : all) {
+    if (OwnerOf(owners, h, "") == session) out.push_back(h);
+  }
+  return out;
+}
+
+template <typename T>
+T Pick(Reader& in, const std::vector<T>& from, T otherwise) {
+  if (from.empty()) return otherwise;
+  return from[in.ConsumeIntegralInRange<size_t>(0, from.size() - 1)];
+}
+
+// MRD_FUZZ_DEBUG=1: print each call's outcome (to see how deep inputs go).
+bool Debug() {
+  static const bool debug = std::getenv("MRD_FUZZ_DEBUG") != nullptr;
+  return debug;
+}
+
+// A failed call must say why.
+void CheckStatus(const absl::Status& status) {
+  if (status.ok()) return;
+  FUZZ_CHECK(!GetErrorDetail(status).reason().empty(),
+             "an error without a reason: ", status.ToString());
+}
+
+core::CoreOptions MakeOptions(Reader& in, const Fixture& f) {
+  core::CoreOptions o;
+  o.shm_dir = f.shm_dir;
+  if (in.ConsumeBool()) {
+    // Small limits, so that the fuzzer hits each of them.
+    o.max_sessions = in.ConsumeIntegralInRange<uint64_t>(1, 4);
+    o.max_buffers_per_session = in.ConsumeIntegralInRange<uint64_t>(1, 4);
+    o.max_buffer_size = in.ConsumeIntegralInRange<uint64_t>(1, 128) * kPage;
+    o.max_session_pinned_bytes =
+        in.ConsumeIntegralInRange<uint64_t>(1, 64) * kPage;
+    o.max_total_pinned_bytes =
+        in.ConsumeIntegralInRange<uint64_t>(1, 128) * kPage;
+    o.max_session_registrations = in.ConsumeIntegralInRange<uint64_t>(1, 8);
+    o.max_total_registrations = in.ConsumeIntegralInRange<uint64_t>(1, 16);
+    o.max_session_lams = in.ConsumeIntegralInRange<uint64_t>(1, 4);
+    o.max_session_mrs = in.ConsumeIntegralInRange<uint64_t>(1, 4);
+    o.completion_queue_depth = in.ConsumeIntegralInRange<size_t>(1, 8);
+    o.request_id_memory = in.ConsumeIntegralInRange<size_t>(1, 4);
+  }
+  if (in.ConsumeBool()) {
+    o.warm_pin_bytes_per_session =
+        in.ConsumeIntegralInRange<uint64_t>(1, 32) * kPage;
+    o.warm_pin_bytes_total = in.ConsumeIntegralInRange<uint64_t>(1, 64) * kPage;
+  }
+  return o;
+}
+
+// Parses the next request bytes into `message` (a failed parse leaves
+// whatever was read; that is a request too).
+void ParseNext(Reader& in, google::protobuf::MessageLite* message) {
+  const std::string bytes = in.ConsumeRandomLengthString(256);
+  (void)message->ParseFromString(bytes);
+}
+
+UniqueFd ConnectPeer(uint16_t port, const std::string& ticket) {
+  UniqueFd sock(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  FUZZ_CHECK(sock.valid());
+  struct sockaddr_in addr;
+  std::memset(&addr, 0, sizeof(addr));
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(port);
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  FUZZ_CHECK(::connect(sock.get(), reinterpret_cast<struct sockaddr*>(&addr),
+                       sizeof(addr)) == 0,
+             "connect: ", std::strerror(errno));
+  struct timeval tv = {10, 0};
+  ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  v1::PeerRequest hello;
+  hello.set_id(1);
+  hello.mutable_hello()->set_ticket(ticket);
+  FUZZ_CHECK(peer::WriteFrame(sock.get(), hello).ok());
+  v1::PeerResponse response;
+  absl::Status status = peer::ReadFrame(sock.get(), 1 << 20, &response);
+  FUZZ_CHECK(status.ok(), "no hello reply: ", status.ToString());
+  if (response.status() != v1::PEER_SUCCESS) return UniqueFd();
+  return sock;
+}
+
+// Opens an fd session with a memfd buffer and a lease session with a file
+// buffer (when the limits allow), so that even a short input reaches deep.
+void Preamble(core::Core& core, Live& live) {
+  session::PeerCredentials creds;
+  creds.pid = 4242;
+  creds.uid = 1000;
+  absl::StatusOr<std::string> token = core.OnConnect(creds);
+  if (token.ok()) {
+    live.sessions.push_back(*token);
+    live.fd_sessions.push_back(*token);
+    UniqueFd fd = MakeMemfd(16 * kPage);
+    FUZZ_CHECK(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+    v1::ImportMemfd req;
+    req.set_writable(true);
+    absl::StatusOr<v1::BufferInfo> buffer =
+        core.OnImport(*token, std::move(fd), req);
+    if (buffer.ok()) {
+      live.buffers.push_back(buffer->buffer());
+      live.buffer_sizes.push_back(buffer->size());
+      live.buffer_owner[buffer->buffer()] = *token;
+    }
+  }
+  v1::OpenLeaseSessionRequest open;
+  open.set_ttl_seconds(600);
+  v1::SessionInfo info;
+  if (core.OpenLeaseSession(open, &info).ok()) {
+    live.sessions.push_back(info.session());
+    v1::ImportFileRequest req;
+    req.set_session(info.session());
+    req.set_path("a");
+    req.set_writable(true);
+    v1::BufferInfo buffer;
+    if (core.ImportFile(req, &buffer).ok()) {
+      live.buffers.push_back(buffer.buffer());
+      live.buffer_sizes.push_back(buffer.size());
+      live.buffer_owner[buffer.buffer()] = info.session();
+    }
+  }
+}
+
+void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
+            Live& live) {
+  Preamble(core, live);
+  int steps = 0;
+  while (in.remaining_bytes() > 0 && steps < 48) {
+    ++steps;
+    const int op = in.ConsumeIntegralInRange<int>(0, 21);
+    // Fix-ups: a live session and live handles, most of the time.
+    const uint8_t fix = in.ConsumeIntegral<uint8_t>();
+    const bool fix_session = (fix & 0x7) != 0;
+    const bool fix_handles = (fix & 0x18) != 0;
+    const bool fix_range = (fix & 0x20) == 0;
+    const std::string session = Pick(in, live.sessions, std::string());
+    absl::Status status;
+    switch (op) {
+      case 0: {  // an fd session, as the fd socket opens it
+        session::PeerCredentials creds;
+        creds.pid = 1000 + steps;
+        creds.uid = in.ConsumeIntegral<uint16_t>();
+        absl::StatusOr<std::string> token = core.OnConnect(creds);
+        status = token.status();
+        if (token.ok()) {
+          live.sessions.push_back(*token);
+          live.fd_sessions.push_back(*token);
+        }
+        break;
+      }
+      case 1: {
+        v1::OpenLeaseSessionRequest req;
+        ParseNext(in, &req);
+        v1::SessionInfo out;
+        status = core.OpenLeaseSession(req, &out);
+        if (status.ok()) live.sessions.push_back(out.session());
+        break;
+      }
+      case 2: {  // a memfd through the fd socket
+        const uint64_t size =
+            in.ConsumeBool()
+                ? in.ConsumeIntegralInRange<uint64_t>(1, 16) * kPage
+                : in.ConsumeIntegralInRange<uint64_t>(0, 80 * kPage);
+        UniqueFd fd = MakeMemfd(size);
+        if (in.ConsumeIntegralInRange<int>(0, 7) != 0) {
+          FUZZ_CHECK(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK) == 0);
+        }
+        v1::ImportMemfd req;
+        ParseNext(in, &req);
+        if (fix_range) req.set_expected_size(0);
+        const std::string token =
+            fix_session ? Pick(in, live.fd_sessions, session) : session;
+        absl::StatusOr<v1::BufferInfo> buffer =
+            core.OnImport(token, std::move(fd), req);
+        status = buffer.status();
+        if (buffer.ok()) {
+          live.buffers.push_back(buffer->buffer());
+          live.buffer_sizes.push_back(buffer->size());
+          live.buffer_owner[buffer->buffer()] = token;
+        }
+        break;
+      }
+      case 3: {
+        v1::ImportFileRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles) {
+          req.set_path(in.PickValueInArray<const char*>(
+              {"a", "b", "ro", "d/c", "link", "d", "missing", "../x"}));
+        }
+        v1::BufferInfo out;
+        status = core.ImportFile(req, &out);
+        if (status.ok()) {
+          live.buffers.push_back(out.buffer());
+          live.buffer_sizes.push_back(out.size());
+          live.buffer_owner[out.buffer()] = req.session();
+        }
+        break;
+      }
+      case 4: {
+        v1::ReleaseBufferRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles) {
+          req.set_buffer(Pick(in, live.buffers, uint64_t{0}));
+          if (fix_session) {
+            req.set_session(OwnerOf(live.buffer_owner, req.buffer(), session));
+          }
+        }
+        v1::ReleaseBufferResponse out;
+        status = core.ReleaseBuffer(req, &out);
+        break;
+      }
+      case 5:
+      case 6:
+      case 7: {
+        v1::RegisterMrRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles) {
+          const size_t i = live.buffers.empty()
+                               ? 0
+                               : in.ConsumeIntegralInRange<size_t>(
+                                     0, live.buffers.size() - 1);
+          if (!live.buffers.empty()) {
+            req.set_buffer(live.buffers[i]);
+            if (fix_session) {
+              req.set_session(
+                  OwnerOf(live.buffer_owner, req.buffer(), session));
+            }
+            if (fix_range) {
+              const uint64_t size = live.buffer_sizes[i];
+              const uint64_t offset =
+                  in.ConsumeIntegralInRange<uint64_t>(0, size - 1);
+              req.set_offset(offset);
+              req.set_length(
+                  in.ConsumeIntegralInRange<uint64_t>(1, size - offset));
+            }
+          }
+          if (req.mr() != 0 || in.ConsumeIntegralInRange<int>(0, 3) == 0) {
+            req.set_mr(Pick(in, live.mrs, req.mr()));
+          }
+        }
+        if (in.ConsumeBool()) {
+          req.set_flags(in.PickValueInArray<uint32_t>(
+              {0x1, 0x3, 0x5, 0x7, 0xf, 0x2, 0x13, 0x10}));
+          req.clear_mem_flags();
+        }
+        v1::RegisterMrResponse out;
+        status = core.RegisterMr(req, &out);
+        if (status.ok()) {
+          live.registrations.push_back(out.registration());
+          live.registration_owner[out.registration()] = req.session();
+        }
+        break;
+      }
+      case 8: {
+        v1::DeregisterMrRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles) {
+          if (in.ConsumeBool()) {
+            req.set_registration(Pick(in, live.registrations, uint64_t{0}));
+            if (fix_session) {
+              req.set_session(OwnerOf(live.registration_owner,
+                                      req.registration(), session));
+            }
+          } else {
+            req.set_mr(Pick(in, live.mrs, uint64_t{0}));
+            if (fix_session) {
+              req.set_session(OwnerOf(live.mr_owner, req.mr(), session));
+            }
+          }
+        }
+        v1::DeregisterMrResponse out;
+        status = core.DeregisterMr(req, &out);
+        break;
+      }
+      case 9:
+      case 10: {
+        v1::BuildLamRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles && !live.buffers.empty()) {
+          const size_t i =
+              in.ConsumeIntegralInRange<size_t>(0, live.buffers.size() - 1);
+          req.set_buffer(live.buffers[i]);
+          if (fix_session) {
+            req.set_session(OwnerOf(live.buffer_owner, req.buffer(), session));
+          }
+          if (fix_range) {
+            const uint64_t size = live.buffer_sizes[i];
+            const uint64_t offset =
+                in.ConsumeIntegralInRange<uint64_t>(0, size - 1);
+            req.set_offset(offset);
+            req.set_length(
+                in.ConsumeIntegralInRange<uint64_t>(1, size - offset));
+            if (in.ConsumeBool()) req.set_lam_capacity(0);
+          }
+        }
+        v1::BuildLamResponse out;
+        status = core.BuildLam(req, &out);
+        if (status.ok()) {
+          live.lams.push_back(out.lam());
+          live.lam_owner[out.lam()] = req.session();
+          live.lam_pages.emplace_back(out.pages().begin(), out.pages().end());
+        }
+        break;
+      }
+      case 11: {
+        v1::ReleaseLamRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles) {
+          req.set_lam(Pick(in, live.lams, uint64_t{0}));
+          if (fix_session) {
+            req.set_session(OwnerOf(live.lam_owner, req.lam(), session));
+          }
+        }
+        status = core.ReleaseLam(req);
+        break;
+      }
+      case 12: {
+        v1::CreateMrRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        v1::MrInfo out;
+        status = core.CreateMr(req, &out);
+        if (status.ok()) {
+          live.mrs.push_back(out.mr());
+          live.mr_owner[out.mr()] = req.session();
+        }
+        break;
+      }
+      case 13: {
+        v1::CloseMrRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles) {
+          req.set_mr(Pick(in, live.mrs, uint64_t{0}));
+          if (fix_session) {
+            req.set_session(OwnerOf(live.mr_owner, req.mr(), session));
+          }
+        }
+        status = core.CloseMr(req);
+        break;
+      }
+      case 14:
+      case 15: {
+        v1::FastRegisterRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles) {
+          req.set_mr(Pick(in, live.mrs, uint64_t{0}));
+          const std::string owner = OwnerOf(live.mr_owner, req.mr(), session);
+          if (fix_session) req.set_session(owner);
+          req.set_connection(
+              Pick(in, Owned(live.connections, live.connection_owner, owner),
+                   uint64_t{0}));
+          std::vector<size_t> lam_index;
+          for (size_t k = 0; k < live.lams.size(); ++k) {
+            if (OwnerOf(live.lam_owner, live.lams[k], "") == owner) {
+              lam_index.push_back(k);
+            }
+          }
+          if (!lam_index.empty() && fix_range) {
+            const std::vector<uint64_t>& pages =
+                live.lam_pages[lam_index[in.ConsumeIntegralInRange<size_t>(
+                    0, lam_index.size() - 1)]];
+            req.clear_pages();
+            const size_t n = in.ConsumeIntegralInRange<size_t>(1, pages.size());
+            for (size_t k = 0; k < n; ++k) req.add_pages(pages[k]);
+            req.set_fbo(in.ConsumeIntegralInRange<uint32_t>(0, 4095));
+            req.set_length(
+                in.ConsumeIntegralInRange<uint64_t>(1, n * kPage - req.fbo()));
+          }
+        }
+        v1::FastRegisterResponse out;
+        status = core.FastRegister(req, &out);
+        break;
+      }
+      case 16: {
+        v1::InvalidateMrRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        if (fix_handles) {
+          req.set_mr(Pick(in, live.mrs, uint64_t{0}));
+          const std::string owner = OwnerOf(live.mr_owner, req.mr(), session);
+          if (fix_session) req.set_session(owner);
+          req.set_connection(
+              Pick(in, Owned(live.connections, live.connection_owner, owner),
+                   uint64_t{0}));
+        }
+        v1::InvalidateMrResponse out;
+        status = core.InvalidateMr(req, &out);
+        break;
+      }
+      case 17: {  // a ticket, and a peer connecting with it
+        v1::CreatePeerTicketRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        v1::PeerTicket out;
+        status = core.CreatePeerTicket(req, &out);
+        if (status.ok() && live.peers.size() < 4) {
+          UniqueFd peer = ConnectPeer(f.port, out.ticket());
+          FUZZ_CHECK(peer.valid(), "a fresh ticket was refused");
+          live.peers.push_back(std::move(peer));
+          // The core learns of the connection from the device's worker.
+          f.device->WaitForWorkerIdle();
+          v1::ListRegistrationsRequest list;
+          list.set_session(req.session());
+          v1::ListRegistrationsResponse listed;
+          FUZZ_CHECK(core.ListRegistrations(list, &listed).ok());
+          for (const v1::ConnectionInfo& c : listed.connections()) {
+            live.connections.push_back(c.connection());
+            live.connection_owner[c.connection()] = req.session();
+          }
+        }
+        break;
+      }
+      case 18: {
+        v1::ListRegistrationsRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        v1::ListRegistrationsResponse out;
+        status = core.ListRegistrations(req, &out);
+        break;
+      }
+      case 19: {
+        v1::GetSessionRequest req;
+        ParseNext(in, &req);
+        if (fix_session) req.set_session(session);
+        v1::SessionInfo out;
+        status = core.GetSession(req, &out);
+        break;
+      }
+      case 20: {
+        if (in.ConsumeBool()) {  // the session's end, either way
+          v1::CloseSessionRequest req;
+          ParseNext(in, &req);
+          if (fix_session) req.set_session(session);
+          status = core.CloseSession(req);
+        } else {
+          core.OnDisconnect(session);
+        }
+        break;
+      }
+      default: {  // time passes; leases expire
+        clock.Advance(absl::Seconds(in.ConsumeIntegralInRange<int>(0, 7200)));
+        core.ReapExpiredLeases();
+        f.device->WaitForWorkerIdle();
+        break;
+      }
+    }
+    CheckStatus(status);
+    if (Debug()) {
+      std::fprintf(stderr, "op %d: %s\n", op, status.ToString().c_str());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mrd::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace mrd::fuzz;  // NOLINT(build/namespaces)
+  Fixture* f = GetFixture();
+  const int fds_before = CountOpenFds();
+  Reader in(data, size);
+  {
+    mrd::FakeClock clock;
+    mrd::core::Core core(f->device.get(), &clock, MakeOptions(in, *f));
+    Live live;
+    RunOne(in, *f, core, clock, live);
+    // Every session ends the way it would in mrd.
+    for (const std::string& token : live.sessions) {
+      if (std::find(live.fd_sessions.begin(), live.fd_sessions.end(), token) !=
+          live.fd_sessions.end()) {
+        core.OnDisconnect(token);
+      } else {
+        mrd::v1::CloseSessionRequest req;
+        req.set_session(token);
+        (void)core.CloseSession(req);  // may have expired already
+      }
+    }
+    f->device->WaitForWorkerIdle();
+    const mrd::core::CoreStats stats = core.Stats();
+    FUZZ_CHECK(stats.sessions == 0 && stats.buffers == 0 &&
+                   stats.registrations == 0 && stats.lams == 0 &&
+                   stats.mrs == 0 && stats.connections == 0,
+               "the core holds objects of closed sessions: sessions ",
+               stats.sessions, " buffers ", stats.buffers, " registrations ",
+               stats.registrations, " lams ", stats.lams, " mrs ", stats.mrs,
+               " connections ", stats.connections);
+    FUZZ_CHECK(stats.accounted_pinned_bytes == 0, "accounted pinned bytes ",
+               stats.accounted_pinned_bytes);
+    FUZZ_CHECK(f->device->PinnedBytes() == 0, "the device still pins ",
+               f->device->PinnedBytes(), " bytes");
+    const auto counts = f->device->CountResources();
+    FUZZ_CHECK(counts.pds == 0 && counts.mrs == 0 && counts.lams == 0 &&
+                   counts.keys == 0 && counts.tickets == 0 &&
+                   counts.iova_ranges == 0,
+               "the device holds objects: pds ", counts.pds, " mrs ",
+               counts.mrs, " lams ", counts.lams, " keys ", counts.keys,
+               " tickets ", counts.tickets, " iova ", counts.iova_ranges);
+    // The peers' connections were closed by the device with their PDs; ours
+    // see the end of stream.
+    for (mrd::UniqueFd& peer : live.peers) {
+      mrd::v1::PeerResponse response;
+      const absl::Status status =
+          mrd::peer::ReadFrame(peer.get(), 1 << 20, &response);
+      FUZZ_CHECK(
+          !status.ok() &&
+              status.message().find(std::strerror(EAGAIN)) == std::string::npos,
+          "a peer of a closed session is still served: ", status.ToString());
+    }
+  }
+  // The device's connection threads close their sockets as they finish.
+  int fds_after = CountOpenFds();
+  for (int i = 0; i < 1000 && fds_after != fds_before; ++i) {
+    ::usleep(1000);
+    fds_after = CountOpenFds();
+  }
+  FUZZ_CHECK(fds_after == fds_before, "open fds ", fds_before, " -> ",
+             fds_after);
+  return 0;
+}
