@@ -21,6 +21,9 @@
 namespace mrd::core {
 namespace {
 
+// Longest RegisterMr request_id (idempotency key) a session may use.
+constexpr size_t kMaxRequestIdBytes = 128;
+
 constexpr uint32_t kDescriptorSize = 24;  // rkey(4) pad(4) base(8) length(8)
 constexpr uint64_t kLamHeaderSize = 8;    // page count + FBO
 constexpr uint64_t kLamEntrySize = 8;     // one logical address
@@ -1127,6 +1130,14 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
                               v1::RegisterMrResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
+  // Idempotency keys are remembered per session (request_id_memory of them):
+  // their length is bounded so that remembering costs bounded memory.
+  if (req.request_id().size() > kMaxRequestIdBytes) {
+    return SeedError(
+        v1::STATUS_INVALID_PARAMETER, "REQUEST_ID_TOO_LONG",
+        absl::StrCat("request_id is ", req.request_id().size(),
+                     " bytes; at most ", kMaxRequestIdBytes, " are allowed"));
+  }
   MRD_ASSIGN_OR_RETURN(uint32_t access,
                        RegistrationAccess(req.flags(), req.mem_flags()));
   // The Winsock form of the call (WSPRegisterRdmaMemory: MEM_* flags) speaks

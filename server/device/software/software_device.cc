@@ -315,8 +315,6 @@ absl::Status SoftwareDevice::Start() {
     MRD_ASSIGN_OR_RETURN(
         worker_, Thread::Start("mrd-soft-work", [this] { WorkerLoop(); }));
     started_ = true;
-    MRD_ASSIGN_OR_RETURN(
-        worker_, Thread::Start("mrd-soft-work", [this] { WorkerLoop(); }));
   }
   PeerListener::Handler handler;
   handler.open = [this](int fd, const std::string& remote) {

@@ -367,6 +367,21 @@ TEST_F(RegistrationTest, RetryWithSameRequestIdTakesNoSecondReference) {
   EXPECT_NE(other->registration(), first->registration());
 }
 
+// Request ids are remembered per session: a long one is refused before
+// anything is kept (1 MiB ids once cost mrd 2 MiB each).
+TEST_F(RegistrationTest, OverlongRequestIdIsRefusedAndKeepsNothing) {
+  v1::RegisterMrRequest req =
+      RegisterRequest(session_, buffer_.buffer(), 0, page_, kMrRemoteRead);
+  req.set_request_id(std::string(128, 'r'));
+  ASSERT_TRUE(Register(req).ok());
+  req.set_request_id(std::string(129, 'r'));
+  absl::StatusOr<v1::RegisterMrResponse> refused = Register(req);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GetErrorDetail(refused.status()).reason(), "REQUEST_ID_TOO_LONG");
+  EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 1u);
+}
+
 TEST_F(RegistrationTest, RetryAfterReleaseRegistersAnew) {
   v1::RegisterMrRequest req =
       RegisterRequest(session_, buffer_.buffer(), 0, page_, kMrRemoteRead);
