@@ -170,6 +170,35 @@ core::CoreOptions MakeOptions(Reader& in, const Fixture& f) {
     o.max_session_mrs = in.ConsumeIntegralInRange<uint64_t>(1, 4);
     o.completion_queue_depth = in.ConsumeIntegralInRange<size_t>(1, 8);
     o.request_id_memory = in.ConsumeIntegralInRange<size_t>(1, 4);
+    o.max_total_buffers = in.ConsumeIntegralInRange<uint64_t>(1, 8);
+    o.max_total_lams = in.ConsumeIntegralInRange<uint64_t>(1, 8);
+    o.max_total_mrs = in.ConsumeIntegralInRange<uint64_t>(1, 8);
+  }
+  // Who an anonymous lease stands for (the files are this uid's, 0600).
+  switch (in.ConsumeIntegralInRange<int>(0, 2)) {
+    case 0:
+      o.anonymous_reach = core::CoreOptions::Reach::kUser;
+      o.anonymous_id = static_cast<uint32_t>(::geteuid());
+      break;
+    case 1:
+      o.anonymous_reach = core::CoreOptions::Reach::kGroupMember;
+      o.anonymous_id = static_cast<uint32_t>(::getegid());
+      break;
+    default:
+      o.anonymous_reach = core::CoreOptions::Reach::kAnyone;
+      break;
+  }
+  if (in.ConsumeBool()) {
+    // Tenants with small shares of small totals.
+    core::TenantTableOptions t;
+    t.default_percent = in.ConsumeIntegralInRange<uint32_t>(1, 100);
+    for (uint64_t& total : t.totals) {
+      total = in.ConsumeIntegralInRange<uint64_t>(1, 16);
+    }
+    t.totals[static_cast<int>(core::TenantResource::kPinnedBytes)] *= 4 * kPage;
+    absl::StatusOr<std::unique_ptr<core::TenantTable>> table =
+        core::TenantTable::Create(t);
+    if (table.ok()) o.tenants = std::move(*table);
   }
   if (in.ConsumeBool()) {
     o.warm_pin_bytes_per_session =

@@ -53,6 +53,11 @@ class Script:
             self.out += rng(1, 64, 24) + rng(1, 128, 40)
             self.out += rng(1, 8, 3) + rng(1, 16, 5) + rng(1, 4, 2)
             self.out += rng(1, 4, 2) + rng(1, 8, 2) + rng(1, 4, 2)
+            # total buffers, LAMs, MR objects
+            self.out += rng(1, 8, 8) + rng(1, 8, 8) + rng(1, 8, 8)
+        # anonymous leases stand for this uid (an owner-only socket); no
+        # tenant table
+        self.out += rng(0, 2, 0) + bytes([0])
         self.out += bytes([1 if warm else 0])
         if warm:
             self.out += rng(1, 32, 8) + rng(1, 64, 16)

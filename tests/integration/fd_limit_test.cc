@@ -196,6 +196,9 @@ class FdLimitTest : public MrdTest {
     MrdProcessOptions o;
     o.nofile = "1024";  // the common default, soft and hard
     o.metrics = true;
+    // One uid plays every session here: the fd budget, not the tenant's
+    // share of sessions (tenant_test), is what these tests reach.
+    o.extra_flags = {"--tenant_default_percent=100"};
     return o;
   }
   void SetUp() override {

@@ -195,6 +195,13 @@ TEST_F(SessionAllowListTest,
     return;
   }
   ASSERT_EQ(chown(path.c_str(), OtherUid(), OtherUid()), 0);
+  // The fd socket refused us, so the lease is anonymous: it may open only
+  // what any member of mrd's group (who can reach the 0660 socket) could.
+  ExpectError(Buffer::ImportFile(*lease, "allowed", true).status(),
+              absl::StatusCode::kPermissionDenied, v1::SEED_STATUS_UNSPECIFIED,
+              "IDENTITY_DENIES_ACCESS");
+  ASSERT_EQ(chown(path.c_str(), OtherUid(), getegid()), 0);
+  ASSERT_EQ(chmod(path.c_str(), 0660), 0);
   auto buffer = Buffer::ImportFile(*lease, "allowed", true);
   ASSERT_TRUE(buffer.ok()) << buffer.status();
   auto reg = Reg(*lease, *buffer, 0, page_, kRemoteRead | kRemoteWrite);

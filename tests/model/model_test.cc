@@ -403,6 +403,10 @@ bool Harness::SetUp() {
   core::CoreOptions options;
   options.shm_dir = shm_dir_fd_ >= 0 ? shm_dir_ : "";
   options.allowed_uids = {static_cast<uint32_t>(::getuid())};
+  // Leases here are anonymous and stand for an owner-only gRPC socket: they
+  // may import what this uid may open (the files are its own, mode 0600).
+  options.anonymous_reach = core::CoreOptions::Reach::kUser;
+  options.anonymous_id = static_cast<uint32_t>(::geteuid());
   options.warm_pin_bytes_per_session = warm_.per_session;
   options.warm_pin_bytes_total = warm_.total;
   // No Core::Start(): leases end when this test moves the clock and reaps.
