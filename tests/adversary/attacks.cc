@@ -340,10 +340,13 @@ void PeerBadTicket(const AttackContext& ctx, Tally& tally) {
       continue;
     }
     const std::string outcome = OutcomeOf(peer.status());
-    // A 64 KiB hello is refused as a frame: mrd answers without a request
-    // id (SoftPeer calls that PEER_PROTOCOL_ERROR) and closes.
-    if (huge && (absl::StartsWith(outcome, "PEER_CONNECTION_") ||
-                 outcome == "PEER_PROTOCOL_ERROR")) {
+    // A stranger may be shed before its hello is answered (mrd closes the
+    // oldest unauthenticated connection when too many wait, and a 64 KiB
+    // hello is refused as a frame: mrd answers it without a request id,
+    // which SoftPeer calls PEER_PROTOCOL_ERROR, and closes).
+    if (outcome == "PEER_CONNECTION_CLOSED" ||
+        outcome == "PEER_CONNECTION_BROKEN" ||
+        (huge && outcome == "PEER_PROTOCOL_ERROR")) {
       tally.AddNamed(outcome);
     } else {
       tally.Add(peer.status());
