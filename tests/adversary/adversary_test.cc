@@ -95,10 +95,6 @@ struct AttackSpec {
 std::vector<AttackSpec> Specs() {
   uint32_t uid = kFirstAttackerUid;
   const std::vector<std::string> kLimits = {"LIMIT_*"};
-  // What mrd may answer a request on a session it just ended (the fd
-  // socket closed under it).
-  const std::vector<std::string> kSessionGone = {"WSAENOTCONN", "NOT_FOUND*",
-                                                 "UNKNOWN_*", "*SESSION*"};
   std::vector<AttackSpec> specs = {
       {"lease_flood", uid++, {{"LIMIT_TENANT_SESSIONS", "LIMIT_SESSIONS"}}, {}},
       {"session_flood",
@@ -121,12 +117,24 @@ std::vector<AttackSpec> Specs() {
        // hello (see attacks.cc).
        {"PEER_CONNECTION_CLOSED", "PEER_CONNECTION_BROKEN",
         "PEER_PROTOCOL_ERROR"}},
+      // Paths out of --shm_dir, a made-up vouching session, and the
+      // anonymous tenant full of lease_flood's leases.
       {"import_secret",
        kNobody,
        {{"IDENTITY_DENIES_ACCESS"}, {"PEER_NOT_ALLOWED"}},
-       {"*"}},
-      {"churn", uid++, {{"*"}}, {"*"}},
-      {"grpc_spam", uid++, {}, {"*"}},
+       {"BAD_PATH", "BAD_VOUCHING_SESSION", "LIMIT_*SESSIONS"}},
+      // Requests in flight when the session ends, and garbage tokens:
+      // SESSION_NOT_CONNECTED; garbage handles and ranges.
+      {"churn",
+       uid++,
+       {{"SESSION_NOT_CONNECTED"},
+        {"UNKNOWN_REGISTRATION"},
+        {"UNKNOWN_BUFFER"},
+        {"fd_garbage_answered", "fd_garbage_closed"}},
+       {"OFFSET_PAST_END", "undecodable_request:*", "LIMIT_*"}},
+      // Nothing here needs refusing but the request ids' memory (checked
+      // as peak RssAnon); a length limit on them would be a refusal.
+      {"grpc_spam", uid++, {}, {"LIMIT_*", "*REQUEST_ID*"}},
   };
   return specs;
 }
