@@ -364,6 +364,7 @@ int Run() {
       use_verbs = false;
     }
   }
+  device::SoftwareDevice* software_device = nullptr;  // owned by `device`
   if (!use_verbs) {
     device::SoftwareDeviceOptions device_options;
     device_options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
@@ -401,6 +402,7 @@ int Run() {
       LogError("software device: ", software.status().ToString());
       return 1;
     }
+    software_device = software->get();
     device = std::unique_ptr<device::Device>(std::move(*software));
   }
   const std::string device_kind = (*device)->Attributes().kind;
@@ -516,6 +518,28 @@ int Run() {
 
   // Metrics.
   metrics::Metrics metrics(&core, fd_budget->get());
+  if (software_device != nullptr) {
+    metrics.SetPeerPathSource([software_device] {
+      const device::SoftwareDevice::PeerPathStats s =
+          software_device->PeerStats();
+      metrics::PeerPathGauges g;
+      g.connections = s.listener.connections;
+      g.unauthenticated = s.listener.unauthenticated;
+      g.buffered_bytes = s.listener.buffered_bytes;
+      g.threads = s.listener.threads;
+      g.accepted_total = s.listener.accepted;
+      g.refused_total = s.listener.refused;
+      g.shed_total = s.listener.shed;
+      g.hello_timeouts_total = s.listener.hello_timeouts;
+      g.stall_timeouts_total = s.listener.stall_timeouts;
+      g.session_limit_refusals_total = s.session_limit_refusals;
+      g.max_connections = s.listener.max_connections;
+      g.max_unauthenticated = s.listener.max_unauthenticated;
+      g.max_buffer_bytes = s.listener.max_buffer_bytes;
+      g.max_session_connections = s.max_session_connections;
+      return g;
+    });
+  }
   const std::string metrics_address = absl::GetFlag(FLAGS_metrics_address);
   if (!metrics_address.empty()) {
     if (absl::Status s = metrics.Serve(metrics_address); !s.ok()) {

@@ -7,6 +7,7 @@
 #ifndef MRD_SERVER_METRICS_METRICS_H_
 #define MRD_SERVER_METRICS_METRICS_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -21,6 +22,24 @@
 #include "server/service/service.h"
 
 namespace mrd::metrics {
+
+// The software device's peer path (its TCP port), read at scrape time.
+struct PeerPathGauges {
+  uint64_t connections = 0;      // open now
+  uint64_t unauthenticated = 0;  // open now, no hello yet
+  uint64_t buffered_bytes = 0;   // frame and response memory now
+  uint64_t threads = 0;          // reactor and workers (fixed)
+  uint64_t accepted_total = 0;
+  uint64_t refused_total = 0;  // at the total cap with nobody to shed
+  uint64_t shed_total = 0;     // strangers closed to admit newcomers
+  uint64_t hello_timeouts_total = 0;
+  uint64_t stall_timeouts_total = 0;
+  uint64_t session_limit_refusals_total = 0;
+  uint64_t max_connections = 0;
+  uint64_t max_unauthenticated = 0;
+  uint64_t max_buffer_bytes = 0;
+  uint64_t max_session_connections = 0;
+};
 
 class Metrics final : public service::RpcObserver {
  public:
@@ -37,6 +56,10 @@ class Metrics final : public service::RpcObserver {
 
   // The text exposition, as a scrape would return it (for tests and logs).
   std::string Render() const;
+
+  // Adds the peer path's gauges to every scrape. Call before Serve; the
+  // source must be thread-safe and outlive this object.
+  void SetPeerPathSource(std::function<PeerPathGauges()> source);
 
  private:
   class CoreCollector;

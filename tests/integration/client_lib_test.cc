@@ -243,6 +243,13 @@ TEST_F(ClientLibTest, TenantUsageAndLimitsAreExported) {
   EXPECT_EQ(m[series("mrd_tenant_limit", "pinned_bytes")],
             static_cast<double>(uint64_t{4} << 30));
   EXPECT_EQ(m.count(series("mrd_tenant_refusals_total", "sessions")), 1u);
+  // The peer path's limits and its fixed pool of threads, from the start.
+  if (TestDeviceKind() == "software") {
+    EXPECT_EQ(m["mrd_peer_max_connections"], 4096);
+    EXPECT_EQ(m["mrd_peer_max_unauthenticated"], 256);
+    EXPECT_GE(m["mrd_peer_threads"], 2);
+    EXPECT_EQ(m.count("mrd_peer_shed_total"), 1u);
+  }
 }
 
 TEST_F(ClientLibTest, DeviceInfoAndHealth) {

@@ -1262,6 +1262,7 @@ bool SoftwareDevice::HandleHello(const std::shared_ptr<Connection>& connection,
     return false;
   }
   if (absl::Status admitted = pd->sink->AdmitPeerConnection(); !admitted.ok()) {
+    ++session_limit_refusals_;
     response->set_status(v1::PEER_RESOURCE_EXHAUSTED);
     response->set_message(absl::StrCat(GetErrorDetail(admitted).reason(), ": ",
                                        admitted.message()));
