@@ -12,15 +12,20 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 #ifndef MRD_BINARY
@@ -57,6 +62,152 @@ absl::Status WriteShmFile(const std::string& dir, const std::string& name,
   if (n != static_cast<ssize_t>(size))
     return absl::InternalError("short write");
   return absl::OkStatus();
+}
+
+std::string MrdBinary() {
+  const char* binary = std::getenv("MRD_TEST_MRD_BINARY");
+  return binary == nullptr || *binary == '\0' ? MRD_BINARY : binary;
+}
+
+namespace {
+
+// How ThreadSanitizer shows a stack: its own shadow stack of the
+// instrumented functions (mrd's code, and Debian's header code compiled into
+// mrd, such as gRPC's callback API in /usr/include/grpcpp), topped, for an
+// access made by a libc call, by the interceptor (libtsan) and the
+// interceptor's caller. Code of an uninstrumented library appears only as
+// that caller.
+//
+// The rule (tests/support/tsan_server.supp says why): a report is
+// library-only when, in each stack it is about, the frames above the first
+// frame of mrd's own code are all Debian library code and include gRPC's:
+// the access was made by gRPC (libgrpc, libgpr, or gRPC's headers compiled
+// into mrd), possibly through libc or libstdc++, never by mrd's code. mrd's
+// frames below are only the callers (mrd starting the server, replying
+// through its reactor). A stack whose access is made by mrd's code (its own
+// sources or the generated protobuf code), or by a library on mrd's behalf
+// without gRPC (std::vector, absl::flat_hash_map, protobuf on mrd's data), an
+// unreadable frame, or a stack TSan could not restore fails the report.
+enum class FrameKind { kGrpc, kOtherLibrary, kMrd };
+
+// The module and file of one frame line, e.g. "libgrpc.so.29" and "<null>"
+// of
+//   #1 grpc_event_engine::...::DoEpollWait(...) <null> (libgrpc.so.29+0x3dc79d)
+// or "mrd" and "/usr/include/grpcpp/support/status.h:44" of
+//   #2 grpc::Status::Status(...) /usr/include/grpcpp/support/status.h:44
+//   (mrd+0x12)
+FrameKind ClassifyFrame(absl::string_view line) {
+  const size_t open = line.rfind('(');
+  if (open == absl::string_view::npos || line.back() != ')') {
+    return FrameKind::kMrd;
+  }
+  absl::string_view module = line.substr(open + 1);
+  module = module.substr(0, module.find_first_of("+)"));
+  const size_t slash = module.rfind('/');
+  if (slash != absl::string_view::npos) module = module.substr(slash + 1);
+  for (const char* grpc : {"libgrpc.so.", "libgrpc++.so.",
+                           "libgrpc++_reflection.so.", "libgpr.so."}) {
+    if (absl::StartsWith(module, grpc)) return FrameKind::kGrpc;
+  }
+  for (const char* lib : {"libtsan.so.", "libc.so.", "libstdc++.so.",
+                          "libm.so.", "libgcc_s.so."}) {
+    if (absl::StartsWith(module, lib)) return FrameKind::kOtherLibrary;
+  }
+  // Another shared object: not judged (mrd's code calls it directly).
+  if (absl::StrContains(module, ".so")) return FrameKind::kMrd;
+  // mrd's executable: the file is the word before the module.
+  std::vector<absl::string_view> words =
+      absl::StrSplit(line.substr(0, open), ' ', absl::SkipEmpty());
+  if (words.size() < 3) return FrameKind::kMrd;
+  absl::string_view file = words.back();
+  for (const char* grpc :
+       {"/usr/include/grpcpp/", "/usr/include/grpc++/", "/usr/include/grpc/"}) {
+    if (absl::StartsWith(file, grpc)) return FrameKind::kGrpc;
+  }
+  if (absl::StartsWith(file, "/usr/include/c++/")) {
+    return FrameKind::kOtherLibrary;
+  }
+  return FrameKind::kMrd;
+}
+
+// Stacks that only give context: where a thread was created, where a block,
+// fd or mutex was created. Every other stack of a report (the accesses, the
+// mutex acquisitions, the calls) is what the report is about.
+bool IsContextStack(absl::string_view header) {
+  return absl::StartsWith(header, "Location is ") ||
+         (absl::StartsWith(header, "Thread ") &&
+          absl::StrContains(header, " created by ")) ||
+         (absl::StartsWith(header, "Mutex ") &&
+          absl::StrContains(header, " created at")) ||
+         absl::StartsWith(header, "As if synchronized via sleep");
+}
+
+// One ThreadSanitizer report (its lines from "WARNING:" to before the closing
+// "=====" line): library-only by the rule above.
+bool IsLibraryOnlyTsanReport(const std::vector<absl::string_view>& lines) {
+  std::vector<std::vector<absl::string_view>> stacks;
+  bool in_stack = false;
+  for (absl::string_view raw : lines) {
+    absl::string_view line = absl::StripAsciiWhitespace(raw);
+    if (line.empty()) continue;
+    if (absl::StartsWith(line, "#")) {
+      if (in_stack) stacks.back().push_back(line);
+      continue;
+    }
+    in_stack = absl::EndsWith(line, ":") &&
+               !absl::StartsWith(line, "WARNING:") && !IsContextStack(line);
+    if (in_stack) stacks.emplace_back();
+    // Any other line inside a stack ("[failed to restore the stack]") leaves
+    // that stack short of its frames: it fails below.
+  }
+  if (stacks.empty()) return false;
+  for (const std::vector<absl::string_view>& frames : stacks) {
+    bool grpc = false;
+    for (absl::string_view frame : frames) {
+      const FrameKind kind = ClassifyFrame(frame);
+      if (kind == FrameKind::kMrd) break;
+      grpc = grpc || kind == FrameKind::kGrpc;
+    }
+    if (!grpc) return false;  // also an empty (unrestored) stack
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status CheckSanitizerLog(const std::string& log, int* library_only) {
+  *library_only = 0;
+  std::vector<absl::string_view> lines = absl::StrSplit(log, '\n');
+  std::string failures;
+  int failed = 0;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    absl::string_view line = lines[i];
+    if (absl::StrContains(line, "ERROR: AddressSanitizer") ||
+        absl::StrContains(line, "ERROR: LeakSanitizer") ||
+        absl::StrContains(line, "runtime error:") ||
+        absl::StrContains(line, "ERROR: ThreadSanitizer")) {
+      return absl::InternalError(
+          absl::StrCat("sanitizer report in mrd:\n",
+                       absl::StrJoin(lines.begin() + i, lines.end(), "\n")));
+    }
+    if (!absl::StartsWith(line, "WARNING: ThreadSanitizer:")) continue;
+    size_t end = i + 1;
+    while (end < lines.size() && !absl::StartsWith(lines[end], "=====")) ++end;
+    std::vector<absl::string_view> report(lines.begin() + i,
+                                          lines.begin() + end);
+    if (IsLibraryOnlyTsanReport(report)) {
+      ++*library_only;
+    } else if (++failed <= 10) {  // the first ten in full
+      absl::StrAppend(&failures, absl::StrJoin(report, "\n"), "\n");
+    }
+    i = end;
+  }
+  if (failed == 0) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat(
+      failed,
+      " ThreadSanitizer report(s) in mrd not entirely inside Debian's "
+      "uninstrumented gRPC (",
+      *library_only, " others were):\n", failures));
 }
 
 std::string TestDeviceKind() {
@@ -113,7 +264,7 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
     args = {"/usr/bin/prlimit", "--nofile=" + options.nofile, "--"};
   }
   std::vector<std::string> mrd_args = {
-      MRD_BINARY,
+      MrdBinary(),
       "--runtime_dir=" + p->runtime_dir_,
       "--shm_dir=" + p->shm_dir_,
   };
@@ -131,9 +282,23 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
   args.push_back("--warm_pin_bytes_total=0");
   for (const auto& f : options.extra_flags) args.push_back(f);
 
+  // The sanitizer runtimes of a sanitized mrd write their reports next to its
+  // log (log_path, appended last: it wins over any earlier one).
+  std::vector<std::pair<std::string, std::string>> sanitizer_env;
+  for (const char* name : {"TSAN_OPTIONS", "ASAN_OPTIONS", "UBSAN_OPTIONS"}) {
+    const char* old = std::getenv(name);
+    sanitizer_env.emplace_back(
+        name, absl::StrCat(old == nullptr ? "" : old,
+                           old == nullptr || *old == '\0' ? "" : ":",
+                           "log_path=", p->runtime_dir_, "/sanitizer"));
+  }
+
   pid_t pid = fork();
   if (pid < 0) return absl::ErrnoToStatus(errno, "fork");
   if (pid == 0) {
+    for (const auto& [name, value] : sanitizer_env) {
+      setenv(name.c_str(), value.c_str(), 1);
+    }
     int log = open(p->log_path_.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
     dup2(log, STDERR_FILENO);
     dup2(log, STDOUT_FILENO);
@@ -154,8 +319,9 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
   std::unique_ptr<MrdProcess> p = std::move(*launched);
   absl::Status ready = p->WaitServing();
   if (!ready.ok()) {
-    return absl::Status(
-        ready.code(), absl::StrCat(ready.message(), "\nmrd log:\n", p->Log()));
+    return absl::Status(ready.code(),
+                        absl::StrCat(ready.message(), "\nmrd log:\n", p->Log(),
+                                     p->SanitizerLog()));
   }
   return p;
 }
@@ -215,7 +381,17 @@ absl::Status MrdProcess::Stop() {
   int status = 0;
   waitpid(pid_, &status, 0);
   pid_ = -1;
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+  int library_only = 0;
+  absl::Status reports = CheckSanitizerLog(SanitizerLog(), &library_only);
+  if (!reports.ok()) {
+    return absl::InternalError(absl::StrCat(
+        reports.message(), "\nmrd exit status ", status, ", log:\n", Log()));
+  }
+  // ThreadSanitizer's exit code after reports (TSAN_OPTIONS exitcode, 66 by
+  // default): accepted when each report was library-only.
+  const bool tsan_exit =
+      WIFEXITED(status) && WEXITSTATUS(status) == 66 && library_only > 0;
+  if (!tsan_exit && (!WIFEXITED(status) || WEXITSTATUS(status) != 0)) {
     return absl::InternalError(absl::StrCat("mrd did not exit cleanly (status ",
                                             status, ")\nlog:\n", Log()));
   }
@@ -223,6 +399,22 @@ absl::Status MrdProcess::Stop() {
     return absl::InternalError("mrd left memory pinned at exit:\n" + Log());
   }
   return absl::OkStatus();
+}
+
+std::string MrdProcess::SanitizerLog() const {
+  std::string all;
+  std::error_code ec;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(runtime_dir_, ec)) {
+    if (!absl::StartsWith(entry.path().filename().string(), "sanitizer.")) {
+      continue;
+    }
+    std::ifstream in(entry.path());
+    std::stringstream ss;
+    ss << in.rdbuf();
+    absl::StrAppend(&all, "---- ", entry.path().string(), " ----\n", ss.str());
+  }
+  return all;
 }
 
 std::string MrdProcess::Log() const {
@@ -236,6 +428,13 @@ MrdProcess::~MrdProcess() {
   if (pid_ > 0) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
+    // Never stopped (a test that failed early): still show what the
+    // sanitizer found, before the runtime directory goes.
+    int library_only = 0;
+    absl::Status reports = CheckSanitizerLog(SanitizerLog(), &library_only);
+    if (!reports.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(reports.message()).c_str());
+    }
   }
   std::error_code ec;
   if (owns_runtime_dir_) std::filesystem::remove_all(runtime_dir_, ec);

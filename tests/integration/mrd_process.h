@@ -3,7 +3,19 @@
 // peer listener on a free port (software device on loopback; the verbs
 // device on MRD_VERBS_ADDRESS, see DeviceFlags) and metrics off (or on, when
 // asked), and waits until its health service says SERVING. Stop() sends SIGTERM
-// and checks that mrd exited 0 and reported nothing pinned.
+// and checks that mrd exited 0, reported nothing pinned and no sanitizer
+// report.
+//
+// The binary is the mrd of this build (compiled in), or the one named by the
+// environment variable MRD_TEST_MRD_BINARY when it is set and not empty:
+// scripts/test-all.sh runs the plain build's integration tests against the
+// TSan build's mrd that way. The server's sanitizer runtimes write their
+// reports to <runtime_dir>/sanitizer.<pid> (MrdProcess appends log_path to
+// TSAN_OPTIONS, ASAN_OPTIONS and UBSAN_OPTIONS for the child, keeping the
+// rest of those variables). Stop() fails on any AddressSanitizer,
+// LeakSanitizer or UBSan report, and on any ThreadSanitizer report except
+// one whose every access was made by Debian's gRPC (CheckSanitizerLog below;
+// why: tests/support/tsan_server.supp).
 //
 // Not thread-safe; one per test fixture.
 #ifndef MRD_TESTS_INTEGRATION_MRD_PROCESS_H_
@@ -59,10 +71,14 @@ class MrdProcess {
   const std::string& metrics_address() const { return metrics_address_; }
   pid_t pid() const { return pid_; }
 
-  // SIGTERM, wait, expect exit code 0 and "pinned bytes: 0" in the log.
+  // SIGTERM, wait, expect exit code 0 and "pinned bytes: 0" in the log, and
+  // no sanitizer report (see above). ThreadSanitizer exits 66 after any
+  // report: that exit is accepted when every report is library-only.
   absl::Status Stop();
   // The server's stderr so far.
   std::string Log() const;
+  // The sanitizer reports written so far (every <runtime_dir>/sanitizer.*).
+  std::string SanitizerLog() const;
 
  private:
   MrdProcess() = default;
@@ -87,6 +103,21 @@ class MrdProcess {
 std::string TestDeviceKind();
 // mrd's --device, --verbs_device and --peer_address flags for that device.
 std::vector<std::string> DeviceFlags();
+
+// The mrd executable the tests start (see MRD_TEST_MRD_BINARY above).
+std::string MrdBinary();
+
+// Checks the sanitizer output `log` of one mrd: OK when it has no report, or
+// only library-only ThreadSanitizer reports: in every stack the report is
+// about (not those that only say where a thread, block or fd was created),
+// the frames above the first frame of mrd's own code (its sources, its
+// generated protobuf code) are all Debian library code and include gRPC's
+// (libgrpc, libgrpc++, libgpr, or gRPC's headers compiled into mrd): the
+// access was made by gRPC, and mrd's frames are only its callers.
+// `*library_only` counts those reports. Otherwise an error carrying the
+// offending reports. Any AddressSanitizer, LeakSanitizer or UBSan report is
+// an error.
+absl::Status CheckSanitizerLog(const std::string& log, int* library_only);
 
 // A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
 int PickFreePort();

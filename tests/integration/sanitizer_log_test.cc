@@ -1,0 +1,179 @@
+// CheckSanitizerLog, the rule MrdProcess::Stop applies to the reports of a
+// sanitized mrd: only a ThreadSanitizer report whose every access was made by
+// Debian's gRPC passes (see mrd_process.h).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "absl/strings/match.h"
+#include "tests/integration/mrd_process.h"
+
+namespace mrd::testing {
+namespace {
+
+// The one report every TSan-built mrd gives (GCC 12's libtsan, Debian's
+// gRPC 1.51): gRPC's event engine thread waits on the epoll fd that gRPC
+// created while mrd's main started the server; the hand-over of the poller to
+// that thread happens inside libgrpc, where TSan sees no synchronization.
+constexpr char kEpollReport[] = R"(==================
+WARNING: ThreadSanitizer: data race (pid=30048)
+  Read of size 8 at 0x7ba0000000e0 by thread T12:
+    #0 epoll_wait ../../../../src/libsanitizer/tsan/tsan_interceptors_posix.cpp:1895 (libtsan.so.2+0x610ed)
+    #1 grpc_event_engine::posix_engine::Epoll1Poller::DoEpollWait(std::chrono::duration<long, std::ratio<1l, 1000000000l> >) <null> (libgrpc.so.29+0x3dc79d)
+
+  Previous write of size 8 at 0x7ba0000000e0 by main thread:
+    #0 epoll_create1 ../../../../src/libsanitizer/tsan/tsan_interceptors_posix.cpp:1875 (libtsan.so.2+0x3f6fe)
+    #1 grpc_event_engine::posix_engine::Epoll1Poller::Epoll1Poller(grpc_event_engine::posix_engine::Scheduler*) <null> (libgrpc.so.29+0x3dc262)
+    #2 main ../server/main.cc:505 (mrd+0x311c1)
+
+  Location is file descriptor 14 created by main thread at:
+    #0 epoll_create1 ../../../../src/libsanitizer/tsan/tsan_interceptors_posix.cpp:1875 (libtsan.so.2+0x3f6fe)
+    #1 grpc_event_engine::posix_engine::Epoll1Poller::Epoll1Poller(grpc_event_engine::posix_engine::Scheduler*) <null> (libgrpc.so.29+0x3dc262)
+    #2 main ../server/main.cc:505 (mrd+0x311c1)
+
+  Thread T12 'event_engine' (tid=30061, running) created by main thread at:
+    #0 pthread_create ../../../../src/libsanitizer/tsan/tsan_interceptors_posix.cpp:1001 (libtsan.so.2+0x5e686)
+    #1 grpc_core::Thread::Thread(char const*, void (*)(void*), void*, bool*, grpc_core::Thread::Options const&) <null> (libgpr.so.29+0xb0cb)
+    #2 main ../server/main.cc:505 (mrd+0x311c1)
+
+SUMMARY: ThreadSanitizer: data race (/lib/x86_64-linux-gnu/libgrpc.so.29+0x3dc79d) in grpc_event_engine::posix_engine::Epoll1Poller::DoEpollWait(std::chrono::duration<long, std::ratio<1l, 1000000000l> >)
+==================
+)";
+
+constexpr char kReadFrame1[] =
+    "    #1 grpc_event_engine::posix_engine::Epoll1Poller::DoEpollWait(std::"
+    "chrono::duration<long, std::ratio<1l, 1000000000l> >) <null> "
+    "(libgrpc.so.29+0x3dc79d)\n";
+constexpr char kWriteFrame0[] =
+    "    #0 epoll_create1 ../../../../src/libsanitizer/tsan/"
+    "tsan_interceptors_posix.cpp:1875 (libtsan.so.2+0x3f6fe)\n";
+
+// `log` with `text` inserted after the first occurrence of `anchor`.
+std::string InsertAfter(std::string log, const std::string& anchor,
+                        const std::string& text) {
+  const size_t at = log.find(anchor);
+  EXPECT_NE(at, std::string::npos) << anchor;
+  log.insert(at + anchor.size(), text);
+  return log;
+}
+
+// Replaces the first occurrence of `from` in `log` with `to`.
+std::string Replace(std::string log, const std::string& from,
+                    const std::string& to) {
+  const size_t at = log.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  log.replace(at, from.size(), to);
+  return log;
+}
+
+absl::Status Check(const std::string& log) {
+  int library_only = 0;
+  return CheckSanitizerLog(log, &library_only);
+}
+
+TEST(SanitizerLogTest, NoReportPasses) {
+  int library_only = -1;
+  EXPECT_TRUE(CheckSanitizerLog("", &library_only).ok());
+  EXPECT_EQ(library_only, 0);
+}
+
+TEST(SanitizerLogTest, ReportInsideGrpcPasses) {
+  int library_only = 0;
+  absl::Status s = CheckSanitizerLog(std::string(kEpollReport) + kEpollReport +
+                                         "ThreadSanitizer: reported 2 "
+                                         "warnings\n",
+                                     &library_only);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(library_only, 2);
+}
+
+// gRPC's callback API is header code compiled into mrd: an access made there
+// is gRPC's, and mrd's frames below it only called into gRPC.
+TEST(SanitizerLogTest, GrpcHeaderCodeCalledFromMrdPasses) {
+  const std::string log = InsertAfter(
+      Replace(kEpollReport, kReadFrame1,
+              "    #1 std::__cxx11::basic_string<char>::_M_data() const "
+              "/usr/include/c++/12/bits/basic_string.h:234 (mrd+0x98)\n"
+              "    #2 grpc::Status::operator=(grpc::Status&&) "
+              "/usr/include/grpcpp/support/status.h:44 (mrd+0x99)\n"),
+      "/usr/include/grpcpp/support/status.h:44 (mrd+0x99)\n",
+      "    #3 mrd::service::MrdService::Reply() "
+      "../server/service/service.cc:99 (mrd+0x4321)\n");
+  absl::Status s = Check(log);
+  EXPECT_TRUE(s.ok()) << s << log;
+}
+
+// An access made by mrd's code, or by a library for mrd without gRPC, fails
+// the report, and the error carries it.
+TEST(SanitizerLogTest, AnAccessMadeByMrdFails) {
+  const std::string mrd_frame =
+      "    #1 mrd::core::Core::Register() ../server/core/core.cc:10 "
+      "(mrd+0x1234)\n";
+  for (const std::string& log : {
+           Replace(
+               kEpollReport, kWriteFrame0,
+               "    #0 mrd::core::Core::Register() ../server/core/core.cc:10 "
+               "(mrd+0x1234)\n"),
+           Replace(kEpollReport, kReadFrame1, mrd_frame),
+           // The generated protobuf code is mrd's.
+           Replace(kEpollReport, kReadFrame1,
+                   "    #1 mrd::v1::RegisterMrRequest::SharedCtor() "
+                   "gen/mrd/v1/mrd.pb.cc:10 (mrd+0x99)\n"),
+           // Abseil's or protobuf's header code, libstdc++, other libraries
+           // act on mrd's data for mrd.
+           Replace(kEpollReport, kReadFrame1,
+                   "    #1 absl::container_internal::raw_hash_set<>::find() "
+                   "/usr/include/absl/container/internal/raw_hash_set.h:9 "
+                   "(mrd+0x99)\n" +
+                       mrd_frame),
+           Replace(kEpollReport, kReadFrame1,
+                   "    #1 <null> <null> (libstdc++.so.6+0x10)\n" + mrd_frame),
+           Replace(kEpollReport, kReadFrame1,
+                   "    #1 <null> <null> (libprotobuf.so.32+0x10)\n"),
+           Replace(kEpollReport, kReadFrame1, "    #1 <null> <null> <null>\n"),
+       }) {
+    absl::Status s = Check(log);
+    EXPECT_FALSE(s.ok()) << log;
+    EXPECT_TRUE(absl::StrContains(s.message(), "Previous write of size 8"))
+        << s;
+  }
+}
+
+TEST(SanitizerLogTest, UnrestoredStackFails) {
+  const std::string stack = std::string(
+                                "    #0 epoll_wait ../../../../src/"
+                                "libsanitizer/tsan/tsan_interceptors_"
+                                "posix.cpp:1895 (libtsan.so.2+0x610ed)"
+                                "\n") +
+                            kReadFrame1;
+  EXPECT_FALSE(
+      Check(Replace(kEpollReport, stack, "    [failed to restore the stack]\n"))
+          .ok());
+}
+
+TEST(SanitizerLogTest, ThreadLeakFails) {
+  constexpr char kLeak[] = R"(==================
+WARNING: ThreadSanitizer: thread leak (pid=4242)
+  Thread T5 (tid=4249, finished) created by main thread at:
+    #0 pthread_create ../../../../src/libsanitizer/tsan/tsan_interceptors_posix.cpp:1001 (libtsan.so.2+0x5ad75)
+    #1 <null> <null> (libgpr.so.29+0x1)
+
+SUMMARY: ThreadSanitizer: thread leak
+==================
+)";
+  EXPECT_FALSE(Check(kLeak).ok());
+}
+
+TEST(SanitizerLogTest, AsanAndUbsanReportsFail) {
+  EXPECT_FALSE(Check("==1==ERROR: AddressSanitizer: heap-use-after-free on "
+                     "address 0x1\n")
+                   .ok());
+  EXPECT_FALSE(
+      Check("==1==ERROR: LeakSanitizer: detected memory leaks\n").ok());
+  EXPECT_FALSE(Check("server/core/core.cc:10:5: runtime error: signed integer "
+                     "overflow\n")
+                   .ok());
+}
+
+}  // namespace
+}  // namespace mrd::testing
