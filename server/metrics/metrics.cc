@@ -228,55 +228,62 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
     }
     if (peer_path) {
       const PeerPathGauges p = peer_path();
-      out.push_back(Gauge("mrd_peer_connections_open",
-                          "Peer TCP connections open now (software device).",
-                          d(p.connections)));
-      out.push_back(Gauge("mrd_peer_connections_unauthenticated",
-                          "Peer connections that have not said hello yet.",
-                          d(p.unauthenticated)));
-      out.push_back(Gauge("mrd_peer_buffered_bytes",
-                          "Memory held for peer frames and responses now.",
-                          d(p.buffered_bytes)));
-      out.push_back(Gauge("mrd_peer_threads",
-                          "Threads serving the peer path (a fixed pool).",
-                          d(p.threads)));
-      out.push_back(Gauge("mrd_peer_max_connections",
-                          "Peer connections allowed at once "
-                          "(--peer_max_connections).",
-                          d(p.max_connections)));
-      out.push_back(Gauge("mrd_peer_max_unauthenticated",
-                          "Peer connections allowed before hello "
-                          "(--peer_max_unauthenticated).",
-                          d(p.max_unauthenticated)));
-      out.push_back(Gauge("mrd_peer_max_buffer_bytes",
-                          "Memory allowed for peer frames "
-                          "(--peer_buffer_bytes).",
-                          d(p.max_buffer_bytes)));
-      out.push_back(Gauge("mrd_peer_max_session_connections",
-                          "Peer connections allowed per session "
-                          "(--peer_max_session_connections).",
-                          d(p.max_session_connections)));
-      out.push_back(Counter("mrd_peer_accepted_total",
-                            "Peer connections accepted.", d(p.accepted_total)));
-      out.push_back(Counter("mrd_peer_refused_total",
-                            "Peer connections refused at the total cap with "
-                            "no stranger to shed.",
-                            d(p.refused_total)));
-      out.push_back(Counter("mrd_peer_shed_total",
-                            "Peer connections without hello closed to admit "
-                            "newer ones.",
-                            d(p.shed_total)));
-      out.push_back(Counter("mrd_peer_hello_timeouts_total",
-                            "Peer connections closed for no hello in time.",
-                            d(p.hello_timeouts_total)));
-      out.push_back(Counter("mrd_peer_stall_timeouts_total",
-                            "Peer connections closed for stalling inside a "
-                            "frame.",
-                            d(p.stall_timeouts_total)));
-      out.push_back(Counter("mrd_peer_session_limit_refusals_total",
-                            "Hellos refused: the session (or its tenant) is "
-                            "at its connection limit.",
-                            d(p.session_limit_refusals_total)));
+      struct Row {
+        const char* name;
+        const char* help;
+        uint64_t value;
+        bool counter;
+      };
+      const Row rows[] = {
+          {"mrd_peer_connections_open",
+           "Peer TCP connections open now (software device).", p.connections,
+           false},
+          {"mrd_peer_connections_unauthenticated",
+           "Peer connections that have not said hello yet.", p.unauthenticated,
+           false},
+          {"mrd_peer_buffered_bytes",
+           "Memory held for peer frames and responses now.", p.buffered_bytes,
+           false},
+          {"mrd_peer_threads", "Threads serving the peer path (a fixed pool).",
+           p.threads, false},
+          {"mrd_peer_max_connections",
+           "Peer connections allowed at once (--peer_max_connections).",
+           p.max_connections, false},
+          {"mrd_peer_max_unauthenticated",
+           "Peer connections allowed before hello "
+           "(--peer_max_unauthenticated).",
+           p.max_unauthenticated, false},
+          {"mrd_peer_max_buffer_bytes",
+           "Memory allowed for peer frames (--peer_buffer_bytes).",
+           p.max_buffer_bytes, false},
+          {"mrd_peer_max_session_connections",
+           "Peer connections allowed per session "
+           "(--peer_max_session_connections).",
+           p.max_session_connections, false},
+          {"mrd_peer_accepted_total", "Peer connections accepted.",
+           p.accepted_total, true},
+          {"mrd_peer_refused_total",
+           "Peer connections refused at the total cap with no stranger to "
+           "shed.",
+           p.refused_total, true},
+          {"mrd_peer_shed_total",
+           "Peer connections without hello closed to admit newer ones.",
+           p.shed_total, true},
+          {"mrd_peer_hello_timeouts_total",
+           "Peer connections closed for no hello in time.",
+           p.hello_timeouts_total, true},
+          {"mrd_peer_stall_timeouts_total",
+           "Peer connections closed for stalling inside a frame.",
+           p.stall_timeouts_total, true},
+          {"mrd_peer_session_limit_refusals_total",
+           "Hellos refused: the session (or its tenant) is at its "
+           "connection limit.",
+           p.session_limit_refusals_total, true},
+      };
+      for (const Row& row : rows) {
+        out.push_back(row.counter ? Counter(row.name, row.help, d(row.value))
+                                  : Gauge(row.name, row.help, d(row.value)));
+      }
     }
     return out;
   }
