@@ -227,9 +227,8 @@ UniqueFd ConnectPeer(uint16_t port, const std::string& ticket,
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  FUZZ_CHECK(::connect(sock.get(), reinterpret_cast<struct sockaddr*>(&addr),
-                       sizeof(addr)) == 0,
-             "connect: ", std::strerror(errno));
+  const int connect_err = ConnectRetrying(sock.get(), &addr, sizeof(addr));
+  FUZZ_CHECK(connect_err == 0, "connect: ", std::strerror(connect_err));
   struct timeval tv = {10, 0};
   ::setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   v1::PeerRequest hello;

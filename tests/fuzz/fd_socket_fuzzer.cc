@@ -357,9 +357,8 @@ void RunOne(FuzzedDataProvider& in, Fixture& f) {
   std::memset(&addr, 0, sizeof(addr));
   addr.sun_family = AF_UNIX;
   std::memcpy(addr.sun_path, f.server->path().data(), f.server->path().size());
-  FUZZ_CHECK(::connect(sock.get(), reinterpret_cast<struct sockaddr*>(&addr),
-                       sizeof(addr)) == 0,
-             "connect: ", std::strerror(errno));
+  const int connect_err = ConnectRetrying(sock.get(), &addr, sizeof(addr));
+  FUZZ_CHECK(connect_err == 0, "connect: ", std::strerror(connect_err));
   v1::FdReply welcome = ReceiveReply(sock.get());
   FUZZ_CHECK(welcome.has_welcome(), welcome.ShortDebugString());
   FUZZ_CHECK(welcome.welcome().peer_uid() == ::getuid());

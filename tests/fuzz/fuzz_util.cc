@@ -2,7 +2,9 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -40,6 +42,23 @@ UniqueFd MakeMemfd(uint64_t size, absl::string_view pattern) {
                "pwrite: ", std::strerror(errno));
   }
   return fd;
+}
+
+int ConnectRetrying(int fd, const void* addr, unsigned addr_len) {
+  if (::connect(fd, static_cast<const struct sockaddr*>(addr),
+                static_cast<socklen_t>(addr_len)) == 0) {
+    return 0;
+  }
+  if (errno != EINTR && errno != EINPROGRESS) return errno;
+  // The connection is being made: wait until the socket says how it ended.
+  struct pollfd pfd = {fd, POLLOUT, 0};
+  while (::poll(&pfd, 1, 10000) < 0) {
+    if (errno != EINTR) return errno;
+  }
+  int err = 0;
+  socklen_t len = sizeof(err);
+  if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len) != 0) return errno;
+  return err;
 }
 
 int CountOpenFds() {

@@ -88,6 +88,11 @@ class Reader {
 // Entries of /proc/self/fd.
 int CountOpenFds();
 
+// connect(2) that survives a signal: libFuzzer's own timers interrupt
+// blocking calls, and an interrupted connect goes on in the background, so
+// it waits for the outcome instead of failing. 0 or the errno.
+int ConnectRetrying(int fd, const void* addr, unsigned addr_len);
+
 // mkdtemp under `parent`; the directory is removed with everything in it by
 // RemoveTree.
 std::string MakeTempDir(const std::string& parent, absl::string_view prefix);

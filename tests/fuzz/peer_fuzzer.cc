@@ -142,9 +142,8 @@ UniqueFd ConnectTcp(uint16_t port) {
   addr.sin_family = AF_INET;
   addr.sin_port = htons(port);
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  FUZZ_CHECK(::connect(sock.get(), reinterpret_cast<struct sockaddr*>(&addr),
-                       sizeof(addr)) == 0,
-             "connect: ", std::strerror(errno));
+  const int connect_err = ConnectRetrying(sock.get(), &addr, sizeof(addr));
+  FUZZ_CHECK(connect_err == 0, "connect: ", std::strerror(connect_err));
   int one = 1;
   ::setsockopt(sock.get(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   struct timeval tv = {10, 0};
