@@ -320,11 +320,29 @@ void PeerListener::CloseConn(uint64_t id, const char* why) {
 }
 
 bool PeerListener::MakeRoom(bool for_total) {
+  // Silent strangers go first: a connection that has sent nothing, not even
+  // bytes still waiting in the socket, oldest first. Only when every
+  // connection before hello is talking is the oldest of those shed: a peer
+  // whose hello is on its way is never shed while a silent one remains.
+  bool (*silent)(const Conn&) = [](const Conn& conn) {
+    if (conn.header_got != 0 || !conn.body.empty()) return false;
+    char byte;
+    return ::recv(conn.fd.get(), &byte, 1, MSG_PEEK | MSG_DONTWAIT) < 0 &&
+           (errno == EAGAIN || errno == EWOULDBLOCK);
+  };
+  for (int pass = 0; pass < 2; ++pass) {
+    if (ShedOne(for_total, pass == 0 ? silent : nullptr)) return true;
+  }
+  return false;
+}
+
+bool PeerListener::ShedOne(bool for_total, bool (*eligible)(const Conn& conn)) {
   for (uint64_t id : unauthenticated_) {
     auto found = conns_.find(id);
     if (found == conns_.end()) continue;
     Conn& conn = *found->second;
     if (conn.state == Conn::State::kBusy) continue;  // its hello is running
+    if (eligible != nullptr && !eligible(conn)) continue;
     std::string remote = conn.remote;
     CloseConn(id, "shed");
     ++local_.shed;

@@ -156,6 +156,9 @@ class PeerListener {
   void ReactorLoop();
   void AcceptBatch();
   bool MakeRoom(bool for_total);
+  // Closes the oldest connection before hello that is not busy and, when
+  // `eligible` is given, passes it. False when there is none.
+  bool ShedOne(bool for_total, bool (*eligible)(const Conn& conn));
   void ReadSome(Conn& conn);
   void WriteSome(Conn& conn);
   void Dispatch(Conn& conn, absl::StatusOr<std::string> body);
