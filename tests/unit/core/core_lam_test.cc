@@ -164,5 +164,45 @@ TEST_F(LamLimitTest, SessionLamLimitIsInsufficientResources) {
   EXPECT_TRUE(BuildLam(session_, buffer_.buffer(), 0, page_).ok());
 }
 
+// The server-wide caps on buffers, LAMs and MR objects hold across
+// sessions, and what one session gives back another may take.
+class TotalObjectLimitTest : public CoreTest {
+ protected:
+  void Configure(core::CoreOptions& options,
+                 fake::FakeDeviceOptions&) override {
+    options.max_total_buffers = 2;
+    options.max_total_lams = 1;
+    options.max_total_mrs = 1;
+  }
+};
+
+TEST_F(TotalObjectLimitTest, CapsHoldAcrossSessions) {
+  const std::string a = Connect(1000);
+  const std::string b = Connect(1001);
+  v1::BufferInfo buffer_a = Import(a, page_);
+  v1::BufferInfo buffer_b = Import(b, page_);
+  EXPECT_TRUE(IsSeedError(
+      TryImport(b, page_).status(), absl::StatusCode::kResourceExhausted,
+      v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_BUFFERS"));
+
+  absl::StatusOr<v1::BuildLamResponse> lam =
+      BuildLam(a, buffer_a.buffer(), 0, page_);
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  EXPECT_TRUE(IsSeedError(BuildLam(b, buffer_b.buffer(), 0, page_).status(),
+                          absl::StatusCode::kResourceExhausted,
+                          v1::STATUS_INSUFFICIENT_RESOURCES,
+                          "LIMIT_TOTAL_LAMS"));
+  EXPECT_OK(ReleaseLam(a, lam->lam()));
+  EXPECT_TRUE(BuildLam(b, buffer_b.buffer(), 0, page_).ok());
+
+  absl::StatusOr<v1::MrInfo> mr = CreateMr(a, /*fast_register=*/false);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  EXPECT_TRUE(IsSeedError(
+      CreateMr(b, false).status(), absl::StatusCode::kResourceExhausted,
+      v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_MRS"));
+  EXPECT_OK(CloseMr(a, mr->mr()));
+  EXPECT_TRUE(CreateMr(b, false).ok());
+}
+
 }  // namespace
 }  // namespace mrd::core_test
