@@ -243,6 +243,24 @@ TEST_F(ConfusedDeputyTest, NobodyCannotImportRootsPrivateFile) {
       << write_public;
 }
 
+// mrctl vouches through the fd socket unless told --anonymous.
+TEST_F(ConfusedDeputyTest, MrctlLeaseOpenVouchesUnlessAnonymous) {
+  for (bool anonymous : {false, true}) {
+    std::vector<std::string> args = {"lease", "open", "-q"};
+    if (anonymous) args.push_back("--anonymous");
+    ChildResult open =
+        MrctlAs(getuid(), mrd_->runtime_dir(), "", args, scratch_);
+    ASSERT_EQ(open.code, 0) << open;
+    v1::GetSessionRequest get;
+    get.set_session(std::string(absl::StripSuffix(open.out, "\n")));
+    absl::StatusOr<v1::SessionInfo> info = client_->GetSession(get);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->verified(), !anonymous);
+    EXPECT_EQ(info->tenant(),
+              anonymous ? "anonymous" : absl::StrCat("uid:", getuid()));
+  }
+}
+
 TEST_F(ConfusedDeputyTest, AnonymousLeaseIsAnyoneVouchedLeaseIsItsOwner) {
   absl::StatusOr<v1::SessionInfo> anonymous = OpenLease(*client_);
   ASSERT_TRUE(anonymous.ok()) << anonymous.status();
