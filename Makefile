@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make run   installs what is missing, builds, and runs mrd on the software device
 #   make test  installs what is missing, builds, and runs every test (plain,
-#              ASan+UBSan and TSan builds)
+#              ASan+UBSan and TSan builds, the integration tests against
+#              the TSan build's mrd, the fuzz targets)
 # Both are incremental: a second run rebuilds only what changed.
 #   make fuzz  runs each libFuzzer target (tests/fuzz) for FUZZ_SECONDS
 #              (default 600) in build-fuzz (clang-14, ASan+UBSan)
@@ -14,6 +15,10 @@ MRD_FLAGS ?=
 CMAKE_ARGS ?=
 # Seconds per fuzz target for `make fuzz` (make test runs them for 45 s).
 FUZZ_SECONDS ?= 600
+# For long runs: stop each target after FUZZ_RUNS executions; run it in
+# FUZZ_JOBS processes (libFuzzer's fork mode). Empty: no limit, one process.
+FUZZ_RUNS ?=
+FUZZ_JOBS ?=
 
 .PHONY: all deps build run test test-plain test-asan test-tsan fuzz format clean
 
@@ -43,12 +48,15 @@ test-plain: build
 	scripts/run-tests.sh $(BUILD_DIR)
 test-asan: deps
 	$(MAKE) BUILD_DIR=build-asan CMAKE_ARGS=-DMRD_SANITIZE=address test-plain
+# The TSan build is clang's (make test explains why: scripts/test-all.sh).
 test-tsan: deps
-	$(MAKE) BUILD_DIR=build-tsan CMAKE_ARGS=-DMRD_SANITIZE=thread test-plain
+	$(MAKE) BUILD_DIR=build-tsan CMAKE_ARGS="-DMRD_SANITIZE=thread \
+	  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14" test-plain
 
-# Every fuzz target, longer than make test runs them (scripts/fuzz.sh).
+# Every fuzz target, longer than make test runs them (scripts/fuzz.sh; it
+# also reads FUZZ_RUNS and FUZZ_JOBS from the environment).
 fuzz: deps
-	scripts/fuzz.sh $(FUZZ_SECONDS)
+	FUZZ_RUNS=$(FUZZ_RUNS) FUZZ_JOBS=$(FUZZ_JOBS) scripts/fuzz.sh $(FUZZ_SECONDS)
 
 format:
 	git ls-files '*.cc' '*.h' | xargs clang-format -i

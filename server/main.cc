@@ -16,6 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -45,6 +46,7 @@
 #include "server/device/software/software_device.h"
 #include "server/device/verbs/verbs_device.h"
 #include "server/metrics/metrics.h"
+#include "server/service/grpc_acceptor.h"
 #include "server/service/service.h"
 #include "server/session/fd_server.h"
 
@@ -123,6 +125,14 @@ ABSL_FLAG(uint64_t, fd_reserve, 0,
           "peers, metrics, logs, the device). 0 = max(256, limit/8), at most "
           "3/4 of the open-file limit (RLIMIT_NOFILE, raised to the hard "
           "limit at start).");
+ABSL_FLAG(uint64_t, grpc_max_connections, 0,
+          "gRPC connections (on --grpc_socket) mrd holds at most; more are "
+          "refused with an HTTP/2 GOAWAY naming LIMIT_GRPC_CONNECTIONS. 0 = "
+          "half the fd reserve.");
+ABSL_FLAG(uint64_t, grpc_max_connections_per_uid, 0,
+          "gRPC connections one client uid may hold; more are refused "
+          "(LIMIT_UID_GRPC_CONNECTIONS). 0 = --tenant_default_percent of "
+          "--grpc_max_connections.");
 ABSL_FLAG(uint64_t, max_session_fds, 0,
           "File descriptors (imported buffers) one session may make mrd "
           "hold. 0 = min(4096, budget/4), budget = limit - fd_reserve.");
@@ -517,6 +527,33 @@ int Run() {
   });
 
   // Metrics.
+  // mrd accepts on its gRPC socket itself and hands each connection to gRPC
+  // (server/service/grpc_acceptor.h): connections are capped, in total and
+  // per uid, and running out of fds never stops the server accepting. Made
+  // before the metrics, which read it until they are destroyed.
+  service::GrpcAcceptorOptions acceptor_options;
+  acceptor_options.socket_path = grpc_socket;
+  acceptor_options.socket_mode = socket_mode;
+  acceptor_options.max_connections = absl::GetFlag(FLAGS_grpc_max_connections);
+  if (acceptor_options.max_connections == 0) {
+    acceptor_options.max_connections =
+        std::max<uint64_t>(1, (*fd_budget)->Stats().reserve / 2);
+  }
+  acceptor_options.max_connections_per_uid =
+      absl::GetFlag(FLAGS_grpc_max_connections_per_uid);
+  if (acceptor_options.max_connections_per_uid == 0) {
+    acceptor_options.max_connections_per_uid = std::max<uint64_t>(
+        1, acceptor_options.max_connections *
+               std::min<uint32_t>(100,
+                                  absl::GetFlag(FLAGS_tenant_default_percent)) /
+               100);
+  }
+  absl::StatusOr<std::unique_ptr<service::GrpcAcceptor>> acceptor =
+      service::GrpcAcceptor::Listen(acceptor_options);
+  if (!acceptor.ok()) {
+    LogError("gRPC socket: ", acceptor.status().ToString());
+    return 1;
+  }
   metrics::Metrics metrics(&core, fd_budget->get());
   if (software_device != nullptr) {
     metrics.SetPeerPathSource([software_device] {
@@ -540,6 +577,8 @@ int Run() {
       return g;
     });
   }
+  metrics.SetGrpcConnectionsSource(
+      [a = acceptor->get()] { return a->Stats(); });
   const std::string metrics_address = absl::GetFlag(FLAGS_metrics_address);
   if (!metrics_address.empty()) {
     if (absl::Status s = metrics.Serve(metrics_address); !s.ok()) {
@@ -559,10 +598,7 @@ int Run() {
   service::MrdService service(&core, &pool, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  unlink(grpc_socket.c_str());
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + grpc_socket,
-                           grpc::InsecureServerCredentials());
   int debug_port = 0;
   if (!debug_tcp.empty()) {
     builder.AddListeningPort(debug_tcp, grpc::InsecureServerCredentials(),
@@ -571,11 +607,17 @@ int Run() {
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
-    LogError("cannot start the gRPC server on unix:", grpc_socket,
-             debug_tcp.empty() ? "" : " and ", debug_tcp);
+    LogError("cannot start the gRPC server", debug_tcp.empty() ? "" : " on ",
+             debug_tcp);
     return 1;
   }
-  chmod(grpc_socket.c_str(), socket_mode);
+  if (absl::Status started = (*acceptor)->Start(server.get()); !started.ok()) {
+    LogError("gRPC acceptor: ", started.ToString());
+    server->Shutdown();
+    return 1;
+  }
+  LogInfo("gRPC connections: at most ", acceptor_options.max_connections, ", ",
+          acceptor_options.max_connections_per_uid, " per uid");
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
   health->SetServingStatus(true);
   LogInfo("mrd serving: grpc unix:", grpc_socket, ", fd socket ", fd_socket,
@@ -609,6 +651,7 @@ int Run() {
   });
   if (!health_watch.ok()) {
     LogError("health watch: ", health_watch.status().ToString());
+    (*acceptor)->Shutdown();
     server->Shutdown();
     (*fd_server)->Shutdown();
     core.Shutdown();
@@ -622,6 +665,7 @@ int Run() {
   stop_health.Notify();
   health_watch->Join();
   health->SetServingStatus(false);
+  (*acceptor)->Shutdown();
   (*fd_server)->Shutdown();
   core.Shutdown();
   // Every session is released by now; what remains are idle client channels

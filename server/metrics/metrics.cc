@@ -285,6 +285,34 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                                   : Gauge(row.name, row.help, d(row.value)));
       }
     }
+    if (grpc_connections) {
+      const service::GrpcAcceptorStats g = grpc_connections();
+      out.push_back(Gauge("mrd_grpc_connections",
+                          "gRPC connections open now (on the gRPC socket).",
+                          d(g.connections)));
+      out.push_back(Gauge("mrd_grpc_max_connections",
+                          "gRPC connections allowed at once "
+                          "(--grpc_max_connections).",
+                          d(g.max_connections)));
+      out.push_back(Gauge("mrd_grpc_max_connections_per_uid",
+                          "gRPC connections allowed per client uid "
+                          "(--grpc_max_connections_per_uid).",
+                          d(g.max_connections_per_uid)));
+      out.push_back(Counter("mrd_grpc_connections_accepted_total",
+                            "gRPC connections accepted.", d(g.accepted_total)));
+      out.push_back(Counter("mrd_grpc_connections_refused_total",
+                            "gRPC connections refused at the total limit "
+                            "(LIMIT_GRPC_CONNECTIONS).",
+                            d(g.refused_total_limit)));
+      out.push_back(Counter("mrd_grpc_connections_refused_uid_total",
+                            "gRPC connections refused at the per-uid limit "
+                            "(LIMIT_UID_GRPC_CONNECTIONS).",
+                            d(g.refused_uid_limit)));
+      out.push_back(Counter("mrd_grpc_connections_refused_no_fd_total",
+                            "gRPC connections refused because mrd had no "
+                            "file descriptor left.",
+                            d(g.refused_no_fd)));
+    }
     return out;
   }
 
@@ -324,10 +352,16 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
  public:
   // Set before the exposer starts; read-only afterwards.
   std::function<PeerPathGauges()> peer_path;
+  std::function<service::GrpcAcceptorStats()> grpc_connections;
 };
 
 void Metrics::SetPeerPathSource(std::function<PeerPathGauges()> source) {
   collector_->peer_path = std::move(source);
+}
+
+void Metrics::SetGrpcConnectionsSource(
+    std::function<service::GrpcAcceptorStats()> source) {
+  collector_->grpc_connections = std::move(source);
 }
 
 Metrics::Metrics(const core::Core* core, FdBudget* fd_budget)

@@ -19,6 +19,7 @@
 #include "prometheus/registry.h"
 #include "server/common/fd_budget.h"
 #include "server/core/core.h"
+#include "server/service/grpc_acceptor.h"
 #include "server/service/service.h"
 
 namespace mrd::metrics {
@@ -60,6 +61,11 @@ class Metrics final : public service::RpcObserver {
   // Adds the peer path's gauges to every scrape. Call before Serve; the
   // source must be thread-safe and outlive this object.
   void SetPeerPathSource(std::function<PeerPathGauges()> source);
+
+  // Adds the gRPC socket's connection gauges (server/service/grpc_acceptor.h)
+  // to every scrape. Same rules as SetPeerPathSource.
+  void SetGrpcConnectionsSource(
+      std::function<service::GrpcAcceptorStats()> source);
 
  private:
   class CoreCollector;

@@ -1,14 +1,40 @@
 #include "server/service/service.h"
 
+#include <grpc/grpc.h>
+
 #include <memory>
+#include <new>
 #include <optional>
 #include <utility>
 
 #include "absl/synchronization/mutex.h"
+#include "server/common/tsan.h"
 #include "server/service/grpc_status.h"
 
 namespace mrd::service {
 namespace {
+
+// A unary call's reactor, in the call's arena (as gRPC's default reactor
+// is): no allocation of its own, and gRPC discards the memory with the call.
+// Finish may be called by a worker thread; gRPC then completes the call on
+// one of its own threads, which calls OnDone and frees the request and
+// response the worker used (TsanTakeOverFromGrpc tells ThreadSanitizer about
+// that hand-over; it is nothing otherwise).
+class UnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  static UnaryReactor* Create(grpc::CallbackServerContext* ctx) {
+    void* memory = grpc_call_arena_alloc(ctx->c_call(), sizeof(UnaryReactor));
+    return new (memory) UnaryReactor();
+  }
+
+  void OnDone() override {
+    TsanTakeOverFromGrpc();
+    this->~UnaryReactor();  // the arena's memory goes with the call
+  }
+
+ private:
+  UnaryReactor() = default;
+};
 
 // Streams one session's completions. Lifetime: the reactor owns itself
 // through `self_` until gRPC calls OnDone; the notifier handed to the core
@@ -45,7 +71,10 @@ class CompletionWriter final
     MaybeWrite();
   }
 
+  // Each callback runs on a gRPC thread, after a batch this reactor started
+  // (StartWrite, Finish) on another (see UnaryReactor).
   void OnWriteDone(bool ok) override {
+    TsanTakeOverFromGrpc();
     {
       absl::MutexLock lock(&mu_);
       writing_ = false;
@@ -55,6 +84,7 @@ class CompletionWriter final
   }
 
   void OnCancel() override {
+    TsanTakeOverFromGrpc();
     {
       absl::MutexLock lock(&mu_);
       cancelled_ = true;
@@ -63,6 +93,7 @@ class CompletionWriter final
   }
 
   void OnDone() override {
+    TsanTakeOverFromGrpc();
     std::shared_ptr<core::Session> session;
     {
       absl::MutexLock lock(&mu_);
@@ -119,7 +150,7 @@ template <typename Fn>
 grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
                                           absl::string_view method, Where where,
                                           Fn fn) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  grpc::ServerUnaryReactor* reactor = UnaryReactor::Create(ctx);
   const absl::Time start = absl::Now();
   auto work = [this, ctx, reactor, method, start, fn = std::move(fn)]() {
     grpc::Status status = ToGrpcStatus(fn(), ctx);

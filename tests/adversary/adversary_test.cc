@@ -69,13 +69,17 @@ constexpr uint64_t kThreadSlack = 4;
 constexpr uint64_t kMapSlack = 24;  // thread stacks, malloc arenas
 // A sanitizer's allocator keeps freed memory in quarantine and maps memory
 // of its own as it goes: under ASan or TSan, mrd's memory and map counts say
-// nothing about what mrd holds, so only the plain build checks them (fds,
-// threads and pinned bytes are checked in every build).
+// nothing about what mrd holds, so only the plain build's own mrd is checked
+// on them (fds, threads and pinned bytes are checked in every build, and
+// against the TSan build's mrd, see MRD_TEST_MRD_BINARY).
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitizerAllocator = true;
+constexpr bool kSanitizedBuild = true;
 #else
-constexpr bool kSanitizerAllocator = false;
+constexpr bool kSanitizedBuild = false;
 #endif
+bool SanitizerAllocator() {
+  return kSanitizedBuild || testing::MrdBinaryIsForeign();
+}
 constexpr uint64_t kRssSlackKb = 64 << 10;
 // Peak anonymous memory while under attack (frames announced but never
 // sent, idempotency keys, streams) over the baseline.
@@ -570,7 +574,8 @@ TEST_F(AdversaryTest, MrdHoldsWhileEveryAttackRunsAtOnce) {
   auto settled = [&](const Resources& r) {
     return r.proc.fds <= base.proc.fds + kFdSlack &&
            r.proc.threads <= base.proc.threads + kThreadSlack &&
-           (kSanitizerAllocator || r.proc.maps <= base.proc.maps + kMapSlack) &&
+           (SanitizerAllocator() ||
+            r.proc.maps <= base.proc.maps + kMapSlack) &&
            r.pinned_bytes == base.pinned_bytes;
   };
   while (!settled(after) && absl::Now() < settle && after.proc.alive) {
@@ -665,7 +670,7 @@ TEST_F(AdversaryTest, MrdHoldsWhileEveryAttackRunsAtOnce) {
   EXPECT_LE(after.proc.threads, base.proc.threads + kThreadSlack);
   EXPECT_EQ(after.pinned_bytes, base.pinned_bytes);
   EXPECT_EQ(base.pinned_bytes, Bystander::kLongLivedBytes);
-  if (!kSanitizerAllocator) {
+  if (!SanitizerAllocator()) {
     EXPECT_LE(after.proc.maps, base.proc.maps + kMapSlack)
         << "new maps:\n"
         << NewMaps(base_maps, Slurp(absl::StrCat("/proc/", pid, "/maps")));
@@ -740,7 +745,7 @@ TEST(RequestIdTest, LongRequestIdsCostMrdNoMemory) {
     std::cout << kCalls << " RegisterMr with 1 MiB request ids: " << refused
               << " refused, mrd's anonymous memory " << Kib(before) << " -> "
               << Kib(after) << "\n";
-    if (!kSanitizerAllocator) {
+    if (!SanitizerAllocator()) {
       EXPECT_LT(after, before + (16 << 10))
           << "mrd holds the request ids: " << Kib(after - before);
     }

@@ -317,25 +317,9 @@ class MetricsTest : public MrdTest {
     return o;
   }
   std::string Scrape() {
-    std::string host_port = mrd_->metrics_address();
-    int port = 0;
-    EXPECT_TRUE(
-        absl::SimpleAtoi(host_port.substr(host_port.find(':') + 1), &port));
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-    std::string req = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
-    EXPECT_EQ(write(fd, req.data(), req.size()),
-              static_cast<ssize_t>(req.size()));
-    std::string out;
-    char buf[4096];
-    ssize_t n;
-    while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
-    close(fd);
-    return out;
+    absl::StatusOr<std::string> text = ScrapeMetrics(mrd_->metrics_address());
+    EXPECT_TRUE(text.ok()) << text.status();
+    return text.ok() ? *text : "";
   }
 };
 

@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -69,6 +70,61 @@ std::string MrdBinary() {
   return binary == nullptr || *binary == '\0' ? MRD_BINARY : binary;
 }
 
+bool MrdBinaryIsForeign() { return MrdBinary() != MRD_BINARY; }
+
+absl::Status HealthCheckOnNewConnection(const MrdProcess& mrd) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto channel = grpc::CreateCustomChannel(
+      mrd.grpc_target(), grpc::InsecureChannelCredentials(), args);
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  grpc::Status s = stub->Check(&ctx, req, &resp);
+  if (!s.ok()) {
+    return absl::UnavailableError(
+        absl::StrCat("health check: ", s.error_code(), " ", s.error_message()));
+  }
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError("health check: not SERVING");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ScrapeMetrics(const std::string& host_port) {
+  int port = 0;
+  if (!absl::SimpleAtoi(host_port.substr(host_port.rfind(':') + 1), &port)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bad metrics address ", host_port));
+  }
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::InternalError("socket");
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    ::close(fd);
+    return absl::UnavailableError(
+        absl::StrCat("cannot connect to metrics at ", host_port));
+  }
+  const std::string req = "GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    ::close(fd);
+    return absl::UnavailableError("cannot send the metrics request");
+  }
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof(buf))) > 0) {
+    out.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return out;
+}
+
 namespace {
 
 // How ThreadSanitizer shows a stack: its own shadow stack of the
@@ -79,16 +135,28 @@ namespace {
 // that caller.
 //
 // The rule (tests/support/tsan_server.supp says why): a report is
-// library-only when, in each stack it is about, the frames above the first
-// frame of mrd's own code are all Debian library code and include gRPC's:
-// the access was made by gRPC (libgrpc, libgpr, or gRPC's headers compiled
-// into mrd), possibly through libc or libstdc++, never by mrd's code. mrd's
-// frames below are only the callers (mrd starting the server, replying
-// through its reactor). A stack whose access is made by mrd's code (its own
-// sources or the generated protobuf code), or by a library on mrd's behalf
-// without gRPC (std::vector, absl::flat_hash_map, protobuf on mrd's data), an
-// unreadable frame, or a stack TSan could not restore fails the report.
-enum class FrameKind { kGrpc, kOtherLibrary, kMrd };
+// library-only when each stack it is about is either
+//  - made by gRPC: the frames above the first frame of mrd's own code are
+//    all library code and include gRPC's (libgrpc, libgpr, or gRPC's headers
+//    compiled into mrd). mrd's frames below are only the callers (mrd
+//    starting the server, replying through its reactor); or
+//  - library code only: no frame of mrd's own code at all, and at least one
+//    frame of gRPC or of another of Debian's uninstrumented libraries
+//    (Abseil's time zone loading on a gRPC thread, say).
+// Frames that act for whoever calls them count as library code but make
+// neither case alone: the sanitizer runtime's interceptors, libstdc++'s,
+// Abseil's and protobuf's header code, and the protobuf code generated for
+// mrd's messages (gRPC constructs and destroys requests and responses with
+// it). A stack whose access is made by mrd's code, or by such code or a
+// library on mrd's behalf without gRPC (std::vector, absl::flat_hash_map, a
+// protobuf setter called by mrd's service), an unreadable frame, or a stack
+// TSan could not restore fails the report.
+enum class FrameKind {
+  kGrpc,           // gRPC: libgrpc, libgrpc++, libgpr, gRPC's headers
+  kLibrary,        // another of Debian's uninstrumented libraries
+  kActsForCaller,  // sanitizer runtime, header-only and generated code
+  kMrd,            // mrd's own code, or a frame that cannot be read
+};
 
 // The module and file of one frame line, e.g. "libgrpc.so.29" and "<null>"
 // of
@@ -97,6 +165,11 @@ enum class FrameKind { kGrpc, kOtherLibrary, kMrd };
 //   #2 grpc::Status::Status(...) /usr/include/grpcpp/support/status.h:44
 //   (mrd+0x12)
 FrameKind ClassifyFrame(absl::string_view line) {
+  // clang's runtime appends the module's build id: "(mrd+0x12) (BuildId: ..)".
+  if (const size_t id = line.rfind(" (BuildId: ");
+      id != absl::string_view::npos) {
+    line = line.substr(0, id);
+  }
   const size_t open = line.rfind('(');
   if (open == absl::string_view::npos || line.back() != ')') {
     return FrameKind::kMrd;
@@ -109,23 +182,34 @@ FrameKind ClassifyFrame(absl::string_view line) {
                            "libgrpc++_reflection.so.", "libgpr.so."}) {
     if (absl::StartsWith(module, grpc)) return FrameKind::kGrpc;
   }
-  for (const char* lib : {"libtsan.so.", "libc.so.", "libstdc++.so.",
-                          "libm.so.", "libgcc_s.so."}) {
-    if (absl::StartsWith(module, lib)) return FrameKind::kOtherLibrary;
+  for (const char* runtime : {"libtsan.so.", "libclang_rt.tsan"}) {
+    if (absl::StartsWith(module, runtime)) return FrameKind::kActsForCaller;
   }
-  // Another shared object: not judged (mrd's code calls it directly).
-  if (absl::StrContains(module, ".so")) return FrameKind::kMrd;
+  // Another shared object: libc, libstdc++, Abseil, protobuf, liburing...
+  if (absl::StrContains(module, ".so")) return FrameKind::kLibrary;
   // mrd's executable: the file is the word before the module.
   std::vector<absl::string_view> words =
       absl::StrSplit(line.substr(0, open), ' ', absl::SkipEmpty());
   if (words.size() < 3) return FrameKind::kMrd;
   absl::string_view file = words.back();
+  // clang links its TSan runtime into mrd; its interceptors are the only code
+  // of mrd's executable without line information (mrd is built with -g).
+  if (file == "<null>") return FrameKind::kActsForCaller;
   for (const char* grpc :
        {"/usr/include/grpcpp/", "/usr/include/grpc++/", "/usr/include/grpc/"}) {
     if (absl::StartsWith(file, grpc)) return FrameKind::kGrpc;
   }
-  if (absl::StartsWith(file, "/usr/include/c++/")) {
-    return FrameKind::kOtherLibrary;
+  // libstdc++'s headers, as GCC ("/usr/include/c++/12/...") or clang
+  // ("/usr/bin/../lib/gcc/x86_64-linux-gnu/12/../../../../include/c++/12/...")
+  // names them; Abseil's and protobuf's headers; mrd's generated messages
+  // (proto/gen/ in the build directory, gen/ in older builds).
+  if (absl::StartsWith(file, "/usr/include/c++/") ||
+      (absl::StartsWith(file, "/usr/") &&
+       absl::StrContains(file, "/include/c++/")) ||
+      absl::StartsWith(file, "/usr/include/absl/") ||
+      absl::StartsWith(file, "/usr/include/google/protobuf/") ||
+      absl::StrContains(file, ".pb.cc:") || absl::StrContains(file, ".pb.h:")) {
+    return FrameKind::kActsForCaller;
   }
   return FrameKind::kMrd;
 }
@@ -162,13 +246,21 @@ bool IsLibraryOnlyTsanReport(const std::vector<absl::string_view>& lines) {
   }
   if (stacks.empty()) return false;
   for (const std::vector<absl::string_view>& frames : stacks) {
-    bool grpc = false;
+    bool grpc = false;     // a gRPC frame above the first frame of mrd's
+    bool library = false;  // a frame of an uninstrumented library there
+    bool mrd = false;      // a frame of mrd's own code
     for (absl::string_view frame : frames) {
       const FrameKind kind = ClassifyFrame(frame);
-      if (kind == FrameKind::kMrd) break;
+      if (kind == FrameKind::kMrd) {
+        mrd = true;
+        break;
+      }
       grpc = grpc || kind == FrameKind::kGrpc;
+      library = library || kind == FrameKind::kLibrary;
     }
-    if (!grpc) return false;  // also an empty (unrestored) stack
+    // Made by gRPC, or library code only. Also fails an empty (unrestored)
+    // stack.
+    if (!grpc && (mrd || !library)) return false;
   }
   return true;
 }

@@ -106,6 +106,17 @@ std::vector<std::string> DeviceFlags();
 
 // The mrd executable the tests start (see MRD_TEST_MRD_BINARY above).
 std::string MrdBinary();
+// A grpc.health.v1 Check on a new connection to mrd's gRPC socket: a channel
+// with a subchannel pool of its own (gRPC shares one connection between
+// channels to the same target otherwise), 3 s deadline. OK when SERVING.
+absl::Status HealthCheckOnNewConnection(const MrdProcess& mrd);
+// GET /metrics from an mrd serving metrics on `host_port` (loopback), as
+// the body of the HTTP response with its headers.
+absl::StatusOr<std::string> ScrapeMetrics(const std::string& host_port);
+// True when that is another build's mrd (the TSan build's): its sanitizer
+// runtime maps memory of its own, so counts of mrd's memory maps carry
+// more than mrd's own.
+bool MrdBinaryIsForeign();
 
 // Checks the sanitizer output `log` of one mrd: OK when it has no report, or
 // only library-only ThreadSanitizer reports: in every stack the report is

@@ -119,6 +119,9 @@ class ReflectionTest : public ::testing::Test {
     reflection_ = std::make_unique<ReflectionClient>(channel_);
   }
   void TearDown() override {
+    // The factory's prototypes point into the reflection client's pool: they
+    // go first.
+    factory_.reset();
     // An idle open channel holds mrd's shutdown until its grace deadline.
     reflection_.reset();
     channel_.reset();
@@ -136,7 +139,8 @@ class ReflectionTest : public ::testing::Test {
     EXPECT_NE(service, nullptr);
     const auto* m = service->FindMethodByName(method);
     EXPECT_NE(m, nullptr) << method;
-    std::unique_ptr<Message> req(factory_.GetPrototype(m->input_type())->New());
+    std::unique_ptr<Message> req(
+        factory_->GetPrototype(m->input_type())->New());
     auto parsed = google::protobuf::util::JsonStringToMessage(json, req.get());
     EXPECT_TRUE(parsed.ok()) << parsed.ToString();
     std::string bytes = req->SerializeAsString();
@@ -158,7 +162,7 @@ class ReflectionTest : public ::testing::Test {
       out.append(reinterpret_cast<const char*>(s.begin()), s.size());
     }
     std::unique_ptr<Message> resp(
-        factory_.GetPrototype(m->output_type())->New());
+        factory_->GetPrototype(m->output_type())->New());
     EXPECT_TRUE(resp->ParseFromString(out));
     std::string text;
     EXPECT_TRUE(google::protobuf::util::MessageToJsonString(*resp, &text).ok());
@@ -168,7 +172,8 @@ class ReflectionTest : public ::testing::Test {
   std::unique_ptr<MrdProcess> mrd_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<ReflectionClient> reflection_;
-  DynamicMessageFactory factory_;
+  std::unique_ptr<DynamicMessageFactory> factory_ =
+      std::make_unique<DynamicMessageFactory>();
 };
 
 TEST_F(ReflectionTest, ListsServicesAsGrpcurlWould) {

@@ -1,0 +1,44 @@
+// ThreadSanitizer annotations for hand-overs that happen inside libraries
+// TSan cannot see (Debian's libgrpc is not built with -fsanitize=thread).
+// They compile to nothing unless the build is a TSan build.
+//
+// The gRPC hand-over: a thread that starts a batch of operations on a call
+// (grpc_call_start_batch: Finish, StartWrite) publishes what it wrote before,
+// and the gRPC thread that later runs the call's callbacks (OnWriteDone,
+// OnDone, then the destruction of the request and response) reads and frees
+// that memory. In TSan builds every executable gets an interposed
+// grpc_call_start_batch that releases on one process-wide key
+// (tests/support/tsan_grpc_handoff.cc); each callback of ours acquires on
+// that key with TsanTakeOverFromGrpc before it touches anything (before
+// reading even its own members, which is why the key is not per call).
+#ifndef MRD_SERVER_COMMON_TSAN_H_
+#define MRD_SERVER_COMMON_TSAN_H_
+
+#if defined(__SANITIZE_THREAD__)
+#define MRD_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define MRD_TSAN 1
+#endif
+#endif
+
+#ifdef MRD_TSAN
+#include <sanitizer/tsan_interface.h>
+
+// Defined by tests/support/tsan_grpc_handoff.cc (TSan builds only).
+extern "C" char mrd_tsan_grpc_handoff;
+#endif
+
+namespace mrd {
+
+// Orders everything threads did before they started a gRPC batch before
+// what the calling thread (a gRPC callback) does next.
+inline void TsanTakeOverFromGrpc() {
+#ifdef MRD_TSAN
+  __tsan_acquire(&mrd_tsan_grpc_handoff);
+#endif
+}
+
+}  // namespace mrd
+
+#endif  // MRD_SERVER_COMMON_TSAN_H_

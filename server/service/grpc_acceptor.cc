@@ -1,0 +1,290 @@
+#include "server/service/grpc_acceptor.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_posix.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <set>
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "server/common/log.h"
+#include "server/common/status.h"
+
+namespace mrd::service {
+namespace {
+
+// How often the acceptor looks for connections gRPC has closed.
+constexpr absl::Duration kRefreshInterval = absl::Seconds(1);
+// At most this often when a refusal depends on it.
+constexpr absl::Duration kRefreshBeforeRefusal = absl::Milliseconds(50);
+
+// The inodes of the sockets among this process's open fds.
+std::set<ino_t> OpenSocketInodes() {
+  std::set<ino_t> inodes;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return inodes;
+  while (const dirent* entry = ::readdir(dir)) {
+    char target[64];
+    const std::string link = absl::StrCat("/proc/self/fd/", entry->d_name);
+    const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    absl::string_view t(target, static_cast<size_t>(n));
+    // "socket:[12345]"
+    if (!absl::StartsWith(t, "socket:[") || !absl::EndsWith(t, "]")) continue;
+    uint64_t inode = 0;
+    if (absl::SimpleAtoi(t.substr(8, t.size() - 9), &inode)) {
+      inodes.insert(static_cast<ino_t>(inode));
+    }
+  }
+  ::closedir(dir);
+  return inodes;
+}
+
+// Tells a refused gRPC client why, in HTTP/2: the server's connection
+// preface (an empty SETTINGS frame), then GOAWAY with ENHANCE_YOUR_CALM and
+// `why` as its debug data. Best effort: the socket is closed right after.
+void SendGoaway(int fd, absl::string_view why) {
+  std::string frames;
+  auto header = [&frames](uint32_t length, uint8_t type) {
+    frames.push_back(static_cast<char>((length >> 16) & 0xff));
+    frames.push_back(static_cast<char>((length >> 8) & 0xff));
+    frames.push_back(static_cast<char>(length & 0xff));
+    frames.push_back(static_cast<char>(type));
+    frames.append(5, '\0');  // flags, stream 0
+  };
+  header(0, 0x4);  // SETTINGS
+  const absl::string_view debug = why.substr(0, 1024);
+  header(static_cast<uint32_t>(8 + debug.size()), 0x7);  // GOAWAY
+  frames.append(4, '\0');                                // last stream 0
+  frames.append({'\0', '\0', '\0', '\x0b'});             // ENHANCE_YOUR_CALM
+  frames.append(debug.data(), debug.size());
+  (void)::send(fd, frames.data(), frames.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+}  // namespace
+
+GrpcAcceptor::GrpcAcceptor(const GrpcAcceptorOptions& options)
+    : options_(options) {
+  stats_.max_connections = options.max_connections;
+  stats_.max_connections_per_uid = options.max_connections_per_uid;
+}
+
+GrpcAcceptor::~GrpcAcceptor() { Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<GrpcAcceptor>> GrpcAcceptor::Listen(
+    const GrpcAcceptorOptions& options) {
+  if (options.max_connections == 0 || options.max_connections_per_uid == 0) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_GRPC_LIMITS",
+                    "--grpc_max_connections and "
+                    "--grpc_max_connections_per_uid must be at least 1");
+  }
+  std::unique_ptr<GrpcAcceptor> a(new GrpcAcceptor(options));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (options.socket_path.size() >= sizeof(addr.sun_path)) {
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "GRPC_SOCKET",
+        absl::StrCat("socket path too long: ", options.socket_path));
+  }
+  std::memcpy(addr.sun_path, options.socket_path.c_str(),
+              options.socket_path.size() + 1);
+  a->listen_fd_.Reset(
+      ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (!a->listen_fd_.valid()) {
+    return ErrnoError(errno, "socket", "GRPC_SOCKET");
+  }
+  ::unlink(options.socket_path.c_str());
+  if (::bind(a->listen_fd_.get(), reinterpret_cast<const sockaddr*>(&addr),
+             sizeof(addr)) != 0) {
+    return ErrnoError(errno, absl::StrCat("bind ", options.socket_path),
+                      "GRPC_SOCKET");
+  }
+  if (::chmod(options.socket_path.c_str(), options.socket_mode) != 0) {
+    return ErrnoError(errno, absl::StrCat("chmod ", options.socket_path),
+                      "GRPC_SOCKET");
+  }
+  if (::listen(a->listen_fd_.get(), SOMAXCONN) != 0) {
+    return ErrnoError(errno, "listen", "GRPC_SOCKET");
+  }
+  a->wake_fd_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!a->wake_fd_.valid()) return ErrnoError(errno, "eventfd", "GRPC_SOCKET");
+  a->spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!a->spare_fd_.valid()) {
+    return ErrnoError(errno, "open /dev/null", "GRPC_SOCKET");
+  }
+  return a;
+}
+
+absl::Status GrpcAcceptor::Start(grpc::Server* server) {
+  MRD_ASSIGN_OR_RETURN(
+      Thread t,
+      Thread::Start("mrd-grpc-accept", [this, server] { Run(server); }));
+  thread_ = std::move(t);
+  return absl::OkStatus();
+}
+
+void GrpcAcceptor::Shutdown() {
+  if (thread_.has_value()) {
+    const uint64_t one = 1;
+    (void)::write(wake_fd_.get(), &one, sizeof(one));
+    thread_->Join();
+    thread_.reset();
+  }
+  if (listen_fd_.valid()) {
+    listen_fd_.Reset();
+    ::unlink(options_.socket_path.c_str());
+  }
+}
+
+GrpcAcceptorStats GrpcAcceptor::Stats() const {
+  absl::MutexLock lock(&mu_);
+  GrpcAcceptorStats s = stats_;
+  s.connections = live_.size();
+  return s;
+}
+
+void GrpcAcceptor::Run(grpc::Server* server) {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_.get(), POLLIN, 0},
+                     {wake_fd_.get(), POLLIN, 0}};
+    const int n = ::poll(
+        fds, 2, static_cast<int>(absl::ToInt64Milliseconds(kRefreshInterval)));
+    if (n < 0 && errno != EINTR) {
+      LogError("gRPC acceptor: poll: ", std::strerror(errno));
+      absl::SleepFor(absl::Milliseconds(100));
+      continue;
+    }
+    if (n > 0 && (fds[1].revents & POLLIN) != 0) return;
+    if (n > 0 && (fds[0].revents & POLLIN) != 0) AcceptAll(server);
+    Refresh(kRefreshInterval);
+  }
+}
+
+void GrpcAcceptor::AcceptAll(grpc::Server* server) {
+  while (true) {
+    UniqueFd conn(::accept4(listen_fd_.get(), nullptr, nullptr,
+                            SOCK_CLOEXEC | SOCK_NONBLOCK));
+    if (!conn.valid()) {
+      const int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK) return;
+      if (err == EINTR || err == ECONNABORTED) continue;
+      if ((err == EMFILE || err == ENFILE) && spare_fd_.valid()) {
+        // Out of fds: give the spare up to take the connection off the
+        // queue and close it, so that the client learns at once and the
+        // listening socket keeps working.
+        spare_fd_.Reset();
+        UniqueFd dropped(::accept4(listen_fd_.get(), nullptr, nullptr,
+                                   SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (dropped.valid()) {
+          SendGoaway(dropped.get(),
+                     "mrd: LIMIT_OPEN_FILES: mrd has no file descriptor left "
+                     "for a gRPC connection");
+        }
+        dropped.Reset();
+        spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+        {
+          absl::MutexLock lock(&mu_);
+          ++stats_.refused_no_fd;
+        }
+        LogError(
+            "gRPC acceptor: out of file descriptors (", std::strerror(err),
+            "); a gRPC connection was refused. Raise the open-file limit or "
+            "lower --grpc_max_connections");
+        continue;
+      }
+      LogError("gRPC acceptor: accept4: ", std::strerror(err));
+      return;
+    }
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    struct stat st {};
+    if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+        ::fstat(conn.get(), &st) != 0) {
+      continue;  // the client is already gone
+    }
+    auto at_limit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      auto uid = per_uid_.find(cred.uid);
+      return live_.size() >= options_.max_connections ||
+             (uid != per_uid_.end() &&
+              uid->second >= options_.max_connections_per_uid);
+    };
+    bool refresh = false;
+    {
+      absl::MutexLock lock(&mu_);
+      refresh = at_limit();
+    }
+    // Connections gRPC closed since the last look may have made room.
+    if (refresh) Refresh(kRefreshBeforeRefusal);
+    std::string refusal;
+    {
+      absl::MutexLock lock(&mu_);
+      const uint64_t of_uid =
+          per_uid_.count(cred.uid) != 0 ? per_uid_[cred.uid] : 0;
+      if (live_.size() >= options_.max_connections) {
+        ++stats_.refused_total_limit;
+        refusal = absl::StrCat(
+            "mrd: LIMIT_GRPC_CONNECTIONS: mrd holds ", live_.size(),
+            " gRPC connections, its limit (--grpc_max_connections=",
+            options_.max_connections, ")");
+      } else if (of_uid >= options_.max_connections_per_uid) {
+        ++stats_.refused_uid_limit;
+        refusal = absl::StrCat(
+            "mrd: LIMIT_UID_GRPC_CONNECTIONS: uid ", cred.uid, " holds ",
+            of_uid,
+            " gRPC connections, its limit (--grpc_max_connections_per_uid=",
+            options_.max_connections_per_uid, ")");
+      } else {
+        live_[st.st_ino] = cred.uid;
+        ++per_uid_[cred.uid];
+        ++stats_.accepted_total;
+      }
+    }
+    if (!refusal.empty()) {
+      LogWarning("gRPC connection of pid ", cred.pid, " uid ", cred.uid,
+                 " refused: ", refusal.substr(5));
+      SendGoaway(conn.get(), refusal);
+      continue;  // closes it
+    }
+    // gRPC owns the fd from here on.
+    grpc::AddInsecureChannelFromFd(server, conn.Release());
+  }
+}
+
+void GrpcAcceptor::Refresh(absl::Duration min_interval) {
+  {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (now - last_refresh_ < min_interval) return;
+    last_refresh_ = now;
+    if (live_.empty()) return;
+  }
+  // Only the acceptor thread adds connections, and it is the one calling:
+  // nothing handed over meanwhile is missed.
+  const std::set<ino_t> open = OpenSocketInodes();
+  absl::MutexLock lock(&mu_);
+  for (auto it = live_.begin(); it != live_.end();) {
+    if (open.count(it->first) != 0) {
+      ++it;
+      continue;
+    }
+    auto uid = per_uid_.find(it->second);
+    if (uid != per_uid_.end() && --uid->second == 0) per_uid_.erase(uid);
+    it = live_.erase(it);
+  }
+}
+
+}  // namespace mrd::service
