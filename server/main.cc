@@ -20,13 +20,17 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -36,6 +40,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "grpc/health/v1/health.pb.h"
 #include "server/common/fd.h"
 #include "server/common/fd_budget.h"
 #include "server/common/log.h"
@@ -180,6 +185,9 @@ ABSL_FLAG(bool, verbose, false, "Log debug lines.");
 
 namespace mrd {
 namespace {
+
+// The name health checks may ask for besides "" (the whole server).
+constexpr char kServiceName[] = "mrd.v1.MemoryRegistration";
 
 std::string DefaultRuntimeDir() {
   if (geteuid() == 0) return "/run/mrd";
@@ -597,6 +605,10 @@ int Run() {
   }
   service::MrdService service(&core, &pool, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
+  // gRPC's health service does not link the descriptors of its messages;
+  // referring to one puts health.proto in the generated pool, so reflection
+  // (grpcurl) can describe and call grpc.health.v1.Health.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int debug_port = 0;
@@ -619,7 +631,10 @@ int Run() {
   LogInfo("gRPC connections: at most ", acceptor_options.max_connections, ", ",
           acceptor_options.max_connections_per_uid, " per uid");
   grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
+  // "" (the server) and mrd's service name: Kubernetes gRPC probes and
+  // grpc_health_probe ask for a service by name.
   health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
   LogInfo("mrd serving: grpc unix:", grpc_socket, ", fd socket ", fd_socket,
           debug_tcp.empty() ? ""
                             : absl::StrCat(", debug tcp ", debug_tcp, " (port ",
@@ -641,6 +656,7 @@ int Run() {
       if (now.healthy != serving) {
         serving = now.healthy;
         health->SetServingStatus(serving);
+        health->SetServingStatus(kServiceName, serving);
         if (serving) {
           LogInfo("device healthy again: serving");
         } else {
@@ -665,6 +681,7 @@ int Run() {
   stop_health.Notify();
   health_watch->Join();
   health->SetServingStatus(false);
+  health->SetServingStatus(kServiceName, false);
   (*acceptor)->Shutdown();
   (*fd_server)->Shutdown();
   core.Shutdown();
@@ -679,12 +696,47 @@ int Run() {
 }
 
 }  // namespace
+
+// Every flag of mrd (those of server/) with its default and help, sorted by
+// name, after `usage`.
+void PrintHelp(absl::string_view usage) {
+  std::cout << usage << "\n\nFlags (docs/CONFIG.md):\n";
+  std::map<std::string, const absl::CommandLineFlag*> ours;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::StrContains(flag->Filename(), "server/")) {
+      ours.emplace(std::string(name), flag);
+    }
+  }
+  for (const auto& [name, flag] : ours) {
+    std::cout << "  --" << name << " (default: \"" << flag->DefaultValue()
+              << "\")\n      " << flag->Help() << "\n";
+  }
+  std::cout << "  --flagfile=<file>\n      Read flags, one per line, from "
+               "<file>.\n  --help, --version\n";
+}
+
 }  // namespace mrd
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  constexpr char kUsage[] =
       "mrd: node-local RDMA memory-registration service.\n"
-      "  mrd [--flagfile=/etc/mrd/mrd.flags] [--flags...]");
+      "  mrd [--flagfile=/etc/mrd/mrd.flags] [--flags...]";
+  // --help, --helpfull and --version are answered here, with exit code 0:
+  // Abseil's own exit 1 and list only flags of a file named after the
+  // program.
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-help" || arg == "--helpfull" ||
+        arg == "-h") {
+      mrd::PrintHelp(kUsage);
+      return 0;
+    }
+    if (arg == "--version") {
+      std::cout << "mrd " << MRD_VERSION << "\n";
+      return 0;
+    }
+  }
+  absl::SetProgramUsageMessage(kUsage);
   absl::ParseCommandLine(argc, argv);
 #ifdef NDEBUG
   // Debian's Abseil is built with mutex deadlock detection on, which walks a

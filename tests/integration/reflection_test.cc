@@ -133,10 +133,12 @@ class ReflectionTest : public ::testing::Test {
 
   // Calls `method` (e.g. "GetDeviceInfo") with a JSON request; returns the
   // JSON response, or the status message prefixed by "ERROR:".
-  std::string Call(const std::string& method, const std::string& json) {
-    const auto* service =
-        reflection_->pool().FindServiceByName("mrd.v1.MemoryRegistration");
-    EXPECT_NE(service, nullptr);
+  std::string Call(
+      const std::string& method, const std::string& json,
+      const std::string& service_name = "mrd.v1.MemoryRegistration") {
+    const auto* service = reflection_->pool().FindServiceByName(service_name);
+    EXPECT_NE(service, nullptr) << service_name;
+    if (service == nullptr) return "ERROR:no service " + service_name;
     const auto* m = service->FindMethodByName(method);
     EXPECT_NE(m, nullptr) << method;
     std::unique_ptr<Message> req(
@@ -150,8 +152,8 @@ class ReflectionTest : public ::testing::Test {
     grpc::GenericStub stub(channel_);
     grpc::ClientContext ctx;
     std::promise<grpc::Status> done;
-    stub.UnaryCall(&ctx, "/mrd.v1.MemoryRegistration/" + method,
-                   grpc::StubOptions(), &request, &response,
+    stub.UnaryCall(&ctx, "/" + service_name + "/" + method, grpc::StubOptions(),
+                   &request, &response,
                    [&done](grpc::Status s) { done.set_value(s); });
     grpc::Status status = done.get_future().get();
     if (!status.ok()) return "ERROR:" + status.error_message();
@@ -184,6 +186,25 @@ TEST_F(ReflectionTest, ListsServicesAsGrpcurlWould) {
   EXPECT_TRUE(has("mrd.v1.MemoryRegistration"));
   EXPECT_TRUE(has("grpc.health.v1.Health"));
   EXPECT_TRUE(has("grpc.reflection.v1alpha.ServerReflection"));
+}
+
+// grpcurl ... grpc.health.v1.Health/Check (README): health is described by
+// reflection like any service, and answers for "" and for mrd's service name
+// (Kubernetes gRPC probes and grpc_health_probe send one).
+TEST_F(ReflectionTest, HealthIsDescribedAndAnswersForTheServerAndMrd) {
+  ASSERT_TRUE(reflection_->LoadSymbol("grpc.health.v1.Health"));
+  const auto* health =
+      reflection_->pool().FindServiceByName("grpc.health.v1.Health");
+  ASSERT_NE(health, nullptr);
+  ASSERT_NE(health->FindMethodByName("Check"), nullptr);
+  EXPECT_EQ(Call("Check", "{}", "grpc.health.v1.Health"),
+            R"({"status":"SERVING"})");
+  EXPECT_EQ(Call("Check", R"({"service":"mrd.v1.MemoryRegistration"})",
+                 "grpc.health.v1.Health"),
+            R"({"status":"SERVING"})");
+  EXPECT_EQ(Call("Check", R"({"service":"no.such.Service"})",
+                 "grpc.health.v1.Health"),
+            "ERROR:service name unknown");
 }
 
 TEST_F(ReflectionTest, DescribesRegisterMr) {
