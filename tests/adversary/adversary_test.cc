@@ -72,14 +72,7 @@ constexpr uint64_t kMapSlack = 24;  // thread stacks, malloc arenas
 // nothing about what mrd holds, so only the plain build's own mrd is checked
 // on them (fds, threads and pinned bytes are checked in every build, and
 // against the TSan build's mrd, see MRD_TEST_MRD_BINARY).
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitizedBuild = true;
-#else
-constexpr bool kSanitizedBuild = false;
-#endif
-bool SanitizerAllocator() {
-  return kSanitizedBuild || testing::MrdBinaryIsForeign();
-}
+bool SanitizerAllocator() { return testing::MrdHasSanitizerAllocator(); }
 constexpr uint64_t kRssSlackKb = 64 << 10;
 // Peak anonymous memory while under attack (frames announced but never
 // sent, idempotency keys, streams) over the baseline.

@@ -72,6 +72,22 @@ std::string MrdBinary() {
 
 bool MrdBinaryIsForeign() { return MrdBinary() != MRD_BINARY; }
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define MRD_SANITIZED_BUILD 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define MRD_SANITIZED_BUILD 1
+#endif
+#endif
+
+bool MrdHasSanitizerAllocator() {
+#ifdef MRD_SANITIZED_BUILD
+  return true;
+#else
+  return MrdBinaryIsForeign();
+#endif
+}
+
 absl::Status HealthCheckOnNewConnection(const MrdProcess& mrd) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);

@@ -113,10 +113,13 @@ absl::Status HealthCheckOnNewConnection(const MrdProcess& mrd);
 // GET /metrics from an mrd serving metrics on `host_port` (loopback), as
 // the body of the HTTP response with its headers.
 absl::StatusOr<std::string> ScrapeMetrics(const std::string& host_port);
-// True when that is another build's mrd (the TSan build's): its sanitizer
-// runtime maps memory of its own, so counts of mrd's memory maps carry
-// more than mrd's own.
+// True when that is another build's mrd (the TSan build's).
 bool MrdBinaryIsForeign();
+// True when the mrd the tests start runs a sanitizer's allocator (this is an
+// ASan or TSan build, or the binary is foreign): it keeps freed memory in
+// quarantine and maps memory of its own as it goes, so mrd's memory and map
+// counts carry more than mrd holds.
+bool MrdHasSanitizerAllocator();
 
 // Checks the sanitizer output `log` of one mrd: OK when it has no report, or
 // only library-only ThreadSanitizer reports: in every stack the report is
