@@ -71,8 +71,8 @@ constexpr uint64_t kMapSlack = 24;  // thread stacks, malloc arenas
 // of its own as it goes: under ASan or TSan, mrd's memory and map counts say
 // nothing about what mrd holds, so only the plain build's own mrd is checked
 // on them (fds, threads and pinned bytes are checked in every build, and
-// against the TSan build's mrd, see MRD_TEST_MRD_BINARY).
-bool SanitizerAllocator() { return testing::MrdHasSanitizerAllocator(); }
+// against the TSan build's mrd, see MRD_TEST_MRD_BINARY):
+// testing::MrdHasSanitizerAllocator().
 constexpr uint64_t kRssSlackKb = 64 << 10;
 // Peak anonymous memory while under attack (frames announced but never
 // sent, idempotency keys, streams) over the baseline.
@@ -567,7 +567,7 @@ TEST_F(AdversaryTest, MrdHoldsWhileEveryAttackRunsAtOnce) {
   auto settled = [&](const Resources& r) {
     return r.proc.fds <= base.proc.fds + kFdSlack &&
            r.proc.threads <= base.proc.threads + kThreadSlack &&
-           (SanitizerAllocator() ||
+           (testing::MrdHasSanitizerAllocator() ||
             r.proc.maps <= base.proc.maps + kMapSlack) &&
            r.pinned_bytes == base.pinned_bytes;
   };
@@ -663,7 +663,7 @@ TEST_F(AdversaryTest, MrdHoldsWhileEveryAttackRunsAtOnce) {
   EXPECT_LE(after.proc.threads, base.proc.threads + kThreadSlack);
   EXPECT_EQ(after.pinned_bytes, base.pinned_bytes);
   EXPECT_EQ(base.pinned_bytes, Bystander::kLongLivedBytes);
-  if (!SanitizerAllocator()) {
+  if (!testing::MrdHasSanitizerAllocator()) {
     EXPECT_LE(after.proc.maps, base.proc.maps + kMapSlack)
         << "new maps:\n"
         << NewMaps(base_maps, Slurp(absl::StrCat("/proc/", pid, "/maps")));
@@ -738,7 +738,7 @@ TEST(RequestIdTest, LongRequestIdsCostMrdNoMemory) {
     std::cout << kCalls << " RegisterMr with 1 MiB request ids: " << refused
               << " refused, mrd's anonymous memory " << Kib(before) << " -> "
               << Kib(after) << "\n";
-    if (!SanitizerAllocator()) {
+    if (!testing::MrdHasSanitizerAllocator()) {
       EXPECT_LT(after, before + (16 << 10))
           << "mrd holds the request ids: " << Kib(after - before);
     }

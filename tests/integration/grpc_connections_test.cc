@@ -71,11 +71,6 @@ void Probe(RawConnection& c, absl::Duration wait) {
   }
 }
 
-// A call that needs a new connection.
-absl::Status FreshCall(const MrdProcess& mrd) {
-  return HealthCheckOnNewConnection(mrd);
-}
-
 template <typename Fn>
 bool Eventually(Fn done, absl::Duration limit = absl::Seconds(15)) {
   const absl::Time deadline = absl::Now() + limit;
@@ -143,7 +138,7 @@ TEST_F(GrpcConnectionsTest, AUidPastItsShareIsRefusedAndOthersGetIn) {
   EXPECT_TRUE(
       absl::StrContains(flood.back().text, "--grpc_max_connections_per_uid=6"))
       << flood.back().text;
-  absl::Status same_uid = FreshCall(*mrd_);
+  absl::Status same_uid = HealthCheckOnNewConnection(*mrd_);
   EXPECT_FALSE(same_uid.ok());
   std::cout << "a new channel of the flooding uid: " << same_uid << "\n";
 
@@ -177,8 +172,9 @@ TEST_F(GrpcConnectionsTest, AUidPastItsShareIsRefusedAndOthersGetIn) {
   }
 
   flood.clear();
-  EXPECT_TRUE(Eventually([&] { return FreshCall(*mrd_).ok(); }))
-      << FreshCall(*mrd_);
+  EXPECT_TRUE(Eventually([&] {
+    return HealthCheckOnNewConnection(*mrd_).ok();
+  })) << HealthCheckOnNewConnection(*mrd_);
 }
 
 class GrpcTotalConnectionsTest : public MrdTest {
@@ -197,7 +193,7 @@ TEST_F(GrpcTotalConnectionsTest, ConnectionsPastTheTotalAreRefused) {
   ASSERT_FALSE(flood.empty());
   ASSERT_TRUE(flood.back().refused) << "never refused";
   EXPECT_EQ(Accepted(flood), 5u);  // and the test's own channel
-  EXPECT_FALSE(FreshCall(*mrd_).ok());
+  EXPECT_FALSE(HealthCheckOnNewConnection(*mrd_).ok());
   EXPECT_TRUE(absl::StrContains(flood.back().text, "LIMIT_GRPC_CONNECTIONS"))
       << flood.back().text;
   EXPECT_TRUE(absl::StrContains(flood.back().text, "--grpc_max_connections=6"))
@@ -212,8 +208,9 @@ TEST_F(GrpcTotalConnectionsTest, ConnectionsPastTheTotalAreRefused) {
       absl::StrContains(*metrics, "\nmrd_grpc_connections_refused_total 0\n"))
       << *metrics;
   flood.clear();
-  EXPECT_TRUE(Eventually([&] { return FreshCall(*mrd_).ok(); }))
-      << FreshCall(*mrd_);
+  EXPECT_TRUE(Eventually([&] {
+    return HealthCheckOnNewConnection(*mrd_).ok();
+  })) << HealthCheckOnNewConnection(*mrd_);
 }
 
 // Connections past mrd's open-file limit (1,024 here, caps set above it):
@@ -251,9 +248,9 @@ TEST_F(GrpcConnectionsOutOfFdsTest,
     return absl::StrContains(mrd_->Log(), "out of file descriptors");
   })) << mrd_->Log();
   flood.clear();
-  EXPECT_TRUE(
-      Eventually([&] { return FreshCall(*mrd_).ok(); }, absl::Seconds(30)))
-      << FreshCall(*mrd_);
+  EXPECT_TRUE(Eventually([&] { return HealthCheckOnNewConnection(*mrd_).ok(); },
+                         absl::Seconds(30)))
+      << HealthCheckOnNewConnection(*mrd_);
 }
 
 }  // namespace
