@@ -15,8 +15,9 @@ PACKAGES=(
   libabsl-dev
   # rdma-core: libibverbs, librdmacm and the user-space providers (rxe)
   libibverbs-dev librdmacm-dev ibverbs-providers rdma-core ibverbs-utils
-  # metrics
-  prometheus-cpp-dev
+  # metrics; promtool (Debian's prometheus package) lints a live scrape and
+  # checks and unit-tests the alert rules (deploy/monitoring)
+  prometheus-cpp-dev prometheus
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # the cache benchmark's comparison: UCX's registration cache (ucs_rcache)

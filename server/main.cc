@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -41,6 +42,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.pb.h"
+#include "mrd_revision.h"
 #include "server/common/fd.h"
 #include "server/common/fd_budget.h"
 #include "server/common/log.h"
@@ -186,7 +188,8 @@ ABSL_FLAG(bool, verbose, false, "Log debug lines.");
 namespace mrd {
 namespace {
 
-// The name health checks may ask for besides "" (the whole server).
+// Readiness: the health service name that follows the device ("" is
+// liveness: the process serves).
 constexpr char kServiceName[] = "mrd.v1.MemoryRegistration";
 
 std::string DefaultRuntimeDir() {
@@ -353,6 +356,7 @@ int Run() {
     return 1;
   }
   bool use_verbs = device_flag == "verbs";
+  bool device_fallback = false;  // auto: RDMA devices, software device
   if (device_flag == "auto") {
     std::vector<std::string> verbs_devices = device::ListVerbsDevices();
     use_verbs = !verbs_devices.empty();
@@ -376,10 +380,17 @@ int Run() {
       LogError("verbs device: ", verbs.status().ToString());
       return 1;
     } else {
-      LogWarning("device auto: the verbs device failed (",
-                 verbs.status().ToString(),
-                 "); falling back to the software device");
+      // Loud: remote peers that use RDMA cannot reach this node's memory
+      // now (mrd_device_fallback says so to alerts).
+      LogError(
+          "device auto: this node has RDMA devices but the verbs device "
+          "failed (",
+          verbs.status().ToString(),
+          "); FALLING BACK TO THE SOFTWARE DEVICE: RDMA peers cannot "
+          "reach registrations. Fix the device or run --device=verbs "
+          "to fail instead.");
       use_verbs = false;
+      device_fallback = true;
     }
   }
   device::SoftwareDevice* software_device = nullptr;  // owned by `device`
@@ -562,6 +573,9 @@ int Run() {
     LogError("gRPC socket: ", acceptor.status().ToString());
     return 1;
   }
+  // Readiness's view of the device (the health watch below keeps it; the
+  // metrics read it, so it outlives them).
+  std::atomic<bool> device_healthy{true};
   metrics::Metrics metrics(&core, fd_budget->get());
   if (software_device != nullptr) {
     metrics.SetPeerPathSource([software_device] {
@@ -587,6 +601,35 @@ int Run() {
   }
   metrics.SetGrpcConnectionsSource(
       [a = acceptor->get()] { return a->Stats(); });
+  metrics::ServerInfo server_info;
+  server_info.version = MRD_VERSION;
+  server_info.revision = MRD_REVISION;
+  server_info.device = use_verbs ? "verbs" : "software";
+  server_info.device_fallback = device_fallback;
+  metrics.SetServerInfo(server_info);
+  metrics.SetDeviceHealthSource([&device_healthy] {
+    return device_healthy.load(std::memory_order_relaxed);
+  });
+  {
+    auto d = [](uint64_t v) { return static_cast<double>(v); };
+    metrics.SetLimits({
+        {"max_sessions", d(core_options.max_sessions)},
+        {"max_buffer_size", d(core_options.max_buffer_size)},
+        {"max_session_pinned_bytes", d(core_options.max_session_pinned_bytes)},
+        {"max_total_pinned_bytes", d(core_options.max_total_pinned_bytes)},
+        {"max_session_registrations",
+         d(core_options.max_session_registrations)},
+        {"max_total_registrations", d(core_options.max_total_registrations)},
+        {"max_total_buffers", d(core_options.max_total_buffers)},
+        {"max_total_lams", d(core_options.max_total_lams)},
+        {"max_total_mrs", d(core_options.max_total_mrs)},
+        {"warm_pin_bytes_per_session",
+         d(core_options.warm_pin_bytes_per_session)},
+        {"warm_pin_bytes_total", d(core_options.warm_pin_bytes_total)},
+        {"max_lease_ttl_seconds",
+         absl::ToDoubleSeconds(core_options.max_lease_ttl)},
+    });
+  }
   const std::string metrics_address = absl::GetFlag(FLAGS_metrics_address);
   if (!metrics_address.empty()) {
     if (absl::Status s = metrics.Serve(metrics_address); !s.ok()) {
@@ -640,9 +683,12 @@ int Run() {
                             : absl::StrCat(", debug tcp ", debug_tcp, " (port ",
                                            debug_port, ")"));
 
-  // grpc.health.v1 follows the device: NOT_SERVING while the device reports
-  // itself unhealthy (device lost, port down), SERVING again when it
-  // recovers. GetDeviceInfo carries the device's own message.
+  // Liveness is "" (the server): SERVING from here until shutdown, whatever
+  // the device does, so that a port flap never gets mrd restarted (which
+  // would end every session on the node). Readiness is kServiceName: it
+  // follows the device, NOT_SERVING while the device reports itself
+  // unhealthy (device lost, port down), SERVING again when it recovers.
+  // GetDeviceInfo carries the device's own message.
   // The same thread samples the open fds once a second (loud log when the
   // fd reserve is being eaten).
   absl::Notification stop_health;
@@ -655,12 +701,13 @@ int Run() {
       device::DeviceHealth now = (*device)->Health();
       if (now.healthy != serving) {
         serving = now.healthy;
-        health->SetServingStatus(serving);
         health->SetServingStatus(kServiceName, serving);
+        device_healthy.store(serving, std::memory_order_relaxed);
         if (serving) {
-          LogInfo("device healthy again: serving");
+          LogInfo("device healthy again: readiness SERVING");
         } else {
-          LogError("device unhealthy (", now.message, "): NOT_SERVING");
+          LogError("device unhealthy (", now.message,
+                   "): readiness NOT_SERVING (liveness stays SERVING)");
         }
       }
     }

@@ -1,59 +1,68 @@
 #include "server/metrics/metrics.h"
 
+#include <dirent.h>
+#include <fcntl.h>
 #include <netdb.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <sstream>
+#include <map>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "google/protobuf/descriptor.h"
+#include "mrd/v1/mrd.grpc.pb.h"
 #include "prometheus/text_serializer.h"
 #include "server/common/status.h"
 
 namespace mrd::metrics {
 namespace {
 
+// grpc_code as go-grpc-prometheus spells it (Go's codes.Code names), so that
+// existing dashboards' selectors (grpc_code="Unavailable") match.
 const char* CodeName(grpc::StatusCode code) {
   switch (code) {
     case grpc::StatusCode::OK:
       return "OK";
     case grpc::StatusCode::CANCELLED:
-      return "CANCELLED";
+      return "Canceled";
     case grpc::StatusCode::UNKNOWN:
-      return "UNKNOWN";
+      return "Unknown";
     case grpc::StatusCode::INVALID_ARGUMENT:
-      return "INVALID_ARGUMENT";
+      return "InvalidArgument";
     case grpc::StatusCode::DEADLINE_EXCEEDED:
-      return "DEADLINE_EXCEEDED";
+      return "DeadlineExceeded";
     case grpc::StatusCode::NOT_FOUND:
-      return "NOT_FOUND";
+      return "NotFound";
     case grpc::StatusCode::ALREADY_EXISTS:
-      return "ALREADY_EXISTS";
+      return "AlreadyExists";
     case grpc::StatusCode::PERMISSION_DENIED:
-      return "PERMISSION_DENIED";
+      return "PermissionDenied";
     case grpc::StatusCode::RESOURCE_EXHAUSTED:
-      return "RESOURCE_EXHAUSTED";
+      return "ResourceExhausted";
     case grpc::StatusCode::FAILED_PRECONDITION:
-      return "FAILED_PRECONDITION";
+      return "FailedPrecondition";
     case grpc::StatusCode::ABORTED:
-      return "ABORTED";
+      return "Aborted";
     case grpc::StatusCode::OUT_OF_RANGE:
-      return "OUT_OF_RANGE";
+      return "OutOfRange";
     case grpc::StatusCode::UNIMPLEMENTED:
-      return "UNIMPLEMENTED";
+      return "Unimplemented";
     case grpc::StatusCode::INTERNAL:
-      return "INTERNAL";
+      return "Internal";
     case grpc::StatusCode::UNAVAILABLE:
-      return "UNAVAILABLE";
+      return "Unavailable";
     case grpc::StatusCode::DATA_LOSS:
-      return "DATA_LOSS";
+      return "DataLoss";
     case grpc::StatusCode::UNAUTHENTICATED:
-      return "UNAUTHENTICATED";
+      return "Unauthenticated";
     default:
-      return "UNKNOWN";
+      return "Unknown";
   }
 }
 
@@ -115,7 +124,144 @@ absl::Status ProbeBind(const std::string& address) {
   return absl::OkStatus();
 }
 
+// go-grpc-prometheus's grpc_type of a method.
+const char* GrpcType(const google::protobuf::MethodDescriptor& method) {
+  if (method.client_streaming() && method.server_streaming()) {
+    return "bidi_stream";
+  }
+  if (method.client_streaming()) return "client_stream";
+  if (method.server_streaming()) return "server_stream";
+  return "unary";
+}
+
+// Handling time: from 100 us (a cache hit) to 5 min (registrations of tens
+// of GiB pin page by page; 3 GiB took 17 s on the verbs device).
+const prometheus::Histogram::BucketBoundaries& HandlingBuckets() {
+  static const auto* const kBuckets =
+      new prometheus::Histogram::BucketBoundaries{
+          0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+          0.025,  0.05,    0.1,    0.25,  0.5,    1,     2.5,
+          5,      10,      30,     60,    120,    300};
+  return *kBuckets;
+}
+
+// Registration sizes: 4 KiB to 1 TiB in powers of 4.
+const prometheus::Histogram::BucketBoundaries& SizeBuckets() {
+  static const auto* const kBuckets = [] {
+    auto* b = new prometheus::Histogram::BucketBoundaries;
+    for (double v = 4096; v <= 1099511627776.0; v *= 4) b->push_back(v);
+    return b;
+  }();
+  return *kBuckets;
+}
+
+// Reads a small /proc file whole; empty when it cannot.
+std::string ReadProcFile(const char* path) {
+  std::string out;
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) {
+    out.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  return out;
+}
+
+// The boot time (seconds since the epoch), for process_start_time_seconds.
+double BootTime() {
+  for (absl::string_view line :
+       absl::StrSplit(ReadProcFile("/proc/stat"), '\n')) {
+    double t = 0;
+    if (absl::ConsumePrefix(&line, "btime ") && absl::SimpleAtod(line, &t)) {
+      return t;
+    }
+  }
+  return 0;
+}
+
 }  // namespace
+
+// The process's own resources, as Prometheus' client libraries name them
+// (process_*), read from /proc/self at scrape time.
+class Metrics::ProcessCollector final : public prometheus::Collectable {
+ public:
+  explicit ProcessCollector(FdBudget* fd_budget)
+      : fd_budget_(fd_budget),
+        ticks_(static_cast<double>(sysconf(_SC_CLK_TCK))),
+        page_size_(static_cast<double>(sysconf(_SC_PAGESIZE))),
+        boot_time_(BootTime()) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    std::vector<prometheus::MetricFamily> out;
+    // /proc/self/stat: the fields after the command's closing parenthesis
+    // start at field 3 (state); utime 14, stime 15, num_threads 20,
+    // starttime 22, vsize 23, rss 24 (proc(5)).
+    const std::string stat = ReadProcFile("/proc/self/stat");
+    const size_t paren = stat.rfind(')');
+    std::vector<absl::string_view> f;
+    if (paren != std::string::npos && paren + 2 < stat.size()) {
+      f = absl::StrSplit(absl::string_view(stat).substr(paren + 2), ' ');
+    }
+    auto field = [&f](size_t n) {
+      double v = 0;
+      return n - 3 < f.size() && absl::SimpleAtod(f[n - 3], &v) ? v : -1.0;
+    };
+    const double utime = field(14), stime = field(15), threads = field(20),
+                 start = field(22), vsize = field(23), rss = field(24);
+    if (utime >= 0 && stime >= 0 && threads >= 0 && start >= 0 && vsize >= 0 &&
+        rss >= 0) {
+      out.push_back(Counter("process_cpu_seconds_total",
+                            "User and system CPU time spent, in seconds.",
+                            (utime + stime) / ticks_));
+      out.push_back(Gauge("process_resident_memory_bytes",
+                          "Resident memory size in bytes.", rss * page_size_));
+      out.push_back(Gauge("process_virtual_memory_bytes",
+                          "Virtual memory size in bytes.", vsize));
+      out.push_back(Gauge("process_start_time_seconds",
+                          "Start time of the process since the Unix epoch, in "
+                          "seconds.",
+                          boot_time_ + start / ticks_));
+      out.push_back(
+          Gauge("process_threads", "Threads of the process.", threads));
+    }
+    rlimit nofile{};
+    if (getrlimit(RLIMIT_NOFILE, &nofile) == 0) {
+      out.push_back(Gauge("process_max_fds",
+                          "The open-file limit (RLIMIT_NOFILE, soft).",
+                          static_cast<double>(nofile.rlim_cur)));
+    }
+    const double fds = OpenFds();
+    if (fds >= 0) {
+      out.push_back(Gauge("process_open_fds", "Open file descriptors.", fds));
+    }
+    return out;
+  }
+
+ private:
+  // The fd budget's sample (taken at most once a second) when mrd has one,
+  // else a count of /proc/self/fd.
+  double OpenFds() const {
+    if (fd_budget_ != nullptr) {
+      fd_budget_->Sample(absl::Seconds(1));
+      return static_cast<double>(fd_budget_->Stats().open_fds);
+    }
+    DIR* dir = opendir("/proc/self/fd");
+    if (dir == nullptr) return -1;
+    double n = 0;
+    while (dirent* e = readdir(dir)) {
+      if (e->d_name[0] != '.') ++n;
+    }
+    closedir(dir);
+    return n - 1;  // the directory's own fd
+  }
+
+  FdBudget* const fd_budget_;
+  const double ticks_;
+  const double page_size_;
+  const double boot_time_;
+};
 
 // Reads the core at scrape time: no background polling, always current.
 class Metrics::CoreCollector final : public prometheus::Collectable {
@@ -196,6 +342,42 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                        return static_cast<double>(t.Refused(r));
                      }),
     };
+    {
+      prometheus::MetricFamily build =
+          Gauge("mrd_build_info",
+                "Always 1: mrd's version, source revision and the device it "
+                "serves (software or verbs).",
+                1);
+      build.metric[0].label = {
+          prometheus::ClientMetric::Label{"version", server_info.version},
+          prometheus::ClientMetric::Label{"revision", server_info.revision},
+          prometheus::ClientMetric::Label{"device", server_info.device}};
+      out.push_back(std::move(build));
+    }
+    out.push_back(Gauge("mrd_device_fallback",
+                        "1 when --device=auto found RDMA devices but mrd "
+                        "serves the software device (the verbs device "
+                        "failed); 0 otherwise.",
+                        server_info.device_fallback ? 1 : 0));
+    out.push_back(Gauge("mrd_device_healthy",
+                        "1 while the device is healthy (readiness SERVING), "
+                        "0 while it is lost or its port is down.",
+                        !device_healthy || device_healthy() ? 1 : 0));
+    {
+      prometheus::MetricFamily family =
+          Gauge("mrd_limit",
+                "Each configured limit, by the name of its flag (bytes or "
+                "counts).",
+                0);
+      family.metric.clear();
+      for (const auto& [name, value] : limits) {
+        prometheus::ClientMetric metric;
+        metric.label.push_back(prometheus::ClientMetric::Label{"limit", name});
+        metric.gauge.value = value;
+        family.metric.push_back(std::move(metric));
+      }
+      out.push_back(std::move(family));
+    }
     if (fd_budget_ != nullptr) {
       fd_budget_->Sample(absl::Seconds(1));
       const FdBudgetStats f = fd_budget_->Stats();
@@ -353,7 +535,22 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
   // Set before the exposer starts; read-only afterwards.
   std::function<PeerPathGauges()> peer_path;
   std::function<service::GrpcAcceptorStats()> grpc_connections;
+  ServerInfo server_info;
+  std::function<bool()> device_healthy;
+  std::vector<std::pair<std::string, double>> limits;
 };
+
+void Metrics::SetServerInfo(const ServerInfo& info) {
+  collector_->server_info = info;
+}
+
+void Metrics::SetDeviceHealthSource(std::function<bool()> source) {
+  collector_->device_healthy = std::move(source);
+}
+
+void Metrics::SetLimits(std::vector<std::pair<std::string, double>> limits) {
+  collector_->limits = std::move(limits);
+}
 
 void Metrics::SetPeerPathSource(std::function<PeerPathGauges()> source) {
   collector_->peer_path = std::move(source);
@@ -367,14 +564,48 @@ void Metrics::SetGrpcConnectionsSource(
 Metrics::Metrics(const core::Core* core, FdBudget* fd_budget)
     : registry_(std::make_shared<prometheus::Registry>()),
       collector_(std::make_shared<CoreCollector>(core, fd_budget)),
-      rpcs_(prometheus::BuildCounter()
-                .Name("mrd_rpcs_total")
-                .Help("Finished RPCs by method and status code.")
-                .Register(*registry_)),
-      latency_(prometheus::BuildHistogram()
-                   .Name("mrd_rpc_duration_seconds")
-                   .Help("RPC latency by method.")
-                   .Register(*registry_)) {}
+      process_(std::make_shared<ProcessCollector>(fd_budget)) {
+  auto& started = prometheus::BuildCounter()
+                      .Name("grpc_server_started_total")
+                      .Help("RPCs started on the server.")
+                      .Register(*registry_);
+  auto& handled = prometheus::BuildCounter()
+                      .Name("grpc_server_handled_total")
+                      .Help("RPCs completed on the server, by status code.")
+                      .Register(*registry_);
+  auto& seconds = prometheus::BuildHistogram()
+                      .Name("grpc_server_handling_seconds")
+                      .Help(
+                          "Time from an RPC's start to its status, in "
+                          "seconds (a stream: its whole life).")
+                      .Register(*registry_);
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::MemoryRegistration::service_full_name());
+  for (int i = 0; service != nullptr && i < service->method_count(); ++i) {
+    const google::protobuf::MethodDescriptor& method = *service->method(i);
+    const std::map<std::string, std::string> labels = {
+        {"grpc_service", service->full_name()},
+        {"grpc_method", method.name()},
+        {"grpc_type", GrpcType(method)}};
+    MethodSeries series;
+    series.started = &started.Add(labels);
+    for (size_t code = 0; code < kGrpcCodes; ++code) {
+      std::map<std::string, std::string> with_code = labels;
+      with_code["grpc_code"] = CodeName(static_cast<grpc::StatusCode>(code));
+      series.handled[code] = &handled.Add(with_code);
+    }
+    series.seconds = &seconds.Add(labels, HandlingBuckets());
+    methods_.emplace(method.name(), series);
+  }
+  auto& sizes = prometheus::BuildHistogram()
+                    .Name("mrd_registration_size_bytes")
+                    .Help("Bytes of each successful registration, by method.")
+                    .Register(*registry_);
+  for (const char* method : {"RegisterMr", "BuildLam", "FastRegister"}) {
+    sizes_.emplace(method, &sizes.Add({{"method", method}}, SizeBuckets()));
+  }
+}
 
 Metrics::~Metrics() = default;
 
@@ -393,23 +624,39 @@ absl::Status Metrics::Serve(const std::string& address) {
   }
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(collector_);
+  exposer_->RegisterCollectable(process_);
   return absl::OkStatus();
+}
+
+void Metrics::OnRpcStart(absl::string_view method) {
+  auto it = methods_.find(method);
+  if (it != methods_.end()) it->second.started->Increment();
 }
 
 void Metrics::OnRpcDone(absl::string_view method, grpc::StatusCode code,
                         absl::Duration elapsed) {
-  std::string m(method);
-  rpcs_.Add({{"method", m}, {"code", CodeName(code)}}).Increment();
-  static const prometheus::Histogram::BucketBoundaries kBuckets = {
-      0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5};
-  latency_.Add({{"method", m}}, kBuckets)
-      .Observe(absl::ToDoubleSeconds(elapsed));
+  auto it = methods_.find(method);
+  if (it == methods_.end()) return;
+  const size_t index = static_cast<size_t>(code) < kGrpcCodes
+                           ? static_cast<size_t>(code)
+                           : static_cast<size_t>(grpc::StatusCode::UNKNOWN);
+  it->second.handled[index]->Increment();
+  it->second.seconds->Observe(absl::ToDoubleSeconds(elapsed));
+}
+
+void Metrics::OnRegistered(absl::string_view method, uint64_t bytes) {
+  auto it = sizes_.find(method);
+  if (it != sizes_.end()) it->second->Observe(static_cast<double>(bytes));
 }
 
 std::string Metrics::Render() const {
   std::vector<prometheus::MetricFamily> families = registry_->Collect();
-  std::vector<prometheus::MetricFamily> core = collector_->Collect();
-  families.insert(families.end(), core.begin(), core.end());
+  for (const auto& collectable :
+       {std::static_pointer_cast<prometheus::Collectable>(collector_),
+        std::static_pointer_cast<prometheus::Collectable>(process_)}) {
+    std::vector<prometheus::MetricFamily> more = collectable->Collect();
+    families.insert(families.end(), more.begin(), more.end());
+  }
   prometheus::TextSerializer serializer;
   return serializer.Serialize(families);
 }

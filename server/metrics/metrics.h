@@ -1,16 +1,28 @@
-// Prometheus metrics: per-RPC counters and latency histograms (as the
-// service's RpcObserver), plus a collector that reads the core's and the
-// device's state at scrape time (sessions, registrations, pinned bytes, cache
-// hits/misses). Served over HTTP by prometheus-cpp's civetweb exposer.
+// Prometheus metrics (docs/METRICS.md lists every one):
+// - the gRPC server metrics under go-grpc-prometheus's names
+//   (grpc_server_started_total, grpc_server_handled_total,
+//   grpc_server_handling_seconds), as the service's RpcObserver, with every
+//   method and code present from the start;
+// - mrd_build_info, the device in use and its health, every configured
+//   limit (mrd_limit), the registration sizes;
+// - the process's CPU, memory, fds and threads (process_*);
+// - a collector that reads the core's and the device's state at scrape time
+//   (sessions, registrations, pinned bytes, cache, tenants, fds, peers).
+// Served over HTTP by prometheus-cpp's civetweb exposer.
 //
 // Thread-safe. The exposer runs its own threads.
 #ifndef MRD_SERVER_METRICS_METRICS_H_
 #define MRD_SERVER_METRICS_METRICS_H_
 
+#include <array>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
@@ -42,38 +54,66 @@ struct PeerPathGauges {
   uint64_t max_session_connections = 0;
 };
 
+// What runs: mrd_build_info's labels and the device gauges.
+struct ServerInfo {
+  std::string version;
+  std::string revision;  // the source's git commit, or "unknown"
+  std::string device;    // "software" or "verbs"
+  // --device=auto found RDMA devices but serves the software device.
+  bool device_fallback = false;
+};
+
 class Metrics final : public service::RpcObserver {
  public:
   // `core` (and `fd_budget`, if given) must outlive this object.
   explicit Metrics(const core::Core* core, FdBudget* fd_budget = nullptr);
   ~Metrics() override;
 
+  // Call these before Serve; sources must be thread-safe and outlive this
+  // object.
+  void SetServerInfo(const ServerInfo& info);
+  // The device's health as readiness reports it (true = healthy).
+  void SetDeviceHealthSource(std::function<bool()> source);
+  // Each configured limit: the flag's name (without --) and its value.
+  void SetLimits(std::vector<std::pair<std::string, double>> limits);
+
   // Serves /metrics on `address` (host:port). Errors: UNAVAILABLE when the
   // port cannot be bound.
   absl::Status Serve(const std::string& address);
 
+  void OnRpcStart(absl::string_view method) override;
   void OnRpcDone(absl::string_view method, grpc::StatusCode code,
                  absl::Duration elapsed) override;
+  void OnRegistered(absl::string_view method, uint64_t bytes) override;
 
   // The text exposition, as a scrape would return it (for tests and logs).
   std::string Render() const;
 
-  // Adds the peer path's gauges to every scrape. Call before Serve; the
-  // source must be thread-safe and outlive this object.
+  // Adds the peer path's gauges to every scrape.
   void SetPeerPathSource(std::function<PeerPathGauges()> source);
 
   // Adds the gRPC socket's connection gauges (server/service/grpc_acceptor.h)
-  // to every scrape. Same rules as SetPeerPathSource.
+  // to every scrape.
   void SetGrpcConnectionsSource(
       std::function<service::GrpcAcceptorStats()> source);
 
  private:
+  static constexpr size_t kGrpcCodes = 17;  // OK .. UNAUTHENTICATED
   class CoreCollector;
+  class ProcessCollector;
+  // One method's series, made at construction (so that every one is there
+  // from the first scrape) and never removed: lookups need no lock.
+  struct MethodSeries {
+    prometheus::Counter* started = nullptr;
+    std::array<prometheus::Counter*, kGrpcCodes> handled{};
+    prometheus::Histogram* seconds = nullptr;
+  };
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<CoreCollector> collector_;
-  prometheus::Family<prometheus::Counter>& rpcs_;
-  prometheus::Family<prometheus::Histogram>& latency_;
+  std::shared_ptr<ProcessCollector> process_;
+  absl::flat_hash_map<std::string, MethodSeries> methods_;
+  absl::flat_hash_map<std::string, prometheus::Histogram*> sizes_;
   std::unique_ptr<prometheus::Exposer> exposer_;
 };
 

@@ -152,6 +152,7 @@ grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
                                           Fn fn) {
   grpc::ServerUnaryReactor* reactor = UnaryReactor::Create(ctx);
   const absl::Time start = absl::Now();
+  if (observer_ != nullptr) observer_->OnRpcStart(method);
   auto work = [this, ctx, reactor, method, start, fn = std::move(fn)]() {
     grpc::Status status = ToGrpcStatus(fn(), ctx);
     if (observer_ != nullptr) {
@@ -165,6 +166,14 @@ grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
     work();
   }
   return reactor;
+}
+
+absl::Status MrdService::Registered(absl::string_view method, uint64_t bytes,
+                                    absl::Status status) {
+  if (status.ok() && observer_ != nullptr) {
+    observer_->OnRegistered(method, bytes);
+  }
+  return status;
 }
 
 grpc::ServerUnaryReactor* MrdService::GetDeviceInfo(
@@ -226,8 +235,10 @@ grpc::ServerUnaryReactor* MrdService::CloseMr(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* MrdService::RegisterMr(
     grpc::CallbackServerContext* ctx, const v1::RegisterMrRequest* req,
     v1::RegisterMrResponse* resp) {
-  return Run(ctx, "RegisterMr", Where::kPool,
-             [this, req, resp] { return core_->RegisterMr(*req, resp); });
+  return Run(ctx, "RegisterMr", Where::kPool, [this, req, resp] {
+    return Registered("RegisterMr", req->length(),
+                      core_->RegisterMr(*req, resp));
+  });
 }
 
 grpc::ServerUnaryReactor* MrdService::DeregisterMr(
@@ -240,8 +251,9 @@ grpc::ServerUnaryReactor* MrdService::DeregisterMr(
 grpc::ServerUnaryReactor* MrdService::BuildLam(grpc::CallbackServerContext* ctx,
                                                const v1::BuildLamRequest* req,
                                                v1::BuildLamResponse* resp) {
-  return Run(ctx, "BuildLam", Where::kPool,
-             [this, req, resp] { return core_->BuildLam(*req, resp); });
+  return Run(ctx, "BuildLam", Where::kPool, [this, req, resp] {
+    return Registered("BuildLam", req->length(), core_->BuildLam(*req, resp));
+  });
 }
 
 grpc::ServerUnaryReactor* MrdService::ReleaseLam(
@@ -254,8 +266,10 @@ grpc::ServerUnaryReactor* MrdService::ReleaseLam(
 grpc::ServerUnaryReactor* MrdService::FastRegister(
     grpc::CallbackServerContext* ctx, const v1::FastRegisterRequest* req,
     v1::FastRegisterResponse* resp) {
-  return Run(ctx, "FastRegister", Where::kPool,
-             [this, req, resp] { return core_->FastRegister(*req, resp); });
+  return Run(ctx, "FastRegister", Where::kPool, [this, req, resp] {
+    return Registered("FastRegister", req->length(),
+                      core_->FastRegister(*req, resp));
+  });
 }
 
 grpc::ServerUnaryReactor* MrdService::InvalidateMr(
@@ -267,6 +281,7 @@ grpc::ServerUnaryReactor* MrdService::InvalidateMr(
 
 grpc::ServerWriteReactor<v1::Completion>* MrdService::StreamCompletions(
     grpc::CallbackServerContext* ctx, const v1::StreamCompletionsRequest* req) {
+  if (observer_ != nullptr) observer_->OnRpcStart("StreamCompletions");
   auto writer = std::make_shared<CompletionWriter>(core_, observer_);
   writer->Start(ctx, *req);
   return writer.get();

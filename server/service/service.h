@@ -18,12 +18,17 @@
 
 namespace mrd::service {
 
-// Told about every finished RPC (metrics). Must be thread-safe.
+// Told about every RPC of the service as it starts and as it ends, and about
+// every successful registration (metrics). `method` is the method's name in
+// mrd.v1.MemoryRegistration ("RegisterMr"). Must be thread-safe.
 class RpcObserver {
  public:
   virtual ~RpcObserver() = default;
+  virtual void OnRpcStart(absl::string_view method) = 0;
   virtual void OnRpcDone(absl::string_view method, grpc::StatusCode code,
                          absl::Duration elapsed) = 0;
+  // A RegisterMr, BuildLam or FastRegister of `bytes` bytes succeeded.
+  virtual void OnRegistered(absl::string_view method, uint64_t bytes) = 0;
 };
 
 class MrdService final : public v1::MemoryRegistration::CallbackService {
@@ -89,6 +94,9 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   template <typename Fn>
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
                                 absl::string_view method, Where where, Fn fn);
+  // Tells the observer about a successful registration; returns `status`.
+  absl::Status Registered(absl::string_view method, uint64_t bytes,
+                          absl::Status status);
 
   core::Core* const core_;
   ThreadPool* const pool_;

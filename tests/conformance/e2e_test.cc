@@ -331,7 +331,9 @@ TEST_F(MetricsTest, ExportsRegistrationsAndRpcCounts) {
   EXPECT_TRUE(absl::StrContains(text, "mrd_registrations 1")) << text;
   EXPECT_TRUE(absl::StrContains(text, "mrd_fd_sessions 1")) << text;
   EXPECT_TRUE(absl::StrContains(
-      text, "mrd_rpcs_total{code=\"OK\",method=\"RegisterMr\"} 1"))
+      text,
+      "grpc_server_handled_total{grpc_code=\"OK\",grpc_method=\"RegisterMr\","
+      "grpc_service=\"mrd.v1.MemoryRegistration\",grpc_type=\"unary\"} 1"))
       << text;
   EXPECT_TRUE(absl::StrContains(text, "mrd_pinned_bytes 4096")) << text;
 }

@@ -129,8 +129,8 @@ class ClientLibTest : public MrdTest {
   double FinishedStreams() {
     double n = 0;
     for (const auto& [name, value] : Metrics()) {
-      if (absl::StartsWith(name, "mrd_rpcs_total{") &&
-          absl::StrContains(name, "method=\"StreamCompletions\"")) {
+      if (absl::StartsWith(name, "grpc_server_handled_total{") &&
+          absl::StrContains(name, "grpc_method=\"StreamCompletions\"")) {
         n += value;
       }
     }

@@ -2,9 +2,11 @@
 // ctest label "verbs"). The test makes its own Soft-RoCE device on its own
 // dummy netdev, so that deleting it does not disturb the tests that share
 // rxe0, starts mrd on it, then deletes the link: mrd must notice (async
-// event), report it in GetDeviceInfo and the health service, fail new
-// requests with UNAVAILABLE "DEVICE_LOST", keep serving gRPC, let sessions
-// close, and stop cleanly.
+// event), report it in GetDeviceInfo and in readiness (health of
+// "mrd.v1.MemoryRegistration") while liveness (health of "", the process
+// serves) stays SERVING, so that a kubelet does not restart mrd and end every
+// session on the node for a port flap; fail new requests with UNAVAILABLE
+// "DEVICE_LOST", keep serving gRPC, let sessions close, and stop cleanly.
 
 #include <grpcpp/grpcpp.h>
 #include <sys/wait.h>
@@ -31,6 +33,8 @@ int Sh(const std::string& command) {
   int status = std::system(command.c_str());
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
+
+constexpr char kReadiness[] = "mrd.v1.MemoryRegistration";
 
 class DeviceLossTest : public MrdTest {
  protected:
@@ -66,13 +70,16 @@ class DeviceLossTest : public MrdTest {
                     Netdev(), " 2>/dev/null"));
   }
 
-  grpc::health::v1::HealthCheckResponse::ServingStatus Health() {
+  // `service`: "" is liveness, "mrd.v1.MemoryRegistration" readiness.
+  grpc::health::v1::HealthCheckResponse::ServingStatus Health(
+      const std::string& service) {
     auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
         mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::seconds(5));
     grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
     grpc::health::v1::HealthCheckResponse resp;
     EXPECT_TRUE(stub->Check(&ctx, req, &resp).ok());
     return resp.status();
@@ -84,7 +91,8 @@ TEST_F(DeviceLossTest, LostDeviceIsReportedAndRequestsFailClearly) {
   ASSERT_TRUE(info.ok()) << info.status();
   ASSERT_EQ(info->name(), Rdma());
   EXPECT_TRUE(info->healthy());
-  EXPECT_EQ(Health(), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(""), grpc::health::v1::HealthCheckResponse::SERVING);
+  EXPECT_EQ(Health(kReadiness), grpc::health::v1::HealthCheckResponse::SERVING);
 
   Session session = OpenFdSession();
   Buffer buffer = NewBuffer(session, 2 * 4096, "lost");
@@ -104,15 +112,17 @@ TEST_F(DeviceLossTest, LostDeviceIsReportedAndRequestsFailClearly) {
   }
   ASSERT_TRUE(reported) << "mrd did not notice the device going away";
   EXPECT_FALSE(info->status_message().empty());
-  // The health service follows within its polling period.
+  // Readiness follows within its polling period; liveness does not.
   bool not_serving = false;
   for (int i = 0; i < 50 && !not_serving; ++i) {
-    not_serving =
-        Health() == grpc::health::v1::HealthCheckResponse::NOT_SERVING;
+    not_serving = Health(kReadiness) ==
+                  grpc::health::v1::HealthCheckResponse::NOT_SERVING;
     if (!not_serving)
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   EXPECT_TRUE(not_serving);
+  EXPECT_EQ(Health(""), grpc::health::v1::HealthCheckResponse::SERVING)
+      << "liveness must not follow the device";
 
   client::RegisterOptions o;
   o.buffer = buffer.id();

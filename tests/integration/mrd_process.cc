@@ -138,7 +138,13 @@ absl::StatusOr<std::string> ScrapeMetrics(const std::string& host_port) {
     out.append(buf, static_cast<size_t>(n));
   }
   ::close(fd);
-  return out;
+  // The body of a 200 response.
+  const size_t body = out.find("\r\n\r\n");
+  if (!absl::StartsWith(out, "HTTP/1.1 200") || body == std::string::npos) {
+    return absl::UnavailableError(absl::StrCat(
+        "metrics at ", host_port, " answered: ", out.substr(0, 80)));
+  }
+  return out.substr(body + 4);
 }
 
 namespace {

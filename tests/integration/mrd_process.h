@@ -110,8 +110,8 @@ std::string MrdBinary();
 // with a subchannel pool of its own (gRPC shares one connection between
 // channels to the same target otherwise), 3 s deadline. OK when SERVING.
 absl::Status HealthCheckOnNewConnection(const MrdProcess& mrd);
-// GET /metrics from an mrd serving metrics on `host_port` (loopback), as
-// the body of the HTTP response with its headers.
+// GET /metrics from an mrd serving metrics on `host_port` (loopback): the
+// body of its 200 response; an error for any other answer.
 absl::StatusOr<std::string> ScrapeMetrics(const std::string& host_port);
 // True when that is another build's mrd (the TSan build's).
 bool MrdBinaryIsForeign();
