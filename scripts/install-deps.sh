@@ -18,8 +18,10 @@ PACKAGES=(
   # metrics; promtool (Debian's prometheus package) lints a live scrape and
   # checks and unit-tests the alert rules (deploy/monitoring)
   prometheus-cpp-dev prometheus
-  # systemd-analyze checks deploy/systemd/mrd.service (verify, security)
-  systemd
+  # systemd-analyze checks deploy/systemd/mrd.service (verify, security);
+  # unshare and ip give the README's recipes private namespaces
+  # (tests/integration/readme_test.py)
+  systemd util-linux iproute2
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # the cache benchmark's comparison: UCX's registration cache (ucs_rcache)

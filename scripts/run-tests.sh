@@ -12,8 +12,8 @@ sanitize=$(sed -n 's/^MRD_SANITIZE:STRING=//p' "$build_dir/CMakeCache.txt")
 args=(-LE verbs)
 case "$sanitize" in
   address)
-    # deploy/ is checked once, in the plain build: nothing of it is built.
-    args=(-LE "verbs|deploy")
+    # deploy/ and the README's recipes are checked once, in the plain build.
+    args=(-LE "verbs|deploy|docs")
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
     ;;
@@ -23,7 +23,7 @@ case "$sanitize" in
     # TSan and its inline header code races on paper with its uninstrumented
     # core (see tests/support/tsan.supp). The unit tests exercise every lock
     # and thread of our own code (core, cache, device, fd server, stress).
-    args=(-LE "integration|device_suite|verbs|deploy")
+    args=(-LE "integration|device_suite|verbs|deploy|docs")
     ;;
 esac
 cd "$build_dir"

@@ -4,109 +4,20 @@
 // methods with a generic stub.
 
 #include <google/protobuf/descriptor.h>
-#include <google/protobuf/descriptor.pb.h>
-#include <google/protobuf/dynamic_message.h>
-#include <google/protobuf/util/json_util.h>
-#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/support/byte_buffer.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <future>
+#include <algorithm>
 #include <memory>
 #include <string>
 
-#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "tests/integration/mrd_process.h"
+#include "tests/support/reflection_client.h"
 
 namespace mrd::testing {
 namespace {
-
-namespace refl = grpc::reflection::v1alpha;
-using google::protobuf::DescriptorPool;
-using google::protobuf::DynamicMessageFactory;
-using google::protobuf::FileDescriptorProto;
-using google::protobuf::Message;
-
-class ReflectionClient {
- public:
-  explicit ReflectionClient(std::shared_ptr<grpc::Channel> channel)
-      : stub_(refl::ServerReflection::NewStub(channel)) {}
-
-  std::vector<std::string> ListServices() {
-    refl::ServerReflectionRequest req;
-    req.set_list_services("");
-    refl::ServerReflectionResponse resp = Ask(req);
-    std::vector<std::string> names;
-    for (const auto& s : resp.list_services_response().service()) {
-      names.push_back(s.name());
-    }
-    return names;
-  }
-
-  // Loads the file defining `symbol` and, recursively, its dependencies into
-  // the pool, as grpcurl does.
-  bool LoadSymbol(const std::string& symbol) {
-    refl::ServerReflectionRequest req;
-    req.set_file_containing_symbol(symbol);
-    return LoadFiles(Ask(req));
-  }
-
-  const DescriptorPool& pool() const { return pool_; }
-
- private:
-  refl::ServerReflectionResponse Ask(const refl::ServerReflectionRequest& req) {
-    grpc::ClientContext ctx;
-    auto stream = stub_->ServerReflectionInfo(&ctx);
-    refl::ServerReflectionResponse resp;
-    EXPECT_TRUE(stream->Write(req));
-    stream->WritesDone();
-    EXPECT_TRUE(stream->Read(&resp));
-    EXPECT_TRUE(stream->Finish().ok());
-    return resp;
-  }
-
-  bool LoadFiles(const refl::ServerReflectionResponse& resp) {
-    if (!resp.has_file_descriptor_response()) return false;
-    std::vector<FileDescriptorProto> files;
-    for (const auto& bytes :
-         resp.file_descriptor_response().file_descriptor_proto()) {
-      FileDescriptorProto file;
-      if (!file.ParseFromString(bytes)) return false;
-      files.push_back(std::move(file));
-    }
-    // Dependencies first: retry until every file builds.
-    for (size_t round = 0; round <= files.size(); ++round) {
-      for (const auto& file : files) {
-        if (pool_.FindFileByName(file.name()) != nullptr) continue;
-        bool deps_ready = true;
-        for (const auto& dep : file.dependency()) {
-          if (pool_.FindFileByName(dep) == nullptr) {
-            bool listed = false;
-            for (const auto& f : files) listed |= f.name() == dep;
-            if (!listed) {
-              refl::ServerReflectionRequest req;
-              req.set_file_by_filename(dep);
-              if (!LoadFiles(Ask(req))) return false;
-            } else {
-              deps_ready = false;
-            }
-          }
-        }
-        if (deps_ready) pool_.BuildFile(file);
-      }
-    }
-    for (const auto& file : files) {
-      if (pool_.FindFileByName(file.name()) == nullptr) return false;
-    }
-    return true;
-  }
-
-  std::unique_ptr<refl::ServerReflection::Stub> stub_;
-  DescriptorPool pool_;
-};
 
 class ReflectionTest : public ::testing::Test {
  protected:
@@ -119,9 +30,6 @@ class ReflectionTest : public ::testing::Test {
     reflection_ = std::make_unique<ReflectionClient>(channel_);
   }
   void TearDown() override {
-    // The factory's prototypes point into the reflection client's pool: they
-    // go first.
-    factory_.reset();
     // An idle open channel holds mrd's shutdown until its grace deadline.
     reflection_.reset();
     channel_.reset();
@@ -131,57 +39,37 @@ class ReflectionTest : public ::testing::Test {
     }
   }
 
+  // Loads `symbol`'s file through reflection.
+  ::testing::AssertionResult Load(const std::string& symbol) {
+    absl::Status loaded = reflection_->LoadSymbol(symbol);
+    if (loaded.ok()) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << loaded;
+  }
+
   // Calls `method` (e.g. "GetDeviceInfo") with a JSON request; returns the
   // JSON response, or the status message prefixed by "ERROR:".
   std::string Call(
       const std::string& method, const std::string& json,
       const std::string& service_name = "mrd.v1.MemoryRegistration") {
-    const auto* service = reflection_->pool().FindServiceByName(service_name);
-    EXPECT_NE(service, nullptr) << service_name;
-    if (service == nullptr) return "ERROR:no service " + service_name;
-    const auto* m = service->FindMethodByName(method);
-    EXPECT_NE(m, nullptr) << method;
-    std::unique_ptr<Message> req(
-        factory_->GetPrototype(m->input_type())->New());
-    auto parsed = google::protobuf::util::JsonStringToMessage(json, req.get());
-    EXPECT_TRUE(parsed.ok()) << parsed.ToString();
-    std::string bytes = req->SerializeAsString();
-    grpc::Slice slice(bytes);
-    grpc::ByteBuffer request(&slice, 1);
-    grpc::ByteBuffer response;
-    grpc::GenericStub stub(channel_);
-    grpc::ClientContext ctx;
-    std::promise<grpc::Status> done;
-    stub.UnaryCall(&ctx, "/" + service_name + "/" + method, grpc::StubOptions(),
-                   &request, &response,
-                   [&done](grpc::Status s) { done.set_value(s); });
-    grpc::Status status = done.get_future().get();
-    if (!status.ok()) return "ERROR:" + status.error_message();
-    std::vector<grpc::Slice> slices;
-    EXPECT_TRUE(response.Dump(&slices).ok());
-    std::string out;
-    for (const auto& s : slices) {
-      out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-    std::unique_ptr<Message> resp(
-        factory_->GetPrototype(m->output_type())->New());
-    EXPECT_TRUE(resp->ParseFromString(out));
-    std::string text;
-    EXPECT_TRUE(google::protobuf::util::MessageToJsonString(*resp, &text).ok());
-    return text;
+    absl::StatusOr<ReflectionCallResult> result =
+        reflection_->Call(service_name, method, json);
+    EXPECT_TRUE(result.ok()) << result.status();
+    if (!result.ok()) return "ERROR:" + std::string(result.status().message());
+    if (!result->status.ok()) return "ERROR:" + result->status.error_message();
+    return result->json;
   }
 
   std::unique_ptr<MrdProcess> mrd_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<ReflectionClient> reflection_;
-  std::unique_ptr<DynamicMessageFactory> factory_ =
-      std::make_unique<DynamicMessageFactory>();
 };
 
 TEST_F(ReflectionTest, ListsServicesAsGrpcurlWould) {
-  std::vector<std::string> services = reflection_->ListServices();
+  absl::StatusOr<std::vector<std::string>> services =
+      reflection_->ListServices();
+  ASSERT_TRUE(services.ok()) << services.status();
   auto has = [&](const std::string& s) {
-    return std::find(services.begin(), services.end(), s) != services.end();
+    return std::find(services->begin(), services->end(), s) != services->end();
   };
   EXPECT_TRUE(has("mrd.v1.MemoryRegistration"));
   EXPECT_TRUE(has("grpc.health.v1.Health"));
@@ -192,7 +80,7 @@ TEST_F(ReflectionTest, ListsServicesAsGrpcurlWould) {
 // reflection like any service, and answers for "" and for mrd's service name
 // (Kubernetes gRPC probes and grpc_health_probe send one).
 TEST_F(ReflectionTest, HealthIsDescribedAndAnswersForTheServerAndMrd) {
-  ASSERT_TRUE(reflection_->LoadSymbol("grpc.health.v1.Health"));
+  ASSERT_TRUE(Load("grpc.health.v1.Health"));
   const auto* health =
       reflection_->pool().FindServiceByName("grpc.health.v1.Health");
   ASSERT_NE(health, nullptr);
@@ -208,7 +96,7 @@ TEST_F(ReflectionTest, HealthIsDescribedAndAnswersForTheServerAndMrd) {
 }
 
 TEST_F(ReflectionTest, DescribesRegisterMr) {
-  ASSERT_TRUE(reflection_->LoadSymbol("mrd.v1.MemoryRegistration"));
+  ASSERT_TRUE(Load("mrd.v1.MemoryRegistration"));
   const auto* service =
       reflection_->pool().FindServiceByName("mrd.v1.MemoryRegistration");
   ASSERT_NE(service, nullptr);
@@ -231,7 +119,7 @@ TEST_F(ReflectionTest, DescribesRegisterMr) {
 }
 
 TEST_F(ReflectionTest, CallsGetDeviceInfoAndRegistersThroughALeaseSession) {
-  ASSERT_TRUE(reflection_->LoadSymbol("mrd.v1.MemoryRegistration"));
+  ASSERT_TRUE(Load("mrd.v1.MemoryRegistration"));
   std::string info = Call("GetDeviceInfo", "{}");
   EXPECT_NE(info.find("\"kind\":\"software\""), std::string::npos) << info;
   EXPECT_NE(info.find("\"pageSize\""), std::string::npos) << info;

@@ -1,0 +1,276 @@
+#!/usr/bin/python3
+"""Runs the README's shell recipes exactly as written, against the real mrd.
+
+The README's "A round trip with mrctl" and "grpcurl recipes" blocks assume
+mrd runs as root with its defaults: sockets in /run/mrd, files under
+/dev/shm/mrd, peers on 127.0.0.1:7471, metrics on 127.0.0.1:9464. So the test
+gives them exactly that, privately: it re-runs itself in new mount and
+network namespaces (unshare; needs root, as CI is), mounts fresh tmpfs on
+/run and /dev/shm there, brings up a loopback of its own and starts
+`mrd --device=software` (what `make run` runs).
+
+Each block then runs line by line in one bash, in a directory where
+`build/client/mrctl/mrctl` is the mrctl under test, with the `grpcurl` of
+tests/support/grpcurl.cc (reflection only, as grpcurl) first on PATH. A
+command must exit 0 unless the README says otherwise; a `# → TEXT` comment,
+at the end of a command's line or on the line after it, is what the
+command prints (`...` stands for anything; `(exit N)` is its exit code).
+The grpcurl block's placeholders are filled in as a reader would: `<token>`
+with the session OpenLeaseSession returned, `<id>` with the buffer
+ImportFile returned.
+
+Usage: readme_test.py SOURCE_DIR MRD MRCTL GRPCURL_DIR
+Exit 0: every command did what the README says; 77: not root (skipped).
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+failures = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        failures.append(what)
+
+
+def block_after(readme, heading):
+    """The first ```sh block after `heading`."""
+    at = readme.index(heading)
+    start = readme.index("```sh\n", at) + len("```sh\n")
+    return readme[start:readme.index("```", start)]
+
+
+def commands(block):
+    """(command, expected output or None) pairs; continuation lines joined,
+    comment lines dropped (a `# → ` line belongs to the command before)."""
+    out = []
+    pending = ""
+    for line in block.splitlines():
+        if pending:
+            line = pending + "\n" + line
+            pending = ""
+        if line.endswith("\\"):
+            pending = line
+            continue
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped.startswith("# → "):
+            cmd, _ = out[-1]
+            out[-1] = (cmd, stripped[len("# → "):])
+            continue
+        if stripped.startswith("#"):
+            continue
+        expected = None
+        m = re.search(r"\s#\s→\s(.*)$", line)
+        if m:
+            expected = m.group(1)
+            line = line[:m.start()]
+        out.append((line.rstrip(), expected))
+    return out
+
+
+class Shell:
+    """One bash, fed a line at a time; returns each line's output and code."""
+
+    MARK = "@@readme-test-done@@"
+
+    def __init__(self, cwd, env):
+        self.proc = subprocess.Popen(
+            ["bash", "--noprofile", "--norc", "-s"], cwd=cwd, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.run("shopt -s expand_aliases")
+
+    def run(self, line, timeout=60):
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.write('printf "\\n%s %d\\n" ' + self.MARK + " $?\n")
+        self.proc.stdin.flush()
+        out = []
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            got = self.proc.stdout.readline()
+            if not got:
+                break
+            if got.startswith(self.MARK + " "):
+                text = "".join(out)
+                if text.endswith("\n"):
+                    text = text[:-1]  # the marker's own newline
+                return text, int(got.split()[1])
+            out.append(got)
+        return "".join(out), -1
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+def matches(expected, output, code):
+    """Whether `output`/`code` is what a `# → ` comment says."""
+    want_code = 0
+    m = re.search(r"\s*\(exit (\d+)\)$", expected)
+    if m:
+        want_code = int(m.group(1))
+        expected = expected[:m.start()]
+    if code != want_code:
+        return False
+    at = 0
+    for part in expected.split("..."):
+        part = part.strip()
+        found = output.find(part, at)
+        if found < 0:
+            return False
+        at = found + len(part)
+    return True
+
+
+def run_block(shell, name, block, fill=None):
+    for cmd, expected in commands(block):
+        if fill:
+            cmd = fill(cmd)
+        output, code = shell.run(cmd)
+        shown = cmd.replace("\n", " ")
+        if expected is None:
+            check(code == 0, "%s: %s (exit %d)%s" % (
+                name, shown, code, "" if code == 0 else "\n" + output))
+        else:
+            check(matches(expected, output, code),
+                  "%s: %s → %s (printed %r, exit %d)" % (
+                      name, shown, expected, output, code))
+        yield cmd, output, code
+
+
+def inside(src, mrd, mrctl, grpcurl_dir):
+    # Fresh /run and /dev/shm, our own loopback.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs",
+                    "/run"], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs",
+                    "/dev/shm"], check=True)
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+
+    work = tempfile.mkdtemp(prefix="mrd-readme-")
+    os.makedirs(os.path.join(work, "build", "client", "mrctl"))
+    os.symlink(mrctl, os.path.join(work, "build", "client", "mrctl",
+                                   "mrctl"))
+    log = open(os.path.join(work, "mrd.log"), "w")
+    server = subprocess.Popen([mrd, "--device=software"], stdout=log,
+                              stderr=subprocess.STDOUT)
+    try:
+        for _ in range(200):
+            if os.path.exists("/run/mrd/mrd.sock") or server.poll() is not None:
+                break
+            time.sleep(0.05)
+        check(os.path.exists("/run/mrd/mrd.sock"),
+              "mrd --device=software listens on /run/mrd/mrd.sock")
+        if failures:
+            return
+
+        with open(os.path.join(src, "README.md")) as f:
+            readme = f.read()
+        env = dict(os.environ)
+        env["PATH"] = grpcurl_dir + ":" + env["PATH"]
+        env.pop("MRD_SESSION", None)
+        shell = Shell(work, env)
+
+        mrctl_block = block_after(readme, "## A round trip with mrctl")
+        cmds = list(run_block(shell, "mrctl", mrctl_block))
+        check(len(cmds) >= 12, "the mrctl round trip has its %d commands" %
+              len(cmds))
+
+        values = {}
+
+        def fill(cmd):
+            for key, value in values.items():
+                cmd = cmd.replace(key, value)
+            return cmd
+
+        grpcurl_block = block_after(readme, "## grpcurl recipes")
+        ran = []
+        for cmd, output, code in run_block(shell, "grpcurl", grpcurl_block,
+                                           fill):
+            ran.append((cmd, output, code))
+            if code != 0 or not output.startswith("{"):
+                continue
+            reply = json.loads(output)
+            if "OpenLeaseSession" in cmd:
+                values["<token>"] = reply.get("session", "")
+            elif "ImportFile" in cmd:
+                values["<id>"] = reply.get("buffer", "")
+        shell.close()
+
+        def output_of(fragment):
+            for cmd, output, _ in ran:
+                if fragment in cmd:
+                    return output
+            return ""
+
+        listed = output_of(" list").split()
+        check({"mrd.v1.MemoryRegistration", "grpc.health.v1.Health",
+               "grpc.reflection.v1alpha.ServerReflection"} <= set(listed),
+              "list names mrd's service, health and reflection: %s" % listed)
+        check("rpc RegisterMr ( .mrd.v1.RegisterMrRequest ) returns "
+              "( .mrd.v1.RegisterMrResponse );" in
+              output_of("describe mrd.v1.MemoryRegistration.RegisterMr"),
+              "describe shows RegisterMr's signature")
+        health = [json.loads(o) for c, o, code in ran
+                  if "Health/Check" in c and code == 0]
+        check(health == [{"status": "SERVING"}] * 2,
+              "health answers SERVING for \"\" and for the service name: %s"
+              % health)
+        info = output_of("/GetDeviceInfo")
+        check('"kind": "software"' in info, "GetDeviceInfo: the software "
+              "device")
+        check(values.get("<token>") and values.get("<id>"),
+              "the lease session and the imported buffer came back")
+        reg = output_of("/RegisterMr")
+        check('"rkey"' in reg and '"references": 1' in reg,
+              "RegisterMr returned a token, one reference: %s" % reg)
+        listing = output_of("/ListRegistrations")
+        registration = json.loads(reg).get("registration", "?") if (
+            reg.startswith("{")) else "?"
+        check('"%s"' % registration in listing,
+              "ListRegistrations lists registration %s" % registration)
+    finally:
+        server.terminate()
+        try:
+            rc = server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            rc = -1
+        log.close()
+        with open(os.path.join(work, "mrd.log")) as f:
+            mrd_log = f.read()
+        check(rc == 0 and "pinned bytes: 0" in mrd_log,
+              "mrd stops on SIGTERM with exit 0 and nothing pinned")
+        if failures:
+            print("---- mrd log ----\n" + mrd_log + "---- end ----")
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main():
+    src, mrd, mrctl, grpcurl_dir = sys.argv[1:5]
+    if os.environ.get("MRD_README_TEST_INSIDE") != "1":
+        if os.geteuid() != 0:
+            print("SKIP: the README's recipes need root (mrd's defaults, in "
+                  "private mount and network namespaces)")
+            return 77
+        os.environ["MRD_README_TEST_INSIDE"] = "1"
+        os.execvp("unshare", ["unshare", "--mount", "--net",
+                              "--propagation", "private", sys.executable,
+                              os.path.abspath(__file__), src,
+                              os.path.abspath(mrd), os.path.abspath(mrctl),
+                              os.path.abspath(grpcurl_dir)])
+    inside(src, mrd, mrctl, grpcurl_dir)
+    print("%d failure(s)" % len(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
