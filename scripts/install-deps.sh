@@ -43,6 +43,11 @@ fi
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then
+  if ! command -v sudo >/dev/null; then
+    echo "install-deps: missing packages (${missing[*]}); run as root, or" \
+      "install sudo (apt-get install sudo, as root) and try again" >&2
+    exit 1
+  fi
   SUDO="sudo"
 fi
 echo "install-deps: installing ${missing[*]}" >&2

@@ -13,6 +13,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <pwd.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -33,6 +34,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -191,6 +193,47 @@ namespace {
 // Readiness: the health service name that follows the device ("" is
 // liveness: the process serves).
 constexpr char kServiceName[] = "mrd.v1.MemoryRegistration";
+
+// Whether this process may lock memory beyond RLIMIT_MEMLOCK: CAP_IPC_LOCK
+// (bit 14) in its effective set (/proc/self/status, CapEff).
+bool HasIpcLock() {
+  const int fd = open("/proc/self/status", O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[4096];
+  const ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return false;
+  for (absl::string_view line :
+       absl::StrSplit(absl::string_view(buf, static_cast<size_t>(n)), '\n')) {
+    uint64_t caps = 0;
+    if (absl::ConsumePrefix(&line, "CapEff:") &&
+        absl::SimpleHexAtoi(absl::StripAsciiWhitespace(line), &caps)) {
+      return (caps & (uint64_t{1} << 14)) != 0;
+    }
+  }
+  return false;
+}
+
+// Warns, naming the fix, when mrd will not be able to pin what its limits
+// allow: without CAP_IPC_LOCK the kernel charges every pinned page (mlock
+// and io_uring fixed buffers alike) to RLIMIT_MEMLOCK, and registrations
+// past it fail with PIN_FAILED.
+void WarnIfMemlockTooLow(uint64_t max_total_pinned_bytes) {
+  rlimit memlock{};
+  if (getrlimit(RLIMIT_MEMLOCK, &memlock) != 0) return;
+  if (memlock.rlim_cur == RLIM_INFINITY || HasIpcLock()) return;
+  if (memlock.rlim_cur >= max_total_pinned_bytes) return;
+  LogWarning("RLIMIT_MEMLOCK is ", memlock.rlim_cur,
+             " bytes and mrd lacks CAP_IPC_LOCK, so it can pin only that much, "
+             "less than --max_total_pinned_bytes=",
+             max_total_pinned_bytes,
+             ": registrations beyond it will fail with PIN_FAILED. Run mrd as "
+             "root, or give it CAP_IPC_LOCK (Kubernetes: capabilities add "
+             "IPC_LOCK; systemd: AmbientCapabilities=CAP_IPC_LOCK; by hand: "
+             "setcap cap_ipc_lock+ep mrd), or raise the limit (ulimit -l "
+             "unlimited; systemd: LimitMEMLOCK=infinity), or lower "
+             "--max_total_pinned_bytes.");
+}
 
 std::string DefaultRuntimeDir() {
   if (geteuid() == 0) return "/run/mrd";
@@ -521,6 +564,7 @@ int Run() {
     core_options.anonymous_reach = core::CoreOptions::Reach::kUser;
     core_options.anonymous_id = geteuid();
   }
+  WarnIfMemlockTooLow(core_options.max_total_pinned_bytes);
   core::Core core(device->get(), RealClock::Get(), core_options);
   if (absl::Status s = core.Start(); !s.ok()) {
     LogError("core: ", s.ToString());

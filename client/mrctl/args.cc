@@ -106,8 +106,8 @@ std::vector<CommandSpec> BuildCommands() {
        "The same buffer, range and access again returns the same registration "
        "with one more reference.",
        {{"buffer", "ID", "the buffer (required)"},
-        {"offset", "N", "start in the buffer (default 0)"},
-        {"length", "N", "bytes (required)"},
+        {"offset", "SIZE", "start in the buffer (default 0)"},
+        {"length", "SIZE", "bytes (required)"},
         {"flags", "FLAGS", kMrFlagsHelp},
         {"mem", "read|write|readwrite",
          "MEM_* access instead of --flags (WSPRegisterRdmaMemory form)"},
@@ -130,8 +130,8 @@ std::vector<CommandSpec> BuildCommands() {
                "Pin a range and print its page array (BuildLam).",
                "",
                {{"buffer", "ID", "the buffer (required)"},
-                {"offset", "N", "start in the buffer (default 0)"},
-                {"length", "N", "bytes (required)"},
+                {"offset", "SIZE", "start in the buffer (default 0)"},
+                {"length", "SIZE", "bytes (required)"},
                 {"capacity", "N",
                  "mapping space in bytes, 8 + 8*pages (L2; default no "
                  "limit)"}}});
@@ -153,7 +153,7 @@ std::vector<CommandSpec> BuildCommands() {
                 {"mr", "ID", "a fast-register MR object (required)"},
                 {"pages", "A,B,...", "logical page addresses from build-lam"},
                 {"fbo", "N", "first byte offset (default 0)"},
-                {"length", "N", "bytes (required)"},
+                {"length", "SIZE", "bytes (required)"},
                 {"base", "ADDR", "base address, FBO + n*PAGE_SIZE (required)"},
                 {"flags", "FLAGS", kOpFlagsHelp},
                 {"context", "N", "request context echoed in the completion"}}});
@@ -207,7 +207,7 @@ std::vector<CommandSpec> BuildCommands() {
         {"ticket", "TICKET", "a ticket from peer-ticket (required)"},
         {"rkey", "KEY", "the remote token (required)"},
         {"va", "ADDR", "remote address (required)"},
-        {"length", "N", "bytes to read (required)"},
+        {"length", "SIZE", "bytes to read (required)"},
         {"hex", "", "print hex instead of raw bytes"}}});
   c.push_back({"peer write",
                "",
@@ -236,14 +236,14 @@ std::vector<CommandSpec> BuildCommands() {
        "printed works with --session for other commands while it holds.\n"
        "Note: `mrctl hold ... </dev/null` returns at once; use e.g.\n"
        "  sleep infinity | mrctl hold --size=4096 --flags=remote_read",
-       {{"size", "N", "buffer size in bytes (required)"},
+       {{"size", "SIZE", "buffer size in bytes (required)"},
         {"fill", "STRING", "write STRING at the start of the buffer"},
         {"repeat", "", "with --fill: repeat STRING over the whole buffer"},
         {"name", "NAME", "memfd name (default mrctl-hold)"},
         {"writable", "",
          "import writable (default: when the flags need write access)"},
-        {"offset", "N", "registered range start (default 0)"},
-        {"length", "N", "registered range length (default: to the end)"},
+        {"offset", "SIZE", "registered range start (default 0)"},
+        {"length", "SIZE", "registered range length (default: to the end)"},
         {"flags", "FLAGS", kMrFlagsHelp},
         {"mem", "read|write|readwrite", "MEM_* access instead of --flags"},
         {"base", "ADDR", "base address on the wire (default: mrd's mapping)"},
@@ -648,15 +648,22 @@ absl::StatusOr<bool> FlagValues::Bool(absl::string_view name) const {
   return ParseBool(name, *v);
 }
 
-absl::StatusOr<uint64_t> FlagValues::Uint64(absl::string_view name) const {
+absl::StatusOr<uint64_t> FlagValues::Number(
+    absl::string_view name,
+    absl::StatusOr<uint64_t> (*parse)(absl::string_view)) const {
   std::optional<std::string> v = String(name);
-  if (!v.has_value())
+  if (!v.has_value()) {
     return UsageError(absl::StrCat("--", name, " is required"));
-  absl::StatusOr<uint64_t> n = ParseUint64(*v);
+  }
+  absl::StatusOr<uint64_t> n = parse(*v);
   if (!n.ok()) {
     return UsageError(absl::StrCat("--", name, ": ", n.status().message()));
   }
   return n;
+}
+
+absl::StatusOr<uint64_t> FlagValues::Uint64(absl::string_view name) const {
+  return Number(name, ParseUint64);
 }
 
 absl::StatusOr<uint64_t> FlagValues::Uint64Or(absl::string_view name,
@@ -704,6 +711,56 @@ absl::StatusOr<uint64_t> ParseUint64(absl::string_view text) {
                                    "(decimal or 0x hex)"));
   }
   return value;
+}
+
+absl::StatusOr<uint64_t> ParseSize(absl::string_view text) {
+  absl::string_view t = absl::StripAsciiWhitespace(text);
+  size_t digits = 0;
+  while (digits < t.size() &&
+         std::isdigit(static_cast<unsigned char>(t[digits])) != 0) {
+    ++digits;
+  }
+  absl::string_view unit = t.substr(digits);
+  if (absl::StartsWithIgnoreCase(t, "0x") || unit.empty()) {
+    return ParseUint64(text);
+  }
+  struct Unit {
+    const char* name;
+    uint64_t base;
+    int power;
+  };
+  static constexpr Unit kUnits[] = {
+      {"K", 1024, 1},   {"KiB", 1024, 1}, {"KB", 1000, 1},  {"M", 1024, 2},
+      {"MiB", 1024, 2}, {"MB", 1000, 2},  {"G", 1024, 3},   {"GiB", 1024, 3},
+      {"GB", 1000, 3},  {"T", 1024, 4},   {"TiB", 1024, 4}, {"TB", 1000, 4},
+      {"P", 1024, 5},   {"PiB", 1024, 5}, {"PB", 1000, 5},  {"k", 1024, 1}};
+  uint64_t number = 0;
+  for (const Unit& u : kUnits) {
+    if (unit != u.name) continue;
+    if (digits == 0 || !absl::SimpleAtoi(t.substr(0, digits), &number)) break;
+    uint64_t value = number;
+    for (int i = 0; i < u.power; ++i) {
+      if (value > UINT64_MAX / u.base) {
+        return UsageError(absl::StrCat("'", text, "' exceeds 64 bits"));
+      }
+      value *= u.base;
+    }
+    return value;
+  }
+  return UsageError(absl::StrCat(
+      "'", text,
+      "' is not a size (bytes, 0x hex, or a whole number with K, M, G, T, P, "
+      "KiB, ..., PiB (1024s) or KB, ..., PB (1000s))"));
+}
+
+absl::StatusOr<uint64_t> FlagValues::Size(absl::string_view name) const {
+  return Number(name, ParseSize);
+}
+
+absl::StatusOr<uint64_t> FlagValues::SizeOr(absl::string_view name,
+                                            uint64_t fallback) const {
+  if (!Has(name)) return fallback;
+  return Size(name);
 }
 
 absl::StatusOr<uint32_t> ParseMrFlags(absl::string_view text) {

@@ -95,14 +95,27 @@ class FlagValues {
                                     uint32_t fallback) const;
   absl::StatusOr<std::optional<uint64_t>> OptionalUint64(
       absl::string_view name) const;
+  // Byte counts (ParseSize): --size, --length, --offset.
+  absl::StatusOr<uint64_t> Size(absl::string_view name) const;  // required
+  absl::StatusOr<uint64_t> SizeOr(absl::string_view name,
+                                  uint64_t fallback) const;
 
  private:
+  // A required number, read with `parse`; errors name the flag.
+  absl::StatusOr<uint64_t> Number(
+      absl::string_view name,
+      absl::StatusOr<uint64_t> (*parse)(absl::string_view)) const;
+
   const std::map<std::string, std::string>& flags_;
 };
 
 // Value parsers.
 // Decimal, or hex with 0x.
 absl::StatusOr<uint64_t> ParseUint64(absl::string_view text);
+// A byte count: a ParseUint64 number, or a decimal number with a unit:
+// K, M, G, T, P or KiB, MiB, GiB, TiB, PiB (powers of 1024; "k" too), or
+// KB, MB, GB, TB, PB (powers of 1000). "8G" is 8 GiB.
+absl::StatusOr<uint64_t> ParseSize(absl::string_view text);
 // NDK_MR_FLAG_*: a number, or names joined by ',' or '|': local_read (0),
 // local_write (0x1), remote_read (0x2), remote_write (0x5), read_sink (0x8).
 absl::StatusOr<uint32_t> ParseMrFlags(absl::string_view text);

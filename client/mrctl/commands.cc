@@ -232,8 +232,8 @@ absl::Status CloseMr(Context& ctx) {
 absl::Status Register(Context& ctx) {
   client::RegisterOptions options;
   MRD_ASSIGN_OR_RETURN(options.buffer, ctx.flags.Uint64("buffer"));
-  MRD_ASSIGN_OR_RETURN(options.offset, ctx.flags.Uint64Or("offset", 0));
-  MRD_ASSIGN_OR_RETURN(options.length, ctx.flags.Uint64("length"));
+  MRD_ASSIGN_OR_RETURN(options.offset, ctx.flags.SizeOr("offset", 0));
+  MRD_ASSIGN_OR_RETURN(options.length, ctx.flags.Size("length"));
   MRD_ASSIGN_OR_RETURN(options.flags, MrFlagsOf(ctx.flags));
   MRD_ASSIGN_OR_RETURN(options.mem_flags, MemFlagsOf(ctx.flags));
   MRD_ASSIGN_OR_RETURN(options.base_address, ctx.flags.OptionalUint64("base"));
@@ -272,8 +272,8 @@ absl::Status BuildLam(Context& ctx) {
   v1::BuildLamRequest request;
   request.set_session(ctx.token());
   MRD_ASSIGN_OR_RETURN(uint64_t buffer, ctx.flags.Uint64("buffer"));
-  MRD_ASSIGN_OR_RETURN(uint64_t offset, ctx.flags.Uint64Or("offset", 0));
-  MRD_ASSIGN_OR_RETURN(uint64_t length, ctx.flags.Uint64("length"));
+  MRD_ASSIGN_OR_RETURN(uint64_t offset, ctx.flags.SizeOr("offset", 0));
+  MRD_ASSIGN_OR_RETURN(uint64_t length, ctx.flags.Size("length"));
   MRD_ASSIGN_OR_RETURN(uint32_t capacity, ctx.flags.Uint32Or("capacity", 0));
   request.set_buffer(buffer);
   request.set_offset(offset);
@@ -304,7 +304,7 @@ absl::Status FastRegister(Context& ctx) {
   absl::StatusOr<std::vector<uint64_t>> pages = ParseUint64List(pages_text);
   if (!pages.ok()) return FlagError("pages", pages.status());
   MRD_ASSIGN_OR_RETURN(uint32_t fbo, ctx.flags.Uint32Or("fbo", 0));
-  MRD_ASSIGN_OR_RETURN(uint64_t length, ctx.flags.Uint64("length"));
+  MRD_ASSIGN_OR_RETURN(uint64_t length, ctx.flags.Size("length"));
   MRD_ASSIGN_OR_RETURN(uint64_t base, ctx.flags.Uint64("base"));
   MRD_ASSIGN_OR_RETURN(uint32_t flags, OpFlagsOf(ctx.flags));
   MRD_ASSIGN_OR_RETURN(uint64_t context, ctx.flags.Uint64Or("context", 0));
@@ -434,16 +434,16 @@ absl::Status WaitForRelease(const client::Session& session, absl::Time deadline,
 
 absl::Status Hold(Context& ctx) {
   const FlagValues& f = ctx.flags;
-  MRD_ASSIGN_OR_RETURN(uint64_t size, f.Uint64("size"));
+  MRD_ASSIGN_OR_RETURN(uint64_t size, f.Size("size"));
   if (size == 0) return UsageError("--size must be positive");
   std::string fill = f.String("fill").value_or("");
   MRD_ASSIGN_OR_RETURN(bool repeat, f.Bool("repeat"));
   std::string name = f.String("name").value_or("mrctl-hold");
   client::RegisterOptions options;
-  MRD_ASSIGN_OR_RETURN(options.offset, f.Uint64Or("offset", 0));
+  MRD_ASSIGN_OR_RETURN(options.offset, f.SizeOr("offset", 0));
   if (options.offset >= size) return UsageError("--offset is past --size");
   MRD_ASSIGN_OR_RETURN(options.length,
-                       f.Uint64Or("length", size - options.offset));
+                       f.SizeOr("length", size - options.offset));
   MRD_ASSIGN_OR_RETURN(options.flags, MrFlagsOf(f));
   MRD_ASSIGN_OR_RETURN(options.mem_flags, MemFlagsOf(f));
   MRD_ASSIGN_OR_RETURN(options.base_address, f.OptionalUint64("base"));
@@ -611,14 +611,32 @@ int Run(const std::vector<std::string>& args, const Environment& env,
     }
     return kExitOk;
   }
+  const absl::Time start = absl::Now();
   absl::Status status = Execute(*invocation, out, err);
+  const absl::Duration took = absl::Now() - start;
   std::fflush(out);
+  const std::string& name = invocation->command->name;
   if (!status.ok()) {
     std::fprintf(err, "%s\n", ErrorLine(status).c_str());
     if (IsUsageError(status)) {
-      std::fprintf(err, "(see mrctl help %s)\n",
-                   invocation->command->name.c_str());
+      std::fprintf(err, "(see mrctl help %s)\n", name.c_str());
     }
+    if (status.code() == absl::StatusCode::kDeadlineExceeded &&
+        !invocation->global.timeout.has_value()) {
+      std::fprintf(
+          err,
+          "(mrctl's default deadline is %s; registering many GiB pins page "
+          "by page and can take longer: pass --timeout=5m, or --timeout=inf "
+          "for none)\n",
+          absl::FormatDuration(client::ClientOptions().rpc_timeout).c_str());
+    }
+  }
+  // A call that took seconds (a large registration) says how long; hold and
+  // completions wait on purpose.
+  if (took >= absl::Seconds(1) && name != "hold" && name != "completions") {
+    std::fprintf(err, "mrctl: %s took %s\n", name.c_str(),
+                 absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(10)))
+                     .c_str());
   }
   return ExitCodeFor(status);
 }

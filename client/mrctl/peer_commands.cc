@@ -63,7 +63,7 @@ absl::Status PeerRead(const Invocation& inv, std::FILE* out,
                       std::FILE* /*err*/) {
   FlagValues flags(inv);
   MRD_ASSIGN_OR_RETURN(Target target, TargetOf(inv));
-  MRD_ASSIGN_OR_RETURN(uint64_t length, flags.Uint64("length"));
+  MRD_ASSIGN_OR_RETURN(uint64_t length, flags.Size("length"));
   MRD_ASSIGN_OR_RETURN(bool hex, flags.Bool("hex"));
   MRD_RETURN_IF_ERROR(ResolveAddress(inv, target));
   MRD_ASSIGN_OR_RETURN(

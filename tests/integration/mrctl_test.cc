@@ -575,6 +575,26 @@ TEST_F(MrctlTest, LeaseImportRegisterListDeregisterRelease) {
   CloseLease();
 }
 
+TEST_F(MrctlTest, SizesTakeUnits) {
+  OpenLease();
+  ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "units", "units", 16384).ok());
+  Result imported = Mrctl({"import-file", "units", "--writable"});
+  ASSERT_EQ(imported.code, kExitOk) << imported;
+  const std::string buffer = Fields(imported.out)["buffer"];
+  Result reg = Mrctl({"register", "--buffer=" + buffer, "--offset=4K",
+                      "--length=8KiB"});
+  ASSERT_EQ(reg.code, kExitOk) << reg;
+  auto f = Fields(reg.out);
+  EXPECT_EQ(f["length"], "8192");
+  EXPECT_EQ(ToU64(f["base_address"]),
+            ToU64(Fields(imported.out)["address"]) + 4096);
+  Result bad = Mrctl({"register", "--buffer=" + buffer, "--length=8Q"});
+  EXPECT_EQ(bad.code, kExitUsage) << bad;
+  EXPECT_TRUE(absl::StrContains(bad.err, "--length: '8Q' is not a size"))
+      << bad;
+  CloseLease();
+}
+
 TEST_F(MrctlTest, ErrorsPrintCodeSeedReasonAndRequiredSize) {
   OpenLease();
   ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "data", "x", 8192).ok());

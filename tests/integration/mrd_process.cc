@@ -373,9 +373,12 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
     p->shm_dir_ = options.shm_dir;
   }
 
-  std::vector<std::string> args;
+  std::vector<std::string> args = options.wrapper;
   if (!options.nofile.empty()) {
-    args = {"/usr/bin/prlimit", "--nofile=" + options.nofile, "--"};
+    for (std::string a : {std::string("/usr/bin/prlimit"),
+                          "--nofile=" + options.nofile, std::string("--")}) {
+      args.push_back(std::move(a));
+    }
   }
   std::vector<std::string> mrd_args = {
       MrdBinary(),

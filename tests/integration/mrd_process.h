@@ -44,6 +44,9 @@ struct MrdProcessOptions {
   // "1024" (soft and hard) or "512:4096" (soft:hard). prlimit execs mrd, so
   // pid() is still mrd's.
   std::string nofile;
+  // Run mrd under this command (which execs the rest), e.g. setpriv to drop
+  // a capability. pid() is mrd's as long as the command execs.
+  std::vector<std::string> wrapper;
 };
 
 // How an mrd that was expected to refuse to start ended.

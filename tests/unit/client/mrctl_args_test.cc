@@ -141,6 +141,27 @@ TEST(HelpTest, EveryCommandHasHelpAndAHandler) {
   }
 }
 
+TEST(ValueParsersTest, Sizes) {
+  EXPECT_EQ(*ParseSize("4096"), 4096u);
+  EXPECT_EQ(*ParseSize("0x1000"), 4096u);
+  EXPECT_EQ(*ParseSize("4K"), 4096u);
+  EXPECT_EQ(*ParseSize("4KiB"), 4096u);
+  EXPECT_EQ(*ParseSize("4k"), 4096u);
+  EXPECT_EQ(*ParseSize("8G"), uint64_t{8} << 30);
+  EXPECT_EQ(*ParseSize("8GiB"), uint64_t{8} << 30);
+  EXPECT_EQ(*ParseSize("2M"), uint64_t{2} << 20);
+  EXPECT_EQ(*ParseSize("1T"), uint64_t{1} << 40);
+  EXPECT_EQ(*ParseSize("4KB"), 4000u);
+  EXPECT_EQ(*ParseSize("1GB"), 1000000000u);
+}
+
+TEST(ValueParsersTest, BadSizes) {
+  for (const char* bad : {"", "K", "4X", "4 KiB", "-1", "1.5G", "4Ki", "0xK",
+                          "16384P", "20000000000G"}) {
+    EXPECT_FALSE(ParseSize(bad).ok()) << bad;
+  }
+}
+
 TEST(ValueParsersTest, Numbers) {
   EXPECT_EQ(*ParseUint64("42"), 42u);
   EXPECT_EQ(*ParseUint64("0x2A"), 42u);
