@@ -21,7 +21,7 @@
 #include <string>
 
 #include "server/common/clock.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
 

@@ -45,7 +45,7 @@
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.pb.h"
 #include "mrd_revision.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/common/fd_budget.h"
 #include "server/common/log.h"
 #include "server/common/path_trust.h"

@@ -3,7 +3,7 @@
 #include <utility>
 
 #include "client/lib/session_core.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
 

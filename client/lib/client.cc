@@ -16,8 +16,8 @@
 #include "client/lib/client_core.h"
 #include "client/lib/deferred_release.h"
 #include "client/lib/status.h"
-#include "server/common/fd.h"
-#include "server/common/status.h"
+#include "mrd/unique_fd.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
 namespace internal {

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/lib/status.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
 namespace {

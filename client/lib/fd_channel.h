@@ -23,7 +23,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "mrd/v1/fd.pb.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 
 namespace mrd::client {
 

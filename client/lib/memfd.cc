@@ -8,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
 

@@ -4,7 +4,7 @@
 
 #include "client/lib/lam.h"
 #include "client/lib/session_core.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
 namespace {

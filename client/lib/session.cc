@@ -1,6 +1,8 @@
 #include "client/lib/session.h"
 
+#include <cstdio>
 #include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -8,16 +10,25 @@
 #include "client/lib/client_core.h"
 #include "client/lib/session_core.h"
 #include "client/lib/status.h"
-#include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
+namespace {
+
+// What the library cannot return (a release from a destructor that
+// failed) goes to stderr, one line.
+void Warn(const std::string& line) {
+  std::fprintf(stderr, "%s\n", line.c_str());
+}
+
+}  // namespace
+
 namespace internal {
 
 void LogReleaseError(absl::string_view what, uint64_t id,
                      const absl::Status& status) {
-  LogWarning("mrd client: releasing ", what, " ", id,
-             " failed: ", FormatStatus(status));
+  Warn(absl::StrCat("mrd client: releasing ", what, " ", id,
+                    " failed: ", FormatStatus(status)));
 }
 
 }  // namespace internal
@@ -86,8 +97,8 @@ void Session::EndOnDestruction() {
   if (core_->kind != internal::SessionKind::kAttached) {
     absl::Status status = Close();
     if (!status.ok() && core_->kind == internal::SessionKind::kLease) {
-      LogWarning("mrd client: closing lease session failed: ",
-                 FormatStatus(status));
+      Warn(absl::StrCat("mrd client: closing lease session failed: ",
+                        FormatStatus(status)));
     }
   }
   core_.reset();

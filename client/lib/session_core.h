@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "client/lib/client.h"
 #include "client/lib/fd_channel.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client::internal {
 

@@ -21,7 +21,7 @@
 #include "absl/strings/string_view.h"
 #include "mrd/v1/fd.pb.h"
 #include "mrd/v1/mrd.pb.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
 

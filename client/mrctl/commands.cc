@@ -14,7 +14,7 @@
 #include "absl/time/clock.h"
 #include "client/lib/mrd_client.h"
 #include "client/mrctl/output.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::mrctl {
 namespace {

@@ -9,7 +9,7 @@
 #include "client/mrctl/commands.h"
 #include "client/mrctl/output.h"
 #include "client/peer/peer.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::mrctl {
 namespace {

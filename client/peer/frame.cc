@@ -10,7 +10,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::peer {
 namespace {

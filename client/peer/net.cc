@@ -11,7 +11,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::peer {
 namespace {

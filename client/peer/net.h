@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 
 namespace mrd::peer {
 

@@ -5,7 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/peer/frame.h"
 #include "client/peer/net.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::peer {
 namespace {

@@ -32,7 +32,7 @@
 #include "absl/synchronization/mutex.h"
 #include "client/peer/peer.h"
 #include "mrd/v1/peer.pb.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 
 namespace mrd::peer {
 

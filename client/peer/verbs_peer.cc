@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/peer/net.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::peer {
 namespace {

@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd {
 namespace {

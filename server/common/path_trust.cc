@@ -17,8 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "server/common/fd.h"
-#include "server/common/status.h"
+#include "mrd/unique_fd.h"
+#include "mrd/status.h"
 
 namespace mrd {
 namespace {

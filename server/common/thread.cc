@@ -3,7 +3,7 @@
 #include <string>
 
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd {
 namespace {

@@ -3,7 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd {
 

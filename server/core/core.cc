@@ -15,7 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/core/flags.h"
 
 namespace mrd::core {

@@ -1,7 +1,7 @@
 #include "server/core/flags.h"
 
 #include "absl/strings/str_cat.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/device/device.h"
 
 namespace mrd::core {

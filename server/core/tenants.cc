@@ -9,7 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::core {
 namespace {

@@ -18,7 +18,7 @@
 #include "google/protobuf/descriptor.h"
 #include "mrd/v1/mrd.grpc.pb.h"
 #include "prometheus/text_serializer.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::metrics {
 namespace {

@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::service {
 namespace {

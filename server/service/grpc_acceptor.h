@@ -34,7 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/common/thread.h"
 
 namespace grpc {

@@ -3,7 +3,7 @@
 #include <string>
 
 #include "mrd/v1/mrd.pb.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::service {
 

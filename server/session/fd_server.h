@@ -54,7 +54,7 @@
 #include "absl/synchronization/mutex.h"
 #include "mrd/v1/fd.pb.h"
 #include "mrd/v1/mrd.pb.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/common/fd_budget.h"
 #include "server/common/thread.h"
 

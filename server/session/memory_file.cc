@@ -18,7 +18,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::session {
 namespace {

@@ -36,7 +36,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/device/device.h"
 
 namespace mrd::session {

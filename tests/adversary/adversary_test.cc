@@ -48,7 +48,7 @@
 #include "absl/time/clock.h"
 #include "client/lib/mrd_client.h"
 #include "client/peer/soft_peer.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "tests/adversary/attacks.h"
 #include "tests/adversary/tally.h"
 #include "tests/integration/mrd_process.h"

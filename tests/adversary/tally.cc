@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::adversary {
 namespace {

@@ -37,7 +37,7 @@
 #include "absl/time/time.h"
 #include "fuzzer/FuzzedDataProvider.h"
 #include "mrd/v1/fd.pb.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/session/fd_server.h"
 #include "server/session/memory_file.h"
 #include "tests/fuzz/fuzz_util.h"

@@ -15,7 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 
 namespace mrd::fuzz {
 

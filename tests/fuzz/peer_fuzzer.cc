@@ -45,7 +45,7 @@
 #include "client/peer/frame.h"
 #include "fuzzer/FuzzedDataProvider.h"
 #include "mrd/v1/peer.pb.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/device/software/software_device.h"
 #include "tests/fuzz/fuzz_util.h"
 

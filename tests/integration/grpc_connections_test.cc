@@ -22,7 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "tests/integration/mrd_process.h"
 #include "tests/integration/test_env.h"
 

@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """Runs the README's shell recipes exactly as written, against the real mrd.
 
-The README's "A round trip with mrctl" and "grpcurl recipes" blocks assume
+The README's "A round trip with mrctl", "grpcurl recipes" and "Python
+client" blocks assume
 mrd runs as root with its defaults: sockets in /run/mrd, files under
 /dev/shm/mrd, peers on 127.0.0.1:7471, metrics on 127.0.0.1:9464. So the test
 gives them exactly that, privately: it re-runs itself in new mount and
@@ -15,11 +16,12 @@ tests/support/grpcurl.cc (reflection only, as grpcurl) first on PATH. A
 command must exit 0 unless the README says otherwise; a `# → TEXT` comment,
 at the end of a command's line or on the line after it, is what the
 command prints (`...` stands for anything; `(exit N)` is its exit code).
-The grpcurl block's placeholders are filled in as a reader would: `<token>`
+The Python block runs with the tree's Python client. The grpcurl block's
+placeholders are filled in as a reader would: `<token>`
 with the session OpenLeaseSession returned, `<id>` with the buffer
 ImportFile returned.
 
-Usage: readme_test.py SOURCE_DIR MRD MRCTL GRPCURL_DIR
+Usage: readme_test.py SOURCE_DIR MRD MRCTL GRPCURL_DIR PYTHON_GEN_DIR
 Exit 0: every command did what the README says; 77: not root (skipped).
 """
 import json
@@ -48,11 +50,26 @@ def block_after(readme, heading):
 
 
 def commands(block):
-    """(command, expected output or None) pairs; continuation lines joined,
-    comment lines dropped (a `# → ` line belongs to the command before)."""
+    """(command, expected output or None) pairs; continuation lines and here
+    documents joined, comment lines dropped (a `# → ` line belongs to the
+    command before; inside a here document it is the whole command's)."""
     out = []
     pending = ""
+    heredoc_end = None
     for line in block.splitlines():
+        if heredoc_end is not None:
+            pending += "\n" + line
+            if line.strip() == heredoc_end:
+                m = re.search(r"#\s→\s(.*)$", pending, re.M)
+                out.append((pending, m.group(1).strip() if m else None))
+                pending = ""
+                heredoc_end = None
+            continue
+        m = re.search(r"<<-?'?(\w+)'?", line)
+        if m and not line.lstrip().startswith("#"):
+            heredoc_end = m.group(1)
+            pending = (pending + "\n" + line) if pending else line
+            continue
         if pending:
             line = pending + "\n" + line
             pending = ""
@@ -147,7 +164,7 @@ def run_block(shell, name, block, fill=None):
         yield cmd, output, code
 
 
-def inside(src, mrd, mrctl, grpcurl_dir):
+def inside(src, mrd, mrctl, grpcurl_dir, python_gen):
     # Fresh /run and /dev/shm, our own loopback.
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "tmpfs",
                     "/run"], check=True)
@@ -159,6 +176,13 @@ def inside(src, mrd, mrctl, grpcurl_dir):
     os.makedirs(os.path.join(work, "build", "client", "mrctl"))
     os.symlink(mrctl, os.path.join(work, "build", "client", "mrctl",
                                    "mrctl"))
+    # The Python client's recipe: build/client/python/gen, client/python.
+    os.makedirs(os.path.join(work, "build", "client", "python"))
+    os.symlink(python_gen, os.path.join(work, "build", "client", "python",
+                                        "gen"))
+    os.makedirs(os.path.join(work, "client"))
+    os.symlink(os.path.join(src, "client", "python"),
+               os.path.join(work, "client", "python"))
     log = open(os.path.join(work, "mrd.log"), "w")
     server = subprocess.Popen([mrd, "--device=software"], stdout=log,
                               stderr=subprocess.STDOUT)
@@ -203,6 +227,9 @@ def inside(src, mrd, mrctl, grpcurl_dir):
                 values["<token>"] = reply.get("session", "")
             elif "ImportFile" in cmd:
                 values["<id>"] = reply.get("buffer", "")
+        python_block = block_after(readme, "## Python client")
+        cmds = list(run_block(shell, "python", python_block))
+        check(len(cmds) == 2, "the Python recipe is its 2 commands")
         shell.close()
 
         def output_of(fragment):
@@ -255,7 +282,7 @@ def inside(src, mrd, mrctl, grpcurl_dir):
 
 
 def main():
-    src, mrd, mrctl, grpcurl_dir = sys.argv[1:5]
+    src, mrd, mrctl, grpcurl_dir, python_gen = sys.argv[1:6]
     if os.environ.get("MRD_README_TEST_INSIDE") != "1":
         if os.geteuid() != 0:
             print("SKIP: the README's recipes need root (mrd's defaults, in "
@@ -266,8 +293,9 @@ def main():
                               "--propagation", "private", sys.executable,
                               os.path.abspath(__file__), src,
                               os.path.abspath(mrd), os.path.abspath(mrctl),
-                              os.path.abspath(grpcurl_dir)])
-    inside(src, mrd, mrctl, grpcurl_dir)
+                              os.path.abspath(grpcurl_dir),
+                              os.path.abspath(python_gen)])
+    inside(src, mrd, mrctl, grpcurl_dir, python_gen)
     print("%d failure(s)" % len(failures))
     return 1 if failures else 0
 

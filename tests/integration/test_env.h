@@ -14,7 +14,7 @@
 
 #include "client/lib/mrd_client.h"
 #include "client/peer/peer.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "tests/integration/mrd_process.h"
 
 namespace mrd::testing {

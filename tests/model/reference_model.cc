@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/message_differencer.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::model_test {
 namespace {

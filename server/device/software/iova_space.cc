@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::device {
 

@@ -16,7 +16,7 @@
 #include "client/peer/frame.h"
 #include "client/peer/net.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::device {
 namespace {

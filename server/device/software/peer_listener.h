@@ -49,7 +49,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/common/thread.h"
 #include "server/device/fault_points.h"
 

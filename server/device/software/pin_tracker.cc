@@ -9,7 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/device/software/kernel_pin_ops.h"
 
 namespace mrd::device {

@@ -7,7 +7,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::device {
 

@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/peer/frame.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::device {
 namespace {

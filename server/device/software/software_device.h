@@ -72,7 +72,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "mrd/v1/peer.pb.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/common/thread.h"
 #include "server/device/device.h"
 #include "server/device/fault_points.h"

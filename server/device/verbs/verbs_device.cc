@@ -19,7 +19,7 @@
 #include "absl/strings/str_join.h"
 #include "client/peer/net.h"
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::device {
 namespace {

@@ -111,7 +111,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/common/thread.h"
 #include "server/device/device.h"
 #include "server/device/software/iova_space.h"

@@ -15,7 +15,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::cache {
 namespace {

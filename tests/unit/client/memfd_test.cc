@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "gtest/gtest.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
 namespace {

@@ -5,7 +5,7 @@
 #include "client/mrctl/commands.h"
 #include "client/mrctl/output.h"
 #include "gtest/gtest.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::mrctl {
 namespace {

@@ -9,7 +9,7 @@
 #include "client/mrctl/output.h"
 #include "gtest/gtest.h"
 #include "mrd/v1/mrd.pb.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::mrctl {
 namespace {

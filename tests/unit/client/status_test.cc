@@ -4,7 +4,7 @@
 #include <string>
 
 #include "gtest/gtest.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::client {
 namespace {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "absl/strings/match.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/common/thread.h"
 #include "server/common/thread_pool.h"
 

@@ -25,7 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/device/fault_points.h"
 #include "tests/unit/core/core_test_util.h"
 

@@ -9,7 +9,7 @@
 
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "tests/unit/core/core_test_util.h"
 
 namespace mrd::core_test {

@@ -9,7 +9,7 @@
 #include <utility>
 
 #include "server/common/log.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::core_test {
 

@@ -17,7 +17,7 @@
 #include "gtest/gtest.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/common/clock.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "server/core/core.h"
 #include "tests/unit/core/fake_device.h"
 

@@ -9,7 +9,7 @@
 
 #include "google/protobuf/repeated_field.h"
 #include "gtest/gtest.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/device/device.h"
 #include "tests/unit/core/core_test_util.h"
 

@@ -2,7 +2,7 @@
 
 #include <gtest/gtest.h>
 
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::core {
 namespace {

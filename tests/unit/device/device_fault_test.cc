@@ -32,7 +32,7 @@
 #include "client/peer/soft_peer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/device/fault_points.h"
 #include "server/device/software/pin_tracker.h"
 #include "server/device/software/software_device.h"

@@ -21,7 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/device/device.h"
 
 namespace mrd::device::testing {

@@ -8,7 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "mrd/v1/peer.pb.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace mrd::peer {

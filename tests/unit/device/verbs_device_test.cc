@@ -30,7 +30,7 @@
 #include "client/peer/verbs_peer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace mrd::device {

@@ -27,7 +27,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "server/common/fd_budget.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 #include "server/session/memory_file.h"
 #include "tests/unit/session/session_test_util.h"
 

@@ -15,7 +15,7 @@
 #include <system_error>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 namespace mrd::session::testing {
 

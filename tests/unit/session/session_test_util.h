@@ -16,7 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
 #include "mrd/v1/fd.pb.h"
-#include "server/common/fd.h"
+#include "mrd/unique_fd.h"
 
 namespace mrd::session::testing {
 

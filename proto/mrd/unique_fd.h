@@ -1,6 +1,8 @@
 // An owned file descriptor: closed exactly once, on destruction or Reset().
-#ifndef MRD_SERVER_COMMON_FD_H_
-#define MRD_SERVER_COMMON_FD_H_
+// Shared by the server and the client library (fds are half of fd.proto's
+// protocol).
+#ifndef MRD_PROTO_MRD_UNIQUE_FD_H_
+#define MRD_PROTO_MRD_UNIQUE_FD_H_
 
 #include <unistd.h>
 
@@ -35,4 +37,4 @@ class UniqueFd {
 
 }  // namespace mrd
 
-#endif  // MRD_SERVER_COMMON_FD_H_
+#endif  // MRD_PROTO_MRD_UNIQUE_FD_H_

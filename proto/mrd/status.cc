@@ -1,4 +1,4 @@
-#include "server/common/status.h"
+#include "mrd/status.h"
 
 #include <cerrno>
 #include <cstring>

@@ -1,11 +1,13 @@
-// Error vocabulary of mrd: absl::Status everywhere, with the seed documents'
-// outcome name (SeedStatus), a stable reason and an optional required size
-// attached as a payload. The one table from SeedStatus to status code lives in
-// status.cc; the one conversion to gRPC lives in server/service.
+// Error vocabulary of mrd, shared by the server and the client library (so
+// it lives beside the API it belongs to): absl::Status everywhere, with the
+// seed documents' outcome name (SeedStatus), a stable reason and an optional
+// required size attached as a payload. The one table from SeedStatus to
+// status code lives in status.cc; the one conversion to gRPC lives in
+// server/service, the one conversion back in client/lib/status.h.
 //
 // Thread-safe: all functions are pure.
-#ifndef MRD_SERVER_COMMON_STATUS_H_
-#define MRD_SERVER_COMMON_STATUS_H_
+#ifndef MRD_PROTO_MRD_STATUS_H_
+#define MRD_PROTO_MRD_STATUS_H_
 
 #include <cstdint>
 #include <string>
@@ -65,4 +67,4 @@ inline constexpr absl::string_view kErrorDetailUrl =
   if (!statusor.ok()) return statusor.status();          \
   lhs = std::move(statusor).value()
 
-#endif  // MRD_SERVER_COMMON_STATUS_H_
+#endif  // MRD_PROTO_MRD_STATUS_H_

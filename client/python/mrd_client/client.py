@@ -1,0 +1,395 @@
+"""mrd's client: sessions, buffers, registrations, LAMs, MR objects,
+FastRegister and completions, over gRPC and the fd socket. Every handle is a
+context manager that gives back what it holds on exit (and has the explicit
+call: close(), release(), deregister()); errors are MrdError."""
+
+import array
+import fcntl
+import mmap
+import os
+import socket
+
+import grpc
+
+from mrd.v1 import fd_pb2, mrd_pb2, mrd_pb2_grpc
+from mrd_client_health import health_pb2  # grpc.health.v1, generated here
+
+from . import errors
+from .errors import MrdError
+
+# NDK_MR_FLAG_* (mrd.proto, R3).
+LOCAL_READ = mrd_pb2.NDK_MR_FLAG_ALLOW_LOCAL_READ
+LOCAL_WRITE = mrd_pb2.NDK_MR_FLAG_ALLOW_LOCAL_WRITE
+REMOTE_READ = mrd_pb2.NDK_MR_FLAG_ALLOW_REMOTE_READ
+REMOTE_WRITE = mrd_pb2.NDK_MR_FLAG_ALLOW_REMOTE_WRITE
+
+# The fd socket's limits (fd.proto): a request datagram of at most 4096
+# bytes with at most one fd; replies fit in 4096 bytes.
+FD_MAX_REQUEST_BYTES = 4096
+FD_MAX_REPLY_BYTES = 4096
+
+_F_ADD_SEALS = 1033
+_F_SEAL_SHRINK = 0x0002
+_F_SEAL_GROW = 0x0004
+
+
+def default_runtime_dir():
+    """Where mrd's sockets are, as mrd and mrctl decide it: $MRD_RUNTIME_DIR,
+    else /run/mrd as root, else $XDG_RUNTIME_DIR/mrd, else /tmp/mrd-<uid>."""
+    if os.environ.get("MRD_RUNTIME_DIR"):
+        return os.environ["MRD_RUNTIME_DIR"]
+    if os.geteuid() == 0:
+        return "/run/mrd"
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return os.environ["XDG_RUNTIME_DIR"] + "/mrd"
+    return "/tmp/mrd-%d" % os.geteuid()
+
+
+class Client:
+    """A connection to mrd's gRPC socket (and the path of its fd socket)."""
+
+    def __init__(self, socket_path=None, fd_socket_path=None, timeout=30.0):
+        runtime_dir = default_runtime_dir()
+        self.socket_path = socket_path or runtime_dir + "/mrd.sock"
+        self.fd_socket_path = fd_socket_path or runtime_dir + "/fd.sock"
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel("unix:" + self.socket_path)
+        self._stub = mrd_pb2_grpc.MemoryRegistrationStub(self._channel)
+
+    def call(self, method, request, timeout=None):
+        """Calls a unary method by name; MrdError on failure."""
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+
+    def device_info(self):
+        return self.call("GetDeviceInfo", mrd_pb2.GetDeviceInfoRequest())
+
+    def health(self, service=""):
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... ("" is
+        liveness, "mrd.v1.MemoryRegistration" readiness)."""
+        check = self._channel.unary_unary(
+            "/grpc.health.v1.Health/Check",
+            request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+            response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        try:
+            reply = check(health_pb2.HealthCheckRequest(service=service),
+                          timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise errors.from_rpc_error(e) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def open_fd_session(self):
+        """A session that lives as long as its fd-socket connection."""
+        return FdSession(self)
+
+    def open_lease_session(self, ttl_seconds=0, vouching=None):
+        """A lease session (every call renews it; closed on exit). An open
+        FdSession given as `vouching` vouches for it (it then carries this
+        process's uid)."""
+        request = mrd_pb2.OpenLeaseSessionRequest(ttl_seconds=ttl_seconds)
+        if vouching is not None:
+            request.vouching_session = vouching.token
+        info = self.call("OpenLeaseSession", request)
+        return LeaseSession(self, info.session)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Session:
+    """What both kinds of session do; `token` names it in every request."""
+
+    def __init__(self, client, token):
+        self.client = client
+        self.token = token
+
+    def _call(self, method, request):
+        request.session = self.token
+        return self.client.call(method, request)
+
+    def info(self):
+        return self._call("GetSession", mrd_pb2.GetSessionRequest())
+
+    def list(self):
+        return self._call("ListRegistrations",
+                          mrd_pb2.ListRegistrationsRequest())
+
+    def import_file(self, path, writable=False):
+        """ImportFile: a file under mrd's --shm_dir."""
+        info = self._call("ImportFile", mrd_pb2.ImportFileRequest(
+            path=path, writable=writable))
+        return Buffer(self, info)
+
+    def register(self, buffer, length=None, offset=0, flags=LOCAL_READ,
+                 mem_flags=0, base_address=None, mr=None,
+                 descriptor_capacity=0, request_id=""):
+        """RegisterMr on a Buffer (or a buffer id): the Registration."""
+        buffer_id = buffer.id if isinstance(buffer, Buffer) else buffer
+        if length is None:
+            length = buffer.size - offset
+        request = mrd_pb2.RegisterMrRequest(
+            buffer=buffer_id, offset=offset, length=length, flags=flags,
+            mem_flags=mem_flags, descriptor_capacity=descriptor_capacity,
+            request_id=request_id, mr=mr.id if isinstance(mr, Mr) else (mr or 0))
+        if base_address is not None:
+            request.base_address = base_address
+        return Registration(self, self._call("RegisterMr", request))
+
+    def build_lam(self, buffer, length, offset=0, lam_capacity=0):
+        """BuildLam: pins the range and returns its page list (a Lam)."""
+        buffer_id = buffer.id if isinstance(buffer, Buffer) else buffer
+        return Lam(self, self._call("BuildLam", mrd_pb2.BuildLamRequest(
+            buffer=buffer_id, offset=offset, length=length,
+            lam_capacity=lam_capacity)))
+
+    def create_mr(self, fast_register=True, allow_remote_access=True):
+        return Mr(self, self._call("CreateMr", mrd_pb2.CreateMrRequest(
+            fast_register=fast_register,
+            allow_remote_access=allow_remote_access)))
+
+    def fast_register(self, connection, mr, lam, length, base_address,
+                      flags=0, request_context=0):
+        """FastRegister (F1-F6) of `mr` over `lam`'s pages on a peer
+        connection; the result arrives as a completion. The work request."""
+        reply = self._call("FastRegister", mrd_pb2.FastRegisterRequest(
+            connection=connection, request_context=request_context,
+            mr=mr.id if isinstance(mr, Mr) else mr,
+            pages=list(lam.pages), fbo=lam.fbo, length=length,
+            base_address=base_address, flags=flags))
+        return reply.work_request
+
+    def invalidate(self, connection, mr, flags=0, request_context=0):
+        reply = self._call("InvalidateMr", mrd_pb2.InvalidateMrRequest(
+            connection=connection, request_context=request_context,
+            mr=mr.id if isinstance(mr, Mr) else mr, flags=flags))
+        return reply.work_request
+
+    def completions(self, timeout=None):
+        """The session's completions (Completion messages) as they come;
+        ends with the session, or raises MrdError(DEADLINE_EXCEEDED)."""
+        stream = self.client._stub.StreamCompletions(
+            mrd_pb2.StreamCompletionsRequest(session=self.token),
+            timeout=timeout)
+        try:
+            for completion in stream:
+                yield completion
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise errors.from_rpc_error(e) from None
+        finally:
+            stream.cancel()
+
+    def peer_ticket(self):
+        """A ticket that lets a remote peer connect to this session."""
+        return self._call("CreatePeerTicket",
+                          mrd_pb2.CreatePeerTicketRequest())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class FdSession(Session):
+    """A session on the fd socket: memfds go to mrd over it, and everything
+    the session holds is released when it closes (or this process dies)."""
+
+    def __init__(self, client):
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.settimeout(client.timeout)
+            self._sock.connect(client.fd_socket_path)
+            welcome = self._reply(0)
+        except OSError as e:
+            self._sock.close()
+            raise MrdError(grpc.StatusCode.UNAVAILABLE,
+                           "fd socket %s: %s" % (client.fd_socket_path, e),
+                           reason="FD_SOCKET_UNAVAILABLE") from None
+        except MrdError:
+            self._sock.close()
+            raise
+        super().__init__(client, welcome.welcome.session)
+        self._sequence = 0
+
+    def import_memfd(self, fd, writable=True, expected_size=0):
+        """Hands `fd` (a memfd sealed against shrinking) to mrd: BufferInfo."""
+        self._sequence += 1
+        request = fd_pb2.FdRequest(
+            sequence=self._sequence,
+            import_memfd=fd_pb2.ImportMemfd(writable=writable,
+                                            expected_size=expected_size))
+        self._sock.sendmsg([request.SerializeToString()], [(
+            socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+        return self._reply(self._sequence).buffer
+
+    def create_buffer(self, size, name="mrd-buffer", writable=True):
+        """A new memfd of `size` bytes, sealed, mapped here and imported: a
+        MemfdBuffer whose `memory` this process reads and writes."""
+        return MemfdBuffer(self, size, name, writable)
+
+    def close(self):
+        if self._sock.fileno() >= 0:
+            self._sock.close()
+
+    def _reply(self, sequence):
+        data = self._sock.recv(FD_MAX_REPLY_BYTES)
+        if not data:
+            raise MrdError(grpc.StatusCode.UNAVAILABLE,
+                           "mrd closed the fd socket",
+                           reason="FD_SOCKET_CLOSED")
+        reply = fd_pb2.FdReply()
+        reply.ParseFromString(data)
+        if reply.HasField("error"):
+            raise errors.from_fd_error(reply.error)
+        if sequence and reply.sequence != sequence:
+            raise MrdError(grpc.StatusCode.INTERNAL,
+                           "reply %d to request %d" % (reply.sequence,
+                                                       sequence))
+        return reply
+
+
+class LeaseSession(Session):
+    """A lease session: closed (CloseSession) on exit."""
+
+    def close(self):
+        if self.token:
+            token, self.token = self.token, ""
+            self.client.call("CloseSession",
+                             mrd_pb2.CloseSessionRequest(session=token))
+
+
+class Buffer:
+    """An imported buffer (BufferInfo in `info`); released on exit."""
+
+    def __init__(self, session, info):
+        self.session = session
+        self.info = info
+        self.id = info.buffer
+        self.size = info.size
+        self.address = info.address
+
+    def release(self):
+        """ReleaseBuffer: invalidates its registrations, releases its LAMs."""
+        if self.id:
+            buffer_id, self.id = self.id, 0
+            return self.session._call("ReleaseBuffer",
+                                      mrd_pb2.ReleaseBufferRequest(
+                                          buffer=buffer_id))
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class MemfdBuffer(Buffer):
+    """A memfd made here (memfd_create, F_SEAL_SHRINK|F_SEAL_GROW), mapped
+    here (`memory`, an mmap) and imported into an fd session."""
+
+    def __init__(self, session, size, name, writable):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, _F_ADD_SEALS, _F_SEAL_SHRINK | _F_SEAL_GROW)
+            self.memory = mmap.mmap(fd, size)
+            info = session.import_memfd(fd, writable=writable,
+                                        expected_size=size)
+        finally:
+            os.close(fd)
+        super().__init__(session, info)
+
+    def release(self):
+        result = super().release()
+        if not self.memory.closed:
+            self.memory.close()
+        return result
+
+
+class Registration:
+    """A reference on a registration (W5: registering the same range again
+    takes another reference on the same one). `rkey`, `base_address`,
+    `references`, `cache_hit`, `rdma_descriptor`. Deregistered on exit."""
+
+    def __init__(self, session, reply):
+        self.session = session
+        self.reply = reply
+        self.id = reply.registration
+        self.rkey = reply.rkey
+        self.lkey = reply.lkey
+        self.base_address = reply.base_address
+        self.length = reply.length
+        self.references = reply.references
+        self.cache_hit = reply.cache_hit
+        self.rdma_descriptor = reply.rdma_descriptor
+
+    def deregister(self):
+        """Gives this reference back: the references left (0: released, the
+        token dead before this returns)."""
+        if not self.id:
+            return None
+        registration, self.id = self.id, 0
+        return self.session._call("DeregisterMr", mrd_pb2.DeregisterMrRequest(
+            registration=registration)).references
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.deregister()
+
+
+class Lam:
+    """A logical address mapping (BuildLam): `pages`, `fbo`, `lam_size`.
+    Released (ReleaseLam) on exit."""
+
+    def __init__(self, session, reply):
+        self.session = session
+        self.id = reply.lam
+        self.pages = list(reply.pages)
+        self.fbo = reply.fbo
+        self.length = reply.length
+        self.lam_size = reply.lam_size
+
+    def release(self):
+        if self.id:
+            lam, self.id = self.id, 0
+            self.session._call("ReleaseLam", mrd_pb2.ReleaseLamRequest(
+                lam=lam))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class Mr:
+    """An MR object (CreateMr); closed (CloseMr) on exit."""
+
+    def __init__(self, session, info):
+        self.session = session
+        self.info = info
+        self.id = info.mr
+
+    def close(self):
+        if self.id:
+            mr, self.id = self.id, 0
+            self.session._call("CloseMr", mrd_pb2.CloseMrRequest(mr=mr))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

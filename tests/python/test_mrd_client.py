@@ -1,0 +1,182 @@
+"""mrd_client against the real mrd: sessions, memfd buffers, registrations
+(W5 reference counting), the peer path, LAMs, MR objects, FastRegister and
+completions, lease sessions, errors, and that what a session held is gone
+when it ends."""
+
+import os
+
+import grpc
+import pytest
+
+import mrd_client
+from mrd.v1 import fd_pb2, mrd_pb2
+from mrd_client import MrdError, PeerError, SoftwarePeer
+
+
+def pinned(client):
+    return client.device_info().pinned_bytes
+
+
+def test_health_and_device(client):
+    assert client.health() == "SERVING"
+    assert client.health("mrd.v1.MemoryRegistration") == "SERVING"
+    info = client.device_info()
+    assert info.kind == "software" and info.healthy
+    with pytest.raises(MrdError) as e:
+        client.health("no.such.Service")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_peer_reads_and_writes_a_registered_memfd(client):
+    with client.open_fd_session() as session:
+        with session.create_buffer(2 * 4096, name="py") as buffer:
+            buffer.memory[:11] = b"hello world"
+            flags = mrd_client.REMOTE_READ | mrd_client.REMOTE_WRITE
+            with session.register(buffer, flags=flags) as reg:
+                assert reg.references == 1 and not reg.cache_hit
+                assert reg.base_address == buffer.address
+                assert len(reg.rdma_descriptor) == 24
+                assert pinned(client) == 2 * 4096
+                ticket = session.peer_ticket()
+                with SoftwarePeer.connect(ticket) as peer:
+                    assert peer.read(reg.rkey, reg.base_address, 11) == \
+                        b"hello world"
+                    peer.write(reg.rkey, reg.base_address + 6, b"mrd!!")
+                    assert bytes(buffer.memory[:11]) == b"hello mrd!!"
+                rkey, address = reg.rkey, reg.base_address
+            # Deregistered on exit: the token is dead.
+            with SoftwarePeer.connect(ticket) as peer:
+                with pytest.raises(PeerError) as e:
+                    peer.read(rkey, address, 4)
+                assert e.value.peer_status == "PEER_REMOTE_ACCESS_ERROR"
+        assert pinned(client) == 0
+
+
+def test_registering_a_range_again_takes_a_reference(client):
+    with client.open_fd_session() as session, \
+            session.create_buffer(4096) as buffer:
+        first = session.register(buffer, flags=mrd_client.REMOTE_READ)
+        second = session.register(buffer, flags=mrd_client.REMOTE_READ)
+        assert second.cache_hit and second.references == 2
+        assert second.rkey == first.rkey
+        assert second.deregister() == 1
+        assert first.deregister() == 0
+        assert first.deregister() is None  # once only
+
+
+def test_errors_carry_code_seed_status_reason_and_required_size(client):
+    with client.open_fd_session() as session, \
+            session.create_buffer(3 * 4096) as buffer:
+        with pytest.raises(MrdError) as e:
+            session.register(buffer, length=1 << 40)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.seed_status == "STATUS_INVALID_PARAMETER"
+        assert e.value.reason
+        with pytest.raises(MrdError) as e:
+            session.build_lam(buffer, length=3 * 4096, lam_capacity=8)
+        assert e.value.seed_status == "STATUS_BUFFER_TOO_SMALL"
+        assert e.value.reason == "LAM_SPACE_TOO_SMALL"
+        assert e.value.required_size > 8
+
+
+def test_the_fd_socket_refuses_an_unsealed_memfd_and_stays_usable(client):
+    with client.open_fd_session() as session:
+        fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, 4096)
+            with pytest.raises(MrdError) as e:
+                session.import_memfd(fd)
+            assert e.value.reason == "NOT_SEALED"
+            assert "F_SEAL_SHRINK" in e.value.message
+        finally:
+            os.close(fd)
+        with session.create_buffer(4096) as buffer:
+            assert buffer.id
+
+
+def test_fast_register_invalidate_and_completions(client):
+    with client.open_fd_session() as session, \
+            session.create_buffer(3 * 4096) as buffer:
+        buffer.memory[10:20] = b"0123456789"
+        completions = session.completions(timeout=20)
+        with SoftwarePeer.connect(session.peer_ticket()) as peer:
+            connected = next(completions)
+            assert connected.kind == connected.PEER_CONNECTED
+            assert connected.connection == peer.connection
+            with session.create_mr(fast_register=True) as mr, \
+                    session.build_lam(buffer, offset=10, length=8192) as lam:
+                assert lam.fbo == 10 and len(lam.pages) == 3
+                base = 0x10000000A
+                work = session.fast_register(peer.connection, mr, lam,
+                                             length=8192, base_address=base,
+                                             flags=0x8, request_context=42)
+                done = next(completions)
+                assert done.kind == done.FAST_REGISTER
+                assert done.request_context == 42
+                assert done.work_request == work
+                assert done.status == mrd_pb2.STATUS_SUCCESS, done.message
+                assert peer.read(done.rkey, base, 5) == b"01234"
+                session.invalidate(peer.connection, mr, request_context=43)
+                invalidated = next(completions)
+                assert invalidated.kind == invalidated.INVALIDATE
+                with pytest.raises(PeerError):
+                    peer.read(done.rkey, base, 5)
+        completions.close()
+
+
+def test_a_lease_session_imports_a_shared_file(client, mrd):
+    path = os.path.join(mrd.shm_dir, "data")
+    with open(path, "wb") as f:
+        f.write(b"from a file".ljust(8192, b"\0"))
+    with client.open_fd_session() as vouching, \
+            client.open_lease_session(ttl_seconds=60,
+                                      vouching=vouching) as lease:
+        assert lease.info().verified
+        with lease.import_file("data", writable=True) as buffer:
+            with lease.register(buffer, length=4096,
+                                flags=mrd_client.REMOTE_READ) as reg:
+                with SoftwarePeer.connect(lease.peer_ticket()) as peer:
+                    assert peer.read(reg.rkey, reg.base_address, 11) == \
+                        b"from a file"
+                listed = lease.list()
+                assert [r.registration for r in listed.registrations] == \
+                    [reg.id]
+    assert pinned(client) == 0
+
+
+def test_ending_an_fd_session_releases_everything_it_held(client):
+    session = client.open_fd_session()
+    buffer = session.create_buffer(4 * 4096)
+    session.register(buffer, flags=mrd_client.REMOTE_READ)
+    session.build_lam(buffer, length=4096)
+    assert pinned(client) > 0
+    session.close()  # nothing deregistered or released by hand
+    for _ in range(100):
+        if pinned(client) == 0:
+            break
+    assert pinned(client) == 0
+    buffer.memory.close()
+
+
+def test_the_fd_socket_takes_requests_up_to_its_documented_size(client):
+    """FD_MAX_REQUEST_BYTES (fd.proto) against mrd: a Ping padded with an
+    unknown field to exactly the limit is answered, one byte more is
+    refused as MESSAGE_TOO_LARGE, and the session carries on."""
+    with client.open_fd_session() as session:
+        def ping(size):
+            head = fd_pb2.FdRequest(sequence=7, ping=fd_pb2.Ping())
+            body = head.SerializeToString()
+            # Field 100, length-delimited: tag 0xa2 0x06, then a 2-byte
+            # varint length.
+            pad = size - len(body) - 4
+            body += bytes([0xA2, 0x06, 0x80 | (pad & 0x7F), pad >> 7])
+            body += b"\0" * pad
+            assert len(body) == size
+            session._sock.send(body)
+            return session._reply(0)
+        assert ping(mrd_client.FD_MAX_REQUEST_BYTES).HasField("pong")
+        with pytest.raises(MrdError) as e:
+            ping(mrd_client.FD_MAX_REQUEST_BYTES + 1)
+        assert e.value.reason == "MESSAGE_TOO_LARGE"
+        with session.create_buffer(4096) as buffer:
+            assert buffer.id
