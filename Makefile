@@ -20,7 +20,7 @@ FUZZ_SECONDS ?= 600
 FUZZ_RUNS ?=
 FUZZ_JOBS ?=
 
-.PHONY: all deps build run test test-plain test-asan test-tsan fuzz format clean
+.PHONY: all deps build run test test-plain test-asan test-tsan fuzz image format clean
 
 all: build
 
@@ -57,6 +57,14 @@ test-tsan: deps
 # also reads FUZZ_RUNS and FUZZ_JOBS from the environment).
 fuzz: deps
 	FUZZ_RUNS=$(FUZZ_RUNS) FUZZ_JOBS=$(FUZZ_JOBS) scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# The container image from Debian packages, without a registry or a daemon
+# (root): localhost/mrd:<version> in $(BUILD_DIR)/image/storage and
+# $(BUILD_DIR)/image/mrd-<version>.oci.tar (docker/README.md).
+image: deps
+	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS) >/dev/null
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target mrd mrctl
+	docker/build-image.sh $(BUILD_DIR)
 
 format:
 	git ls-files '*.cc' '*.h' | xargs clang-format -i

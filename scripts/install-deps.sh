@@ -18,6 +18,9 @@ PACKAGES=(
   # metrics; promtool (Debian's prometheus package) lints a live scrape and
   # checks and unit-tests the alert rules (deploy/monitoring)
   prometheus-cpp-dev prometheus
+  # the container image without registry or daemon (docker/build-image.sh,
+  # `make image`) and podman to run it in tests
+  debootstrap buildah podman runc
   # the Python client (client/python) and its tests; Debian's python3-yaml
   # reads deploy/ in tests/deploy
   python3 python3-grpcio python3-protobuf python3-pytest python3-yaml
