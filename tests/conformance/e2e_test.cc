@@ -297,6 +297,87 @@ TEST_F(MrdTest, LeaseSessionRegistersAFileUnderTheSharedMemoryDirectory) {
   EXPECT_EQ(std::string(head, 5), "LEASE");
 }
 
+// A file imported without --writable (the lease path) registers for remote
+// read on every device and every kernel (kernels before 6.2 cannot pin a
+// read-only mapping: the verbs device pins a writable view of the same pages
+// that nothing writes through), and never for remote write: neither by
+// registration nor by a peer's WRITE through the read token.
+TEST_F(MrdTest, AReadOnlyImportIsReadableRemotelyAndNeverWritable) {
+  ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "ro", "read only", 8192).ok());
+  auto session = Session::OpenLease(*client_, absl::Seconds(60));
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto buffer = Buffer::ImportFile(*session, "ro", /*writable=*/false);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  Registration reg = Register(*session, *buffer, 0, 8192, kRemoteRead);
+  auto peer = ConnectPeer(*session);
+  ASSERT_NE(peer, nullptr);
+  auto read = peer->Read(reg.rkey(), reg.base_address(), 9);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "read only");
+
+  client::RegisterOptions write;
+  write.buffer = buffer->id();
+  write.length = 4096;
+  write.flags = kRemoteWrite;
+  auto refused = Registration::Register(*session, write);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(GetErrorDetail(refused.status()).reason(), "BUFFER_READ_ONLY")
+      << refused.status();
+
+  EXPECT_FALSE(peer->Write(reg.rkey(), reg.base_address(), "WRITE").ok());
+  char head[9];
+  FILE* f = fopen((mrd_->shm_dir() + "/ro").c_str(), "rb");
+  ASSERT_NE(f, nullptr);
+  ASSERT_EQ(fread(head, 1, 9, f), 9u);
+  fclose(f);
+  EXPECT_EQ(std::string(head, 9), "read only");
+}
+
+// The same through FastRegister: a LAM of a read-only import takes remote
+// read (the verbs device maps a writable view for pinning), never remote
+// write.
+TEST_F(MrdTest, AReadOnlyImportFastRegistersForRemoteReadOnly) {
+  ASSERT_TRUE(
+      WriteShmFile(mrd_->shm_dir(), "rofr", "fast and read only", 8192).ok());
+  auto session = Session::OpenLease(*client_, absl::Seconds(60));
+  ASSERT_TRUE(session.ok()) << session.status();
+  CompletionStream completions = CompletionStream::Open(*session);
+  auto buffer = Buffer::ImportFile(*session, "rofr", /*writable=*/false);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::BuildLamOptions lam_options;
+  lam_options.buffer = buffer->id();
+  lam_options.length = 8192;
+  auto lam = Lam::Build(*session, lam_options);
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  auto mr = Mr::Create(*session, /*fast_register=*/true,
+                       /*allow_remote_access=*/true);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  auto peer = ConnectPeer(*session);
+  ASSERT_NE(peer, nullptr);
+  NextOfKind(completions, v1::Completion::PEER_CONNECTED);
+
+  client::FastRegisterOptions fr = client::FastRegisterOptions::FromLam(*lam);
+  fr.connection = peer->connection_id();
+  fr.base_address = 0x20000000;
+  fr.length = 8192;
+  fr.flags = kOpRemoteWrite;
+  absl::StatusOr<uint64_t> write = mr->FastRegister(fr);
+  if (write.ok()) {
+    v1::Completion refused =
+        NextOfKind(completions, v1::Completion::FAST_REGISTER);
+    EXPECT_NE(refused.status(), v1::STATUS_SUCCESS)
+        << "remote write granted on a read-only import";
+  }
+  fr.flags = kOpRemoteRead;
+  ASSERT_TRUE(mr->FastRegister(fr).ok());
+  v1::Completion done = NextOfKind(completions, v1::Completion::FAST_REGISTER);
+  ASSERT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+  auto read = peer->Read(done.rkey(), fr.base_address, 18);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "fast and read only");
+  EXPECT_FALSE(peer->Write(done.rkey(), fr.base_address, "W").ok());
+}
+
 TEST_F(MrdTest, SymlinksAndEscapesOutOfTheSharedMemoryDirectoryAreRefused) {
   auto session = Session::OpenLease(*client_, absl::Seconds(60));
   ASSERT_TRUE(session.ok());

@@ -18,8 +18,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "client/peer/net.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::device {
 namespace {
@@ -116,6 +116,33 @@ absl::Status RegistrationError(int err, absl::string_view what,
     default:
       return ErrnoError(err, message, "REGISTRATION_FAILED");
   }
+}
+
+// A shared writable mapping of `length` bytes of `fd`'s file at `offset`,
+// for pinning only (kernels before 6.2 cannot pin a read-only one). When
+// `fd` itself is read-only, the file is reopened read-write through
+// /proc/self/fd: a read-only import is pinned through a writable view that
+// nothing writes through, and its registration keeps the access asked for,
+// so no remote write is ever granted on it. MAP_FAILED with errno when the
+// file cannot be opened or mapped writable (mode, F_SEAL_WRITE).
+void* MapWritableView(int fd, uint64_t length, off_t offset, void* at,
+                      int extra_flags) {
+  void* view = ::mmap(at, length, PROT_READ | PROT_WRITE,
+                      MAP_SHARED | extra_flags, fd, offset);
+  if (view != MAP_FAILED || (errno != EACCES && errno != EPERM)) return view;
+  const int first_err = errno;
+  const int rw =
+      ::open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDWR | O_CLOEXEC);
+  if (rw < 0) {
+    errno = first_err;
+    return MAP_FAILED;
+  }
+  view = ::mmap(at, length, PROT_READ | PROT_WRITE, MAP_SHARED | extra_flags,
+                rw, offset);
+  const int err = errno;
+  ::close(rw);  // the mapping keeps the file
+  errno = err;
+  return view;
 }
 
 absl::Status ReadOnlyNotPinnable(absl::string_view what, uint64_t length,
@@ -698,10 +725,11 @@ absl::StatusOr<VerbsDevice::Memory> VerbsDevice::RegisterSpan(
   }
   // EFAULT without write access: a read-only shared mapping, which kernels
   // before 6.2 refuse to pin. A writable view of the same file pages pins
-  // the same pages; mrd never writes through it.
+  // the same pages; mrd never writes through it (MapWritableView).
   const uint64_t view_length = PageRound(host, span.length, page_size_);
-  void* view = ::mmap(nullptr, view_length, PROT_READ | PROT_WRITE, MAP_SHARED,
-                      span.fd, static_cast<off_t>(span.file_offset - fbo));
+  void* view =
+      MapWritableView(span.fd, view_length,
+                      static_cast<off_t>(span.file_offset - fbo), nullptr, 0);
   if (view == MAP_FAILED) {
     int mmap_err = errno;
     if (mmap_err == EACCES || mmap_err == EPERM) {
@@ -1379,8 +1407,12 @@ absl::StatusOr<std::pair<void*, uint64_t>> BuildRemap(
     }
     void* at = static_cast<char*>(base) + i * page_size;
     const off_t offset = static_cast<off_t>(pages[i].file_offset);
-    void* got = ::mmap(at, run * page_size, PROT_READ | PROT_WRITE,
-                       MAP_SHARED | MAP_FIXED, pages[i].fd, offset);
+    // Write access: the fd's own rights decide. Read only: a writable view
+    // (reopened if need be) for kernels that cannot pin read-only pages.
+    void* got = need_write ? ::mmap(at, run * page_size, PROT_READ | PROT_WRITE,
+                                    MAP_SHARED | MAP_FIXED, pages[i].fd, offset)
+                           : MapWritableView(pages[i].fd, run * page_size,
+                                             offset, at, MAP_FIXED);
     if (got == MAP_FAILED && !need_write &&
         (errno == EACCES || errno == EPERM)) {
       got = ::mmap(at, run * page_size, PROT_READ, MAP_SHARED | MAP_FIXED,
