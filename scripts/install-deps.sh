@@ -24,6 +24,8 @@ PACKAGES=(
   # the Python client (client/python) and its tests; Debian's python3-yaml
   # reads deploy/ in tests/deploy
   python3 python3-grpcio python3-protobuf python3-pytest python3-yaml
+  # its verbs peer (mrd_client.verbs_peer), tested inside the Soft-RoCE VM
+  python3-pyverbs
   # systemd-analyze checks deploy/systemd/mrd.service (verify, security);
   # unshare and ip give the README's recipes private namespaces
   # (tests/integration/readme_test.py)

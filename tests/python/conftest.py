@@ -1,4 +1,4 @@
-"""pytest fixtures: the real mrd (MRD_BINARY) on the software device, in a
+"""pytest fixtures: the real mrd (MRD_BINARY) on the test's device, in a
 private runtime directory and shm directory, and a Client connected to it."""
 
 import os
@@ -12,6 +12,18 @@ import pytest
 import mrd_client
 
 
+def device_flags():
+    """The device the tests run on: the software device, or inside the
+    Soft-RoCE VM (MRD_TEST_DEVICE=verbs; tests/vm/run.sh sets
+    MRD_VERBS_DEVICE and MRD_VERBS_ADDRESS) the verbs device."""
+    if os.environ.get("MRD_TEST_DEVICE") != "verbs":
+        return ["--device=software", "--peer_address=127.0.0.1:0"]
+    return ["--device=verbs",
+            "--verbs_device=" + os.environ.get("MRD_VERBS_DEVICE", ""),
+            "--peer_address=%s:0" % os.environ.get("MRD_VERBS_ADDRESS",
+                                                   "127.0.0.1")]
+
+
 class Mrd:
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="mrd-python-")
@@ -23,9 +35,9 @@ class Mrd:
         self.log_path = os.path.join(self.dir, "mrd.log")
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [os.environ["MRD_BINARY"], "--device=software",
-             "--runtime_dir=" + self.runtime_dir, "--shm_dir=" + self.shm_dir,
-             "--peer_address=127.0.0.1:0", "--metrics_address=",
+            [os.environ["MRD_BINARY"]] + device_flags() +
+            ["--runtime_dir=" + self.runtime_dir, "--shm_dir=" + self.shm_dir,
+             "--metrics_address=",
              "--warm_pin_bytes_per_session=0", "--warm_pin_bytes_total=0"],
             stdout=self.log, stderr=subprocess.STDOUT)
         for _ in range(200):

@@ -21,6 +21,8 @@ from .client import (FD_MAX_REPLY_BYTES, FD_MAX_REQUEST_BYTES, LOCAL_READ,
 from .errors import MrdError
 from .peer import PeerError, SoftwarePeer
 
+# mrd_client.verbs_peer (VerbsPeer) needs python3-pyverbs: import it by name.
+
 __all__ = [
     "Buffer", "Client", "FdSession", "FD_MAX_REPLY_BYTES",
     "FD_MAX_REQUEST_BYTES", "Lam", "LeaseSession", "LOCAL_READ",
