@@ -20,7 +20,7 @@ PACKAGES=(
   prometheus-cpp-dev prometheus
   # the container image without registry or daemon (docker/build-image.sh,
   # `make image`) and podman to run it in tests
-  debootstrap buildah podman runc
+  debootstrap buildah podman runc catatonit
   # the Python client (client/python) and its tests; Debian's python3-yaml
   # reads deploy/ in tests/deploy
   python3 python3-grpcio python3-protobuf python3-pytest python3-yaml

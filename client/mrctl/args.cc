@@ -247,7 +247,10 @@ std::vector<CommandSpec> BuildCommands() {
         {"flags", "FLAGS", kMrFlagsHelp},
         {"mem", "read|write|readwrite", "MEM_* access instead of --flags"},
         {"base", "ADDR", "base address on the wire (default: mrd's mapping)"},
-        {"duration", "DURATION", "hold at most this long"}}});
+        {"duration", "DURATION", "hold at most this long"},
+        {"until-written", "STRING",
+         "release once the registered range starts with STRING (a peer "
+         "wrote it); prints written=STRING. stdin is not watched then"}}});
   return c;
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <optional>
 #include <utility>
@@ -390,13 +391,17 @@ absl::Status List(Context& ctx) {
   return Emit(ctx, response);
 }
 
-// Waits until stdin reaches EOF, a stop signal, `deadline`, or the fd
+// Waits until stdin reaches EOF (not watched with `written`), a stop signal,
+// `deadline`, `written` (checked every 100 ms) turns true, or the fd
 // session's socket shows that mrd ended it (FAILED_PRECONDITION).
 absl::Status WaitForRelease(const client::Session& session, absl::Time deadline,
+                            const std::function<bool()>& written,
                             std::FILE* err) {
-  bool watch_stdin = true;
+  // Waiting for a write, stdin does not matter (a container's is closed).
+  bool watch_stdin = !written;
   char sink[4096];
   while (true) {
+    if (written && written()) return absl::OkStatus();
     if (StopRequested()) {
       std::fprintf(err, "mrctl: %s, releasing\n",
                    g_stop_signal == SIGINT ? "interrupted" : "terminated");
@@ -409,13 +414,14 @@ absl::Status WaitForRelease(const client::Session& session, absl::Time deadline,
     }
     pollfd fds[2] = {{session.fd_socket(), POLLIN, 0},
                      {watch_stdin ? STDIN_FILENO : -1, POLLIN, 0}};
-    int timeout_ms = static_cast<int>(
-        absl::ToInt64Milliseconds(std::min(left, absl::Milliseconds(500))));
+    int timeout_ms = static_cast<int>(absl::ToInt64Milliseconds(
+        std::min(left, absl::Milliseconds(written ? 100 : 500))));
     int ready = ::poll(fds, 2, std::max(timeout_ms, 1));
     if (ready < 0) {
       if (errno == EINTR) continue;
       return ErrnoError(errno, "poll", "HOLD_WAIT");
     }
+    if (written && written()) return absl::OkStatus();  // before any release
     if (fds[0].revents != 0) {
       return SeedError(v1::WSAENOTCONN, "SESSION_ENDED",
                        "mrd ended the fd session");
@@ -447,6 +453,9 @@ absl::Status Hold(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(options.flags, MrFlagsOf(f));
   MRD_ASSIGN_OR_RETURN(options.mem_flags, MemFlagsOf(f));
   MRD_ASSIGN_OR_RETURN(options.base_address, f.OptionalUint64("base"));
+  if (f.String("until-written").value_or("").size() > options.length) {
+    return UsageError("--until-written is longer than the registered range");
+  }
   // Local write and RDMA read sink both mean the device writes into it.
   bool writable = (options.flags & (v1::NDK_MR_FLAG_ALLOW_LOCAL_WRITE |
                                     v1::NDK_MR_FLAG_RDMA_READ_SINK)) != 0 ||
@@ -500,7 +509,20 @@ absl::Status Hold(Context& ctx) {
                  "release\n",
                  registration.rkey());
   }
-  absl::Status waited = WaitForRelease(session, deadline, ctx.err);
+  // --until-written: a peer's WRITE landing in the registered range ends
+  // the hold (what it wrote is printed).
+  std::function<bool()> written;
+  const std::string expect = f.String("until-written").value_or("");
+  if (!expect.empty()) {
+    const char* at = static_cast<const char*>(buffer.data()) + options.offset;
+    written = [at, &expect, &ctx] {
+      if (std::memcmp(at, expect.data(), expect.size()) != 0) return false;
+      std::fprintf(ctx.out, "written=%s\n", expect.c_str());
+      std::fflush(ctx.out);
+      return true;
+    };
+  }
+  absl::Status waited = WaitForRelease(session, deadline, written, ctx.err);
   // Release in order, reporting errors; the destructors would do the same
   // silently on the error paths above.
   if (absl::StatusOr<uint32_t> left = registration.Deregister();

@@ -12,17 +12,7 @@ set -uo pipefail
 src=$1
 mrd=$2
 unit=$src/deploy/systemd/mrd.service
-failures=0
-check() {  # check DESCRIPTION COMMAND...
-  local what=$1
-  shift
-  if "$@"; then
-    echo "ok   $what"
-  else
-    echo "FAIL $what"
-    failures=$((failures + 1))
-  fi
-}
+. "$src/tests/support/check.sh"
 command -v systemd-analyze >/dev/null || {
   echo "FAIL systemd-analyze is missing (scripts/install-deps.sh installs systemd)"
   exit 1

@@ -11,33 +11,17 @@ set -uo pipefail
 src=$1
 build=$2
 python_gen=$3
-if [ "$(id -u)" -ne 0 ]; then
-  echo "SKIP: building and running the image needs root"
-  exit 77
-fi
-out=$build/image
-export CONTAINERS_CONF=$src/tests/image/containers.conf
-storage=(--root "$out/storage" --runroot "$out/runroot" --storage-driver vfs)
-work=$(mktemp -d /tmp/mrd-image-test-XXXXXX)
+. "$src/tests/image/common.sh"
 name=mrd-image-test-$$
 cleanup() {
   podman "${storage[@]}" rm -f "$name" >/dev/null 2>&1
   rm -rf "$work"
 }
 trap cleanup EXIT
-failures=0
-exec 3>&1
-check() {  # check DESCRIPTION COMMAND...
-  local what=$1
-  shift
-  if "$@"; then echo "ok   $what" >&3; else echo "FAIL $what" >&3; failures=$((failures + 1)); return 1; fi
-}
 
 check "docker/build-image.sh builds the image" \
   "$src/docker/build-image.sh" "$build" "$out" >"$work/build.log" 2>&1 ||
   tail -30 "$work/build.log"
-version=$(sed -n 's/^CMAKE_PROJECT_VERSION:STATIC=//p' "$build/CMakeCache.txt")
-image=localhost/mrd:$version
 config=$(podman "${storage[@]}" image inspect --format \
   '{{json .Config.Entrypoint}} {{.Config.User}} {{.Config.StopSignal}}' "$image")
 echo "image config: $config"

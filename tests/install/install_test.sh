@@ -15,13 +15,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-failures=0
-exec 3>&1  # verdicts go here even when a checked command's output is redirected
-check() {  # check DESCRIPTION COMMAND...
-  local what=$1
-  shift
-  if "$@"; then echo "ok   $what" >&3; else echo "FAIL $what" >&3; failures=$((failures + 1)); return 1; fi
-}
+. "$src/tests/support/check.sh"
 prefix=$work/prefix
 
 check "cmake --install" cmake --install "$build" --prefix "$prefix" >"$work/install.log"

@@ -1004,6 +1004,34 @@ TEST_F(MrctlTest, HoldRegistersAMemfdUntilStdinCloses) {
   EXPECT_EQ(after.code, kExitPrecondition) << after;
 }
 
+// --until-written: the hold ends when a peer's WRITE lands, and says what
+// it saw (the workload's side of a remote write).
+TEST_F(MrctlTest, HoldUntilWrittenEndsWhenAPeerWrites) {
+  std::unique_ptr<Child> hold =
+      Spawn({"hold", "--size=4096", "--fill=empty",
+             "--flags=remote_read,remote_write", "--until-written=PEER!"});
+  ASSERT_NE(hold, nullptr);
+  std::map<std::string, std::string> f;
+  while (f.count("registration.base_address") == 0) {
+    absl::StatusOr<std::string> line = hold->ReadLine(absl::Seconds(30));
+    ASSERT_TRUE(line.ok()) << line.status();
+    auto more = Fields(*line + "\n");
+    f.insert(more.begin(), more.end());
+  }
+  Result ticket = Mrctl({"--session=" + f["session.session"], "peer-ticket"});
+  ASSERT_EQ(ticket.code, kExitOk) << ticket;
+  Result wrote = Mrctl({"peer", "write",
+                        "--ticket=" + Fields(ticket.out)["ticket"],
+                        "--rkey=" + f["registration.rkey"],
+                        "--va=" + f["registration.base_address"],
+                        "--data=PEER!"});
+  ASSERT_EQ(wrote.code, kExitOk) << wrote;
+  Result r = hold->Finish();
+  EXPECT_EQ(r.code, kExitOk) << r;
+  EXPECT_TRUE(absl::StrContains(r.out, "written=PEER!\n")) << r;
+  EXPECT_TRUE(WaitForPinned(0)) << PinnedBytes();
+}
+
 TEST_F(MrctlTest, HoldInKeyValueFormReleasesAfterItsDuration) {
   std::unique_ptr<Child> hold =
       Spawn({"hold", "--size=8192", "--fill=ab", "--repeat",
