@@ -1,6 +1,13 @@
+#include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "client/mrctl/args.h"
 #include "client/mrctl/commands.h"
 #include "client/mrctl/output.h"
@@ -364,4 +371,62 @@ TEST(RunTest, NoServerIsUnavailable) {
 }
 
 }  // namespace
+// docs/CLI.md's command table against mrctl's own: every command is
+// documented with each of its flags, and every documented command and flag
+// exists (the table is what users read; the parser is what runs).
+TEST(CliDocTest, TheCommandTableMatchesMrctl) {
+  std::ifstream doc(std::string(MRD_SOURCE_DIR) + "/docs/CLI.md");
+  ASSERT_TRUE(doc.good());
+  std::map<std::string, std::string> documented;  // command -> flags cell
+  std::string line;
+  bool in_table = false;
+  while (std::getline(doc, line)) {
+    if (absl::StartsWith(line, "## Commands")) in_table = true;
+    if (!in_table) continue;
+    if (absl::StartsWith(line, "### ")) break;
+    absl::string_view rest = line;
+    if (!absl::ConsumePrefix(&rest, "| `")) continue;
+    const size_t tick = rest.find('`');
+    ASSERT_NE(tick, absl::string_view::npos) << line;
+    std::string name(rest.substr(0, tick));
+    // "import-file PATH": the command is the lowercase words.
+    std::vector<std::string> words;
+    for (absl::string_view w : absl::StrSplit(name, ' ')) {
+      if (!w.empty() && absl::ascii_islower(w[0])) words.emplace_back(w);
+    }
+    documented[absl::StrJoin(words, " ")] = line;
+  }
+  ASSERT_GE(documented.size(), 20u);
+  for (const CommandSpec& c : Commands()) {
+    auto it = documented.find(c.name);
+    if (it == documented.end()) {
+      ADD_FAILURE() << "mrctl " << c.name << " is not in docs/CLI.md";
+      continue;
+    }
+    for (const FlagSpec& f : c.flags) {
+      EXPECT_TRUE(absl::StrContains(it->second, "--" + f.name))
+          << "docs/CLI.md does not give mrctl " << c.name << " --" << f.name;
+    }
+  }
+  for (const auto& [name, row] : documented) {
+    const CommandSpec* c = FindCommand(name);
+    if (c == nullptr) {
+      ADD_FAILURE() << "docs/CLI.md documents an unknown command: " << name;
+      continue;
+    }
+    // Each --flag the row names (in the flags cell) is one of the command's.
+    std::vector<std::string> cells = absl::StrSplit(row, " | ");
+    ASSERT_GE(cells.size(), 3u) << row;
+    for (absl::string_view token :
+         absl::StrSplit(cells[2], absl::ByAnyChar(" [=`|]"))) {
+      if (!absl::ConsumePrefix(&token, "--")) continue;
+      bool known = false;
+      for (const FlagSpec& f : c->flags) known |= f.name == token;
+      for (const FlagSpec& f : GlobalFlags()) known |= f.name == token;
+      EXPECT_TRUE(known) << "docs/CLI.md gives mrctl " << name << " --" << token
+                         << ", which it does not take";
+    }
+  }
+}
+
 }  // namespace mrd::mrctl
