@@ -58,9 +58,9 @@ extern "C" {
 }
 
 #include "absl/synchronization/mutex.h"
+#include "mrd/unique_fd.h"
 #include "server/cache/registration_cache.h"
 #include "server/common/clock.h"
-#include "mrd/unique_fd.h"
 #include "server/common/log.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"

@@ -20,8 +20,8 @@
 #include <memory>
 #include <string>
 
-#include "server/common/clock.h"
 #include "mrd/unique_fd.h"
+#include "server/common/clock.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
 

@@ -16,8 +16,8 @@
 #include "client/lib/client_core.h"
 #include "client/lib/deferred_release.h"
 #include "client/lib/status.h"
-#include "mrd/unique_fd.h"
 #include "mrd/status.h"
+#include "mrd/unique_fd.h"
 
 namespace mrd::client {
 namespace internal {

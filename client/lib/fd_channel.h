@@ -22,8 +22,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "mrd/v1/fd.pb.h"
 #include "mrd/unique_fd.h"
+#include "mrd/v1/fd.pb.h"
 
 namespace mrd::client {
 

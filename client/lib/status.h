@@ -19,9 +19,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "mrd/status.h"
 #include "mrd/v1/fd.pb.h"
 #include "mrd/v1/mrd.pb.h"
-#include "mrd/status.h"
 
 namespace mrd::client {
 

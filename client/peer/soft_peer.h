@@ -31,8 +31,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "client/peer/peer.h"
-#include "mrd/v1/peer.pb.h"
 #include "mrd/unique_fd.h"
+#include "mrd/v1/peer.pb.h"
 
 namespace mrd::peer {
 

@@ -13,9 +13,9 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "mrd/status.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/common/log.h"
-#include "mrd/status.h"
 
 namespace mrd {
 namespace {

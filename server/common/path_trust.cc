@@ -17,8 +17,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
-#include "mrd/unique_fd.h"
 #include "mrd/status.h"
+#include "mrd/unique_fd.h"
 
 namespace mrd {
 namespace {

@@ -2,8 +2,8 @@
 
 #include <string>
 
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd {
 namespace {

@@ -14,8 +14,8 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 #include "server/core/flags.h"
 
 namespace mrd::core {

@@ -2,8 +2,8 @@
 
 #include <utility>
 
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::core {
 

@@ -16,9 +16,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "google/protobuf/descriptor.h"
+#include "mrd/status.h"
 #include "mrd/v1/mrd.grpc.pb.h"
 #include "prometheus/text_serializer.h"
-#include "mrd/status.h"
 
 namespace mrd::metrics {
 namespace {

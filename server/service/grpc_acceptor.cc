@@ -21,8 +21,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::service {
 namespace {

@@ -2,8 +2,8 @@
 
 #include <string>
 
-#include "mrd/v1/mrd.pb.h"
 #include "mrd/status.h"
+#include "mrd/v1/mrd.pb.h"
 
 namespace mrd::service {
 

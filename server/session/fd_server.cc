@@ -19,8 +19,8 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::session {
 namespace {

@@ -52,9 +52,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "mrd/unique_fd.h"
 #include "mrd/v1/fd.pb.h"
 #include "mrd/v1/mrd.pb.h"
-#include "mrd/unique_fd.h"
 #include "server/common/fd_budget.h"
 #include "server/common/thread.h"
 

@@ -33,8 +33,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "fuzzer/FuzzedDataProvider.h"
-#include "mrd/unique_fd.h"
 #include "mrd/status.h"
+#include "mrd/unique_fd.h"
 #include "server/session/memory_file.h"
 #include "tests/fuzz/fuzz_util.h"
 

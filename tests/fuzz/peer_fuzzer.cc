@@ -44,8 +44,8 @@
 #include "absl/time/time.h"
 #include "client/peer/frame.h"
 #include "fuzzer/FuzzedDataProvider.h"
-#include "mrd/v1/peer.pb.h"
 #include "mrd/unique_fd.h"
+#include "mrd/v1/peer.pb.h"
 #include "server/device/software/software_device.h"
 #include "tests/fuzz/fuzz_util.h"
 

@@ -581,8 +581,8 @@ TEST_F(MrctlTest, SizesTakeUnits) {
   Result imported = Mrctl({"import-file", "units", "--writable"});
   ASSERT_EQ(imported.code, kExitOk) << imported;
   const std::string buffer = Fields(imported.out)["buffer"];
-  Result reg = Mrctl({"register", "--buffer=" + buffer, "--offset=4K",
-                      "--length=8KiB"});
+  Result reg =
+      Mrctl({"register", "--buffer=" + buffer, "--offset=4K", "--length=8KiB"});
   ASSERT_EQ(reg.code, kExitOk) << reg;
   auto f = Fields(reg.out);
   EXPECT_EQ(f["length"], "8192");
@@ -1020,11 +1020,10 @@ TEST_F(MrctlTest, HoldUntilWrittenEndsWhenAPeerWrites) {
   }
   Result ticket = Mrctl({"--session=" + f["session.session"], "peer-ticket"});
   ASSERT_EQ(ticket.code, kExitOk) << ticket;
-  Result wrote = Mrctl({"peer", "write",
-                        "--ticket=" + Fields(ticket.out)["ticket"],
-                        "--rkey=" + f["registration.rkey"],
-                        "--va=" + f["registration.base_address"],
-                        "--data=PEER!"});
+  Result wrote =
+      Mrctl({"peer", "write", "--ticket=" + Fields(ticket.out)["ticket"],
+             "--rkey=" + f["registration.rkey"],
+             "--va=" + f["registration.base_address"], "--data=PEER!"});
   ASSERT_EQ(wrote.code, kExitOk) << wrote;
   Result r = hold->Finish();
   EXPECT_EQ(r.code, kExitOk) << r;

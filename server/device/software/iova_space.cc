@@ -1,8 +1,8 @@
 #include "server/device/software/iova_space.h"
 
 #include "absl/strings/str_cat.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::device {
 

@@ -13,8 +13,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::device {
 namespace {

@@ -4,8 +4,8 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::device {
 

@@ -15,8 +15,8 @@
 #include "absl/time/clock.h"
 #include "client/peer/frame.h"
 #include "client/peer/net.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::device {
 namespace {

@@ -8,8 +8,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 #include "server/device/software/kernel_pin_ops.h"
 
 namespace mrd::device {

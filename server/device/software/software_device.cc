@@ -12,8 +12,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/peer/frame.h"
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::device {
 namespace {

@@ -8,8 +8,8 @@
 #include "client/mrctl/args.h"
 #include "client/mrctl/output.h"
 #include "gtest/gtest.h"
-#include "mrd/v1/mrd.pb.h"
 #include "mrd/status.h"
+#include "mrd/v1/mrd.pb.h"
 
 namespace mrd::mrctl {
 namespace {

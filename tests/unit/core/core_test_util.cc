@@ -8,8 +8,8 @@
 #include <cstring>
 #include <utility>
 
-#include "server/common/log.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::core_test {
 

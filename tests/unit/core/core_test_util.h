@@ -15,9 +15,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
+#include "mrd/unique_fd.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/common/clock.h"
-#include "mrd/unique_fd.h"
 #include "server/core/core.h"
 #include "tests/unit/core/fake_device.h"
 

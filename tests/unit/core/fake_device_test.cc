@@ -12,8 +12,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
-#include "mrd/unique_fd.h"
 #include "mrd/status.h"
+#include "mrd/unique_fd.h"
 #include "tests/unit/core/core_test_util.h"
 
 namespace mrd::core_test {

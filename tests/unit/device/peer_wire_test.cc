@@ -7,8 +7,8 @@
 #include "client/peer/net.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "mrd/v1/peer.pb.h"
 #include "mrd/unique_fd.h"
+#include "mrd/v1/peer.pb.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace mrd::peer {

@@ -26,8 +26,8 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
-#include "server/common/fd_budget.h"
 #include "mrd/status.h"
+#include "server/common/fd_budget.h"
 #include "server/session/memory_file.h"
 #include "tests/unit/session/session_test_util.h"
 

@@ -15,8 +15,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
-#include "mrd/v1/fd.pb.h"
 #include "mrd/unique_fd.h"
+#include "mrd/v1/fd.pb.h"
 
 namespace mrd::session::testing {
 
