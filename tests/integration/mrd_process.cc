@@ -431,16 +431,24 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
 
 absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
     const MrdProcessOptions& options) {
-  absl::StatusOr<std::unique_ptr<MrdProcess>> launched = Launch(options);
-  if (!launched.ok()) return launched.status();
-  std::unique_ptr<MrdProcess> p = std::move(*launched);
-  absl::Status ready = p->WaitServing();
-  if (!ready.ok()) {
-    return absl::Status(ready.code(),
-                        absl::StrCat(ready.message(), "\nmrd log:\n", p->Log(),
-                                     p->SanitizerLog()));
+  // The metrics port is picked free before mrd starts; mrd's own ephemeral
+  // ports (the peer listener on port 0) may take it in between. Such a
+  // start is retried on another port: the race is the harness's, not mrd's.
+  for (int attempt = 1;; ++attempt) {
+    absl::StatusOr<std::unique_ptr<MrdProcess>> launched = Launch(options);
+    if (!launched.ok()) return launched.status();
+    std::unique_ptr<MrdProcess> p = std::move(*launched);
+    absl::Status ready = p->WaitServing();
+    if (ready.ok()) return p;
+    const std::string log = p->Log();
+    if (options.metrics && attempt < 5 &&
+        absl::StrContains(log, "METRICS_BIND_FAILED")) {
+      continue;
+    }
+    return absl::Status(
+        ready.code(),
+        absl::StrCat(ready.message(), "\nmrd log:\n", log, p->SanitizerLog()));
   }
-  return p;
 }
 
 absl::StatusOr<MrdExit> MrdProcess::RunToExit(const MrdProcessOptions& options,
