@@ -2,13 +2,14 @@
 # library as a CMake package (find_package(mrd CONFIG) -> mrd::client) and a
 # pkg-config module (mrd-client), the protos, the systemd unit and the docs.
 # The client's headers need no server header: they include only
-# client/lib/*.h, mrd/status.h, mrd/unique_fd.h and the generated mrd/v1/*.
+# client/lib/*.h, mrd/status.h, mrd/status_proto.h, mrd/unique_fd.h and the
+# generated mrd/v1/*.
 # All of them live under <prefix>/include/mrd, which is the include path.
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 
 install(TARGETS mrd mrctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(TARGETS mrd_client mrd_status mrd_proto mrd_health_proto
+install(TARGETS mrd_client mrd_status mrd_status_proto mrd_proto mrd_health_proto
   EXPORT mrdTargets ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 
 set(MRD_INCLUDE_ROOT ${CMAKE_INSTALL_INCLUDEDIR}/mrd)
@@ -18,6 +19,7 @@ list(TRANSFORM MRD_CLIENT_HEADERS PREPEND ${PROJECT_SOURCE_DIR}/client/lib/)
 list(TRANSFORM MRD_CLIENT_HEADERS APPEND .h)
 install(FILES ${MRD_CLIENT_HEADERS} DESTINATION ${MRD_INCLUDE_ROOT}/client/lib)
 install(FILES ${PROJECT_SOURCE_DIR}/proto/mrd/status.h
+  ${PROJECT_SOURCE_DIR}/proto/mrd/status_proto.h
   ${PROJECT_SOURCE_DIR}/proto/mrd/unique_fd.h
   DESTINATION ${MRD_INCLUDE_ROOT}/mrd)
 foreach(proto mrd fd peer)

@@ -54,10 +54,10 @@
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
 #include "server/device/verbs/verbs_device.h"
+#include "server/fd_socket/fd_server.h"
 #include "server/metrics/metrics.h"
 #include "server/service/grpc_acceptor.h"
 #include "server/service/service.h"
-#include "server/session/fd_server.h"
 
 ABSL_FLAG(std::string, runtime_dir, "",
           "Directory for the sockets. Default: /run/mrd as root, else "
@@ -572,19 +572,19 @@ int Run() {
   }
 
   // The fd socket.
-  session::FdServerOptions fd_options;
+  fd_socket::FdServerOptions fd_options;
   fd_options.path = fd_socket;
   fd_options.mode = socket_mode;
   fd_options.allowed_uids = *uids;
   fd_options.allowed_gids = *gids;
   fd_options.fd_budget = fd_budget->get();
-  absl::StatusOr<std::unique_ptr<session::FdServer>> fd_server =
-      session::FdServer::Start(fd_options, &core);
+  absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> fd_server =
+      fd_socket::FdServer::Start(fd_options, &core);
   if (!fd_server.ok()) {
     LogError("fd socket: ", fd_server.status().ToString());
     return 1;
   }
-  session::FdServer* fd_server_ptr = fd_server->get();
+  fd_socket::FdServer* fd_server_ptr = fd_server->get();
   core.SetFdHangup([fd_server_ptr](const std::string& token) {
     fd_server_ptr->Hangup(token);
   });

@@ -24,7 +24,7 @@ constexpr size_t kMaxDatagram = 64 * 1024;
 constexpr size_t kControlSpace = CMSG_SPACE(sizeof(int) * 8);
 
 absl::Status SessionClosed(absl::string_view message) {
-  return SeedError(v1::WSAENOTCONN, "FD_SESSION_CLOSED", message);
+  return SeedError(WSAENOTCONN, "FD_SESSION_CLOSED", message);
 }
 
 int PollTimeoutMs(absl::Time deadline) {

@@ -17,11 +17,11 @@ static_assert(kBufferSeals == (F_SEAL_SHRINK | F_SEAL_GROW));
 absl::StatusOr<MappedMemfd> MappedMemfd::Create(uint64_t size,
                                                 absl::string_view name) {
   if (size == 0) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "EMPTY_BUFFER",
+    return SeedError(STATUS_INVALID_PARAMETER, "EMPTY_BUFFER",
                      "a buffer needs a non-zero size");
   }
   if (size > static_cast<uint64_t>(INT64_MAX)) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "BUFFER_TOO_LARGE",
+    return SeedError(STATUS_INVALID_PARAMETER, "BUFFER_TOO_LARGE",
                      "buffer size does not fit off_t");
   }
   MappedMemfd result;

@@ -183,7 +183,7 @@ absl::Status Session::Close() {
   absl::Status status = core_->client.CloseSession(request).status();
   // Whatever the answer, the session is no longer ours to use: either it is
   // closed now or mrd had already ended it (WSAENOTCONN).
-  if (status.ok() || SeedStatusOf(status) == v1::WSAENOTCONN) {
+  if (status.ok() || SeedStatusOf(status) == WSAENOTCONN) {
     core_->ended.store(true, std::memory_order_release);
   }
   return status;

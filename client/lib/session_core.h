@@ -44,7 +44,7 @@ struct SessionCore {
 // ended (closed elsewhere, expired), and with it everything it held: the
 // release has happened. Marks the session ended and returns true then.
 inline bool EndedElsewhere(SessionCore& core, const absl::Status& status) {
-  if (status.ok() || GetErrorDetail(status).seed_status() != v1::WSAENOTCONN) {
+  if (status.ok() || GetErrorDetail(status).seed_status() != WSAENOTCONN) {
     return false;
   }
   core.ended.store(true, std::memory_order_release);

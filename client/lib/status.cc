@@ -5,6 +5,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "mrd/status_proto.h"
 
 namespace mrd::client {
 namespace {
@@ -34,16 +35,17 @@ absl::Status StatusFromGrpc(const grpc::Status& status,
   if (status.ok()) return absl::OkStatus();
   absl::Status result(CodeFromInt(static_cast<int>(status.error_code())),
                       status.error_message());
-  v1::ErrorDetail detail;
+  ErrorDetail detail;
   bool have_detail = false;
   if (auto bin = FindTrailer(trailers, kErrorBinKey); bin.has_value()) {
-    have_detail = detail.ParseFromString(*bin);
-    if (!have_detail) detail.Clear();
+    v1::ErrorDetail proto;
+    have_detail = proto.ParseFromString(*bin);
+    if (have_detail) detail = ErrorDetailFromProto(proto);
   }
   if (auto seed = FindTrailer(trailers, kSeedStatusKey); seed.has_value()) {
-    v1::SeedStatus parsed;
-    if (detail.seed_status() == v1::SEED_STATUS_UNSPECIFIED &&
-        v1::SeedStatus_Parse(*seed, &parsed)) {
+    SeedStatus parsed;
+    if (detail.seed_status() == SEED_STATUS_UNSPECIFIED &&
+        ParseSeedStatus(*seed, &parsed)) {
       detail.set_seed_status(parsed);
     }
     have_detail = true;
@@ -59,9 +61,7 @@ absl::Status StatusFromGrpc(const grpc::Status& status,
     }
     have_detail = true;
   }
-  if (have_detail) {
-    result.SetPayload(kErrorDetailUrl, absl::Cord(detail.SerializeAsString()));
-  }
+  if (have_detail) SetErrorDetail(&result, detail);
   return result;
 }
 
@@ -76,14 +76,13 @@ absl::Status StatusFromFdError(const v1::FdError& error) {
   if (code == absl::StatusCode::kOk) code = absl::StatusCode::kUnknown;
   absl::Status result(code, error.message());
   if (error.has_detail()) {
-    result.SetPayload(kErrorDetailUrl,
-                      absl::Cord(error.detail().SerializeAsString()));
+    SetErrorDetail(&result, ErrorDetailFromProto(error.detail()));
   }
   return result;
 }
 
-v1::SeedStatus SeedStatusOf(const absl::Status& status) {
-  if (status.ok()) return v1::STATUS_SUCCESS;
+SeedStatus SeedStatusOf(const absl::Status& status) {
+  if (status.ok()) return STATUS_SUCCESS;
   return GetErrorDetail(status).seed_status();
 }
 
@@ -99,10 +98,10 @@ std::optional<uint64_t> RequiredSizeOf(const absl::Status& status) {
 
 std::string FormatStatus(const absl::Status& status) {
   if (status.ok()) return "OK";
-  v1::ErrorDetail detail = GetErrorDetail(status);
+  const ErrorDetail detail = GetErrorDetail(status);
   std::string out = absl::StrCat(
       absl::StatusCodeToString(status.code()), " ",
-      v1::SeedStatus_Name(detail.seed_status()), " ",
+      SeedStatusName(detail.seed_status()), " ",
       detail.reason().empty() ? "-" : detail.reason(), ": ", status.message());
   if (detail.required_size() != 0) {
     absl::StrAppend(&out, " (required_size=", detail.required_size(), ")");

@@ -50,7 +50,7 @@ absl::Status StatusFromFdError(const v1::FdError& error);
 
 // The seed outcome of an error (SEED_STATUS_UNSPECIFIED if none; STATUS_SUCCESS
 // for OK).
-v1::SeedStatus SeedStatusOf(const absl::Status& status);
+SeedStatus SeedStatusOf(const absl::Status& status);
 // The stable reason word, empty if none.
 std::string ReasonOf(const absl::Status& status);
 // The size the caller must provide, when the server sent one (non-zero).

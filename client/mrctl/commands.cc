@@ -423,7 +423,7 @@ absl::Status WaitForRelease(const client::Session& session, absl::Time deadline,
     }
     if (written && written()) return absl::OkStatus();  // before any release
     if (fds[0].revents != 0) {
-      return SeedError(v1::WSAENOTCONN, "SESSION_ENDED",
+      return SeedError(WSAENOTCONN, "SESSION_ENDED",
                        "mrd ended the fd session");
     }
     if (fds[1].revents & POLLNVAL) {

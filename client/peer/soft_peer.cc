@@ -3,8 +3,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/peer/frame.h"
-#include "client/peer/net.h"
+#include "mrd/net.h"
+#include "mrd/peer_frame.h"
 #include "mrd/status.h"
 
 namespace mrd::peer {

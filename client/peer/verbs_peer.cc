@@ -15,7 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/peer/net.h"
+#include "mrd/net.h"
 #include "mrd/status.h"
 
 namespace mrd::peer {

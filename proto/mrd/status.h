@@ -5,21 +5,69 @@
 // status code lives in status.cc; the one conversion to gRPC lives in
 // server/service, the one conversion back in client/lib/status.h.
 //
+// It needs no generated code: SeedStatus has the values and names of
+// mrd.proto's enum, and ErrorDetail the fields of its message, so the
+// devices and the server's common code speak it without the wire messages;
+// mrd/status_proto.h converts at the edges that put an ErrorDetail on the
+// wire (gRPC trailers, fd socket replies, completion events).
+//
 // Thread-safe: all functions are pure.
 #ifndef MRD_PROTO_MRD_STATUS_H_
 #define MRD_PROTO_MRD_STATUS_H_
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "mrd/v1/mrd.pb.h"
 
 namespace mrd {
 
-using SeedStatus = ::mrd::v1::SeedStatus;
+// The seed documents' outcomes: the values and names of mrd.proto's
+// SeedStatus (mrd/status_proto.h checks that they agree).
+enum SeedStatus : int {
+  SEED_STATUS_UNSPECIFIED = 0,
+  STATUS_SUCCESS = 1,
+  STATUS_PENDING = 2,
+  STATUS_INVALID_PARAMETER = 3,
+  STATUS_INSUFFICIENT_RESOURCES = 4,
+  STATUS_BUFFER_TOO_SMALL = 5,
+  STATUS_CONNECTION_INVALID = 6,
+  STATUS_ACCESS_VIOLATION = 7,
+  WSAEFAULT = 8,
+  WSAEINVAL = 9,
+  WSANOBUFS = 10,
+  WSAENOTCONN = 11,
+};
+inline constexpr SeedStatus kMaxSeedStatus = WSAENOTCONN;
+
+// "STATUS_INVALID_PARAMETER"; an unknown value gives "SEED_STATUS_UNSPECIFIED".
+absl::string_view SeedStatusName(SeedStatus seed);
+// The inverse of SeedStatusName; false for a name that is none of them.
+bool ParseSeedStatus(absl::string_view name, SeedStatus* seed);
+
+// What an error carries besides its code and message (the accessors are
+// those of mrd.proto's ErrorDetail message).
+class ErrorDetail {
+ public:
+  SeedStatus seed_status() const { return seed_status_; }
+  const std::string& reason() const { return reason_; }
+  uint64_t required_size() const { return required_size_; }
+  void set_seed_status(SeedStatus seed) { seed_status_ = seed; }
+  void set_reason(std::string reason) { reason_ = std::move(reason); }
+  void set_required_size(uint64_t size) { required_size_ = size; }
+  // "seed_status: STATUS_INVALID_PARAMETER reason: \"ZERO_LENGTH\"
+  // required_size: 0", for messages and test output.
+  std::string DebugString() const;
+  friend bool operator==(const ErrorDetail&, const ErrorDetail&) = default;
+
+ private:
+  SeedStatus seed_status_ = SEED_STATUS_UNSPECIFIED;
+  std::string reason_;
+  uint64_t required_size_ = 0;
+};
 
 // The status code every seed outcome maps to (the table in mrd.proto).
 absl::StatusCode CodeForSeed(SeedStatus seed);
@@ -40,11 +88,14 @@ absl::Status ErrnoError(int err, absl::string_view call,
 
 // Reads the detail attached by the functions above. A status without one
 // gets SEED_STATUS_UNSPECIFIED and an empty reason.
-::mrd::v1::ErrorDetail GetErrorDetail(const absl::Status& status);
+ErrorDetail GetErrorDetail(const absl::Status& status);
 
-// Payload type URL under which the detail is stored.
-inline constexpr absl::string_view kErrorDetailUrl =
-    "type.googleapis.com/mrd.v1.ErrorDetail";
+// Attaches `detail` to a non-OK `status` (replacing any detail it had).
+void SetErrorDetail(absl::Status* status, const ErrorDetail& detail);
+
+// Payload type URL under which the detail is stored (mrd's own encoding:
+// seed status and required size as little-endian integers, then the reason).
+inline constexpr absl::string_view kErrorDetailUrl = "mrd/ErrorDetail";
 
 }  // namespace mrd
 

@@ -14,7 +14,6 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
-#include "mrd/v1/mrd.pb.h"
 #include "server/common/log.h"
 
 namespace mrd {
@@ -143,13 +142,13 @@ absl::StatusOr<FdCharge> FdBudget::Charge(uint64_t owner,
     if (owner != 0 && mine >= per_owner_) {
       ++refused_owner_;
       refusal = SeedError(
-          v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_FDS",
+          STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_FDS",
           absl::StrCat("no fd for ", what, ": the session holds ", mine,
                        " fds, its limit (--max_session_fds=", per_owner_, ")"));
     } else if (charged_ >= budget_) {
       ++refused_budget_;
       refusal = SeedError(
-          v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_FDS",
+          STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_FDS",
           absl::StrCat("no fd for ", what, ": clients hold ", charged_,
                        " fds, mrd's budget (open-file limit ", limit_,
                        " minus --fd_reserve=", reserve_, ")"));

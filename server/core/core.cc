@@ -17,6 +17,7 @@
 #include "mrd/status.h"
 #include "server/common/log.h"
 #include "server/core/flags.h"
+#include "server/device/fast_register_rules.h"
 
 namespace mrd::core {
 namespace {
@@ -44,7 +45,7 @@ std::string RandomToken() {
 }
 
 absl::Status NotConnected(absl::string_view why) {
-  return SeedError(v1::WSAENOTCONN, "SESSION_NOT_CONNECTED", why);
+  return SeedError(WSAENOTCONN, "SESSION_NOT_CONNECTED", why);
 }
 
 // The device is the authority on connections (a peer may have connected a
@@ -54,10 +55,10 @@ absl::Status NotConnected(absl::string_view why) {
 absl::Status ConnectionError(const absl::Status& device_status,
                              uint64_t connection) {
   if (GetErrorDetail(device_status).seed_status() !=
-      v1::STATUS_CONNECTION_INVALID) {
+      STATUS_CONNECTION_INVALID) {
     return device_status;
   }
-  return SeedError(v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION",
+  return SeedError(STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION",
                    absl::StrCat("connection ", connection,
                                 " is not a connected peer of this session"));
 }
@@ -73,7 +74,7 @@ absl::Status UnknownHandle(absl::string_view what, uint64_t id) {
 // descriptor length is left as it gave it.
 absl::Status OutsideCallerMemory(absl::string_view why) {
   return SeedError(
-      v1::WSAEFAULT, "BUFFER_OUTSIDE_CALLER_MEMORY",
+      WSAEFAULT, "BUFFER_OUTSIDE_CALLER_MEMORY",
       absl::StrCat("the buffer is not within the caller's memory: ", why));
 }
 
@@ -187,7 +188,7 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(
                       "mrd is shutting down");
     }
     if (sessions_.size() + pending_sessions_ >= options_.max_sessions) {
-      return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS",
+      return SeedError(STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS",
                        absl::StrCat("the server holds its maximum of ",
                                     options_.max_sessions, " sessions"));
     }
@@ -350,7 +351,7 @@ void Core::ReapExpiredLeases() {
 }
 
 absl::StatusOr<std::string> Core::OnConnect(
-    const session::PeerCredentials& creds) {
+    const fd_socket::PeerCredentials& creds) {
   Identity identity;
   identity.verified = true;
   identity.uid = creds.uid;
@@ -372,7 +373,7 @@ absl::StatusOr<v1::BufferInfo> Core::OnImport(const std::string& token,
                                               UniqueFd fd,
                                               const v1::ImportMemfd& request) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(token));
-  session::MemfdImportOptions opts;
+  fd_socket::MemfdImportOptions opts;
   opts.writable = request.writable();
   opts.expected_size = request.expected_size();
   opts.max_size = options_.max_buffer_size;
@@ -380,8 +381,8 @@ absl::StatusOr<v1::BufferInfo> Core::OnImport(const std::string& token,
   MRD_ASSIGN_OR_RETURN(
       FdCharge charge,
       ChargeFd(options_.fd_budget, session->id(), "an imported memfd"));
-  MRD_ASSIGN_OR_RETURN(std::unique_ptr<session::MappedFile> file,
-                       session::MapMemfd(std::move(fd), opts));
+  MRD_ASSIGN_OR_RETURN(std::unique_ptr<fd_socket::MappedFile> file,
+                       fd_socket::MapMemfd(std::move(fd), opts));
   return AddBuffer(session,
                    ShareWithCharge(std::move(file), std::move(charge)));
 }
@@ -397,7 +398,7 @@ absl::Status Core::OpenLeaseSession(const v1::OpenLeaseSessionRequest& req,
                            : absl::Seconds(req.ttl_seconds());
   if (ttl > options_.max_lease_ttl) {
     return SeedError(
-        v1::STATUS_INVALID_PARAMETER, "TTL_TOO_LONG",
+        STATUS_INVALID_PARAMETER, "TTL_TOO_LONG",
         absl::StrCat("ttl_seconds ", req.ttl_seconds(),
                      " exceeds the maximum of ",
                      absl::ToInt64Seconds(options_.max_lease_ttl)));
@@ -474,12 +475,12 @@ absl::Status Core::CloseSession(const v1::CloseSessionRequest& req) {
 
 absl::StatusOr<v1::BufferInfo> Core::AddBuffer(
     const std::shared_ptr<Session>& session,
-    std::shared_ptr<session::MappedFile> file) {
+    std::shared_ptr<fd_socket::MappedFile> file) {
   absl::MutexLock lock(&session->mu);
   if (session->closing) return NotConnected("the session is closing");
   if (session->buffers.size() >= options_.max_buffers_per_session) {
     return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_BUFFERS",
+        STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_BUFFERS",
         absl::StrCat("the session holds its maximum of ",
                      options_.max_buffers_per_session, " buffers"));
   }
@@ -506,7 +507,7 @@ absl::Status Core::ImportFile(const v1::ImportFileRequest& req,
     return MrdError(absl::StatusCode::kFailedPrecondition, "SHM_DIR_DISABLED",
                     "this server has no usable --shm_dir: ImportFile is off");
   }
-  session::SharedFileOptions opts;
+  fd_socket::SharedFileOptions opts;
   opts.writable = req.writable();
   opts.max_size = options_.max_buffer_size;
   opts.allowed_owner_uids = options_.allowed_uids;
@@ -514,8 +515,9 @@ absl::Status Core::ImportFile(const v1::ImportFileRequest& req,
   MRD_ASSIGN_OR_RETURN(
       FdCharge charge,
       ChargeFd(options_.fd_budget, session->id(), "an imported file"));
-  MRD_ASSIGN_OR_RETURN(std::unique_ptr<session::MappedFile> file,
-                       session::OpenSharedFile(shm_dir_fd_, req.path(), opts));
+  MRD_ASSIGN_OR_RETURN(
+      std::unique_ptr<fd_socket::MappedFile> file,
+      fd_socket::OpenSharedFile(shm_dir_fd_, req.path(), opts));
   // Checked on the open file, so that what was checked is what is mapped.
   struct stat st;
   if (::fstat(file->fd(), &st) != 0) {
@@ -594,7 +596,7 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
   // The mapping (and its fd, through which the software device moves peer
   // data) must outlive every registration, LAM and warm pin made on it, not
   // just the buffer's record: a closed fd number may be reused at once.
-  std::shared_ptr<session::MappedFile> file;
+  std::shared_ptr<fd_socket::MappedFile> file;
   {
     absl::MutexLock lock(&session->mu);
     auto it = session->buffers.find(req.buffer());
@@ -717,7 +719,7 @@ absl::Status Core::TryReservePinned(Session& session, uint64_t bytes,
   if (session.pinned_bytes + bytes > options_.max_session_pinned_bytes) {
     *hit = PinLimit::kSession;
     *over = session.pinned_bytes + bytes - options_.max_session_pinned_bytes;
-    return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+    return SeedError(STATUS_INSUFFICIENT_RESOURCES,
                      "LIMIT_SESSION_PINNED_BYTES",
                      absl::StrCat("pinning ", bytes,
                                   " more bytes would exceed the "
@@ -729,8 +731,7 @@ absl::Status Core::TryReservePinned(Session& session, uint64_t bytes,
   if (total_pinned_ + bytes > options_.max_total_pinned_bytes) {
     *hit = PinLimit::kTotal;
     *over = total_pinned_ + bytes - options_.max_total_pinned_bytes;
-    return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
-                     "LIMIT_TOTAL_PINNED_BYTES",
+    return SeedError(STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_PINNED_BYTES",
                      absl::StrCat("pinning ", bytes,
                                   " more bytes would exceed the "
                                   "server's limit of ",
@@ -814,7 +815,7 @@ absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {
   {
     absl::MutexLock lock(&session->mu);
     if (session->mrs.size() >= options_.max_session_mrs) {
-      return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_MRS",
+      return SeedError(STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_MRS",
                        absl::StrCat("the session holds its maximum of ",
                                     options_.max_session_mrs, " MR objects"));
     }
@@ -912,7 +913,7 @@ absl::Status Core::TakeObject(Session& session, TenantResource resource) {
   if (*total >= limit) {
     const std::string name(TenantResourceName(resource));
     return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES,
+        STATUS_INSUFFICIENT_RESOURCES,
         absl::StrCat("LIMIT_TOTAL_", absl::AsciiStrToUpper(name)),
         absl::StrCat("the server holds its maximum of ", limit, " ", name));
   }
@@ -937,14 +938,14 @@ absl::Status Core::ReserveRegistration(Session& session) {
   if (session.closing) return NotConnected("the session is closing");
   if (session.device_registrations >= options_.max_session_registrations) {
     return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS",
+        STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS",
         absl::StrCat("the session holds its maximum of ",
                      options_.max_session_registrations, " registrations"));
   }
   absl::MutexLock lock(&mu_);
   if (total_registrations_ >= options_.max_total_registrations) {
     return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_REGISTRATIONS",
+        STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_REGISTRATIONS",
         absl::StrCat("the server holds its maximum of ",
                      options_.max_total_registrations, " registrations"));
   }
@@ -971,7 +972,7 @@ namespace {
 // it was made on, and a way back to its session for the accounting.
 struct WarmOwner {
   std::weak_ptr<Session> session;
-  std::shared_ptr<session::MappedFile> file;
+  std::shared_ptr<fd_socket::MappedFile> file;
 };
 
 cache::WarmKey WarmKeyOf(const cache::CacheKey& key) {
@@ -985,7 +986,7 @@ std::optional<cache::WarmPin> Core::MakeWarmPin(
     const std::shared_ptr<Session>& session, const cache::CacheKey& key,
     uint64_t pinned_bytes) {
   if (!warm_.Admissible(pinned_bytes)) return std::nullopt;
-  std::shared_ptr<session::MappedFile> file;
+  std::shared_ptr<fd_socket::MappedFile> file;
   device::PdId pd;
   {
     absl::MutexLock lock(&session->mu);
@@ -1134,7 +1135,7 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   // their length is bounded so that remembering costs bounded memory.
   if (req.request_id().size() > kMaxRequestIdBytes) {
     return SeedError(
-        v1::STATUS_INVALID_PARAMETER, "REQUEST_ID_TOO_LONG",
+        STATUS_INVALID_PARAMETER, "REQUEST_ID_TOO_LONG",
         absl::StrCat("request_id is ", req.request_id().size(),
                      " bytes; at most ", kMaxRequestIdBytes, " are allowed"));
   }
@@ -1147,14 +1148,14 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   if (req.descriptor_capacity() != 0 &&
       req.descriptor_capacity() < kDescriptorSize) {
     return SeedError(
-        v1::WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL",
+        WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL",
         absl::StrCat("descriptor_capacity ", req.descriptor_capacity(),
                      " is too small: the descriptor needs ", kDescriptorSize,
                      " bytes"),
         kDescriptorSize);
   }
 
-  std::shared_ptr<session::MappedFile> file;
+  std::shared_ptr<fd_socket::MappedFile> file;
   cache::CacheKey key;
   device::PdId pd;
   {
@@ -1184,7 +1185,7 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
       auto m = session->mrs.find(req.mr());
       if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
       if (m->second.fast_register) {
-        return SeedError(v1::STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
+        return SeedError(STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
                          absl::StrCat("MR ", req.mr(),
                                       " was created for fast registration; "
                                       "RegisterMr needs fast_register=false "
@@ -1202,7 +1203,7 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
     file = b->second.file;
     if ((access & (device::kAccessLocalWrite | device::kAccessRemoteWrite)) &&
         !file->writable()) {
-      return SeedError(v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
+      return SeedError(STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
                        absl::StrCat("buffer ", req.buffer(),
                                     " was imported read-only; write access "
                                     "cannot be granted on it (W6)"));
@@ -1218,7 +1219,7 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   const device::MemorySpan span = *span_or;
   if (req.has_base_address()) {
     if (req.base_address() == 0) {
-      return SeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS",
+      return SeedError(STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS",
                        "base_address 0: zero-based virtual addressing is not "
                        "supported (R8)");
     }
@@ -1226,7 +1227,7 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   }
   if (key.base_address > std::numeric_limits<uint64_t>::max() - req.length()) {
     return SeedError(
-        v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW",
+        STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW",
         absl::StrCat("base_address ", key.base_address, " + length ",
                      req.length(), " overflows the address space"));
   }
@@ -1380,7 +1381,7 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
       auto m = session->mrs.find(req.mr());
       if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
       if (m->second.fast_register) {
-        return SeedError(v1::STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
+        return SeedError(STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
                          absl::StrCat("MR ", req.mr(),
                                       " is for fast registration: use "
                                       "InvalidateMr"));
@@ -1422,7 +1423,7 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
         session->registrations.erase(r);
       }
     } else {
-      return SeedError(v1::STATUS_INVALID_PARAMETER, "NO_TARGET",
+      return SeedError(STATUS_INVALID_PARAMETER, "NO_TARGET",
                        "DeregisterMr needs a registration or an mr");
     }
   }
@@ -1458,7 +1459,7 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
                             v1::BuildLamResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  std::shared_ptr<session::MappedFile> file;
+  std::shared_ptr<fd_socket::MappedFile> file;
   device::PdId pd;
   {
     absl::MutexLock lock(&session->mu);
@@ -1466,7 +1467,7 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
     if (b == session->buffers.end())
       return UnknownHandle("buffer", req.buffer());
     if (session->lams.size() >= options_.max_session_lams) {
-      return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_LAMS",
+      return SeedError(STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_LAMS",
                        absl::StrCat("the session holds its maximum of ",
                                     options_.max_session_lams, " LAMs"));
     }
@@ -1484,7 +1485,7 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
   const uint64_t page_count = pin_bytes / page_size_;
   const uint64_t lam_size = kLamHeaderSize + kLamEntrySize * page_count;
   if (req.lam_capacity() != 0 && req.lam_capacity() < lam_size) {
-    return SeedError(v1::STATUS_BUFFER_TOO_SMALL, "LAM_SPACE_TOO_SMALL",
+    return SeedError(STATUS_BUFFER_TOO_SMALL, "LAM_SPACE_TOO_SMALL",
                      absl::StrCat("lam_capacity ", req.lam_capacity(),
                                   " is too small: ", page_count, " pages need ",
                                   lam_size, " bytes"),
@@ -1540,7 +1541,7 @@ absl::Status Core::ReleaseLam(const v1::ReleaseLamRequest& req) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
   device::LamId device_lam;
-  std::shared_ptr<session::MappedFile> file;
+  std::shared_ptr<fd_socket::MappedFile> file;
   {
     absl::MutexLock lock(&session->mu);
     auto l = session->lams.find(req.lam());
@@ -1583,9 +1584,10 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
   MRD_ASSIGN_OR_RETURN(uint32_t access, FastRegisterAccess(req.flags()));
-  MRD_RETURN_IF_ERROR(ValidatePageArray(
-      page_size_, device_->Attributes().max_page_list_length, req.pages(),
-      req.fbo(), req.length(), req.base_address()));
+  MRD_RETURN_IF_ERROR(device::ValidatePageArray(
+      page_size_, device_->Attributes().max_page_list_length,
+      absl::MakeConstSpan(req.pages().data(), req.pages().size()), req.fbo(),
+      req.length(), req.base_address()));
 
   device::FastRegisterWork work;
   {
@@ -1594,13 +1596,13 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
     if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
     MrObject& mr = m->second;
     if (!mr.fast_register) {
-      return SeedError(v1::STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER",
+      return SeedError(STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER",
                        absl::StrCat("MR ", req.mr(),
                                     " was created with fast_register=false"));
     }
     if ((access & (device::kAccessRemoteRead | device::kAccessRemoteWrite)) &&
         !mr.allow_remote) {
-      return SeedError(v1::STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE",
+      return SeedError(STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE",
                        absl::StrCat("MR ", req.mr(),
                                     " was created without remote access; the "
                                     "request asks for remote read or write "
@@ -1612,8 +1614,7 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
     for (uint64_t page : req.pages()) {
       auto p = session->page_to_lam.find(page);
       if (p == session->page_to_lam.end()) {
-        return SeedError(v1::STATUS_INVALID_PARAMETER,
-                         "UNKNOWN_LOGICAL_ADDRESS",
+        return SeedError(STATUS_INVALID_PARAMETER, "UNKNOWN_LOGICAL_ADDRESS",
                          absl::StrCat("page 0x", absl::Hex(page),
                                       " is not a logical address of any LAM "
                                       "of this session"));
@@ -1624,7 +1625,7 @@ absl::Status Core::FastRegister(const v1::FastRegisterRequest& req,
       }
       if ((access & (device::kAccessLocalWrite | device::kAccessRemoteWrite)) &&
           !session->lams[p->second].file->writable()) {
-        return SeedError(v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
+        return SeedError(STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
                          absl::StrCat("page 0x", absl::Hex(page),
                                       " belongs to LAM ", p->second,
                                       " of a read-only buffer; write access "
@@ -1665,7 +1666,7 @@ absl::Status Core::InvalidateMr(const v1::InvalidateMrRequest& req,
   constexpr uint32_t kKnown =
       device::kWorkSilentSuccess | device::kWorkReadFence | device::kWorkDefer;
   if (req.flags() & ~kKnown) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
+    return SeedError(STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
                      absl::StrCat("flags 0x", absl::Hex(req.flags()),
                                   " has bits InvalidateMr does not know: 0x",
                                   absl::Hex(req.flags() & ~kKnown)));
@@ -1676,7 +1677,7 @@ absl::Status Core::InvalidateMr(const v1::InvalidateMrRequest& req,
     auto m = session->mrs.find(req.mr());
     if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
     if (!m->second.fast_register) {
-      return SeedError(v1::STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER",
+      return SeedError(STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER",
                        absl::StrCat("MR ", req.mr(),
                                     " is not a fast-register MR: use "
                                     "DeregisterMr"));

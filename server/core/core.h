@@ -4,7 +4,7 @@
 // depend on the device, enforces limits, and drives the device.
 //
 // The gRPC service layer (server/service) is a thin adapter over these
-// methods; the fd socket (server/session/FdServer) calls the FdSessionHandler
+// methods; the fd socket (server/fd_socket/FdServer) calls the FdSessionHandler
 // methods. Each RPC-shaped method takes the request message and fills the
 // response, returning OK or a status built with SeedError/MrdError.
 //
@@ -42,7 +42,7 @@
 #include "server/core/session.h"
 #include "server/core/tenants.h"
 #include "server/device/device.h"
-#include "server/session/fd_server.h"
+#include "server/fd_socket/fd_server.h"
 
 namespace mrd::core {
 
@@ -110,7 +110,7 @@ struct CoreStats {
   cache::WarmPinStats warm;
 };
 
-class Core final : public session::FdSessionHandler {
+class Core final : public fd_socket::FdSessionHandler {
  public:
   // `device` and `clock` must outlive the core; the device must be Started.
   Core(device::Device* device, const Clock* clock, CoreOptions options);
@@ -132,7 +132,7 @@ class Core final : public session::FdSessionHandler {
 
   // --- FdSessionHandler (called on the fd socket thread) ---
   absl::StatusOr<std::string> OnConnect(
-      const session::PeerCredentials& creds) override;
+      const fd_socket::PeerCredentials& creds) override;
   absl::StatusOr<v1::BufferInfo> OnImport(
       const std::string& session, UniqueFd fd,
       const v1::ImportMemfd& request) override;
@@ -206,7 +206,7 @@ class Core final : public session::FdSessionHandler {
 
   absl::StatusOr<v1::BufferInfo> AddBuffer(
       const std::shared_ptr<Session>& session,
-      std::shared_ptr<session::MappedFile> file);
+      std::shared_ptr<fd_socket::MappedFile> file);
   // Accounting of pinned bytes against the session and total limits. A
   // reservation that would exceed a limit first evicts warm pins (the
   // session's own for its limit, anyone's for the total), least recently

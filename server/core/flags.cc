@@ -35,13 +35,13 @@ constexpr uint32_t kOpKnown = kOpSilentSuccess | kOpReadFence | kOpRemoteRead |
 absl::StatusOr<uint32_t> RegistrationAccess(uint32_t ndk_flags,
                                             uint32_t mem_flags) {
   if (ndk_flags != 0 && mem_flags != 0) {
-    return SeedError(v1::WSAEINVAL, "BOTH_FLAG_FORMS",
+    return SeedError(WSAEINVAL, "BOTH_FLAG_FORMS",
                      "give either flags (NDK_MR_FLAG_*) or mem_flags (MEM_*), "
                      "not both");
   }
   if (mem_flags != 0) {
     if (mem_flags & ~(kMemRead | kMemWrite)) {
-      return SeedError(v1::WSAEINVAL, "UNKNOWN_MEM_FLAGS",
+      return SeedError(WSAEINVAL, "UNKNOWN_MEM_FLAGS",
                        absl::StrCat("mem_flags 0x", absl::Hex(mem_flags),
                                     " is not MEM_READ (0x1), MEM_WRITE (0x2) "
                                     "or MEM_READWRITE (0x3)"));
@@ -54,13 +54,13 @@ absl::StatusOr<uint32_t> RegistrationAccess(uint32_t ndk_flags,
     return access;
   }
   if (ndk_flags & ~kMrKnown) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
+    return SeedError(STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
                      absl::StrCat("flags 0x", absl::Hex(ndk_flags),
                                   " has bits no NDK_MR_FLAG_* defines: 0x",
                                   absl::Hex(ndk_flags & ~kMrKnown)));
   }
   if ((ndk_flags & kMrRemoteWriteBit) && !(ndk_flags & kMrLocalWrite)) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
+    return SeedError(STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
                      absl::StrCat("flags 0x", absl::Hex(ndk_flags),
                                   ": bit 0x4 only exists inside "
                                   "NDK_MR_FLAG_ALLOW_REMOTE_WRITE (0x5)"));
@@ -84,14 +84,14 @@ uint32_t FlagsFromAccess(uint32_t access) {
 
 absl::StatusOr<uint32_t> FastRegisterAccess(uint32_t op_flags) {
   if (op_flags & ~kOpKnown) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
+    return SeedError(STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
                      absl::StrCat("flags 0x", absl::Hex(op_flags),
                                   " has bits no NDK_OP_FLAG_* defines for "
                                   "FastRegister: 0x",
                                   absl::Hex(op_flags & ~kOpKnown)));
   }
   if ((op_flags & kOpRemoteWriteBit) && !(op_flags & kOpLocalWrite)) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
+    return SeedError(STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS",
                      absl::StrCat("flags 0x", absl::Hex(op_flags),
                                   ": bit 0x20 only exists inside "
                                   "NDK_OP_FLAG_ALLOW_REMOTE_WRITE (0x30)"));
@@ -102,65 +102,6 @@ absl::StatusOr<uint32_t> FastRegisterAccess(uint32_t op_flags) {
   if (op_flags & kOpRemoteWriteBit) access |= device::kAccessRemoteWrite;
   if (op_flags & kOpReadSink) access |= device::kAccessReadSink;
   return access;
-}
-
-absl::Status ValidatePageArray(
-    uint64_t page_size, uint32_t max_pages,
-    const google::protobuf::RepeatedField<uint64_t>& pages, uint32_t fbo,
-    uint64_t length, uint64_t base_address) {
-  const uint64_t count = static_cast<uint64_t>(pages.size());
-  if (count == 0) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "EMPTY_PAGE_ARRAY",
-                     "the page array is empty");
-  }
-  if (count > max_pages) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "PAGE_ARRAY_TOO_LONG",
-                     absl::StrCat(count,
-                                  " pages exceed the device's maximum "
-                                  "page-list length of ",
-                                  max_pages));
-  }
-  for (int i = 0; i < pages.size(); ++i) {
-    if (pages[i] % page_size != 0) {
-      return SeedError(
-          v1::STATUS_INVALID_PARAMETER, "MISALIGNED_PAGE",
-          absl::StrCat("page ", i, " (0x", absl::Hex(pages[i]),
-                       ") is not aligned to PAGE_SIZE ", page_size));
-    }
-  }
-  if (fbo >= page_size) {
-    return SeedError(
-        v1::STATUS_INVALID_PARAMETER, "FBO_TOO_LARGE",
-        absl::StrCat("fbo ", fbo, " must be below PAGE_SIZE ", page_size));
-  }
-  if (length == 0) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_LENGTH",
-                     "length is 0");
-  }
-  // count <= max_pages (32 bits) and page_size is small: no overflow.
-  const uint64_t capacity = count * page_size - fbo;
-  if (length > capacity) {
-    return SeedError(
-        v1::STATUS_INVALID_PARAMETER, "LENGTH_EXCEEDS_PAGES",
-        absl::StrCat("length ", length, " exceeds ", count, " pages * ",
-                     page_size, " - fbo ", fbo, " = ", capacity));
-  }
-  if (base_address == 0) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS",
-                     "base_address 0: zero-based virtual addressing is not "
-                     "supported (F6)");
-  }
-  if (base_address % page_size != fbo) {
-    return SeedError(
-        v1::STATUS_INVALID_PARAMETER, "BASE_NOT_AT_FBO",
-        absl::StrCat("base_address 0x", absl::Hex(base_address),
-                     " must equal fbo (", fbo, ") + n * PAGE_SIZE (F2)"));
-  }
-  if (base_address > UINT64_MAX - length) {
-    return SeedError(v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW",
-                     "base_address + length overflows the address space");
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace mrd::core

@@ -1,5 +1,6 @@
-// The seed rules that need no device: flag decoding (R3, W6, F3) and the
-// fast-register page-array checks (F2, F6). Pure functions, thread-safe.
+// The seed rules that need no device: flag decoding (R3, W6, F3). (The
+// fast-register page-array rules, F2 and F6, are the device's:
+// server/device/fast_register_rules.h.) Pure functions, thread-safe.
 #ifndef MRD_SERVER_CORE_FLAGS_H_
 #define MRD_SERVER_CORE_FLAGS_H_
 
@@ -7,7 +8,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "google/protobuf/repeated_field.h"
 
 namespace mrd::core {
 
@@ -23,13 +23,6 @@ uint32_t FlagsFromAccess(uint32_t access);
 // NDK_OP_FLAG_* (F3) -> device::AccessBits. Unknown bits:
 // STATUS_INVALID_PARAMETER "UNKNOWN_FLAGS".
 absl::StatusOr<uint32_t> FastRegisterAccess(uint32_t op_flags);
-
-// F2/F6: each page PAGE_SIZE-aligned; 1..max_pages entries; fbo < page_size;
-// 0 < length <= count*page_size - fbo; base != 0 and base % page_size == fbo.
-absl::Status ValidatePageArray(
-    uint64_t page_size, uint32_t max_pages,
-    const google::protobuf::RepeatedField<uint64_t>& pages, uint32_t fbo,
-    uint64_t length, uint64_t base_address);
 
 }  // namespace mrd::core
 

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 #include "server/common/log.h"
 
 namespace mrd::core {
@@ -18,10 +19,9 @@ void Session::OnCompletion(const device::WorkCompletion& wc) {
   if (wc.status.ok()) {
     c.set_status(v1::STATUS_SUCCESS);
   } else {
-    v1::ErrorDetail detail = GetErrorDetail(wc.status);
-    c.set_status(detail.seed_status() == v1::SEED_STATUS_UNSPECIFIED
-                     ? v1::STATUS_INVALID_PARAMETER
-                     : detail.seed_status());
+    const SeedStatus seed = GetErrorDetail(wc.status).seed_status();
+    c.set_status(SeedStatusToProto(
+        seed == SEED_STATUS_UNSPECIFIED ? STATUS_INVALID_PARAMETER : seed));
     c.set_message(std::string(wc.status.message()));
   }
   bool suppress = false;

@@ -24,7 +24,7 @@
 #include "mrd/v1/mrd.pb.h"
 #include "server/core/tenants.h"
 #include "server/device/device.h"
-#include "server/session/memory_file.h"
+#include "server/fd_socket/memory_file.h"
 
 namespace mrd::core {
 
@@ -33,7 +33,7 @@ enum class SessionKind { kFd, kLease };
 struct BufferRecord {
   uint64_t id = 0;
   uint64_t address = 0;  // default base address on the wire (not mrd's pointer)
-  std::shared_ptr<session::MappedFile> file;
+  std::shared_ptr<fd_socket::MappedFile> file;
 };
 
 // The session's view of one cache entry.
@@ -86,7 +86,7 @@ struct LamRecord {
   std::vector<uint64_t> pages;
   uint32_t fbo = 0;
   uint64_t pinned_bytes = 0;
-  std::shared_ptr<session::MappedFile> file;  // keeps the pages mapped
+  std::shared_ptr<fd_socket::MappedFile> file;  // keeps the pages mapped
 };
 
 class Session final : public device::PdEventSink {

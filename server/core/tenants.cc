@@ -66,7 +66,7 @@ absl::Status Tenant::Reserve(TenantResource resource, uint64_t amount) {
     ++refused_[i];
     std::string upper = absl::AsciiStrToUpper(kResourceNames[i]);
     return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, absl::StrCat("LIMIT_TENANT_", upper),
+        STATUS_INSUFFICIENT_RESOURCES, absl::StrCat("LIMIT_TENANT_", upper),
         absl::StrCat("tenant ", name_, " holds ", used_[i], " ",
                      kResourceNames[i], " of its quota of ", quota_[i],
                      "; taking ", amount, " more would exceed it"));

@@ -468,7 +468,7 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
       }
     }
     if (grpc_connections) {
-      const service::GrpcAcceptorStats g = grpc_connections();
+      const GrpcConnectionStats g = grpc_connections();
       out.push_back(Gauge("mrd_grpc_connections",
                           "gRPC connections open now (on the gRPC socket).",
                           d(g.connections)));
@@ -534,7 +534,7 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
  public:
   // Set before the exposer starts; read-only afterwards.
   std::function<PeerPathGauges()> peer_path;
-  std::function<service::GrpcAcceptorStats()> grpc_connections;
+  std::function<GrpcConnectionStats()> grpc_connections;
   ServerInfo server_info;
   std::function<bool()> device_healthy;
   std::vector<std::pair<std::string, double>> limits;
@@ -557,7 +557,7 @@ void Metrics::SetPeerPathSource(std::function<PeerPathGauges()> source) {
 }
 
 void Metrics::SetGrpcConnectionsSource(
-    std::function<service::GrpcAcceptorStats()> source) {
+    std::function<GrpcConnectionStats()> source) {
   collector_->grpc_connections = std::move(source);
 }
 

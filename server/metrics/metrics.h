@@ -31,8 +31,7 @@
 #include "prometheus/registry.h"
 #include "server/common/fd_budget.h"
 #include "server/core/core.h"
-#include "server/service/grpc_acceptor.h"
-#include "server/service/service.h"
+#include "server/metrics/rpc_observer.h"
 
 namespace mrd::metrics {
 
@@ -63,7 +62,7 @@ struct ServerInfo {
   bool device_fallback = false;
 };
 
-class Metrics final : public service::RpcObserver {
+class Metrics final : public RpcObserver {
  public:
   // `core` (and `fd_budget`, if given) must outlive this object.
   explicit Metrics(const core::Core* core, FdBudget* fd_budget = nullptr);
@@ -92,10 +91,9 @@ class Metrics final : public service::RpcObserver {
   // Adds the peer path's gauges to every scrape.
   void SetPeerPathSource(std::function<PeerPathGauges()> source);
 
-  // Adds the gRPC socket's connection gauges (server/service/grpc_acceptor.h)
+  // Adds the gRPC socket's connection gauges (GrpcConnectionStats)
   // to every scrape.
-  void SetGrpcConnectionsSource(
-      std::function<service::GrpcAcceptorStats()> source);
+  void SetGrpcConnectionsSource(std::function<GrpcConnectionStats()> source);
 
  private:
   static constexpr size_t kGrpcCodes = 17;  // OK .. UNAUTHENTICATED

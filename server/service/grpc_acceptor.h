@@ -36,6 +36,7 @@
 #include "absl/time/time.h"
 #include "mrd/unique_fd.h"
 #include "server/common/thread.h"
+#include "server/metrics/rpc_observer.h"
 
 namespace grpc {
 class Server;
@@ -50,15 +51,7 @@ struct GrpcAcceptorOptions {
   uint64_t max_connections_per_uid = 128;  // per client uid
 };
 
-struct GrpcAcceptorStats {
-  uint64_t connections = 0;  // handed to gRPC and still open
-  uint64_t accepted_total = 0;
-  uint64_t refused_total_limit = 0;  // LIMIT_GRPC_CONNECTIONS
-  uint64_t refused_uid_limit = 0;    // LIMIT_UID_GRPC_CONNECTIONS
-  uint64_t refused_no_fd = 0;        // accepted and closed: no fd left
-  uint64_t max_connections = 0;
-  uint64_t max_connections_per_uid = 0;
-};
+using GrpcAcceptorStats = metrics::GrpcConnectionStats;
 
 class GrpcAcceptor {
  public:

@@ -3,6 +3,7 @@
 #include <string>
 
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 #include "mrd/v1/mrd.pb.h"
 
 namespace mrd::service {
@@ -10,10 +11,10 @@ namespace mrd::service {
 grpc::Status ToGrpcStatus(const absl::Status& status,
                           grpc::ServerContextBase* ctx) {
   if (status.ok()) return grpc::Status::OK;
-  v1::ErrorDetail detail = GetErrorDetail(status);
+  const ErrorDetail detail = GetErrorDetail(status);
   if (ctx != nullptr) {
     ctx->AddTrailingMetadata(kSeedStatusKey,
-                             v1::SeedStatus_Name(detail.seed_status()));
+                             std::string(SeedStatusName(detail.seed_status())));
     if (!detail.reason().empty()) {
       ctx->AddTrailingMetadata(kReasonKey, detail.reason());
     }
@@ -21,7 +22,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status,
       ctx->AddTrailingMetadata(kRequiredSizeKey,
                                std::to_string(detail.required_size()));
     }
-    ctx->AddTrailingMetadata(kErrorDetailKey, detail.SerializeAsString());
+    ctx->AddTrailingMetadata(kErrorDetailKey,
+                             ErrorDetailToProto(detail).SerializeAsString());
   }
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
                       std::string(status.message()));

@@ -15,21 +15,11 @@
 #include "mrd/v1/mrd.grpc.pb.h"
 #include "server/common/thread_pool.h"
 #include "server/core/core.h"
+#include "server/metrics/rpc_observer.h"
 
 namespace mrd::service {
 
-// Told about every RPC of the service as it starts and as it ends, and about
-// every successful registration (metrics). `method` is the method's name in
-// mrd.v1.MemoryRegistration ("RegisterMr"). Must be thread-safe.
-class RpcObserver {
- public:
-  virtual ~RpcObserver() = default;
-  virtual void OnRpcStart(absl::string_view method) = 0;
-  virtual void OnRpcDone(absl::string_view method, grpc::StatusCode code,
-                         absl::Duration elapsed) = 0;
-  // A RegisterMr, BuildLam or FastRegister of `bytes` bytes succeeded.
-  virtual void OnRegistered(absl::string_view method, uint64_t bytes) = 0;
-};
+using metrics::RpcObserver;
 
 class MrdService final : public v1::MemoryRegistration::CallbackService {
  public:

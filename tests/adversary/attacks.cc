@@ -20,8 +20,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "client/lib/mrd_client.h"
-#include "client/peer/frame.h"
 #include "client/peer/soft_peer.h"
+#include "mrd/peer_frame.h"
 #include "mrd/v1/peer.pb.h"
 
 namespace mrd::adversary {

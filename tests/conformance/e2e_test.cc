@@ -141,7 +141,7 @@ TEST_F(MrdTest, FastRegisterOntoAnMrGivesATokenThatInvalidateKills) {
   fr.flags = kOpRemoteRead | kOpRemoteWrite;
   ASSERT_TRUE(mr->FastRegister(fr).ok());
   v1::Completion done = NextOfKind(completions, v1::Completion::FAST_REGISTER);
-  EXPECT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+  EXPECT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
   EXPECT_EQ(done.request_context(), 42u);
   const uint32_t rkey = done.rkey();
   ASSERT_NE(rkey, 0u);
@@ -159,7 +159,7 @@ TEST_F(MrdTest, FastRegisterOntoAnMrGivesATokenThatInvalidateKills) {
 
   ASSERT_TRUE(mr->Invalidate(peer->connection_id(), 43).ok());
   v1::Completion inval = NextOfKind(completions, v1::Completion::INVALIDATE);
-  EXPECT_EQ(inval.status(), v1::STATUS_SUCCESS) << inval.message();
+  EXPECT_EQ(inval.status(), ::mrd::STATUS_SUCCESS) << inval.message();
   EXPECT_EQ(inval.request_context(), 43u);
   ExpectRemoteAccessError(peer->Read(rkey, fr.base_address, 1).status());
 
@@ -171,7 +171,7 @@ TEST_F(MrdTest, FastRegisterOntoAnMrGivesATokenThatInvalidateKills) {
   fr.request_context = 44;
   ASSERT_TRUE(mr->FastRegister(fr).ok());
   v1::Completion again = NextOfKind(completions, v1::Completion::FAST_REGISTER);
-  EXPECT_EQ(again.status(), v1::STATUS_SUCCESS) << again.message();
+  EXPECT_EQ(again.status(), ::mrd::STATUS_SUCCESS) << again.message();
   EXPECT_NE(again.rkey(), rkey);
   EXPECT_TRUE(peer2->Read(again.rkey(), fr.base_address, 1).ok());
   ASSERT_TRUE(mr->Invalidate(peer2->connection_id(), 45).ok());
@@ -206,7 +206,7 @@ TEST_F(MrdTest, SilentSuccessSuppressesOnlySuccesses) {
   v1::Completion failed =
       NextOfKind(completions, v1::Completion::FAST_REGISTER);
   EXPECT_EQ(failed.request_context(), 2u);
-  EXPECT_NE(failed.status(), v1::STATUS_SUCCESS);
+  EXPECT_NE(failed.status(), ::mrd::STATUS_SUCCESS);
   ASSERT_TRUE(mr->Invalidate(peer->connection_id(), 3).ok());
   v1::Completion inval = NextOfKind(completions, v1::Completion::INVALIDATE);
   EXPECT_EQ(inval.request_context(), 3u);
@@ -228,7 +228,7 @@ TEST_F(MrdTest, FastRegisterWithoutAConnectedPeerIsConnectionInvalid) {
   fr.length = 4096;
   ExpectError(mr->FastRegister(fr).status(),
               absl::StatusCode::kFailedPrecondition,
-              v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION");
+              ::mrd::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION");
 }
 
 TEST_F(MrdTest, BuildLamReportsTheSizeItNeeds) {
@@ -241,7 +241,7 @@ TEST_F(MrdTest, BuildLamReportsTheSizeItNeeds) {
   lam_options.capacity = 16;
   auto lam = Lam::Build(session, lam_options);
   ExpectError(lam.status(), absl::StatusCode::kOutOfRange,
-              v1::STATUS_BUFFER_TOO_SMALL, "LAM_SPACE_TOO_SMALL");
+              ::mrd::STATUS_BUFFER_TOO_SMALL, "LAM_SPACE_TOO_SMALL");
   EXPECT_EQ(client::RequiredSizeOf(lam.status()), 8u + 8u * 4u);
   lam_options.capacity = 8 + 8 * 4;
   lam = Lam::Build(session, lam_options);
@@ -365,13 +365,13 @@ TEST_F(MrdTest, AReadOnlyImportFastRegistersForRemoteReadOnly) {
   if (write.ok()) {
     v1::Completion refused =
         NextOfKind(completions, v1::Completion::FAST_REGISTER);
-    EXPECT_NE(refused.status(), v1::STATUS_SUCCESS)
+    EXPECT_NE(refused.status(), ::mrd::STATUS_SUCCESS)
         << "remote write granted on a read-only import";
   }
   fr.flags = kOpRemoteRead;
   ASSERT_TRUE(mr->FastRegister(fr).ok());
   v1::Completion done = NextOfKind(completions, v1::Completion::FAST_REGISTER);
-  ASSERT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+  ASSERT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
   auto read = peer->Read(done.rkey(), fr.base_address, 18);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ(*read, "fast and read only");
@@ -383,11 +383,11 @@ TEST_F(MrdTest, SymlinksAndEscapesOutOfTheSharedMemoryDirectoryAreRefused) {
   ASSERT_TRUE(session.ok());
   ASSERT_EQ(symlink("/etc/passwd", (mrd_->shm_dir() + "/link").c_str()), 0);
   ExpectError(Buffer::ImportFile(*session, "link", false).status(),
-              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
-              "BAD_PATH");
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "BAD_PATH");
   ExpectError(Buffer::ImportFile(*session, "../../etc/passwd", false).status(),
-              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
-              "BAD_PATH");
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "BAD_PATH");
 }
 
 class MetricsTest : public MrdTest {

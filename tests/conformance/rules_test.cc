@@ -100,7 +100,7 @@ TEST_F(RulesTest, ReadSinkIsAcceptedAndNotRequired) {
                                   kOpRemoteWrite | kOpReadSink))
                   .ok());
   v1::Completion done = NextOfKind(completions, v1::Completion::FAST_REGISTER);
-  ASSERT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+  ASSERT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
   ASSERT_TRUE(fr_peer->Write(done.rkey(), 0x30000000, "S").ok());
   EXPECT_EQ(static_cast<char*>(fr_buffer.data())[0], 'S');
   ASSERT_TRUE(mr->Invalidate(fr_peer->connection_id(), 8).ok());
@@ -136,8 +136,8 @@ TEST_F(RulesTest, DeferredFastRegisterWaitsForTheNextNonDeferredRequest) {
   v1::Completion b = NextOfKind(completions, v1::Completion::FAST_REGISTER);
   EXPECT_EQ(a.request_context(), 1u);
   EXPECT_EQ(b.request_context(), 2u);
-  ASSERT_EQ(a.status(), v1::STATUS_SUCCESS) << a.message();
-  ASSERT_EQ(b.status(), v1::STATUS_SUCCESS) << b.message();
+  ASSERT_EQ(a.status(), ::mrd::STATUS_SUCCESS) << a.message();
+  ASSERT_EQ(b.status(), ::mrd::STATUS_SUCCESS) << b.message();
   auto ra = peer->Read(a.rkey(), 0x40000000, 8);
   ASSERT_TRUE(ra.ok()) << ra.status();
   EXPECT_EQ(*ra, "deferred");
@@ -171,7 +171,7 @@ TEST_F(RulesTest, FencedReRegistrationAfterInvalidateRunsInOrder) {
                                   kOpRemoteRead))
                   .ok());
   v1::Completion first = NextOfKind(completions, v1::Completion::FAST_REGISTER);
-  ASSERT_EQ(first.status(), v1::STATUS_SUCCESS) << first.message();
+  ASSERT_EQ(first.status(), ::mrd::STATUS_SUCCESS) << first.message();
 
   ASSERT_TRUE(mr->Invalidate(peer->connection_id(), 2).ok());
   ASSERT_TRUE(mr->FastRegister(Fr(lam, peer->connection_id(), 0x60000000, 3,
@@ -180,9 +180,9 @@ TEST_F(RulesTest, FencedReRegistrationAfterInvalidateRunsInOrder) {
   v1::Completion inval = NextOfKind(completions, v1::Completion::INVALIDATE);
   v1::Completion again = NextOfKind(completions, v1::Completion::FAST_REGISTER);
   EXPECT_EQ(inval.request_context(), 2u);
-  EXPECT_EQ(inval.status(), v1::STATUS_SUCCESS) << inval.message();
+  EXPECT_EQ(inval.status(), ::mrd::STATUS_SUCCESS) << inval.message();
   EXPECT_EQ(again.request_context(), 3u);
-  ASSERT_EQ(again.status(), v1::STATUS_SUCCESS) << again.message();
+  ASSERT_EQ(again.status(), ::mrd::STATUS_SUCCESS) << again.message();
   EXPECT_NE(again.rkey(), first.rkey());
   auto read = peer->Read(again.rkey(), 0x60000000, 5);
   ASSERT_TRUE(read.ok()) << read.status();
@@ -215,7 +215,7 @@ TEST_F(RulesTest, ReleasingABufferKillsItsTokensOnTheWire) {
                                   kOpRemoteRead))
                   .ok());
   v1::Completion fr = NextOfKind(completions, v1::Completion::FAST_REGISTER);
-  ASSERT_EQ(fr.status(), v1::STATUS_SUCCESS) << fr.message();
+  ASSERT_EQ(fr.status(), ::mrd::STATUS_SUCCESS) << fr.message();
   ASSERT_TRUE(peer->Read(reg.rkey(), reg.base_address(), 6).ok());
   ASSERT_TRUE(peer->Read(fr.rkey(), 0x70000000, 6).ok());
 
@@ -293,7 +293,7 @@ TEST_F(RulesTest, PrivilegedTokenIsNeverUsableByAPeer) {
                                   kOpRemoteRead | kOpRemoteWrite))
                   .ok());
   v1::Completion done = NextOfKind(completions, v1::Completion::FAST_REGISTER);
-  ASSERT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+  ASSERT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
   EXPECT_NE(done.rkey(), lam.privileged_token());
   auto read = fresh->Read(done.rkey(), 0x80000000, 10);
   ASSERT_TRUE(read.ok()) << read.status();
@@ -326,14 +326,14 @@ TEST_F(RulesTest, DescriptorSpaceAndForeignMemoryAreWsaefault) {
   o.mem_flags = kMemRead;
   o.descriptor_capacity = 8;
   auto small = Registration::Register(session, o);
-  ExpectError(small.status(), absl::StatusCode::kOutOfRange, v1::WSAEFAULT,
+  ExpectError(small.status(), absl::StatusCode::kOutOfRange, ::mrd::WSAEFAULT,
               "DESCRIPTOR_SPACE_TOO_SMALL");
   EXPECT_EQ(client::RequiredSizeOf(small.status()), 24u);
 
   o.descriptor_capacity = 64;
   o.buffer = theirs.id();
   auto foreign = Registration::Register(session, o);
-  EXPECT_EQ(GetErrorDetail(foreign.status()).seed_status(), v1::WSAEFAULT)
+  EXPECT_EQ(GetErrorDetail(foreign.status()).seed_status(), ::mrd::WSAEFAULT)
       << foreign.status();
   EXPECT_EQ(GetErrorDetail(foreign.status()).reason(),
             "BUFFER_OUTSIDE_CALLER_MEMORY");
@@ -343,7 +343,7 @@ TEST_F(RulesTest, DescriptorSpaceAndForeignMemoryAreWsaefault) {
   o.offset = 4096;
   o.length = 1;
   auto past = Registration::Register(session, o);
-  EXPECT_EQ(GetErrorDetail(past.status()).seed_status(), v1::WSAEFAULT)
+  EXPECT_EQ(GetErrorDetail(past.status()).seed_status(), ::mrd::WSAEFAULT)
       << past.status();
   EXPECT_FALSE(client::RequiredSizeOf(past.status()).has_value());
 
@@ -361,8 +361,8 @@ TEST_F(RulesTest, DescriptorSpaceAndForeignMemoryAreWsaefault) {
   ndk.length = 1;
   ndk.flags = kRemoteRead;
   ExpectError(Registration::Register(session, ndk).status(),
-              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
-              "");
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "");
 }
 
 // C2, R5, L3 (PENDING): requests complete asynchronously, many at once; a

@@ -40,7 +40,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/time.h"
-#include "client/peer/frame.h"
+#include "mrd/peer_frame.h"
 #include "mrd/status.h"
 #include "mrd/unique_fd.h"
 #include "mrd/v1/mrd.pb.h"
@@ -248,7 +248,7 @@ UniqueFd ConnectPeer(uint16_t port, const std::string& ticket,
 // Opens an fd session with a memfd buffer and a lease session with a file
 // buffer (when the limits allow), so that even a short input reaches deep.
 void Preamble(core::Core& core, Live& live) {
-  session::PeerCredentials creds;
+  fd_socket::PeerCredentials creds;
   creds.pid = 4242;
   creds.uid = 1000;
   absl::StatusOr<std::string> token = core.OnConnect(creds);
@@ -301,7 +301,7 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
     absl::Status status;
     switch (op) {
       case 0: {  // an fd session, as the fd socket opens it
-        session::PeerCredentials creds;
+        fd_socket::PeerCredentials creds;
         creds.pid = 1000 + steps;
         creds.uid = in.ConsumeIntegral<uint16_t>();
         absl::StatusOr<std::string> token = core.OnConnect(creds);

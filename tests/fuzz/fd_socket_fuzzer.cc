@@ -1,5 +1,5 @@
-// Fuzzes the fd socket (server/session/fd_server.cc) and memfd validation
-// (MapMemfd, server/session/memory_file.cc) through the real thing: a real
+// Fuzzes the fd socket (server/fd_socket/fd_server.cc) and memfd validation
+// (MapMemfd, server/fd_socket/memory_file.cc) through the real thing: a real
 // FdServer on a Unix SOCK_SEQPACKET socket, a handler that validates and maps
 // every imported fd with MapMemfd as the core does, and a client that sends
 // datagrams built from the fuzz input over a real connection, with real fds
@@ -38,8 +38,8 @@
 #include "fuzzer/FuzzedDataProvider.h"
 #include "mrd/unique_fd.h"
 #include "mrd/v1/fd.pb.h"
-#include "server/session/fd_server.h"
-#include "server/session/memory_file.h"
+#include "server/fd_socket/fd_server.h"
+#include "server/fd_socket/memory_file.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace mrd::fuzz {
@@ -49,10 +49,10 @@ constexpr uint64_t kMaxBufferSize = 256 * 1024;  // the handler's limit
 
 // What the core does with an fd session, minus the device: MapMemfd and keep
 // the mapping until the session ends.
-class MappingHandler final : public session::FdSessionHandler {
+class MappingHandler final : public fd_socket::FdSessionHandler {
  public:
   absl::StatusOr<std::string> OnConnect(
-      const session::PeerCredentials& creds) override {
+      const fd_socket::PeerCredentials& creds) override {
     absl::MutexLock lock(&mu_);
     FUZZ_CHECK(creds.pid == ::getpid(), "SO_PEERCRED pid ", creds.pid);
     std::string session = absl::StrCat("s", ++next_);
@@ -63,14 +63,14 @@ class MappingHandler final : public session::FdSessionHandler {
   absl::StatusOr<v1::BufferInfo> OnImport(
       const std::string& session, UniqueFd fd,
       const v1::ImportMemfd& request) override {
-    session::MemfdImportOptions options;
+    fd_socket::MemfdImportOptions options;
     options.writable = request.writable();
     options.expected_size = request.expected_size();
     options.max_size = kMaxBufferSize;
-    absl::StatusOr<std::unique_ptr<session::MappedFile>> file =
-        session::MapMemfd(std::move(fd), options);
+    absl::StatusOr<std::unique_ptr<fd_socket::MappedFile>> file =
+        fd_socket::MapMemfd(std::move(fd), options);
     if (!file.ok()) return file.status();
-    const session::MappedFile& f = **file;
+    const fd_socket::MappedFile& f = **file;
     struct stat st;
     FUZZ_CHECK(::fstat(f.fd(), &st) == 0);
     FUZZ_CHECK(static_cast<uint64_t>(st.st_size) == f.size(), st.st_size,
@@ -114,7 +114,7 @@ class MappingHandler final : public session::FdSessionHandler {
  private:
   absl::Mutex mu_;
   uint64_t next_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<std::string, std::vector<std::unique_ptr<session::MappedFile>>>
+  std::map<std::string, std::vector<std::unique_ptr<fd_socket::MappedFile>>>
       sessions_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -122,7 +122,7 @@ struct Fixture {
   std::string dir;
   std::string shm_dir;
   MappingHandler handler;
-  std::unique_ptr<session::FdServer> server;
+  std::unique_ptr<fd_socket::FdServer> server;
 };
 
 Fixture* GetFixture() {
@@ -131,11 +131,11 @@ Fixture* GetFixture() {
     auto* f = new Fixture;
     f->dir = MakeTempDir("/tmp", "mrd-fuzz-fd-");
     f->shm_dir = MakeTempDir("/dev/shm", "mrd-fuzz-fd-");
-    session::FdServerOptions options;
+    fd_socket::FdServerOptions options;
     options.path = f->dir + "/fd.sock";
     options.max_connections = 4;
-    absl::StatusOr<std::unique_ptr<session::FdServer>> server =
-        session::FdServer::Start(options, &f->handler);
+    absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> server =
+        fd_socket::FdServer::Start(options, &f->handler);
     FUZZ_CHECK(server.ok(), server.status().ToString());
     f->server = *std::move(server);
     std::atexit([] {
@@ -390,7 +390,7 @@ void RunOne(FuzzedDataProvider& in, Fixture& f) {
       }
       case 1: {  // too large for the server's buffer
         bytes.assign(in.ConsumeIntegralInRange<size_t>(
-                         session::FdServer::kMaxRequestBytes + 1, 16384),
+                         fd_socket::FdServer::kMaxRequestBytes + 1, 16384),
                      'x');
         break;
       }

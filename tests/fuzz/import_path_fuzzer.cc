@@ -1,5 +1,5 @@
 // Fuzzes the path resolution of ImportFile (OpenSharedFile in
-// server/session/memory_file.cc: openat2 with RESOLVE_BENEATH and no
+// server/fd_socket/memory_file.cc: openat2 with RESOLVE_BENEATH and no
 // symlinks) with fuzzed paths against a real directory on tmpfs holding
 // regular files, an empty one, read-only and mode-0000 ones, one over the
 // size limit, one owned by another uid, hard links, symlinks to a file
@@ -35,7 +35,7 @@
 #include "fuzzer/FuzzedDataProvider.h"
 #include "mrd/status.h"
 #include "mrd/unique_fd.h"
-#include "server/session/memory_file.h"
+#include "server/fd_socket/memory_file.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace mrd::fuzz {
@@ -128,7 +128,7 @@ Verdict Refuse(std::initializer_list<const char*> reasons) {
 }
 
 Verdict Judge(const Fixture& f, const std::string& path,
-              const session::SharedFileOptions& options) {
+              const fd_socket::SharedFileOptions& options) {
   if (path.empty() || path.size() >= PATH_MAX ||
       path.find('\0') != std::string::npos || path.front() == '/') {
     return Refuse({"BAD_PATH"});
@@ -216,10 +216,10 @@ std::string MakePath(FuzzedDataProvider& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace mrd::fuzz;  // NOLINT(build/namespaces)
-  using mrd::session::MappedFile;
+  using mrd::fd_socket::MappedFile;
   Fixture* f = GetFixture();
   FuzzedDataProvider in(data, size);
-  mrd::session::SharedFileOptions options;
+  mrd::fd_socket::SharedFileOptions options;
   options.writable = in.ConsumeBool();
   options.max_size = kMaxSize;
   switch (in.ConsumeIntegralInRange<int>(0, 3)) {
@@ -237,7 +237,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Verdict verdict = Judge(*f, path, options);
   {
     absl::StatusOr<std::unique_ptr<MappedFile>> file =
-        mrd::session::OpenSharedFile(f->root_fd.get(), path, options);
+        mrd::fd_socket::OpenSharedFile(f->root_fd.get(), path, options);
     if (file.ok()) {
       FUZZ_CHECK((*file)->inode() != f->secret_inode,
                  "the file outside the directory was opened through \"", path,

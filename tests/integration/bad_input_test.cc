@@ -234,7 +234,7 @@ class RawFdSocket {
 // Expects an FdReply error with this sequence and reason (all protocol
 // errors are INVALID_ARGUMENT with no seed outcome).
 void ExpectFdError(const std::optional<v1::FdReply>& reply, uint64_t sequence,
-                   absl::StatusCode code, v1::SeedStatus seed,
+                   absl::StatusCode code, ::mrd::SeedStatus seed,
                    const std::string& reason) {
   ASSERT_TRUE(reply.has_value());
   ASSERT_TRUE(reply->has_error()) << reply->DebugString();
@@ -248,8 +248,8 @@ void ExpectFdError(const std::optional<v1::FdReply>& reply, uint64_t sequence,
 void ExpectSameAsUnknown(const absl::Status& foreign, uint64_t foreign_id,
                          const absl::Status& unknown, uint64_t unknown_id,
                          const std::string& reason) {
-  ExpectError(unknown, absl::StatusCode::kNotFound, v1::SEED_STATUS_UNSPECIFIED,
-              reason);
+  ExpectError(unknown, absl::StatusCode::kNotFound,
+              ::mrd::SEED_STATUS_UNSPECIFIED, reason);
   EXPECT_EQ(foreign.code(), unknown.code()) << foreign;
   EXPECT_EQ(GetErrorDetail(foreign).DebugString(),
             GetErrorDetail(unknown).DebugString())
@@ -462,7 +462,7 @@ class BadInputTest : public MrdTest {
     v1::Completion done =
         NextOfKind(*rig.completions, v1::Completion::FAST_REGISTER);
     EXPECT_EQ(done.request_context(), context);
-    ASSERT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+    ASSERT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
     auto read = rig.peer->Read(done.rkey(), fr.base_address, 13);
     ASSERT_TRUE(read.ok()) << read.status();
     EXPECT_EQ(*read, FrBytesAt(kLamOffset, 13));
@@ -471,7 +471,7 @@ class BadInputTest : public MrdTest {
     v1::Completion inval =
         NextOfKind(*rig.completions, v1::Completion::INVALIDATE);
     EXPECT_EQ(inval.request_context(), context + 1);
-    EXPECT_EQ(inval.status(), v1::STATUS_SUCCESS) << inval.message();
+    EXPECT_EQ(inval.status(), ::mrd::STATUS_SUCCESS) << inval.message();
   }
 
   // The MR of a rig is not fast-registered (a refused request mapped
@@ -490,7 +490,7 @@ class BadInputTest : public MrdTest {
 
   void ExpectRefused(const absl::Status& status, const std::string& reason) {
     ExpectError(status, absl::StatusCode::kInvalidArgument,
-                v1::STATUS_INVALID_PARAMETER, reason);
+                ::mrd::STATUS_INVALID_PARAMETER, reason);
   }
 
   uint64_t page_ = 0;
@@ -511,17 +511,17 @@ TEST_F(BadInputTest, UnknownBufferIsNotFound) {
     ExpectError(
         client_->RegisterMr(RegisterRequest(session, id, 0, page_, kRemoteRead))
             .status(),
-        absl::StatusCode::kNotFound, v1::SEED_STATUS_UNSPECIFIED,
+        absl::StatusCode::kNotFound, ::mrd::SEED_STATUS_UNSPECIFIED,
         "UNKNOWN_BUFFER");
     ExpectError(
         client_->BuildLam(BuildLamRequest(session, id, 0, page_)).status(),
-        absl::StatusCode::kNotFound, v1::SEED_STATUS_UNSPECIFIED,
+        absl::StatusCode::kNotFound, ::mrd::SEED_STATUS_UNSPECIFIED,
         "UNKNOWN_BUFFER");
     v1::ReleaseBufferRequest release;
     release.set_session(session.token());
     release.set_buffer(id);
     ExpectError(client_->ReleaseBuffer(release).status(),
-                absl::StatusCode::kNotFound, v1::SEED_STATUS_UNSPECIFIED,
+                absl::StatusCode::kNotFound, ::mrd::SEED_STATUS_UNSPECIFIED,
                 "UNKNOWN_BUFFER");
   }
   auto list = session.List();
@@ -548,7 +548,7 @@ TEST_F(BadInputTest, UnknownRegistrationIsNotFound) {
     req.set_session(session.token());
     req.set_registration(id);
     ExpectError(client_->DeregisterMr(req).status(),
-                absl::StatusCode::kNotFound, v1::SEED_STATUS_UNSPECIFIED,
+                absl::StatusCode::kNotFound, ::mrd::SEED_STATUS_UNSPECIFIED,
                 "UNKNOWN_REGISTRATION");
   }
   // No reference was taken from the live registration.
@@ -573,19 +573,19 @@ TEST_F(BadInputTest, UnknownMrIsNotFound) {
     close.set_session(session.token());
     close.set_mr(id);
     ExpectError(client_->CloseMr(close).status(), absl::StatusCode::kNotFound,
-                v1::SEED_STATUS_UNSPECIFIED, reason);
+                ::mrd::SEED_STATUS_UNSPECIFIED, reason);
     v1::DeregisterMrRequest dereg;
     dereg.set_session(session.token());
     dereg.set_mr(id);
     ExpectError(client_->DeregisterMr(dereg).status(),
-                absl::StatusCode::kNotFound, v1::SEED_STATUS_UNSPECIFIED,
+                absl::StatusCode::kNotFound, ::mrd::SEED_STATUS_UNSPECIFIED,
                 reason);
     if (id != 0) {  // mr 0 in RegisterMr means "an implicit MR object"
       v1::RegisterMrRequest reg =
           RegisterRequest(session, rig.buffer->id(), 0, page_, kRemoteRead);
       reg.set_mr(id);
       ExpectError(client_->RegisterMr(reg).status(),
-                  absl::StatusCode::kNotFound, v1::SEED_STATUS_UNSPECIFIED,
+                  absl::StatusCode::kNotFound, ::mrd::SEED_STATUS_UNSPECIFIED,
                   reason);
     }
     v1::FastRegisterRequest fr;
@@ -598,13 +598,13 @@ TEST_F(BadInputTest, UnknownMrIsNotFound) {
     fr.set_base_address(kFrBase + rig.lam->fbo());
     fr.set_flags(kOpRemoteRead);
     ExpectError(client_->FastRegister(fr).status(), absl::StatusCode::kNotFound,
-                v1::SEED_STATUS_UNSPECIFIED, reason);
+                ::mrd::SEED_STATUS_UNSPECIFIED, reason);
     v1::InvalidateMrRequest inval;
     inval.set_session(session.token());
     inval.set_connection(rig.peer->connection_id());
     inval.set_mr(id);
     ExpectError(client_->InvalidateMr(inval).status(),
-                absl::StatusCode::kNotFound, v1::SEED_STATUS_UNSPECIFIED,
+                absl::StatusCode::kNotFound, ::mrd::SEED_STATUS_UNSPECIFIED,
                 reason);
   }
   auto list = session.List();
@@ -633,7 +633,7 @@ TEST_F(BadInputTest, UnknownLamIsNotFound) {
     req.set_session(session.token());
     req.set_lam(id);
     ExpectError(client_->ReleaseLam(req).status(), absl::StatusCode::kNotFound,
-                v1::SEED_STATUS_UNSPECIFIED, "UNKNOWN_LAM");
+                ::mrd::SEED_STATUS_UNSPECIFIED, "UNKNOWN_LAM");
   }
   auto list = session.List();
   ASSERT_TRUE(list.ok());
@@ -667,10 +667,10 @@ TEST_F(BadInputTest, UnknownConnectionIsConnectionInvalid) {
     fr.connection = id;
     ExpectError(rig.mr->FastRegister(fr).status(),
                 absl::StatusCode::kFailedPrecondition,
-                v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION");
+                ::mrd::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION");
     ExpectError(rig.mr->Invalidate(id, 2).status(),
                 absl::StatusCode::kFailedPrecondition,
-                v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION");
+                ::mrd::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION");
   }
   ExpectMrFree(session, rig.mr->id());
   ExpectFastRegisterWorks(rig, 10);
@@ -797,7 +797,7 @@ TEST_F(BadInputTest, AnotherSessionsHandlesAreNotFoundExactlyAsUnknownOnes) {
   absl::Status foreign_conn = on_connection(owned.peer->connection_id());
   absl::Status unknown_conn = on_connection(kUnknownId);
   ExpectError(unknown_conn, absl::StatusCode::kFailedPrecondition,
-              v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION");
+              ::mrd::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION");
   EXPECT_EQ(foreign_conn.code(), unknown_conn.code()) << foreign_conn;
   EXPECT_EQ(GetErrorDetail(foreign_conn).DebugString(),
             GetErrorDetail(unknown_conn).DebugString());
@@ -937,7 +937,7 @@ TEST_F(BadInputTest, UnknownNdkFlagBitsAreInvalidParameter) {
             .status();
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
     EXPECT_EQ(GetErrorDetail(s).reason(), "UNKNOWN_FLAGS") << s;
-    EXPECT_EQ(v1::SeedStatus_Name(GetErrorDetail(s).seed_status()),
+    EXPECT_EQ(::mrd::SeedStatusName(GetErrorDetail(s).seed_status()),
               "STATUS_INVALID_PARAMETER")
         << s;
   }
@@ -957,7 +957,7 @@ TEST_F(BadInputTest, BadMemFlagsAndBothFlagFormsAreWsaeinval) {
         RegisterRequest(session, buffer.id(), 0, page_, 0);
     req.set_mem_flags(mem);
     ExpectError(client_->RegisterMr(req).status(),
-                absl::StatusCode::kInvalidArgument, v1::WSAEINVAL,
+                absl::StatusCode::kInvalidArgument, ::mrd::WSAEINVAL,
                 "UNKNOWN_MEM_FLAGS");
   }
   for (uint32_t mem : {1u, 2u, 3u}) {
@@ -966,7 +966,7 @@ TEST_F(BadInputTest, BadMemFlagsAndBothFlagFormsAreWsaeinval) {
         RegisterRequest(session, buffer.id(), 0, page_, kRemoteRead);
     req.set_mem_flags(mem);
     ExpectError(client_->RegisterMr(req).status(),
-                absl::StatusCode::kInvalidArgument, v1::WSAEINVAL,
+                absl::StatusCode::kInvalidArgument, ::mrd::WSAEINVAL,
                 "BOTH_FLAG_FORMS");
   }
   EXPECT_EQ(DevicePinned(), baseline_pinned_);
@@ -1187,7 +1187,7 @@ TEST_F(BadInputTest, DescriptorCapacityTooSmallIsWsaefaultWithRequiredSize) {
         RegisterRequest(session, buffer.id(), 0, page_, kRemoteRead);
     req.set_descriptor_capacity(capacity);
     absl::Status s = client_->RegisterMr(req).status();
-    ExpectError(s, absl::StatusCode::kOutOfRange, v1::WSAEFAULT,
+    ExpectError(s, absl::StatusCode::kOutOfRange, ::mrd::WSAEFAULT,
                 "DESCRIPTOR_SPACE_TOO_SMALL");
     EXPECT_EQ(GetErrorDetail(s).required_size(), 24u);
     EXPECT_EQ(client::RequiredSizeOf(s).value_or(0), 24u);
@@ -1239,7 +1239,7 @@ TEST_F(BadInputTest, RegularDiskFileIsNotShmem) {
   for (bool writable : {true, false}) {
     ExpectError(session.ImportMemfd(file.get(), writable, 0).status(),
                 absl::StatusCode::kInvalidArgument,
-                v1::STATUS_INVALID_PARAMETER, "NOT_SHMEM");
+                ::mrd::STATUS_INVALID_PARAMETER, "NOT_SHMEM");
   }
   EXPECT_TRUE(Eventually([&] { return CountFds(mrd_->pid()) == fds_before; }))
       << "mrd kept a refused fd";
@@ -1256,7 +1256,7 @@ TEST_F(BadInputTest, PipeIsNotARegularFile) {
   for (int fd : {read_end.get(), write_end.get()}) {
     ExpectError(session.ImportMemfd(fd, false, 0).status(),
                 absl::StatusCode::kInvalidArgument,
-                v1::STATUS_INVALID_PARAMETER, "NOT_REGULAR_FILE");
+                ::mrd::STATUS_INVALID_PARAMETER, "NOT_REGULAR_FILE");
   }
   EXPECT_TRUE(Eventually([&] { return CountFds(mrd_->pid()) == fds_before; }))
       << "mrd kept a refused fd";
@@ -1271,12 +1271,12 @@ TEST_F(BadInputTest, SocketIsNotARegularFile) {
   Session session = OpenFdSession();
   const size_t fds_before = CountFds(mrd_->pid());
   ExpectError(session.ImportMemfd(a.get(), true, 0).status(),
-              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
-              "NOT_REGULAR_FILE");
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "NOT_REGULAR_FILE");
   // The fd socket itself, for good measure.
   ExpectError(session.ImportMemfd(session.fd_socket(), false, 0).status(),
-              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
-              "NOT_REGULAR_FILE");
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "NOT_REGULAR_FILE");
   EXPECT_TRUE(Eventually([&] { return CountFds(mrd_->pid()) == fds_before; }))
       << "mrd kept a refused fd";
   ExpectSessionStillWorks(session);
@@ -1287,20 +1287,20 @@ TEST_F(BadInputTest, UnsealedMemfdIsRefused) {
   const std::string name = absl::StrCat("mrd-unsealed-", getpid());
   UniqueFd fd = MakeMemfd(name, page_, /*seal=*/false, "unsealed");
   ExpectError(session.ImportMemfd(fd.get(), true, page_).status(),
-              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
-              "NOT_SEALED");
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "NOT_SEALED");
   // F_SEAL_GROW alone does not stop a shrink.
   ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_GROW), 0);
   ExpectError(session.ImportMemfd(fd.get(), false, page_).status(),
-              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
-              "NOT_SEALED");
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "NOT_SEALED");
   // A memfd that cannot be sealed at all.
   UniqueFd no_sealing(memfd_create("mrd-no-sealing", MFD_CLOEXEC));
   ASSERT_TRUE(no_sealing.valid());
   ASSERT_EQ(ftruncate(no_sealing.get(), static_cast<off_t>(page_)), 0);
   ExpectError(session.ImportMemfd(no_sealing.get(), false, page_).status(),
-              absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
-              "NOT_SEALED");
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "NOT_SEALED");
   EXPECT_TRUE(Eventually([&] { return !HoldsMemfd(mrd_->pid(), name); }));
   // Sealed now, the same fd imports and registers.
   ASSERT_EQ(fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
@@ -1326,7 +1326,7 @@ TEST_F(BadInputTest, ClosedFdIsAClearClientSideError) {
     SCOPED_TRACE(fd);
     auto buffer = session.ImportMemfd(fd, true, page_);
     ExpectError(buffer.status(), absl::StatusCode::kInvalidArgument,
-                v1::SEED_STATUS_UNSPECIFIED, "BAD_FD");
+                ::mrd::SEED_STATUS_UNSPECIFIED, "BAD_FD");
   }
   EXPECT_TRUE(session.Ping().ok());
   ExpectSessionStillWorks(session);
@@ -1348,13 +1348,13 @@ TEST_F(BadInputTest, GarbageDatagramsOnTheFdSocketGetAnErrorAndNoFdLeaks) {
     SCOPED_TRACE("not a protobuf (field number 0)");
     ASSERT_TRUE(raw.Send(std::string("\x00garbage\xff\xff", 10)));
     ExpectFdError(raw.Receive(), 0, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "MALFORMED_REQUEST");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "MALFORMED_REQUEST");
   }
   {
     SCOPED_TRACE("a varint that never ends");
     ASSERT_TRUE(raw.Send(std::string(20, '\xff')));
     ExpectFdError(raw.Receive(), 0, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "MALFORMED_REQUEST");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "MALFORMED_REQUEST");
   }
   const std::string name = absl::StrCat("mrd-garbage-", getpid());
   {
@@ -1362,25 +1362,25 @@ TEST_F(BadInputTest, GarbageDatagramsOnTheFdSocketGetAnErrorAndNoFdLeaks) {
     UniqueFd memfd = MakeMemfd(name, page_);
     ASSERT_TRUE(raw.Send(std::string("\x00junk", 5), {memfd.get()}));
     ExpectFdError(raw.Receive(), 0, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "MALFORMED_REQUEST");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "MALFORMED_REQUEST");
   }
   {
     SCOPED_TRACE("an empty datagram");
     ASSERT_TRUE(raw.Send(""));
     ExpectFdError(raw.Receive(), 0, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "UNKNOWN_OPERATION");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "UNKNOWN_OPERATION");
   }
   {
     SCOPED_TRACE("an oversized datagram");
     ASSERT_TRUE(raw.Send(std::string(8192, 'x')));
     ExpectFdError(raw.Receive(), 0, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "MESSAGE_TOO_LARGE");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "MESSAGE_TOO_LARGE");
   }
   {
     SCOPED_TRACE("ImportMemfd without an fd");
     ASSERT_TRUE(raw.Send(ImportRequestBytes(3, false, 0)));
     ExpectFdError(raw.Receive(), 3, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "MISSING_FD");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "MISSING_FD");
   }
   {
     SCOPED_TRACE("Ping with an fd");
@@ -1390,7 +1390,7 @@ TEST_F(BadInputTest, GarbageDatagramsOnTheFdSocketGetAnErrorAndNoFdLeaks) {
     ping.mutable_ping();
     ASSERT_TRUE(raw.Send(ping.SerializeAsString(), {memfd.get()}));
     ExpectFdError(raw.Receive(), 4, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "UNEXPECTED_FD");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "UNEXPECTED_FD");
   }
   // Every fd that came in was closed: mrd holds what it held before.
   EXPECT_TRUE(Eventually([&] { return CountFds(pid) == baseline; }))
@@ -1447,7 +1447,7 @@ TEST_F(BadInputTest, TruncatedControlMessageGetsAnErrorAndEveryFdIsClosed) {
     }
     ASSERT_TRUE(raw.Send(ImportRequestBytes(5, false, page_), fds));
     ExpectFdError(raw.Receive(), 5, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "CONTROL_TRUNCATED");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "CONTROL_TRUNCATED");
   }
   {
     SCOPED_TRACE("two fds");
@@ -1456,7 +1456,7 @@ TEST_F(BadInputTest, TruncatedControlMessageGetsAnErrorAndEveryFdIsClosed) {
     ASSERT_TRUE(
         raw.Send(ImportRequestBytes(6, false, page_), {a.get(), b.get()}));
     ExpectFdError(raw.Receive(), 6, absl::StatusCode::kInvalidArgument,
-                  v1::SEED_STATUS_UNSPECIFIED, "TOO_MANY_FDS");
+                  ::mrd::SEED_STATUS_UNSPECIFIED, "TOO_MANY_FDS");
   }
   EXPECT_TRUE(Eventually([&] { return CountFds(pid) == baseline; }))
       << CountFds(pid) << " fds, " << baseline << " before";
@@ -1603,11 +1603,13 @@ TEST_F(BadInputRegistrationLimitTest, ThirdDistinctRegistrationIsRefused) {
   ASSERT_TRUE(second.ok()) << second.status();
   ExpectError(Reg(session, buffer, 2 * page_, page_, kRemoteRead).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES,
+              "LIMIT_SESSION_REGISTRATIONS");
   // Same range, other access: a distinct registration too.
   ExpectError(Reg(session, buffer, 0, page_, kRemoteWrite).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES,
+              "LIMIT_SESSION_REGISTRATIONS");
   EXPECT_EQ(DevicePinned(), baseline_pinned_ + 2 * page_);
   // A cache hit adds no registration and is served.
   auto again = Reg(session, buffer, 0, page_, kRemoteRead);
@@ -1647,18 +1649,20 @@ TEST_F(BadInputSessionPinnedLimitTest, PinningPastTheSessionLimitIsRefused) {
   ASSERT_TRUE(two.ok()) << two.status();
   ExpectError(Reg(session, buffer, 2 * page_, page_, kRemoteRead).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES,
+              "LIMIT_SESSION_PINNED_BYTES");
   ExpectError(
       client_->BuildLam(BuildLamRequest(session, buffer.id(), 2 * page_, page_))
           .status(),
-      absl::StatusCode::kResourceExhausted, v1::STATUS_INSUFFICIENT_RESOURCES,
-      "LIMIT_SESSION_PINNED_BYTES");
+      absl::StatusCode::kResourceExhausted,
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES");
   // A single request larger than the limit.
   Session big = OpenFdSession();
   Buffer big_buffer = NewBuffer(big, 3 * page_);
   ExpectError(Reg(big, big_buffer, 0, 3 * page_, kRemoteRead).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES,
+              "LIMIT_SESSION_PINNED_BYTES");
   EXPECT_EQ(DevicePinned(), baseline_pinned_ + 2 * page_);
   // A cache hit pins nothing more.
   auto hit = Reg(session, buffer, 0, 2 * page_, kRemoteRead);
@@ -1697,12 +1701,12 @@ TEST_F(BadInputTotalPinnedLimitTest,
   Buffer second_buffer = NewBuffer(second, page_);
   ExpectError(Reg(second, second_buffer, 0, page_, kRemoteRead).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_PINNED_BYTES");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_PINNED_BYTES");
   ExpectError(
       client_->BuildLam(BuildLamRequest(second, second_buffer.id(), 0, page_))
           .status(),
-      absl::StatusCode::kResourceExhausted, v1::STATUS_INSUFFICIENT_RESOURCES,
-      "LIMIT_TOTAL_PINNED_BYTES");
+      absl::StatusCode::kResourceExhausted,
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_PINNED_BYTES");
   EXPECT_EQ(DevicePinned(), baseline_pinned_ + 2 * page_);
   ASSERT_TRUE(held->Deregister().ok());
   ExpectSessionStillWorks(second);
@@ -1724,10 +1728,10 @@ TEST_F(BadInputSessionLimitTest, ThirdSessionIsRefused) {
   ASSERT_TRUE(second.ok()) << second.status();
   ExpectError(Session::OpenFd(*client_).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS");
   ExpectError(Session::OpenLease(*client_, absl::Seconds(60)).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS");
   ExpectSessionStillWorks(*second);
   // Once one ends, a new one may open.
   ASSERT_TRUE(second->Close().ok());
@@ -1757,10 +1761,10 @@ TEST_F(BadInputBufferSizeLimitTest, ImportsLargerThanTheLimitAreRefused) {
   UniqueFd big = MakeMemfd(name, 3 * page_);
   ExpectError(session.ImportMemfd(big.get(), true, 0).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_BUFFER_SIZE");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_BUFFER_SIZE");
   ExpectError(Buffer::Create(session, 2 * page_ + 1).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_BUFFER_SIZE");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_BUFFER_SIZE");
   EXPECT_TRUE(Eventually([&] { return !HoldsMemfd(pid, name); }));
   // The lease path has the same limit.
   ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "too-big", "x", 3 * page_).ok());
@@ -1768,7 +1772,7 @@ TEST_F(BadInputBufferSizeLimitTest, ImportsLargerThanTheLimitAreRefused) {
   ASSERT_TRUE(lease.ok()) << lease.status();
   ExpectError(Buffer::ImportFile(*lease, "too-big", false).status(),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_BUFFER_SIZE");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_BUFFER_SIZE");
   // Exactly the limit is fine.
   auto exact = Buffer::Create(session, 2 * page_);
   EXPECT_TRUE(exact.ok()) << exact.status();
@@ -1861,7 +1865,7 @@ TEST_F(BadInputTest, RemoteFastRegisterOnALocalOnlyMrIsAccessViolationF4) {
     fr.flags = flags;
     ExpectError(rig.mr->FastRegister(fr).status(),
                 absl::StatusCode::kPermissionDenied,
-                v1::STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE");
+                ::mrd::STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE");
   }
   ExpectMrFree(session, rig.mr->id());
   // Local access is what the MR was made for.
@@ -1871,7 +1875,7 @@ TEST_F(BadInputTest, RemoteFastRegisterOnALocalOnlyMrIsAccessViolationF4) {
   v1::Completion done =
       NextOfKind(*rig.completions, v1::Completion::FAST_REGISTER);
   EXPECT_EQ(done.request_context(), 5u);
-  EXPECT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+  EXPECT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
   // Its token grants peers nothing.
   ExpectRemoteAccessError(
       rig.peer->Read(done.rkey(), fr.base_address, 1).status());
@@ -1881,7 +1885,7 @@ TEST_F(BadInputTest, RemoteFastRegisterOnALocalOnlyMrIsAccessViolationF4) {
   ASSERT_TRUE(rig.mr->Invalidate(peer->connection_id(), 6).ok());
   v1::Completion inval =
       NextOfKind(*rig.completions, v1::Completion::INVALIDATE);
-  EXPECT_EQ(inval.status(), v1::STATUS_SUCCESS) << inval.message();
+  EXPECT_EQ(inval.status(), ::mrd::STATUS_SUCCESS) << inval.message();
   ExpectSessionStillWorks(session);
 }
 
@@ -1893,14 +1897,14 @@ TEST_F(BadInputTest, ReleaseLamWhileFastRegisteredIsLamInUse) {
   ASSERT_TRUE(rig.mr->FastRegister(fr).ok());
   v1::Completion done =
       NextOfKind(*rig.completions, v1::Completion::FAST_REGISTER);
-  ASSERT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+  ASSERT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
 
   v1::ReleaseLamRequest release;
   release.set_session(session.token());
   release.set_lam(rig.lam->id());
   ExpectError(client_->ReleaseLam(release).status(),
               absl::StatusCode::kFailedPrecondition,
-              v1::SEED_STATUS_UNSPECIFIED, "LAM_IN_USE");
+              ::mrd::SEED_STATUS_UNSPECIFIED, "LAM_IN_USE");
   // Nothing was released: the pages are still mapped and pinned.
   auto read = rig.peer->Read(done.rkey(), fr.base_address, 13);
   ASSERT_TRUE(read.ok()) << read.status();
@@ -1910,7 +1914,7 @@ TEST_F(BadInputTest, ReleaseLamWhileFastRegisteredIsLamInUse) {
   ASSERT_TRUE(rig.mr->Invalidate(rig.peer->connection_id(), 2).ok());
   v1::Completion inval =
       NextOfKind(*rig.completions, v1::Completion::INVALIDATE);
-  ASSERT_EQ(inval.status(), v1::STATUS_SUCCESS) << inval.message();
+  ASSERT_EQ(inval.status(), ::mrd::STATUS_SUCCESS) << inval.message();
   rig.lam->Detach();
   EXPECT_TRUE(client_->ReleaseLam(release).ok());
   EXPECT_EQ(DevicePinned(), baseline_pinned_);
@@ -1945,7 +1949,7 @@ TEST_F(BadInputTest, UnknownSessionTokenIsWsaenotconn) {
         bystander + "0", bystander.substr(1), closed_token, hung_up_token}) {
     SCOPED_TRACE("token '" + token + "'");
     auto expect = [](const absl::Status& s) {
-      ExpectError(s, absl::StatusCode::kFailedPrecondition, v1::WSAENOTCONN,
+      ExpectError(s, absl::StatusCode::kFailedPrecondition, ::mrd::WSAENOTCONN,
                   "SESSION_NOT_CONNECTED");
     };
     v1::GetSessionRequest get;

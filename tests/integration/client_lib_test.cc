@@ -171,7 +171,7 @@ class ClientLibTest : public MrdTest {
   bool SessionGone(const std::string& token) {
     absl::Status s = Session::Attach(*client_, token).Info().status();
     return s.code() == absl::StatusCode::kFailedPrecondition &&
-           client::SeedStatusOf(s) == v1::WSAENOTCONN;
+           client::SeedStatusOf(s) == ::mrd::WSAENOTCONN;
   }
 };
 
@@ -346,7 +346,7 @@ TEST_F(ClientLibTest,
   absl::StatusOr<Buffer> refused = session.ImportMemfd(unsealed, true, 4096);
   ::close(unsealed);
   ExpectError(refused.status(), absl::StatusCode::kInvalidArgument,
-              v1::STATUS_INVALID_PARAMETER, "NOT_SEALED");
+              ::mrd::STATUS_INVALID_PARAMETER, "NOT_SEALED");
 
   absl::StatusOr<client::MappedMemfd> memfd =
       client::MappedMemfd::Create(8192, "mismatch");
@@ -354,7 +354,7 @@ TEST_F(ClientLibTest,
   absl::StatusOr<Buffer> mismatch =
       session.ImportMemfd(memfd->fd(), true, 4096);
   ExpectError(mismatch.status(), absl::StatusCode::kInvalidArgument,
-              v1::STATUS_INVALID_PARAMETER, "SIZE_MISMATCH");
+              ::mrd::STATUS_INVALID_PARAMETER, "SIZE_MISMATCH");
 
   EXPECT_TRUE(session.Ping().ok());
   EXPECT_EQ(List(session).buffers_size(), 0);
@@ -378,7 +378,8 @@ TEST_F(ClientLibTest, ReadOnlyImportCannotBeRegisteredForWrite) {
   absl::StatusOr<Registration> write =
       Registration::Register(session, Range(*ro, 0, 64, kRemoteWrite));
   EXPECT_FALSE(write.ok());
-  EXPECT_NE(client::SeedStatusOf(write.status()), v1::SEED_STATUS_UNSPECIFIED)
+  EXPECT_NE(client::SeedStatusOf(write.status()),
+            ::mrd::SEED_STATUS_UNSPECIFIED)
       << write.status();
   EXPECT_TRUE(session.Ping().ok());
 }
@@ -466,7 +467,7 @@ TEST_F(ClientLibTest, MrdEndingTheFdSessionMakesHandlesInert) {
   mrd_.reset();
   absl::Status ping = session.Ping();
   EXPECT_EQ(ping.code(), absl::StatusCode::kFailedPrecondition) << ping;
-  EXPECT_EQ(client::SeedStatusOf(ping), v1::WSAENOTCONN) << ping;
+  EXPECT_EQ(client::SeedStatusOf(ping), ::mrd::WSAENOTCONN) << ping;
   absl::StatusOr<uint32_t> left = reg->Deregister();
   ASSERT_TRUE(left.ok()) << left.status();
   EXPECT_EQ(*left, 0u);
@@ -493,7 +494,7 @@ TEST_F(ClientLibTest, FdSessionClosedByItsTokenElsewhereHangsUpTheSocket) {
       << "mrd ended the fd session but kept its socket connection open";
   absl::Status ping = session.Ping();
   EXPECT_EQ(ping.code(), absl::StatusCode::kFailedPrecondition) << ping;
-  EXPECT_EQ(client::SeedStatusOf(ping), v1::WSAENOTCONN) << ping;
+  EXPECT_EQ(client::SeedStatusOf(ping), ::mrd::WSAENOTCONN) << ping;
   // Everything was released with the session.
   absl::StatusOr<uint32_t> left = reg.Deregister();
   ASSERT_TRUE(left.ok()) << left.status();
@@ -536,7 +537,7 @@ TEST_F(ClientLibTest, LeaseEndedElsewhereMakesItsHandlesInert) {
   // Closing the lease object itself finds it ended (OK, or what mrd said)
   // and stays quiet from then on.
   absl::Status closed = session.Close();
-  EXPECT_TRUE(closed.ok() || client::SeedStatusOf(closed) == v1::WSAENOTCONN)
+  EXPECT_TRUE(closed.ok() || client::SeedStatusOf(closed) == ::mrd::WSAENOTCONN)
       << closed;
   EXPECT_TRUE(session.Close().ok());
 }
@@ -599,14 +600,14 @@ TEST_F(ClientLibTest, ErrorDetailsSurviveTheChannel) {
   absl::StatusOr<Registration> zero =
       Registration::Register(session, Range(*buffer, 0, 0));
   ExpectError(zero.status(), absl::StatusCode::kInvalidArgument,
-              v1::STATUS_INVALID_PARAMETER, "ZERO_LENGTH");
+              ::mrd::STATUS_INVALID_PARAMETER, "ZERO_LENGTH");
 
   RegisterOptions small = Range(*buffer, 0, 64);
   small.descriptor_capacity = 8;
   absl::StatusOr<Registration> too_small =
       Registration::Register(session, small);
-  ExpectError(too_small.status(), absl::StatusCode::kOutOfRange, v1::WSAEFAULT,
-              "");
+  ExpectError(too_small.status(), absl::StatusCode::kOutOfRange,
+              ::mrd::WSAEFAULT, "");
   EXPECT_EQ(client::RequiredSizeOf(too_small.status()), 24u);
 
   client::BuildLamOptions lam_options;
@@ -615,17 +616,17 @@ TEST_F(ClientLibTest, ErrorDetailsSurviveTheChannel) {
   lam_options.capacity = 16;
   absl::StatusOr<Lam> lam = Lam::Build(session, lam_options);
   ExpectError(lam.status(), absl::StatusCode::kOutOfRange,
-              v1::STATUS_BUFFER_TOO_SMALL, "LAM_SPACE_TOO_SMALL");
+              ::mrd::STATUS_BUFFER_TOO_SMALL, "LAM_SPACE_TOO_SMALL");
   EXPECT_EQ(client::RequiredSizeOf(lam.status()), 24u);
 
   absl::StatusOr<Buffer> missing = Buffer::ImportFile(session, "missing", true);
   ExpectError(missing.status(), absl::StatusCode::kNotFound,
-              v1::SEED_STATUS_UNSPECIFIED, "NO_SUCH_FILE");
+              ::mrd::SEED_STATUS_UNSPECIFIED, "NO_SUCH_FILE");
 
   Session stale = Session::Attach(*client_, "no-such-session");
   absl::Status info = stale.Info().status();
   EXPECT_EQ(info.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(client::SeedStatusOf(info), v1::WSAENOTCONN);
+  EXPECT_EQ(client::SeedStatusOf(info), ::mrd::WSAENOTCONN);
   // None of these left anything behind.
   EXPECT_EQ(List(session).registrations_size(), 0);
   EXPECT_EQ(List(session).lams_size(), 0);
@@ -690,7 +691,7 @@ TEST_F(ClientLibTest, RegisterFutureDeliversTheRegistration) {
   EXPECT_EQ(r->length(), 100u);
   EXPECT_EQ(List(session).registrations_size(), 1);
   ExpectError(bad.get().status(), absl::StatusCode::kInvalidArgument,
-              v1::STATUS_INVALID_PARAMETER, "ZERO_LENGTH");
+              ::mrd::STATUS_INVALID_PARAMETER, "ZERO_LENGTH");
 }
 
 TEST_F(ClientLibTest, RegistrationMoveAssignmentReleasesTheOldReference) {
@@ -813,7 +814,7 @@ TEST_F(ClientLibTest, ExplicitCloseOfALeaseAndOfAnAttachedSession) {
   // mrd already ended it: closing the lease says WSAENOTCONN and marks it
   // ended, so the destructor stays quiet.
   absl::Status again = lease.Close();
-  EXPECT_EQ(client::SeedStatusOf(again), v1::WSAENOTCONN) << again;
+  EXPECT_EQ(client::SeedStatusOf(again), ::mrd::WSAENOTCONN) << again;
   EXPECT_TRUE(lease.Close().ok());
   EXPECT_EQ(Gauge("mrd_sessions"), 0);
 }
@@ -899,7 +900,7 @@ TEST_F(ClientLibTest, MrLamFastRegisterAndCompletions) {
   absl::StatusOr<uint64_t> wr = mr->FastRegister(fr);
   ASSERT_TRUE(wr.ok()) << wr.status();
   v1::Completion c = NextOfKind(stream, v1::Completion::FAST_REGISTER);
-  EXPECT_EQ(c.status(), v1::STATUS_SUCCESS) << c.message();
+  EXPECT_EQ(c.status(), ::mrd::STATUS_SUCCESS) << c.message();
   EXPECT_EQ(c.request_context(), 77u);
   EXPECT_EQ(c.work_request(), *wr);
   absl::StatusOr<std::string> read = peer->Read(c.rkey(), fr.base_address, 10);
@@ -1055,7 +1056,7 @@ TEST_F(ClientLibTest, CompletionStreamOfUnknownSessionFails) {
   CompletionStream stream = CompletionStream::Open(stale);
   absl::StatusOr<v1::Completion> c = stream.Next(absl::Seconds(10));
   EXPECT_EQ(c.status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(client::SeedStatusOf(c.status()), v1::WSAENOTCONN);
+  EXPECT_EQ(client::SeedStatusOf(c.status()), ::mrd::WSAENOTCONN);
 }
 
 // ---- Peer tickets ----------------------------------------------------------

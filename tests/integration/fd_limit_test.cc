@@ -224,7 +224,7 @@ TEST_F(FdLimitTest, OneSessionImportingOneMemfdIsRefusedNotFatal) {
       << "4096 imports of one memfd were all accepted";
   ExpectError(client::StatusFromFdError(*refusal),
               absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_FDS");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_FDS");
   EXPECT_TRUE(absl::StrContains(refusal->message(), "--max_session_fds="))
       << refusal->message();
   EXPECT_GT(imported, 100);
@@ -274,7 +274,7 @@ TEST_F(FdLimitTest, SessionsTogetherHitTheTotalBudgetAndGrpcSurvives) {
     if (welcome->has_error()) {
       ExpectError(client::StatusFromFdError(welcome->error()),
                   absl::StatusCode::kResourceExhausted,
-                  v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_FDS");
+                  ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_FDS");
       total_refused = true;
       break;
     }

@@ -83,7 +83,7 @@ TEST_F(KeySpaceTest, ASessionAtItsRegistrationLimitLeavesKeysForOthers) {
     o.flags = kRemoteRead;
     ExpectError(client_->RegisterMr(client::ToRequest(token, o)).status(),
                 absl::StatusCode::kResourceExhausted,
-                v1::STATUS_INSUFFICIENT_RESOURCES,
+                ::mrd::STATUS_INSUFFICIENT_RESOURCES,
                 "LIMIT_SESSION_REGISTRATIONS");
   }
 

@@ -848,7 +848,7 @@ TEST_F(MrctlTest, FastRegisterInvalidateAndCompletions) {
       << done;
   EXPECT_TRUE(absl::StrContains(done.out, "\"requestContext\":\"42\"")) << done;
   v1::Completion c = FromJson<v1::Completion>(done.out);
-  EXPECT_EQ(c.status(), v1::STATUS_SUCCESS) << c.message();
+  EXPECT_EQ(c.status(), ::mrd::STATUS_SUCCESS) << c.message();
   EXPECT_EQ(absl::StrCat(c.work_request()), work_request);
   ASSERT_NE(c.rkey(), 0u);
   // The new token reads the buffer from offset 10 on.

@@ -25,9 +25,9 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/peer/frame.h"
-#include "client/peer/net.h"
 #include "client/peer/soft_peer.h"
+#include "mrd/net.h"
+#include "mrd/peer_frame.h"
 #include "mrd/v1/peer.pb.h"
 #include "tests/integration/test_env.h"
 

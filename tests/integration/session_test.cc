@@ -115,7 +115,7 @@ class SessionTest : public MrdTest {
     v1::Completion done =
         NextOfKind(completions, v1::Completion::FAST_REGISTER);
     EXPECT_EQ(done.request_context(), context);
-    EXPECT_EQ(done.status(), v1::STATUS_SUCCESS) << done.message();
+    EXPECT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
     return done;
   }
 
@@ -173,11 +173,11 @@ TEST_F(SessionAllowListTest,
        FdSocketRefusesAUidNotOnTheListAndTheLeasePathWorks) {
   auto refused = Session::OpenFd(*client_);
   ExpectError(refused.status(), absl::StatusCode::kPermissionDenied,
-              v1::SEED_STATUS_UNSPECIFIED, "PEER_NOT_ALLOWED");
+              ::mrd::SEED_STATUS_UNSPECIFIED, "PEER_NOT_ALLOWED");
   // Again: the refusal left the socket serving.
   ExpectError(Session::OpenFd(*client_).status(),
-              absl::StatusCode::kPermissionDenied, v1::SEED_STATUS_UNSPECIFIED,
-              "PEER_NOT_ALLOWED");
+              absl::StatusCode::kPermissionDenied,
+              ::mrd::SEED_STATUS_UNSPECIFIED, "PEER_NOT_ALLOWED");
 
   auto lease = Session::OpenLease(*client_, absl::Seconds(60));
   ASSERT_TRUE(lease.ok()) << lease.status();
@@ -191,15 +191,15 @@ TEST_F(SessionAllowListTest,
     // Files must belong to an allowed uid, and only root can give one away.
     ExpectError(Buffer::ImportFile(*lease, "allowed", true).status(),
                 absl::StatusCode::kPermissionDenied,
-                v1::SEED_STATUS_UNSPECIFIED, "OWNER_NOT_ALLOWED");
+                ::mrd::SEED_STATUS_UNSPECIFIED, "OWNER_NOT_ALLOWED");
     return;
   }
   ASSERT_EQ(chown(path.c_str(), OtherUid(), OtherUid()), 0);
   // The fd socket refused us, so the lease is anonymous: it may open only
   // what any member of mrd's group (who can reach the 0660 socket) could.
   ExpectError(Buffer::ImportFile(*lease, "allowed", true).status(),
-              absl::StatusCode::kPermissionDenied, v1::SEED_STATUS_UNSPECIFIED,
-              "IDENTITY_DENIES_ACCESS");
+              absl::StatusCode::kPermissionDenied,
+              ::mrd::SEED_STATUS_UNSPECIFIED, "IDENTITY_DENIES_ACCESS");
   ASSERT_EQ(chown(path.c_str(), OtherUid(), getegid()), 0);
   ASSERT_EQ(chmod(path.c_str(), 0660), 0);
   auto buffer = Buffer::ImportFile(*lease, "allowed", true);
@@ -329,11 +329,11 @@ TEST_F(SessionLeaseTtlTest, LeaseWithoutCallsExpiresAndItsTokensDie) {
   absl::SleepFor(absl::Milliseconds(2500));
 
   ExpectError(lease->Info().status(), absl::StatusCode::kFailedPrecondition,
-              v1::WSAENOTCONN, "SESSION_NOT_CONNECTED");
+              ::mrd::WSAENOTCONN, "SESSION_NOT_CONNECTED");
   v1::ListRegistrationsRequest list;
   list.set_session(lease->token());
   ExpectError(client_->ListRegistrations(list).status(),
-              absl::StatusCode::kFailedPrecondition, v1::WSAENOTCONN,
+              absl::StatusCode::kFailedPrecondition, ::mrd::WSAENOTCONN,
               "SESSION_NOT_CONNECTED");
   // The reaper ends it (it runs about once a second): the token dies with
   // the session's protection domain, on its own connection too.
@@ -421,9 +421,9 @@ TEST_F(SessionTest, CloseSessionReleasesEverythingAndEndsItsCompletionStream) {
   EXPECT_EQ(end.code(), absl::StatusCode::kOutOfRange) << end;
 
   ExpectError(lease->Info().status(), absl::StatusCode::kFailedPrecondition,
-              v1::WSAENOTCONN, "SESSION_NOT_CONNECTED");
+              ::mrd::WSAENOTCONN, "SESSION_NOT_CONNECTED");
   ExpectError(client_->CloseSession(close).status(),
-              absl::StatusCode::kFailedPrecondition, v1::WSAENOTCONN,
+              absl::StatusCode::kFailedPrecondition, ::mrd::WSAENOTCONN,
               "SESSION_NOT_CONNECTED");
   EXPECT_FALSE(peer->Read(reg->rkey(), reg->base_address(), 1).ok());
   Session other = OpenFdSession();
@@ -460,7 +460,7 @@ TEST_F(SessionTest, ClosingTheFdSocketReleasesEverythingAndEndsItsStream) {
   v1::GetSessionRequest get;
   get.set_session(token);
   ExpectError(client_->GetSession(get).status(),
-              absl::StatusCode::kFailedPrecondition, v1::WSAENOTCONN,
+              absl::StatusCode::kFailedPrecondition, ::mrd::WSAENOTCONN,
               "SESSION_NOT_CONNECTED");
   EXPECT_FALSE(peer->Read(reg->rkey(), reg->base_address(), 1).ok());
   Session other = OpenFdSession();
@@ -577,7 +577,7 @@ TEST_F(SessionTest, ReleasingAnUnknownOrReleasedBufferIsNotFound) {
   req.set_session(session.token());
   req.set_buffer(id);
   ExpectError(client_->ReleaseBuffer(req).status(), absl::StatusCode::kNotFound,
-              v1::SEED_STATUS_UNSPECIFIED, "UNKNOWN_BUFFER");
+              ::mrd::SEED_STATUS_UNSPECIFIED, "UNKNOWN_BUFFER");
 }
 
 // --- ListRegistrations

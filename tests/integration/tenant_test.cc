@@ -142,7 +142,7 @@ TEST_F(AnonymousLeaseTest, AnonymousLeasesCannotLockOthersOut) {
   // 25 % of --max_sessions=1024 by default.
   EXPECT_EQ(opened, 256);
   ExpectError(refused, absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TENANT_SESSIONS");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TENANT_SESSIONS");
   EXPECT_TRUE(absl::StrContains(refused.message(), "tenant anonymous"))
       << refused;
 
@@ -163,11 +163,11 @@ TEST_F(AnonymousLeaseTest, VouchingNeedsALiveVerifiedSession) {
   ASSERT_TRUE(anonymous.ok()) << anonymous.status();
   // An anonymous lease cannot vouch for another (it proves nothing).
   ExpectError(OpenLease(*client_, anonymous->session()).status(),
-              absl::StatusCode::kPermissionDenied, v1::SEED_STATUS_UNSPECIFIED,
-              "BAD_VOUCHING_SESSION");
+              absl::StatusCode::kPermissionDenied,
+              ::mrd::SEED_STATUS_UNSPECIFIED, "BAD_VOUCHING_SESSION");
   ExpectError(OpenLease(*client_, "no-such-session").status(),
-              absl::StatusCode::kPermissionDenied, v1::SEED_STATUS_UNSPECIFIED,
-              "BAD_VOUCHING_SESSION");
+              absl::StatusCode::kPermissionDenied,
+              ::mrd::SEED_STATUS_UNSPECIFIED, "BAD_VOUCHING_SESSION");
   // A vouched lease outlives its voucher, keeping the identity.
   std::string token;
   {
@@ -265,8 +265,8 @@ TEST_F(ConfusedDeputyTest, AnonymousLeaseIsAnyoneVouchedLeaseIsItsOwner) {
   absl::StatusOr<v1::SessionInfo> anonymous = OpenLease(*client_);
   ASSERT_TRUE(anonymous.ok()) << anonymous.status();
   ExpectError(Import(*client_, anonymous->session(), "secret", false).status(),
-              absl::StatusCode::kPermissionDenied, v1::SEED_STATUS_UNSPECIFIED,
-              "IDENTITY_DENIES_ACCESS");
+              absl::StatusCode::kPermissionDenied,
+              ::mrd::SEED_STATUS_UNSPECIFIED, "IDENTITY_DENIES_ACCESS");
   EXPECT_TRUE(Import(*client_, anonymous->session(), "public", false).ok());
 
   client::Session fd = OpenFdSession();
@@ -306,7 +306,8 @@ TEST_F(TenantQuotaTest, OneUidsSessionsShareItsQuota) {
   absl::StatusOr<client::Registration> over =
       client::Registration::Register(b, o);
   ExpectError(over.status(), absl::StatusCode::kResourceExhausted,
-              v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TENANT_PINNED_BYTES");
+              ::mrd::STATUS_INSUFFICIENT_RESOURCES,
+              "LIMIT_TENANT_PINNED_BYTES");
   EXPECT_TRUE(absl::StrContains(over.status().message(),
                                 absl::StrCat("tenant uid:", getuid())))
       << over.status();

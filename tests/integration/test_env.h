@@ -119,9 +119,9 @@ class MrdTest : public ::testing::Test {
 
 // Expects an error with this code, seed outcome and reason.
 inline void ExpectError(const absl::Status& status, absl::StatusCode code,
-                        v1::SeedStatus seed, const std::string& reason) {
+                        ::mrd::SeedStatus seed, const std::string& reason) {
   EXPECT_EQ(status.code(), code) << status;
-  v1::ErrorDetail detail = GetErrorDetail(status);
+  ::mrd::ErrorDetail detail = GetErrorDetail(status);
   EXPECT_EQ(detail.seed_status(), seed) << status;
   if (!reason.empty()) {
     EXPECT_EQ(detail.reason(), reason) << status;

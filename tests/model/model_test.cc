@@ -521,7 +521,7 @@ bool Harness::OpenSlot(Slot& slot, bool lease) {
     Note(absl::StrCat("opened lease session ", slot.session, " (ttl ", ttl,
                       " s)"));
   } else {
-    session::PeerCredentials creds;
+    fd_socket::PeerCredentials creds;
     creds.uid = ::getuid();
     creds.gid = ::getgid();
     creds.pid = ::getpid();

@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 
 namespace mrd::model_test {
 namespace {
@@ -23,7 +24,7 @@ std::string ExpectError(absl::string_view op, const absl::Status& actual,
   if (actual.ok()) {
     return absl::StrCat(op, ": expected error ", reason, ", got OK");
   }
-  const v1::ErrorDetail detail = GetErrorDetail(actual);
+  const ::mrd::ErrorDetail detail = GetErrorDetail(actual);
   if (detail.reason() != reason) {
     return absl::StrCat(op, ": expected error ", reason, ", got ",
                         DescribeStatus(actual));
@@ -85,9 +86,9 @@ std::optional<std::string> SpanError(uint64_t size, uint64_t offset,
 
 std::string DescribeStatus(const absl::Status& status) {
   if (status.ok()) return "OK";
-  const v1::ErrorDetail d = GetErrorDetail(status);
+  const ::mrd::ErrorDetail d = GetErrorDetail(status);
   return absl::StrCat(absl::StatusCodeToString(status.code()), " [",
-                      v1::SeedStatus_Name(d.seed_status()), " ", d.reason(),
+                      ::mrd::SeedStatusName(d.seed_status()), " ", d.reason(),
                       "] ", status.message());
 }
 
@@ -923,18 +924,19 @@ std::string ReferenceModel::OnCompletion(uint64_t sid,
   const v1::Completion::Kind kind = e.fast_register
                                         ? v1::Completion::FAST_REGISTER
                                         : v1::Completion::INVALIDATE;
-  const v1::SeedStatus status = e.success   ? v1::STATUS_SUCCESS
-                                : e.flushed ? v1::STATUS_CONNECTION_INVALID
-                                            : v1::STATUS_INVALID_PARAMETER;
+  const ::mrd::SeedStatus status = e.success ? ::mrd::STATUS_SUCCESS
+                                   : e.flushed
+                                       ? ::mrd::STATUS_CONNECTION_INVALID
+                                       : ::mrd::STATUS_INVALID_PARAMETER;
   if (c.kind() != kind || c.request_context() != e.request_context ||
       c.connection() != e.connection || c.work_request() != e.work_request ||
-      c.mr() != e.mr || c.status() != status ||
+      c.mr() != e.mr || c.status() != ::mrd::SeedStatusToProto(status) ||
       (e.fast_register && e.success && c.rkey() == 0) ||
       (!e.success && c.message().empty())) {
     return absl::StrCat(
         "completion mismatch: expected ", v1::Completion::Kind_Name(kind),
         " ctx ", e.request_context, " conn ", e.connection, " wr ",
-        e.work_request, " mr ", e.mr, " ", v1::SeedStatus_Name(status), " (",
+        e.work_request, " mr ", e.mr, " ", ::mrd::SeedStatusName(status), " (",
         e.why, "), got ", c.ShortDebugString());
   }
   if (e.fast_register && e.success) {

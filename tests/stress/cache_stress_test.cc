@@ -416,7 +416,7 @@ class CoreStress {
 
   // An fd session with fresh buffers, in shared slot `i`.
   bool OpenShared(int i) {
-    session::PeerCredentials creds;
+    fd_socket::PeerCredentials creds;
     creds.uid = ::getuid();
     creds.pid = ::getpid();
     absl::StatusOr<std::string> token = core_->OnConnect(creds);
@@ -615,7 +615,7 @@ class CoreStress {
   // the completion, READ through the new token, invalidate, wait, and the
   // old token must be dead.
   void FastRegisterCycles(int cycles) {
-    session::PeerCredentials creds;
+    fd_socket::PeerCredentials creds;
     creds.uid = ::getuid();
     creds.pid = ::getpid();
     absl::StatusOr<std::string> token = core_->OnConnect(creds);

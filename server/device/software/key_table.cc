@@ -76,7 +76,7 @@ absl::StatusOr<uint32_t> KeyTable::Allocate(uint64_t owner) {
   MRD_RETURN_IF_ERROR(FaultPoint(faults_, "keys.allocate"));
   if (in_use_ >= capacity_) {
     return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
+        STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
         absl::StrCat("all ", capacity_, " memory-key slots are in use"));
   }
   // Keep the pool wide enough that the slot draw stays spread out: grow
@@ -86,7 +86,7 @@ absl::StatusOr<uint32_t> KeyTable::Allocate(uint64_t owner) {
     if (!Grow()) break;
   }
   if (free_.empty()) {
-    return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
+    return SeedError(STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
                      absl::StrCat("out of memory growing the memory-key "
                                   "table beyond ",
                                   grown_, " slots"));

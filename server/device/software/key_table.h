@@ -32,7 +32,7 @@
 
 #include "absl/status/statusor.h"
 #include "server/device/fault_points.h"
-#include "server/device/software/secure_random.h"
+#include "server/device/secure_random.h"
 
 namespace mrd::device {
 

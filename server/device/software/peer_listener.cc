@@ -13,8 +13,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "client/peer/frame.h"
-#include "client/peer/net.h"
+#include "mrd/net.h"
+#include "mrd/peer_frame.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
 

@@ -74,7 +74,7 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length) {
   if (length == 0 || __builtin_add_overflow(address, length - 1, &last) ||
       last > UINT64_MAX - page_size_) {
     return SeedError(
-        v1::STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW",
+        STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW",
         absl::StrCat("cannot pin ", length, " bytes at ", Hex(address)));
   }
   const uint64_t start = address & ~(page_size_ - 1);
@@ -116,14 +116,14 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length) {
     if (!injected.ok()) return injected;
     if (err == kErrMapBudget) {
       return SeedError(
-          v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_MEMORY_MAPS",
+          STATUS_INSUFFICIENT_RESOURCES, "LIMIT_MEMORY_MAPS",
           absl::StrCat("pinning ", length, " bytes at ", Hex(address),
                        " would cost more memory maps (VMAs) than mrd allows "
                        "itself below vm.max_map_count (mlock splits a "
                        "mapping; see --pin_method and --pin_max_map_splits)"));
     }
     return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
+        STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
         absl::StrCat("pinning ", gap_end - gap_start, " bytes at ",
                      Hex(gap_start), " (pinning ", length, " bytes at ",
                      Hex(address), ") failed: ", std::strerror(err)));

@@ -11,9 +11,10 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "client/peer/frame.h"
+#include "mrd/peer_frame.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
+#include "server/device/fast_register_rules.h"
 
 namespace mrd::device {
 namespace {
@@ -43,7 +44,7 @@ std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
 
 absl::Status InvalidParameter(absl::string_view reason,
                               absl::string_view message) {
-  return SeedError(v1::STATUS_INVALID_PARAMETER, reason, message);
+  return SeedError(STATUS_INVALID_PARAMETER, reason, message);
 }
 
 absl::Status UnknownMr(MrId mr) {
@@ -796,12 +797,6 @@ SoftwareDevice::ResolvePagesLocked(PdId pd,
   absl::flat_hash_set<LamId> seen;
   for (size_t i = 0; i < pages.size(); ++i) {
     uint64_t page = pages[i];
-    if (page % page_size_ != 0) {
-      return InvalidParameter(
-          "MISALIGNED_PAGE",
-          absl::StrCat("page[", i, "] = ", Hex(page),
-                       " is not aligned to the page size ", page_size_));
-    }
     std::optional<IovaSpace::Hit> hit = iova_.Lookup(page);
     const Lam* lam = nullptr;
     if (hit.has_value()) {
@@ -833,7 +828,7 @@ SoftwareDevice::FindPostConnectionLocked(ConnectionId connection,
   // which one it was is none of this PD's business.
   if (it == connections_.end() ||
       it->second->state != Connection::State::kReady || it->second->pd != pd) {
-    return SeedError(v1::STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
+    return SeedError(STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
                      absl::StrCat("connection ", connection,
                                   " is not a connected queue pair of "
                                   "protection domain ",
@@ -887,42 +882,6 @@ absl::StatusOr<uint64_t> SoftwareDevice::PostFastRegister(
         absl::StrCat("fast register: access ", Hex(work.access),
                      " has unknown bits ", Hex(work.access & ~kKnownAccess)));
   }
-  if (work.fbo >= page_size_) {
-    return InvalidParameter(
-        "BAD_FBO", absl::StrCat("fast register: fbo ", work.fbo,
-                                " is not below the page size ", page_size_));
-  }
-  if (work.pages.empty()) {
-    return InvalidParameter("EMPTY_PAGE_LIST",
-                            "fast register: the page array is empty");
-  }
-  const uint64_t capacity = work.pages.size() * page_size_ - work.fbo;
-  if (work.length == 0 || work.length > capacity) {
-    return InvalidParameter(
-        "LENGTH_OVER_PAGES",
-        absl::StrCat("fast register: length ", work.length, " is not in [1, ",
-                     capacity, "] (", work.pages.size(), " pages, fbo ",
-                     work.fbo, ")"));
-  }
-  if (work.base_address == 0) {
-    return InvalidParameter("ZERO_BASED_ADDRESS",
-                            "fast register: base address 0: zero-based "
-                            "addressing is not supported");
-  }
-  if (work.base_address % page_size_ != work.fbo) {
-    return InvalidParameter(
-        "BASE_ADDRESS_NOT_FBO",
-        absl::StrCat("fast register: base address ", Hex(work.base_address),
-                     " is not fbo (", work.fbo, ") + n * page size"));
-  }
-  uint64_t end = 0;
-  if (__builtin_add_overflow(work.base_address, work.length, &end)) {
-    return InvalidParameter(
-        "BASE_ADDRESS_OVERFLOW",
-        absl::StrCat("fast register: base address ", Hex(work.base_address),
-                     " + ", work.length, " bytes wraps around"));
-  }
-
   absl::MutexLock lock(&mu_);
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
   if (!mr->fast) {
@@ -935,18 +894,17 @@ absl::StatusOr<uint64_t> SoftwareDevice::PostFastRegister(
                        FindPostConnectionLocked(connection_id, mr->pd));
   if ((work.access & kRemoteAccess) != 0 && !mr->allow_remote) {
     return SeedError(
-        v1::STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
+        STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
         absl::StrCat("MR ", work.mr,
                      " was allocated without remote access, but the fast "
                      "registration asks for access ",
                      Hex(work.access)));
   }
-  if (work.pages.size() > mr->max_pages) {
-    return InvalidParameter(
-        "PAGE_LIST_TOO_LONG",
-        absl::StrCat("fast register: ", work.pages.size(), " pages exceed MR ",
-                     work.mr, "'s max_pages ", mr->max_pages));
-  }
+  // F2/F6, the same rules the core applied, against this MR's own
+  // max_pages.
+  MRD_RETURN_IF_ERROR(ValidatePageArray(page_size_, mr->max_pages, work.pages,
+                                        work.fbo, work.length,
+                                        work.base_address));
   MRD_RETURN_IF_ERROR(ResolvePagesLocked(mr->pd, work.pages).status());
   MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "work.post"));
 
@@ -996,7 +954,7 @@ absl::Status SoftwareDevice::FlushDeferred(ConnectionId connection_id) {
   auto it = connections_.find(connection_id);
   if (it == connections_.end() ||
       it->second->state != Connection::State::kReady) {
-    return SeedError(v1::STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
+    return SeedError(STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
                      absl::StrCat("connection ", connection_id,
                                   " is not a connected queue pair"));
   }
@@ -1100,7 +1058,7 @@ std::optional<WorkCompletion> SoftwareDevice::Execute(const Work& work) {
     if (it == connections_.end() ||
         it->second->state != Connection::State::kReady) {
       completion.status = SeedError(
-          v1::STATUS_CONNECTION_INVALID, "FLUSHED",
+          STATUS_CONNECTION_INVALID, "FLUSHED",
           absl::StrCat("work request ", work.id, " flushed: connection ",
                        work.connection, " is closed"));
     } else if (work.kind == WorkCompletion::Kind::kFastRegister) {

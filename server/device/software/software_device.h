@@ -76,12 +76,12 @@
 #include "server/common/thread.h"
 #include "server/device/device.h"
 #include "server/device/fault_points.h"
-#include "server/device/software/iova_space.h"
+#include "server/device/iova_space.h"
+#include "server/device/secure_random.h"
 #include "server/device/software/kernel_pin_ops.h"
 #include "server/device/software/key_table.h"
 #include "server/device/software/peer_listener.h"
 #include "server/device/software/pin_tracker.h"
-#include "server/device/software/secure_random.h"
 
 namespace mrd::device {
 
@@ -293,8 +293,8 @@ class SoftwareDevice final : public Device {
   MemorySpan DestroyMrLocked(std::shared_ptr<Mr> mr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Translates a fast-register page array. Errors: INVALID_ARGUMENT
-  // (STATUS_INVALID_PARAMETER "MISALIGNED_PAGE" / "PAGE_NOT_MAPPED").
+  // Translates a fast-register page array that passed ValidatePageArray.
+  // Errors: INVALID_ARGUMENT (STATUS_INVALID_PARAMETER "PAGE_NOT_MAPPED").
   absl::StatusOr<ResolvedPages> ResolvePagesLocked(
       PdId pd, const std::vector<uint64_t>& pages) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

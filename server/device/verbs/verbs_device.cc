@@ -17,9 +17,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "client/peer/net.h"
+#include "mrd/net.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
+#include "server/device/fast_register_rules.h"
 
 namespace mrd::device {
 namespace {
@@ -49,7 +50,7 @@ std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
 
 absl::Status InvalidParameter(absl::string_view reason,
                               absl::string_view message) {
-  return SeedError(v1::STATUS_INVALID_PARAMETER, reason, message);
+  return SeedError(STATUS_INVALID_PARAMETER, reason, message);
 }
 
 absl::Status UnknownMr(MrId mr) {
@@ -92,7 +93,7 @@ absl::Status RegistrationError(int err, absl::string_view what,
     case ENOMEM:
     case EAGAIN:
       return SeedError(
-          v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
+          STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
           absl::StrCat(message,
                        " (pinned memory is charged to RLIMIT_MEMLOCK, which "
                        "is ",
@@ -1103,12 +1104,6 @@ absl::StatusOr<VerbsDevice::ResolvedPages> VerbsDevice::ResolvePagesLocked(
   absl::flat_hash_set<LamId> seen;
   for (size_t i = 0; i < pages.size(); ++i) {
     uint64_t page = pages[i];
-    if (page % page_size_ != 0) {
-      return InvalidParameter(
-          "MISALIGNED_PAGE",
-          absl::StrCat("page[", i, "] = ", Hex(page),
-                       " is not aligned to the page size ", page_size_));
-    }
     std::optional<IovaSpace::Hit> hit = iova_.Lookup(page);
     const Lam* lam = nullptr;
     if (hit.has_value()) {
@@ -1138,7 +1133,7 @@ absl::StatusOr<VerbsDevice::Connection*> VerbsDevice::FindPostConnectionLocked(
   // the same.
   if (it == connections_.end() ||
       it->second->state != Connection::State::kReady || it->second->pd != pd) {
-    return SeedError(v1::STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
+    return SeedError(STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
                      absl::StrCat("connection ", connection,
                                   " is not a connected queue pair of "
                                   "protection domain ",
@@ -1192,42 +1187,6 @@ absl::StatusOr<uint64_t> VerbsDevice::PostFastRegister(
         absl::StrCat("fast register: access ", Hex(work.access),
                      " has unknown bits ", Hex(work.access & ~kKnownAccess)));
   }
-  if (work.fbo >= page_size_) {
-    return InvalidParameter(
-        "BAD_FBO", absl::StrCat("fast register: fbo ", work.fbo,
-                                " is not below the page size ", page_size_));
-  }
-  if (work.pages.empty()) {
-    return InvalidParameter("EMPTY_PAGE_LIST",
-                            "fast register: the page array is empty");
-  }
-  const uint64_t capacity = work.pages.size() * page_size_ - work.fbo;
-  if (work.length == 0 || work.length > capacity) {
-    return InvalidParameter(
-        "LENGTH_OVER_PAGES",
-        absl::StrCat("fast register: length ", work.length, " is not in [1, ",
-                     capacity, "] (", work.pages.size(), " pages, fbo ",
-                     work.fbo, ")"));
-  }
-  if (work.base_address == 0) {
-    return InvalidParameter("ZERO_BASED_ADDRESS",
-                            "fast register: base address 0: zero-based "
-                            "addressing is not supported");
-  }
-  if (work.base_address % page_size_ != work.fbo) {
-    return InvalidParameter(
-        "BASE_ADDRESS_NOT_FBO",
-        absl::StrCat("fast register: base address ", Hex(work.base_address),
-                     " is not fbo (", work.fbo, ") + n * page size"));
-  }
-  uint64_t end = 0;
-  if (__builtin_add_overflow(work.base_address, work.length, &end)) {
-    return InvalidParameter(
-        "BASE_ADDRESS_OVERFLOW",
-        absl::StrCat("fast register: base address ", Hex(work.base_address),
-                     " + ", work.length, " bytes wraps around"));
-  }
-
   absl::MutexLock lock(&mu_);
   MRD_RETURN_IF_ERROR(CheckUsableLocked());
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
@@ -1241,18 +1200,17 @@ absl::StatusOr<uint64_t> VerbsDevice::PostFastRegister(
                        FindPostConnectionLocked(connection_id, mr->pd));
   if ((work.access & kRemoteAccess) != 0 && !mr->allow_remote) {
     return SeedError(
-        v1::STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
+        STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
         absl::StrCat("MR ", work.mr,
                      " was allocated without remote access, but the fast "
                      "registration asks for access ",
                      Hex(work.access)));
   }
-  if (work.pages.size() > mr->max_pages) {
-    return InvalidParameter(
-        "PAGE_LIST_TOO_LONG",
-        absl::StrCat("fast register: ", work.pages.size(), " pages exceed MR ",
-                     work.mr, "'s max_pages ", mr->max_pages));
-  }
+  // F2/F6, the same rules the core applied, against this MR's own
+  // max_pages.
+  MRD_RETURN_IF_ERROR(ValidatePageArray(page_size_, mr->max_pages, work.pages,
+                                        work.fbo, work.length,
+                                        work.base_address));
   MRD_RETURN_IF_ERROR(ResolvePagesLocked(mr->pd, work.pages).status());
 
   Work queued;
@@ -1364,7 +1322,7 @@ std::optional<WorkCompletion> VerbsDevice::Execute(const Work& work) {
   }
   if (!ready) {
     completion.status = SeedError(
-        v1::STATUS_CONNECTION_INVALID, "FLUSHED",
+        STATUS_CONNECTION_INVALID, "FLUSHED",
         absl::StrCat("work request ", work.id, " flushed: connection ",
                      work.connection, " is closed or in error"));
   } else if (work.kind == WorkCompletion::Kind::kFastRegister) {
@@ -1426,7 +1384,7 @@ absl::StatusOr<std::pair<void*, uint64_t>> BuildRemap(
           " for page[", i, "]: ", std::strerror(err));
       if ((err == EACCES || err == EPERM) && need_write) {
         return SeedError(
-            v1::STATUS_ACCESS_VIOLATION, "PAGES_NOT_WRITABLE",
+            STATUS_ACCESS_VIOLATION, "PAGES_NOT_WRITABLE",
             absl::StrCat(message,
                          " (write access asked for on a read-only file)"));
       }

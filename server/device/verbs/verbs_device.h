@@ -114,8 +114,8 @@
 #include "mrd/unique_fd.h"
 #include "server/common/thread.h"
 #include "server/device/device.h"
-#include "server/device/software/iova_space.h"
-#include "server/device/software/secure_random.h"
+#include "server/device/iova_space.h"
+#include "server/device/secure_random.h"
 
 namespace mrd::device {
 

@@ -236,7 +236,7 @@ TEST(RegistrationCacheTest, FailedCreateLeavesNoEntryAndIsRetriedNextTime) {
   RegistrationCache cache;
   absl::StatusOr<AcquireResult> failed =
       cache.Acquire(Key(), []() -> absl::StatusOr<CachedRegistration> {
-        return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
+        return SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
                          "no memory");
       });
   ASSERT_FALSE(failed.ok());
@@ -348,7 +348,7 @@ TEST(RegistrationCacheTest, FailedCreateIsReportedToConcurrentWaiters) {
                      [&]() -> absl::StatusOr<CachedRegistration> {
                        creating.Notify();
                        fail_now.WaitForNotification();
-                       return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+                       return SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES,
                                         "DEVICE_FULL", "the device is full");
                      })
             .status();

@@ -48,7 +48,7 @@ TEST(MappedMemfdTest, ZeroSizeIsInvalidParameter) {
   absl::StatusOr<MappedMemfd> m = MappedMemfd::Create(0, "zero");
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(GetErrorDetail(m.status()).seed_status(),
-            v1::STATUS_INVALID_PARAMETER);
+            ::mrd::STATUS_INVALID_PARAMETER);
 }
 
 TEST(MappedMemfdTest, DestructionClosesTheFd) {

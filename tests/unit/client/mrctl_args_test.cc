@@ -263,7 +263,7 @@ TEST(ExitCodeTest, EveryCodeIsMapped) {
 }
 
 TEST(OutputTest, ErrorLineNamesSeedReasonAndSize) {
-  absl::Status s = SeedError(v1::STATUS_BUFFER_TOO_SMALL, "LAM_CAPACITY",
+  absl::Status s = SeedError(::mrd::STATUS_BUFFER_TOO_SMALL, "LAM_CAPACITY",
                              "mapping needs 24 bytes", 24);
   EXPECT_EQ(ErrorLine(s),
             "mrctl: OUT_OF_RANGE STATUS_BUFFER_TOO_SMALL LAM_CAPACITY: mapping "

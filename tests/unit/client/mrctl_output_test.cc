@@ -156,15 +156,15 @@ TEST(OutputFormTest, PrefixesNestTheWayHoldPrintsThem) {
 }
 
 TEST(ErrorLineTest, CodeSeedReasonMessageAndRequiredSize) {
-  EXPECT_EQ(ErrorLine(SeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_LENGTH",
+  EXPECT_EQ(ErrorLine(SeedError(::mrd::STATUS_INVALID_PARAMETER, "ZERO_LENGTH",
                                 "length is zero")),
             "mrctl: INVALID_ARGUMENT STATUS_INVALID_PARAMETER ZERO_LENGTH: "
             "length is zero");
-  EXPECT_EQ(ErrorLine(SeedError(v1::WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL",
+  EXPECT_EQ(ErrorLine(SeedError(::mrd::WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL",
                                 "too small", 24)),
             "mrctl: OUT_OF_RANGE WSAEFAULT DESCRIPTOR_SPACE_TOO_SMALL: too "
             "small (required_size=24)");
-  EXPECT_EQ(ErrorLine(SeedError(v1::WSAENOTCONN, "SESSION_NOT_CONNECTED",
+  EXPECT_EQ(ErrorLine(SeedError(::mrd::WSAENOTCONN, "SESSION_NOT_CONNECTED",
                                 "unknown, closed or expired session")),
             "mrctl: FAILED_PRECONDITION WSAENOTCONN SESSION_NOT_CONNECTED: "
             "unknown, closed or expired session");
@@ -181,18 +181,20 @@ TEST(ErrorLineTest, CodeSeedReasonMessageAndRequiredSize) {
 }
 
 TEST(ExitCodeForTest, SeedOutcomesMapThroughTheirCodes) {
-  EXPECT_EQ(ExitCodeFor(SeedError(v1::STATUS_INVALID_PARAMETER, "X", "m")),
+  EXPECT_EQ(ExitCodeFor(SeedError(::mrd::STATUS_INVALID_PARAMETER, "X", "m")),
             kExitFailed);
-  EXPECT_EQ(ExitCodeFor(SeedError(v1::WSAEFAULT, "X", "m", 24)), kExitFailed);
-  EXPECT_EQ(ExitCodeFor(SeedError(v1::STATUS_BUFFER_TOO_SMALL, "X", "m", 8)),
+  EXPECT_EQ(ExitCodeFor(SeedError(::mrd::WSAEFAULT, "X", "m", 24)),
             kExitFailed);
-  EXPECT_EQ(ExitCodeFor(SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "X", "m")),
-            kExitExhausted);
-  EXPECT_EQ(ExitCodeFor(SeedError(v1::WSAENOTCONN, "X", "m")),
+  EXPECT_EQ(ExitCodeFor(SeedError(::mrd::STATUS_BUFFER_TOO_SMALL, "X", "m", 8)),
+            kExitFailed);
+  EXPECT_EQ(
+      ExitCodeFor(SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "X", "m")),
+      kExitExhausted);
+  EXPECT_EQ(ExitCodeFor(SeedError(::mrd::WSAENOTCONN, "X", "m")),
             kExitPrecondition);
-  EXPECT_EQ(ExitCodeFor(SeedError(v1::STATUS_CONNECTION_INVALID, "X", "m")),
+  EXPECT_EQ(ExitCodeFor(SeedError(::mrd::STATUS_CONNECTION_INVALID, "X", "m")),
             kExitPrecondition);
-  EXPECT_EQ(ExitCodeFor(SeedError(v1::STATUS_ACCESS_VIOLATION, "X", "m")),
+  EXPECT_EQ(ExitCodeFor(SeedError(::mrd::STATUS_ACCESS_VIOLATION, "X", "m")),
             kExitDenied);
 }
 

@@ -5,6 +5,7 @@
 
 #include "gtest/gtest.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 
 namespace mrd::client {
 namespace {
@@ -28,10 +29,10 @@ class Trailers {
   std::vector<std::pair<std::string, std::string>> storage_;
 };
 
-std::string DetailBytes(v1::SeedStatus seed, const std::string& reason,
+std::string DetailBytes(::mrd::SeedStatus seed, const std::string& reason,
                         uint64_t size) {
-  v1::ErrorDetail d;
-  d.set_seed_status(seed);
+  v1::ErrorDetail d;  // as it travels in mrd-error-bin
+  d.set_seed_status(::mrd::SeedStatusToProto(seed));
   d.set_reason(reason);
   d.set_required_size(size);
   return d.SerializeAsString();
@@ -42,16 +43,16 @@ TEST(StatusFromGrpcTest, OkStaysOkWithoutPayload) {
   t.Add("mrd-reason", "IGNORED");
   absl::Status s = StatusFromGrpc(grpc::Status::OK, t.Get());
   EXPECT_TRUE(s.ok());
-  EXPECT_EQ(SeedStatusOf(s), v1::STATUS_SUCCESS);
+  EXPECT_EQ(SeedStatusOf(s), ::mrd::STATUS_SUCCESS);
 }
 
 TEST(StatusFromGrpcTest, ErrorBinRoundTripsThroughGetErrorDetail) {
   // What the server attaches: SeedError() -> metadata -> client status.
-  absl::Status server = SeedError(v1::STATUS_BUFFER_TOO_SMALL, "LAM_CAPACITY",
-                                  "need more room", 4104);
-  v1::ErrorDetail sent = GetErrorDetail(server);
+  absl::Status server = SeedError(::mrd::STATUS_BUFFER_TOO_SMALL,
+                                  "LAM_CAPACITY", "need more room", 4104);
+  ::mrd::ErrorDetail sent = GetErrorDetail(server);
   Trailers t;
-  t.Add("mrd-error-bin", sent.SerializeAsString());
+  t.Add("mrd-error-bin", ::mrd::ErrorDetailToProto(sent).SerializeAsString());
   t.Add("mrd-seed-status", "STATUS_BUFFER_TOO_SMALL");
   t.Add("mrd-reason", "LAM_CAPACITY");
   t.Add("mrd-required-size", "4104");
@@ -61,11 +62,11 @@ TEST(StatusFromGrpcTest, ErrorBinRoundTripsThroughGetErrorDetail) {
   absl::Status s = StatusFromGrpc(wire, t.Get());
   EXPECT_EQ(s.code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(s.message(), "need more room");
-  v1::ErrorDetail got = GetErrorDetail(s);
-  EXPECT_EQ(got.seed_status(), v1::STATUS_BUFFER_TOO_SMALL);
+  ::mrd::ErrorDetail got = GetErrorDetail(s);
+  EXPECT_EQ(got.seed_status(), ::mrd::STATUS_BUFFER_TOO_SMALL);
   EXPECT_EQ(got.reason(), "LAM_CAPACITY");
   EXPECT_EQ(got.required_size(), 4104u);
-  EXPECT_EQ(SeedStatusOf(s), v1::STATUS_BUFFER_TOO_SMALL);
+  EXPECT_EQ(SeedStatusOf(s), ::mrd::STATUS_BUFFER_TOO_SMALL);
   EXPECT_EQ(ReasonOf(s), "LAM_CAPACITY");
   EXPECT_EQ(RequiredSizeOf(s), 4104u);
   EXPECT_TRUE(s.GetPayload(kErrorDetailUrl).has_value());
@@ -78,31 +79,31 @@ TEST(StatusFromGrpcTest, TextKeysAloneAreEnough) {
   t.Add("mrd-required-size", "24");
   absl::Status s = StatusFromGrpc(
       grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "too small"), t.Get());
-  EXPECT_EQ(SeedStatusOf(s), v1::WSAEFAULT);
+  EXPECT_EQ(SeedStatusOf(s), ::mrd::WSAEFAULT);
   EXPECT_EQ(ReasonOf(s), "DESCRIPTOR_CAPACITY");
   EXPECT_EQ(RequiredSizeOf(s), 24u);
 }
 
 TEST(StatusFromGrpcTest, ErrorBinWinsOverTextKeys) {
   Trailers t;
-  t.Add("mrd-error-bin", DetailBytes(v1::WSAENOTCONN, "SESSION_EXPIRED", 0));
+  t.Add("mrd-error-bin", DetailBytes(::mrd::WSAENOTCONN, "SESSION_EXPIRED", 0));
   t.Add("mrd-seed-status", "WSAEINVAL");
   t.Add("mrd-reason", "OTHER");
   absl::Status s = StatusFromGrpc(
       grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "gone"), t.Get());
-  EXPECT_EQ(SeedStatusOf(s), v1::WSAENOTCONN);
+  EXPECT_EQ(SeedStatusOf(s), ::mrd::WSAENOTCONN);
   EXPECT_EQ(ReasonOf(s), "SESSION_EXPIRED");
   EXPECT_EQ(RequiredSizeOf(s), std::nullopt);
 }
 
 TEST(StatusFromGrpcTest, TextKeysFillWhatErrorBinLacks) {
   Trailers t;
-  t.Add("mrd-error-bin", DetailBytes(v1::STATUS_BUFFER_TOO_SMALL, "", 0));
+  t.Add("mrd-error-bin", DetailBytes(::mrd::STATUS_BUFFER_TOO_SMALL, "", 0));
   t.Add("mrd-reason", "LAM_CAPACITY");
   t.Add("mrd-required-size", "72");
   absl::Status s = StatusFromGrpc(
       grpc::Status(grpc::StatusCode::OUT_OF_RANGE, "x"), t.Get());
-  EXPECT_EQ(SeedStatusOf(s), v1::STATUS_BUFFER_TOO_SMALL);
+  EXPECT_EQ(SeedStatusOf(s), ::mrd::STATUS_BUFFER_TOO_SMALL);
   EXPECT_EQ(ReasonOf(s), "LAM_CAPACITY");
   EXPECT_EQ(RequiredSizeOf(s), 72u);
 }
@@ -113,7 +114,7 @@ TEST(StatusFromGrpcTest, NoMrdMetadataMeansNoPayload) {
       TrailingMetadata());
   EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable);
   EXPECT_FALSE(s.GetPayload(kErrorDetailUrl).has_value());
-  EXPECT_EQ(SeedStatusOf(s), v1::SEED_STATUS_UNSPECIFIED);
+  EXPECT_EQ(SeedStatusOf(s), ::mrd::SEED_STATUS_UNSPECIFIED);
   EXPECT_EQ(ReasonOf(s), "");
 }
 
@@ -125,7 +126,7 @@ TEST(StatusFromGrpcTest, GarbageMetadataDoesNotBreakConversion) {
   absl::Status s =
       StatusFromGrpc(grpc::Status(grpc::StatusCode::INTERNAL, "odd"), t.Get());
   EXPECT_EQ(s.code(), absl::StatusCode::kInternal);
-  EXPECT_EQ(SeedStatusOf(s), v1::SEED_STATUS_UNSPECIFIED);
+  EXPECT_EQ(SeedStatusOf(s), ::mrd::SEED_STATUS_UNSPECIFIED);
   EXPECT_EQ(RequiredSizeOf(s), std::nullopt);
 }
 
@@ -147,7 +148,7 @@ TEST(StatusFromFdErrorTest, CarriesCodeMessageAndDetail) {
   absl::Status s = StatusFromFdError(e);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(), "not sealed");
-  EXPECT_EQ(SeedStatusOf(s), v1::STATUS_INVALID_PARAMETER);
+  EXPECT_EQ(SeedStatusOf(s), ::mrd::STATUS_INVALID_PARAMETER);
   EXPECT_EQ(ReasonOf(s), "MEMFD_NOT_SEALED");
 }
 
@@ -158,7 +159,7 @@ TEST(StatusFromFdErrorTest, ZeroCodeIsStillAnError) {
 }
 
 TEST(FormatStatusTest, NamesCodeSeedReasonAndSize) {
-  absl::Status s = SeedError(v1::WSAEFAULT, "DESCRIPTOR_CAPACITY",
+  absl::Status s = SeedError(::mrd::WSAEFAULT, "DESCRIPTOR_CAPACITY",
                              "descriptor needs 24", 24);
   EXPECT_EQ(FormatStatus(s),
             "OUT_OF_RANGE WSAEFAULT DESCRIPTOR_CAPACITY: descriptor needs 24 "

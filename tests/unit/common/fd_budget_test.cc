@@ -71,7 +71,7 @@ TEST(FdBudgetTest, PerOwnerLimitIsRefusedWithItsNameAndValue) {
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(GetErrorDetail(refused.status()).reason(), "LIMIT_SESSION_FDS");
   EXPECT_EQ(GetErrorDetail(refused.status()).seed_status(),
-            v1::STATUS_INSUFFICIENT_RESOURCES);
+            ::mrd::STATUS_INSUFFICIENT_RESOURCES);
   EXPECT_TRUE(
       absl::StrContains(refused.status().message(), "--max_session_fds=3"))
       << refused.status();

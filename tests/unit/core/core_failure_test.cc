@@ -48,14 +48,14 @@ TEST_F(FailureTest, FailedDeviceRegistrationLeavesNothingPinnedOrAccounted) {
       Register(session_, buffer_.buffer(), 0, page_, kMrRemoteRead);
   ASSERT_TRUE(kept.ok());
   const uint64_t accounted = core_->Stats().accounted_pinned_bytes;
-  fake_->FailNext(
-      FakeDevice::Op::kRegisterMr,
-      SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED", "cannot pin"));
+  fake_->FailNext(FakeDevice::Op::kRegisterMr,
+                  SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
+                            "cannot pin"));
   absl::Status s =
       Register(session_, buffer_.buffer(), page_, 4 * page_, kMrRemoteRead)
           .status();
   EXPECT_TRUE(IsSeedError(s, absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
   EXPECT_EQ(core_->Stats().accounted_pinned_bytes, accounted);
   EXPECT_EQ(core_->Stats().registrations, 1u);
   EXPECT_EQ(core_->Stats().cache.entries, 1u);
@@ -91,12 +91,12 @@ TEST_F(FailureTest, FailedRegistrationThroughMrObjectLeavesItFree) {
 TEST_F(FailureTest, FailedBuildLamLeavesNothingPinnedOrMapped) {
   const uint64_t before = core_->Stats().accounted_pinned_bytes;
   fake_->FailNext(FakeDevice::Op::kBuildLam,
-                  SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "MAP_FAILED",
+                  SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "MAP_FAILED",
                             "no logical space"));
   EXPECT_TRUE(
       IsSeedError(BuildLam(session_, buffer_.buffer(), 0, 4 * page_).status(),
                   absl::StatusCode::kResourceExhausted,
-                  v1::STATUS_INSUFFICIENT_RESOURCES, "MAP_FAILED"));
+                  ::mrd::STATUS_INSUFFICIENT_RESOURCES, "MAP_FAILED"));
   EXPECT_EQ(core_->Stats().accounted_pinned_bytes, before);
   EXPECT_EQ(core_->Stats().lams, 0u);
   EXPECT_EQ(fake_->LiveLamCount(), 0u);
@@ -121,11 +121,11 @@ TEST_F(FailureTest, FailedPdAllocationOpensNoSession) {
   const uint64_t sessions = core_->Stats().sessions;
   fake_->FailNext(
       FakeDevice::Op::kAllocatePd,
-      SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "NO_PD", "out of PDs"));
-  session::PeerCredentials creds;
+      SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "NO_PD", "out of PDs"));
+  fd_socket::PeerCredentials creds;
   EXPECT_TRUE(IsSeedError(core_->OnConnect(creds).status(),
                           absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES, "NO_PD"));
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES, "NO_PD"));
   fake_->FailNext(FakeDevice::Op::kAllocatePd,
                   absl::ResourceExhaustedError("out of PDs"));
   v1::OpenLeaseSessionRequest req;
@@ -138,10 +138,10 @@ TEST_F(FailureTest, FailedPdAllocationOpensNoSession) {
 TEST_F(FailureTest, FailedFastRegisterMrAllocationCreatesNoMrObject) {
   fake_->FailNext(
       FakeDevice::Op::kAllocateFastRegisterMr,
-      SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "NO_MR", "out of MRs"));
+      SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "NO_MR", "out of MRs"));
   EXPECT_TRUE(IsSeedError(CreateMr(session_, true, true).status(),
                           absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES, "NO_MR"));
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES, "NO_MR"));
   EXPECT_EQ(core_->Stats().mrs, 0u);
   EXPECT_EQ(fake_->LiveFastRegisterMrCount(), 0u);
   EXPECT_TRUE(CreateMr(session_, true, true).ok());
@@ -179,7 +179,7 @@ TEST_F(FailureTest, SessionClosedDuringRegistrationLeavesNothing) {
 TEST_F(FailureTest, RegistrationCutShortBySessionEndIsWsaenotconn) {
   absl::Status result = RegisterWhileSessionEnds();
   EXPECT_TRUE(IsSeedError(result, absl::StatusCode::kFailedPrecondition,
-                          v1::WSAENOTCONN, "SESSION_NOT_CONNECTED"));
+                          ::mrd::WSAENOTCONN, "SESSION_NOT_CONNECTED"));
 }
 
 TEST_F(FailureTest, BufferReleasedDuringRegistrationLeavesNothing) {

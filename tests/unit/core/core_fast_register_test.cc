@@ -48,7 +48,7 @@ class FastRegisterTest : public CoreTest {
     std::vector<v1::Completion> c = RunWorkAndDrain(session_);
     EXPECT_EQ(c.size(), 1u);
     if (c.size() != 1) return 0;
-    EXPECT_EQ(c[0].status(), v1::STATUS_SUCCESS) << c[0].message();
+    EXPECT_EQ(c[0].status(), ::mrd::STATUS_SUCCESS) << c[0].message();
     return c[0].rkey();
   }
 
@@ -71,7 +71,7 @@ TEST_F(FastRegisterTest, CompletionCarriesRequestContextAndNewRkey) {
   std::vector<v1::Completion> c = RunWorkAndDrain(session_);
   ASSERT_EQ(c.size(), 1u);
   EXPECT_EQ(c[0].kind(), v1::Completion::FAST_REGISTER);
-  EXPECT_EQ(c[0].status(), v1::STATUS_SUCCESS) << c[0].message();
+  EXPECT_EQ(c[0].status(), ::mrd::STATUS_SUCCESS) << c[0].message();
   EXPECT_EQ(c[0].request_context(), 0xfeedu);
   EXPECT_EQ(c[0].work_request(), posted->work_request());
   EXPECT_EQ(c[0].connection(), connection_);
@@ -117,7 +117,7 @@ TEST_F(FastRegisterTest, InvalidateCompletesAndFreesTheMr) {
   std::vector<v1::Completion> c = RunWorkAndDrain(session_);
   ASSERT_EQ(c.size(), 1u);
   EXPECT_EQ(c[0].kind(), v1::Completion::INVALIDATE);
-  EXPECT_EQ(c[0].status(), v1::STATUS_SUCCESS);
+  EXPECT_EQ(c[0].status(), ::mrd::STATUS_SUCCESS);
   EXPECT_EQ(c[0].request_context(), 77u);
   EXPECT_EQ(c[0].work_request(), posted->work_request());
   EXPECT_EQ(c[0].mr(), mr_.mr());
@@ -134,7 +134,7 @@ TEST_F(FastRegisterTest, ReadFenceAndDeferAreAccepted) {
       FastRegister(Request(kOpRemoteRead | kOpReadFence | kOpDefer)).ok());
   std::vector<v1::Completion> c = RunWorkAndDrain(session_);
   ASSERT_EQ(c.size(), 1u);
-  EXPECT_EQ(c[0].status(), v1::STATUS_SUCCESS);
+  EXPECT_EQ(c[0].status(), ::mrd::STATUS_SUCCESS);
 }
 
 TEST_F(FastRegisterTest, NormalMrIsInvalidParameter) {
@@ -144,10 +144,10 @@ TEST_F(FastRegisterTest, NormalMrIsInvalidParameter) {
   req.set_mr(normal->mr());
   EXPECT_TRUE(IsSeedError(
       FastRegister(req).status(), absl::StatusCode::kInvalidArgument,
-      v1::STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER"));
+      ::mrd::STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER"));
   EXPECT_TRUE(IsSeedError(
       Invalidate(session_, connection_, normal->mr(), 0, 1).status(),
-      absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
+      absl::StatusCode::kInvalidArgument, ::mrd::STATUS_INVALID_PARAMETER,
       "MR_NOT_FAST_REGISTER"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kPostFastRegister), 0u);
 }
@@ -162,7 +162,7 @@ TEST_F(FastRegisterTest, RemoteAccessOnLocalOnlyMrIsAccessViolation) {
     req.set_mr(local->mr());
     EXPECT_TRUE(IsSeedError(FastRegister(req).status(),
                             absl::StatusCode::kPermissionDenied,
-                            v1::STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE"))
+                            ::mrd::STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE"))
         << "flags 0x" << std::hex << flags;
   }
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kPostFastRegister), 0u);
@@ -172,7 +172,7 @@ TEST_F(FastRegisterTest, RemoteAccessOnLocalOnlyMrIsAccessViolation) {
   EXPECT_TRUE(FastRegister(req).ok());
   std::vector<v1::Completion> c = RunWorkAndDrain(session_);
   ASSERT_EQ(c.size(), 1u);
-  EXPECT_EQ(c[0].status(), v1::STATUS_SUCCESS);
+  EXPECT_EQ(c[0].status(), ::mrd::STATUS_SUCCESS);
 }
 
 TEST_F(FastRegisterTest, UnknownConnectionIsConnectionInvalid) {
@@ -181,11 +181,11 @@ TEST_F(FastRegisterTest, UnknownConnectionIsConnectionInvalid) {
     req.set_connection(connection);
     EXPECT_TRUE(IsSeedError(
         FastRegister(req).status(), absl::StatusCode::kFailedPrecondition,
-        v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION"));
+        ::mrd::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION"));
     EXPECT_TRUE(
         IsSeedError(Invalidate(session_, connection, mr_.mr(), 0, 1).status(),
                     absl::StatusCode::kFailedPrecondition,
-                    v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION"));
+                    ::mrd::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION"));
   }
   // The device is the authority on connections and refused every post:
   // nothing was queued, so nothing completes.
@@ -200,9 +200,9 @@ TEST_F(FastRegisterTest, ConnectionOfAnotherSessionIsConnectionInvalid) {
   device::ConnectionId theirs = ConnectPeer(other);
   v1::FastRegisterRequest req = Request(kOpRemoteRead);
   req.set_connection(theirs);
-  EXPECT_TRUE(IsSeedError(FastRegister(req).status(),
-                          absl::StatusCode::kFailedPrecondition,
-                          v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION"));
+  EXPECT_TRUE(IsSeedError(
+      FastRegister(req).status(), absl::StatusCode::kFailedPrecondition,
+      ::mrd::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION"));
   // Refused by the device (the connection is in another PD): nothing
   // completes in either session.
   for (const std::string& s : {session_, other}) {
@@ -220,7 +220,8 @@ TEST_F(FastRegisterTest, DisconnectedPeerIsConnectionInvalidAndReported) {
   EXPECT_EQ(events[0].connection(), connection_);
   EXPECT_TRUE(IsSeedError(FastRegister(Request(kOpRemoteRead)).status(),
                           absl::StatusCode::kFailedPrecondition,
-                          v1::STATUS_CONNECTION_INVALID, "NO_SUCH_CONNECTION"));
+                          ::mrd::STATUS_CONNECTION_INVALID,
+                          "NO_SUCH_CONNECTION"));
   absl::StatusOr<v1::ListRegistrationsResponse> list = List(session_);
   ASSERT_TRUE(list.ok());
   EXPECT_EQ(list->connections_size(), 0);
@@ -231,7 +232,7 @@ TEST_F(FastRegisterTest, UnknownLogicalPageIsInvalidParameter) {
   req.set_pages(1, req.pages(1) + 1000 * page_);  // aligned, not a LAM's
   EXPECT_TRUE(IsSeedError(
       FastRegister(req).status(), absl::StatusCode::kInvalidArgument,
-      v1::STATUS_INVALID_PARAMETER, "UNKNOWN_LOGICAL_ADDRESS"));
+      ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_LOGICAL_ADDRESS"));
   // Another session's LAM pages are unknown here too.
   std::string other = Connect();
   v1::BufferInfo their_buffer = Import(other, 4 * page_);
@@ -242,7 +243,7 @@ TEST_F(FastRegisterTest, UnknownLogicalPageIsInvalidParameter) {
       session_, connection_, mr_.mr(), *their_lam, kOpRemoteRead, 1);
   EXPECT_TRUE(IsSeedError(
       FastRegister(cross).status(), absl::StatusCode::kInvalidArgument,
-      v1::STATUS_INVALID_PARAMETER, "UNKNOWN_LOGICAL_ADDRESS"));
+      ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_LOGICAL_ADDRESS"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kPostFastRegister), 0u);
 }
 
@@ -251,37 +252,37 @@ TEST_F(FastRegisterTest, PageArrayRulesApplyThroughTheRpc) {
   req.set_pages(0, req.pages(0) + 8);
   EXPECT_TRUE(IsSeedError(FastRegister(req).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "MISALIGNED_PAGE"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "MISALIGNED_PAGE"));
   req = Request(kOpRemoteRead);
   req.set_base_address(0);
-  EXPECT_TRUE(IsSeedError(FastRegister(req).status(),
-                          absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
+  EXPECT_TRUE(IsSeedError(
+      FastRegister(req).status(), absl::StatusCode::kInvalidArgument,
+      ::mrd::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
   req = Request(kOpRemoteRead);
   req.set_length(3 * page_ - lam_.fbo() + 1);
   EXPECT_TRUE(IsSeedError(
       FastRegister(req).status(), absl::StatusCode::kInvalidArgument,
-      v1::STATUS_INVALID_PARAMETER, "LENGTH_EXCEEDS_PAGES"));
+      ::mrd::STATUS_INVALID_PARAMETER, "LENGTH_EXCEEDS_PAGES"));
   req = Request(0x4);
   EXPECT_TRUE(IsSeedError(FastRegister(req).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
   EXPECT_TRUE(
       IsSeedError(Invalidate(session_, connection_, mr_.mr(), 0x8, 1).status(),
                   absl::StatusCode::kInvalidArgument,
-                  v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
+                  ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kPostFastRegister), 0u);
 }
 
 TEST_F(FastRegisterTest, FailedPostLeavesNoTraceOnTheMr) {
   fake_->FailNext(FakeDevice::Op::kPostFastRegister,
-                  SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "QUEUE_FULL",
+                  SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "QUEUE_FULL",
                             "send queue full"));
   v1::FastRegisterRequest first = Request(kOpRemoteRead);
   first.set_base_address(first.base_address() + 5 * page_);
   EXPECT_TRUE(IsSeedError(FastRegister(first).status(),
                           absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES, "QUEUE_FULL"));
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES, "QUEUE_FULL"));
   // The next one is reported with its own parameters.
   v1::FastRegisterRequest second = Request(kOpRemoteRead);
   ASSERT_TRUE(FastRegister(second).ok());
@@ -292,13 +293,13 @@ TEST_F(FastRegisterTest, FailedPostLeavesNoTraceOnTheMr) {
 }
 
 TEST_F(FastRegisterTest, FailedCompletionIsDeliveredAndLeavesTheMrFree) {
-  fake_->FailNextWork(SeedError(v1::STATUS_INSUFFICIENT_RESOURCES,
+  fake_->FailNextWork(SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES,
                                 "WORK_FAILED", "the work request failed"));
   ASSERT_TRUE(FastRegister(Request(kOpRemoteRead | kOpSilent, 9)).ok());
   std::vector<v1::Completion> c = RunWorkAndDrain(session_);
   ASSERT_EQ(c.size(), 1u) << "failures complete even with SILENT_SUCCESS";
   EXPECT_EQ(c[0].kind(), v1::Completion::FAST_REGISTER);
-  EXPECT_EQ(c[0].status(), v1::STATUS_INSUFFICIENT_RESOURCES);
+  EXPECT_EQ(c[0].status(), ::mrd::STATUS_INSUFFICIENT_RESOURCES);
   EXPECT_EQ(c[0].request_context(), 9u);
   EXPECT_EQ(c[0].rkey(), 0u);
   EXPECT_EQ(MrState(session_, mr_.mr()).state(), "free");
@@ -351,7 +352,7 @@ TEST_F(FastRegisterTest, LaterFastRegisterReportsItsOwnParametersAfterRelease) {
   ASSERT_TRUE(FastRegister(req).ok());
   std::vector<v1::Completion> c = RunWorkAndDrain(session_);
   ASSERT_EQ(c.size(), 1u);
-  EXPECT_EQ(c[0].status(), v1::STATUS_SUCCESS) << c[0].message();
+  EXPECT_EQ(c[0].status(), ::mrd::STATUS_SUCCESS) << c[0].message();
   v1::MrInfo state = MrState(session_, mr_.mr());
   EXPECT_EQ(state.state(), "fast_registered");
   EXPECT_EQ(state.base_address(), req.base_address());
@@ -380,7 +381,7 @@ TEST_F(FastRegisterTest, ReleaseBufferRevokesFastRegistrationsOnItsLams) {
                   .ok());
   std::vector<v1::Completion> c = RunWorkAndDrain(session_);
   ASSERT_EQ(c.size(), 1u);
-  EXPECT_EQ(c[0].status(), v1::STATUS_SUCCESS) << c[0].message();
+  EXPECT_EQ(c[0].status(), ::mrd::STATUS_SUCCESS) << c[0].message();
   EXPECT_EQ(c[0].mr(), mr_.mr());
 }
 
@@ -404,7 +405,8 @@ TEST_F(FastRegisterTest, WriteAccessOnReadOnlyBufferIsRefused) {
         FastRegisterRequest(session_, connection_, mr_.mr(), *lam, flags, 1);
     absl::Status s = FastRegister(req).status();
     EXPECT_TRUE(IsSeedError(s, absl::StatusCode::kInvalidArgument,
-                            v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY"))
+                            ::mrd::STATUS_INVALID_PARAMETER,
+                            "BUFFER_READ_ONLY"))
         << "flags 0x" << std::hex << flags;
   }
   RunWorkAndDrain(session_);

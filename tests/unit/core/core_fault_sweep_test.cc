@@ -26,6 +26,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 #include "server/device/fault_points.h"
 #include "tests/unit/core/core_test_util.h"
 
@@ -236,7 +237,7 @@ class CoreFaultSweepTest : public CoreTest {
       std::unique_ptr<Flow> flow = make();
       const State before = Now();
       const absl::Status injected =
-          SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "INJECTED_FAULT",
+          SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "INJECTED_FAULT",
                     absl::StrCat(rpc, ": ", step, " failed (injected)"));
       if (step == kWork) {
         faults_.Reset();
@@ -262,7 +263,7 @@ class CoreFaultSweepTest : public CoreTest {
                     ::testing::HasSubstr(std::string(injected.message())));
         if (step == kWork) {
           EXPECT_EQ(GetErrorDetail(status).seed_status(),
-                    v1::STATUS_INSUFFICIENT_RESOURCES);
+                    ::mrd::STATUS_INSUFFICIENT_RESOURCES);
         }
         // Nothing of the failed request is left, and it can be made again.
         ExpectNoMoreThan(before);
@@ -291,7 +292,8 @@ class CoreFaultSweepTest : public CoreTest {
     }
     const v1::Completion& c = completions[0];
     if (c.status() == v1::STATUS_SUCCESS) return absl::OkStatus();
-    return SeedError(c.status(), "WORK_COMPLETED_WITH_ERROR", c.message());
+    return SeedError(::mrd::SeedStatusFromProto(c.status()),
+                     "WORK_COMPLETED_WITH_ERROR", c.message());
   }
 
   device::FaultPoints faults_;
@@ -322,7 +324,7 @@ TEST_F(CoreFaultSweepTest, OnConnect) {
       if (!session_.empty()) t_.core_->OnDisconnect(session_);
     }
     absl::Status Run() override {
-      session::PeerCredentials creds;
+      fd_socket::PeerCredentials creds;
       creds.uid = 1000;
       creds.gid = 1000;
       creds.pid = 4242;

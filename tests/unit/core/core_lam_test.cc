@@ -66,11 +66,11 @@ TEST_F(LamTest, TooSmallLamCapacityIsBufferTooSmallWithRequiredSize) {
       BuildLam(session_, buffer_.buffer(), 100, 2 * page_, /*lam_capacity=*/31)
           .status();
   EXPECT_TRUE(IsSeedErrorWithSize(s, absl::StatusCode::kOutOfRange,
-                                  v1::STATUS_BUFFER_TOO_SMALL,
+                                  ::mrd::STATUS_BUFFER_TOO_SMALL,
                                   "LAM_SPACE_TOO_SMALL", 32));
   s = BuildLam(session_, buffer_.buffer(), 100, 2 * page_, 8).status();
   EXPECT_TRUE(IsSeedErrorWithSize(s, absl::StatusCode::kOutOfRange,
-                                  v1::STATUS_BUFFER_TOO_SMALL,
+                                  ::mrd::STATUS_BUFFER_TOO_SMALL,
                                   "LAM_SPACE_TOO_SMALL", 32));
   // Nothing was pinned or mapped for it.
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kBuildLam), 0u);
@@ -87,15 +87,15 @@ TEST_F(LamTest, TooSmallLamCapacityIsBufferTooSmallWithRequiredSize) {
 TEST_F(LamTest, RegionOutsideTheBufferIsInvalidParameter) {
   EXPECT_TRUE(IsSeedError(
       BuildLam(session_, buffer_.buffer(), 0, 16 * page_ + 1).status(),
-      absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
+      absl::StatusCode::kInvalidArgument, ::mrd::STATUS_INVALID_PARAMETER,
       "LENGTH_PAST_BUFFER"));
   EXPECT_TRUE(
       IsSeedError(BuildLam(session_, buffer_.buffer(), 16 * page_, 1).status(),
                   absl::StatusCode::kInvalidArgument,
-                  v1::STATUS_INVALID_PARAMETER, "OFFSET_PAST_END"));
+                  ::mrd::STATUS_INVALID_PARAMETER, "OFFSET_PAST_END"));
   EXPECT_TRUE(IsSeedError(BuildLam(session_, buffer_.buffer(), 0, 0).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "ZERO_LENGTH"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "ZERO_LENGTH"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kBuildLam), 0u);
 }
 
@@ -117,7 +117,7 @@ TEST_F(LamTest, ReleaseLamUnpinsAndForgetsItsPages) {
       FastRegister(
           FastRegisterRequest(session_, connection, mr->mr(), *lam, 0, 1))
           .status(),
-      absl::StatusCode::kInvalidArgument, v1::STATUS_INVALID_PARAMETER,
+      absl::StatusCode::kInvalidArgument, ::mrd::STATUS_INVALID_PARAMETER,
       "UNKNOWN_LOGICAL_ADDRESS"));
 }
 
@@ -158,7 +158,7 @@ TEST_F(LamLimitTest, SessionLamLimitIsInsufficientResources) {
   EXPECT_TRUE(
       IsSeedError(BuildLam(session_, buffer_.buffer(), 0, page_).status(),
                   absl::StatusCode::kResourceExhausted,
-                  v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_LAMS"));
+                  ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_LAMS"));
   EXPECT_EQ(fake_->LiveLamCount(), 2u);
   EXPECT_OK(ReleaseLam(session_, second->lam()));
   EXPECT_TRUE(BuildLam(session_, buffer_.buffer(), 0, page_).ok());
@@ -183,14 +183,14 @@ TEST_F(TotalObjectLimitTest, CapsHoldAcrossSessions) {
   v1::BufferInfo buffer_b = Import(b, page_);
   EXPECT_TRUE(IsSeedError(
       TryImport(b, page_).status(), absl::StatusCode::kResourceExhausted,
-      v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_BUFFERS"));
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_BUFFERS"));
 
   absl::StatusOr<v1::BuildLamResponse> lam =
       BuildLam(a, buffer_a.buffer(), 0, page_);
   ASSERT_TRUE(lam.ok()) << lam.status();
   EXPECT_TRUE(IsSeedError(BuildLam(b, buffer_b.buffer(), 0, page_).status(),
                           absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES,
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES,
                           "LIMIT_TOTAL_LAMS"));
   EXPECT_OK(ReleaseLam(a, lam->lam()));
   EXPECT_TRUE(BuildLam(b, buffer_b.buffer(), 0, page_).ok());
@@ -199,7 +199,7 @@ TEST_F(TotalObjectLimitTest, CapsHoldAcrossSessions) {
   ASSERT_TRUE(mr.ok()) << mr.status();
   EXPECT_TRUE(IsSeedError(
       CreateMr(b, false).status(), absl::StatusCode::kResourceExhausted,
-      v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_MRS"));
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_MRS"));
   EXPECT_OK(CloseMr(a, mr->mr()));
   EXPECT_TRUE(CreateMr(b, false).ok());
 }

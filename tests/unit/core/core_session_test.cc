@@ -18,8 +18,8 @@ namespace {
 using fake::FakeDevice;
 
 ::testing::AssertionResult IsNotConnected(const absl::Status& s) {
-  return IsSeedError(s, absl::StatusCode::kFailedPrecondition, v1::WSAENOTCONN,
-                     "SESSION_NOT_CONNECTED");
+  return IsSeedError(s, absl::StatusCode::kFailedPrecondition,
+                     ::mrd::WSAENOTCONN, "SESSION_NOT_CONNECTED");
 }
 
 using SessionTest = CoreTest;
@@ -299,7 +299,7 @@ TEST_F(SessionTest, DefaultAndMaximumLeaseTtl) {
       static_cast<uint32_t>(absl::ToInt64Seconds(options_.max_lease_ttl) + 1));
   EXPECT_TRUE(IsSeedError(core_->OpenLeaseSession(req, &info),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "TTL_TOO_LONG"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "TTL_TOO_LONG"));
   EXPECT_EQ(core_->Stats().sessions, 1u);
 }
 
@@ -310,7 +310,7 @@ TEST_F(SessionTest, ShutdownEndsSessionsAndRefusesNewOnes) {
   core_->Shutdown();
   EXPECT_EQ(fake_->LivePdCount(), 0u);
   EXPECT_EQ(fake_->PinnedBytes(), 0u);
-  session::PeerCredentials creds;
+  fd_socket::PeerCredentials creds;
   EXPECT_TRUE(IsMrdError(core_->OnConnect(creds).status(),
                          absl::StatusCode::kUnavailable, "SHUTTING_DOWN"));
   v1::OpenLeaseSessionRequest req;
@@ -357,7 +357,7 @@ TEST_F(LimitTest, SessionRegistrationLimitIsInsufficientResources) {
   absl::Status s =
       Register(token, buffer.buffer(), 0, 3, kMrRemoteRead).status();
   EXPECT_TRUE(IsSeedError(s, absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES,
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES,
                           "LIMIT_SESSION_REGISTRATIONS"));
   EXPECT_EQ(fake_->LiveRegisteredMrCount(), 2u);
   ExpectAccountingMatchesDevice();
@@ -393,12 +393,12 @@ TEST_F(LimitTest, SessionPinnedBytesLimitIsInsufficientResources) {
   absl::Status s =
       Register(token, buffer.buffer(), 0, 2 * page_, kMrRemoteWrite).status();
   EXPECT_TRUE(IsSeedError(s, absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES,
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES,
                           "LIMIT_SESSION_PINNED_BYTES"));
   EXPECT_TRUE(IsSeedError(
       BuildLam(token, buffer.buffer(), 0, 2 * page_).status(),
-      absl::StatusCode::kResourceExhausted, v1::STATUS_INSUFFICIENT_RESOURCES,
-      "LIMIT_SESSION_PINNED_BYTES"));
+      absl::StatusCode::kResourceExhausted,
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES"));
   EXPECT_EQ(fake_->PinnedBytes(), 3 * page_);
   ExpectAccountingMatchesDevice();
   // What still fits is fine, in this session and in another.
@@ -417,11 +417,11 @@ TEST_F(LimitTest, TotalPinnedBytesLimitIsInsufficientResources) {
   absl::Status s =
       Register(b, bbuf.buffer(), 0, 3 * page_, kMrRemoteRead).status();
   EXPECT_TRUE(IsSeedError(s, absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES,
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES,
                           "LIMIT_TOTAL_PINNED_BYTES"));
   EXPECT_TRUE(IsSeedError(BuildLam(b, bbuf.buffer(), 0, 3 * page_).status(),
                           absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES,
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES,
                           "LIMIT_TOTAL_PINNED_BYTES"));
   ExpectAccountingMatchesDevice();
   EXPECT_TRUE(Register(b, bbuf.buffer(), 0, 2 * page_, kMrRemoteRead).ok());
@@ -432,15 +432,15 @@ TEST_F(LimitTest, SessionLimitIsInsufficientResources) {
   std::string first = Connect();
   Connect();
   OpenLease(60);
-  session::PeerCredentials creds;
-  EXPECT_TRUE(IsSeedError(core_->OnConnect(creds).status(),
-                          absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS"));
+  fd_socket::PeerCredentials creds;
+  EXPECT_TRUE(IsSeedError(
+      core_->OnConnect(creds).status(), absl::StatusCode::kResourceExhausted,
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS"));
   v1::OpenLeaseSessionRequest req;
   v1::SessionInfo info;
-  EXPECT_TRUE(IsSeedError(core_->OpenLeaseSession(req, &info),
-                          absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS"));
+  EXPECT_TRUE(IsSeedError(
+      core_->OpenLeaseSession(req, &info), absl::StatusCode::kResourceExhausted,
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS"));
   EXPECT_EQ(fake_->LivePdCount(), 3u);
   // The existing sessions still work, and a place freed is a place taken.
   v1::BufferInfo buffer = Import(first, 4 * page_);
@@ -466,7 +466,7 @@ TEST_F(SessionRaceTest, ConcurrentConnectsNeverExceedTheSessionLimit) {
   std::vector<std::thread> threads;
   for (int i = 0; i < kThreads; ++i) {
     threads.emplace_back([&] {
-      session::PeerCredentials creds;
+      fd_socket::PeerCredentials creds;
       if (core_->OnConnect(creds).ok()) ++opened;
     });
   }

@@ -201,12 +201,12 @@ TEST_F(RegistrationTest, PinnedBytesArePageRoundedPerRegistration) {
 // ---------------------
 
 TEST_F(RegistrationTest, LengthPastBufferIsInvalidParameter) {
-  EXPECT_TRUE(IsSeedError(Reg(0, 16 * page_ + 1).status(),
-                          absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "LENGTH_PAST_BUFFER"));
-  EXPECT_TRUE(IsSeedError(Reg(15 * page_, page_ + 1).status(),
-                          absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "LENGTH_PAST_BUFFER"));
+  EXPECT_TRUE(IsSeedError(
+      Reg(0, 16 * page_ + 1).status(), absl::StatusCode::kInvalidArgument,
+      ::mrd::STATUS_INVALID_PARAMETER, "LENGTH_PAST_BUFFER"));
+  EXPECT_TRUE(IsSeedError(
+      Reg(15 * page_, page_ + 1).status(), absl::StatusCode::kInvalidArgument,
+      ::mrd::STATUS_INVALID_PARAMETER, "LENGTH_PAST_BUFFER"));
   // Exactly to the end is fine.
   EXPECT_TRUE(Reg(15 * page_, page_).ok());
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 1u);
@@ -215,10 +215,10 @@ TEST_F(RegistrationTest, LengthPastBufferIsInvalidParameter) {
 TEST_F(RegistrationTest, OffsetPastEndIsInvalidParameter) {
   EXPECT_TRUE(IsSeedError(Reg(16 * page_, 1).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "OFFSET_PAST_END"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "OFFSET_PAST_END"));
   EXPECT_TRUE(IsSeedError(Reg(uint64_t{1} << 62, 1).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "OFFSET_PAST_END"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "OFFSET_PAST_END"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
 }
 
@@ -226,14 +226,14 @@ TEST_F(RegistrationTest, OffsetPlusLengthOverflowIsInvalidParameter) {
   EXPECT_TRUE(
       IsSeedError(Reg(page_, std::numeric_limits<uint64_t>::max()).status(),
                   absl::StatusCode::kInvalidArgument,
-                  v1::STATUS_INVALID_PARAMETER, "LENGTH_OVERFLOW"));
+                  ::mrd::STATUS_INVALID_PARAMETER, "LENGTH_OVERFLOW"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
 }
 
 TEST_F(RegistrationTest, ZeroLengthIsInvalidParameter) {
   EXPECT_TRUE(IsSeedError(Reg(0, 0).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "ZERO_LENGTH"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "ZERO_LENGTH"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
 }
 
@@ -241,9 +241,9 @@ TEST_F(RegistrationTest, ExplicitZeroBaseAddressIsRejected) {
   v1::RegisterMrRequest req =
       RegisterRequest(session_, buffer_.buffer(), 0, page_, kMrRemoteRead);
   req.set_base_address(0);
-  EXPECT_TRUE(IsSeedError(Register(req).status(),
-                          absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
+  EXPECT_TRUE(
+      IsSeedError(Register(req).status(), absl::StatusCode::kInvalidArgument,
+                  ::mrd::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
 }
 
@@ -253,7 +253,7 @@ TEST_F(RegistrationTest, BaseAddressPlusLengthOverflowIsRejected) {
   req.set_base_address(std::numeric_limits<uint64_t>::max() - page_ + 2);
   EXPECT_TRUE(
       IsSeedError(Register(req).status(), absl::StatusCode::kInvalidArgument,
-                  v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW"));
+                  ::mrd::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
 }
 
@@ -261,13 +261,13 @@ TEST_F(RegistrationTest, TooSmallDescriptorSpaceIsWsaefaultWithRequiredSize) {
   v1::RegisterMrRequest req =
       RegisterRequest(session_, buffer_.buffer(), 0, page_, kMrRemoteRead);
   req.set_descriptor_capacity(8);
-  EXPECT_TRUE(IsSeedErrorWithSize(Register(req).status(),
-                                  absl::StatusCode::kOutOfRange, v1::WSAEFAULT,
-                                  "DESCRIPTOR_SPACE_TOO_SMALL", 24));
+  EXPECT_TRUE(
+      IsSeedErrorWithSize(Register(req).status(), absl::StatusCode::kOutOfRange,
+                          ::mrd::WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL", 24));
   req.set_descriptor_capacity(23);
-  EXPECT_TRUE(IsSeedErrorWithSize(Register(req).status(),
-                                  absl::StatusCode::kOutOfRange, v1::WSAEFAULT,
-                                  "DESCRIPTOR_SPACE_TOO_SMALL", 24));
+  EXPECT_TRUE(
+      IsSeedErrorWithSize(Register(req).status(), absl::StatusCode::kOutOfRange,
+                          ::mrd::WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL", 24));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
   EXPECT_EQ(fake_->PinnedBytes(), 0u);
   EXPECT_EQ(core_->Stats().registrations, 0u);
@@ -278,20 +278,20 @@ TEST_F(RegistrationTest, TooSmallDescriptorSpaceIsWsaefaultWithRequiredSize) {
 TEST_F(RegistrationTest, BadFlagsAreRejectedBeforeAnythingIsRegistered) {
   EXPECT_TRUE(IsSeedError(Reg(0, page_, 0x10).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
   EXPECT_TRUE(IsSeedError(Reg(0, page_, 0x4).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
   v1::RegisterMrRequest req =
       RegisterRequest(session_, buffer_.buffer(), 0, page_, kMrRemoteRead);
   req.set_mem_flags(v1::MEM_READ);
   EXPECT_TRUE(IsSeedError(Register(req).status(),
-                          absl::StatusCode::kInvalidArgument, v1::WSAEINVAL,
+                          absl::StatusCode::kInvalidArgument, ::mrd::WSAEINVAL,
                           "BOTH_FLAG_FORMS"));
   req.set_flags(0);
   req.set_mem_flags(0x4);
   EXPECT_TRUE(IsSeedError(Register(req).status(),
-                          absl::StatusCode::kInvalidArgument, v1::WSAEINVAL,
+                          absl::StatusCode::kInvalidArgument, ::mrd::WSAEINVAL,
                           "UNKNOWN_MEM_FLAGS"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
 }
@@ -309,7 +309,7 @@ TEST_F(RegistrationTest, DeregisterWithoutTargetIsInvalidParameter) {
   v1::DeregisterMrResponse out;
   EXPECT_TRUE(IsSeedError(core_->DeregisterMr(req, &out),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "NO_TARGET"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "NO_TARGET"));
 }
 
 // --- read-only buffers (W6)
@@ -323,7 +323,7 @@ TEST_F(RegistrationTest, ReadOnlyBufferRefusesWriteAccess) {
     EXPECT_TRUE(
         IsSeedError(Register(session_, ro.buffer(), 0, page_, flags).status(),
                     absl::StatusCode::kInvalidArgument,
-                    v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY"))
+                    ::mrd::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY"))
         << "flags 0x" << std::hex << flags;
   }
   v1::RegisterMrRequest req =
@@ -331,7 +331,7 @@ TEST_F(RegistrationTest, ReadOnlyBufferRefusesWriteAccess) {
   req.set_mem_flags(v1::MEM_WRITE);
   EXPECT_TRUE(IsSeedError(Register(req).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
   // Reading is fine.
   absl::StatusOr<v1::RegisterMrResponse> read =
@@ -405,9 +405,9 @@ TEST_F(RegistrationTest, RegisterOnFastRegisterMrIsInvalidParameter) {
   v1::RegisterMrRequest req =
       RegisterRequest(session_, buffer_.buffer(), 0, page_, kMrRemoteRead);
   req.set_mr(mr->mr());
-  EXPECT_TRUE(IsSeedError(Register(req).status(),
-                          absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER"));
+  EXPECT_TRUE(
+      IsSeedError(Register(req).status(), absl::StatusCode::kInvalidArgument,
+                  ::mrd::STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER"));
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
 }
 

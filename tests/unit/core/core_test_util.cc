@@ -15,25 +15,25 @@ namespace mrd::core_test {
 
 ::testing::AssertionResult IsSeedErrorWithSize(const absl::Status& status,
                                                absl::StatusCode code,
-                                               v1::SeedStatus seed,
+                                               ::mrd::SeedStatus seed,
                                                absl::string_view reason,
                                                uint64_t required_size) {
-  const v1::ErrorDetail d = GetErrorDetail(status);
+  const ::mrd::ErrorDetail d = GetErrorDetail(status);
   if (status.code() == code && d.seed_status() == seed &&
       d.reason() == reason && d.required_size() == required_size) {
     return ::testing::AssertionSuccess();
   }
   return ::testing::AssertionFailure()
          << "expected " << absl::StatusCodeToString(code) << " "
-         << v1::SeedStatus_Name(seed) << " " << reason << " required_size "
+         << ::mrd::SeedStatusName(seed) << " " << reason << " required_size "
          << required_size << ", got " << status.ToString() << " ["
-         << v1::SeedStatus_Name(d.seed_status()) << " \"" << d.reason()
+         << ::mrd::SeedStatusName(d.seed_status()) << " \"" << d.reason()
          << "\" required_size " << d.required_size() << "]";
 }
 
 ::testing::AssertionResult IsSeedError(const absl::Status& status,
                                        absl::StatusCode code,
-                                       v1::SeedStatus seed,
+                                       ::mrd::SeedStatus seed,
                                        absl::string_view reason) {
   return IsSeedErrorWithSize(status, code, seed, reason,
                              GetErrorDetail(status).required_size());
@@ -42,14 +42,14 @@ namespace mrd::core_test {
 ::testing::AssertionResult IsMrdError(const absl::Status& status,
                                       absl::StatusCode code,
                                       absl::string_view reason) {
-  return IsSeedError(status, code, v1::SEED_STATUS_UNSPECIFIED, reason);
+  return IsSeedError(status, code, ::mrd::SEED_STATUS_UNSPECIFIED, reason);
 }
 
 ::testing::AssertionResult IsOk(const absl::Status& status) {
   if (status.ok()) return ::testing::AssertionSuccess();
-  const v1::ErrorDetail d = GetErrorDetail(status);
+  const ::mrd::ErrorDetail d = GetErrorDetail(status);
   return ::testing::AssertionFailure()
-         << status.ToString() << " [" << v1::SeedStatus_Name(d.seed_status())
+         << status.ToString() << " [" << ::mrd::SeedStatusName(d.seed_status())
          << " \"" << d.reason() << "\"]";
 }
 
@@ -103,7 +103,7 @@ void CoreTest::TearDown() {
 }
 
 std::string CoreTest::Connect(uint32_t uid, int pid) {
-  session::PeerCredentials creds;
+  fd_socket::PeerCredentials creds;
   creds.uid = uid;
   creds.pid = pid;
   creds.gid = uid;

@@ -15,6 +15,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
+#include "mrd/status.h"
 #include "mrd/unique_fd.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/common/clock.h"
@@ -27,12 +28,12 @@ namespace mrd::core_test {
 // its ErrorDetail.
 ::testing::AssertionResult IsSeedError(const absl::Status& status,
                                        absl::StatusCode code,
-                                       v1::SeedStatus seed,
+                                       ::mrd::SeedStatus seed,
                                        absl::string_view reason);
 // As IsSeedError, also checking ErrorDetail.required_size.
 ::testing::AssertionResult IsSeedErrorWithSize(const absl::Status& status,
                                                absl::StatusCode code,
-                                               v1::SeedStatus seed,
+                                               ::mrd::SeedStatus seed,
                                                absl::string_view reason,
                                                uint64_t required_size);
 // An error with no seed counterpart (SEED_STATUS_UNSPECIFIED) and `reason`.

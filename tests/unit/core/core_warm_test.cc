@@ -218,7 +218,7 @@ TEST_F(WarmTest, WarmPinsGiveWayBeforeTheSessionLimitRefuses) {
   // Nothing warm is left and the limit is reached: refused, naming it.
   EXPECT_TRUE(IsSeedError(
       Reg(0, page_).status(), absl::StatusCode::kResourceExhausted,
-      v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES"));
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES"));
 }
 
 TEST_F(WarmTest, NoWarmPinIsEvictedWhenEvictingAllWouldNotMakeRoom) {
@@ -227,7 +227,7 @@ TEST_F(WarmTest, NoWarmPinIsEvictedWhenEvictingAllWouldNotMakeRoom) {
   // 2 live pages + 2 warm + 5 asked = 9 > 8 even without the warm ones.
   EXPECT_TRUE(IsSeedError(
       Reg(8 * page_, 5 * page_).status(), absl::StatusCode::kResourceExhausted,
-      v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES"));
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_PINNED_BYTES"));
   EXPECT_EQ(Warm().evictions, 0u);
   EXPECT_EQ(Warm().pins, 1u);
   ExpectAccountingMatchesDevice();
@@ -256,14 +256,14 @@ TEST_F(WarmTest, WarmPinsGiveWayBeforeTheTotalLimitRefuses) {
   v1::BufferInfo mine = Import(third, 8 * page_);
   EXPECT_TRUE(IsSeedError(
       Register(third, mine.buffer(), 0, 4 * page_, kMrRemoteRead).status(),
-      absl::StatusCode::kResourceExhausted, v1::STATUS_INSUFFICIENT_RESOURCES,
-      "LIMIT_TOTAL_PINNED_BYTES"));
+      absl::StatusCode::kResourceExhausted,
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_PINNED_BYTES"));
 }
 
 TEST_F(WarmTest, ADeviceOutOfResourcesGetsTheWarmPinsFirst) {
   RegisterAndRelease(0, 2 * page_);
   fake_->FailNext(FakeDevice::Op::kRegisterMr,
-                  SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
+                  SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
                             "mlock: out of memory"));
   absl::StatusOr<v1::RegisterMrResponse> r = Reg(4 * page_, page_);
   ASSERT_TRUE(r.ok()) << r.status();
@@ -272,11 +272,11 @@ TEST_F(WarmTest, ADeviceOutOfResourcesGetsTheWarmPinsFirst) {
   ExpectAccountingMatchesDevice();
   // With nothing left to evict, the device's refusal is the answer.
   fake_->FailNext(FakeDevice::Op::kRegisterMr,
-                  SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
+                  SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
                             "mlock: out of memory"));
   EXPECT_TRUE(IsSeedError(Reg(8 * page_, page_).status(),
                           absl::StatusCode::kResourceExhausted,
-                          v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+                          ::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
   ExpectAccountingMatchesDevice();
 }
 
@@ -429,14 +429,14 @@ TEST_F(RegistrationLimitTest, TotalRegistrationLimitNamesItself) {
   ASSERT_TRUE(Reg(0, 3).ok());
   EXPECT_TRUE(IsSeedError(
       Reg(0, 4).status(), absl::StatusCode::kResourceExhausted,
-      v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS"));
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS"));
   absl::StatusOr<v1::RegisterMrResponse> t =
       Register(other, theirs.buffer(), 0, 1, kMrRemoteRead);
   ASSERT_TRUE(t.ok());
   EXPECT_TRUE(IsSeedError(
       Register(other, theirs.buffer(), 0, 2, kMrRemoteRead).status(),
-      absl::StatusCode::kResourceExhausted, v1::STATUS_INSUFFICIENT_RESOURCES,
-      "LIMIT_TOTAL_REGISTRATIONS"));
+      absl::StatusCode::kResourceExhausted,
+      ::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_REGISTRATIONS"));
   // A W5 hit is a reference, not a registration: still fine at the limit.
   absl::StatusOr<v1::RegisterMrResponse> hit = Reg(0, 1);
   ASSERT_TRUE(hit.ok());

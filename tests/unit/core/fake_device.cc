@@ -31,7 +31,7 @@ constexpr uint32_t kKnownWorkFlags =
 constexpr uint64_t kFirstLogicalPage = uint64_t{0x5a} << 40;
 
 absl::Status Invalid(absl::string_view reason, absl::string_view message) {
-  return SeedError(v1::STATUS_INVALID_PARAMETER, reason, message);
+  return SeedError(::mrd::STATUS_INVALID_PARAMETER, reason, message);
 }
 
 absl::Status NotFound(absl::string_view reason, absl::string_view message) {
@@ -426,7 +426,7 @@ absl::StatusOr<uint64_t> FakeDevice::PostFastRegister(
   auto c = connections_.find(connection);
   if (c == connections_.end() || !c->second.connected || stopping_) {
     return SeedError(
-        v1::STATUS_CONNECTION_INVALID, "CONNECTION_NOT_CONNECTED",
+        ::mrd::STATUS_CONNECTION_INVALID, "CONNECTION_NOT_CONNECTED",
         absl::StrCat("connection ", connection, " is not connected"));
   }
   auto m = mrs_.find(work.mr);
@@ -436,7 +436,8 @@ absl::StatusOr<uint64_t> FakeDevice::PostFastRegister(
   }
   const MrState& mr = m->second;
   if (mr.pd != c->second.pd) {
-    return SeedError(v1::STATUS_CONNECTION_INVALID, "CONNECTION_OF_ANOTHER_PD",
+    return SeedError(::mrd::STATUS_CONNECTION_INVALID,
+                     "CONNECTION_OF_ANOTHER_PD",
                      "the connection belongs to another PD than the MR");
   }
   if (absl::StatusOr<PdState*> state = LivePdLocked(mr.pd); !state.ok()) {
@@ -470,7 +471,7 @@ absl::StatusOr<uint64_t> FakeDevice::PostFastRegister(
   if ((work.access &
        (device::kAccessRemoteRead | device::kAccessRemoteWrite)) &&
       !mr.allow_remote) {
-    return SeedError(v1::STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE",
+    return SeedError(::mrd::STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE",
                      "remote access on an MR allocated without it");
   }
   Work w;
@@ -490,7 +491,7 @@ absl::StatusOr<uint64_t> FakeDevice::PostInvalidate(
   auto c = connections_.find(connection);
   if (c == connections_.end() || !c->second.connected || stopping_) {
     return SeedError(
-        v1::STATUS_CONNECTION_INVALID, "CONNECTION_NOT_CONNECTED",
+        ::mrd::STATUS_CONNECTION_INVALID, "CONNECTION_NOT_CONNECTED",
         absl::StrCat("connection ", connection, " is not connected"));
   }
   auto m = mrs_.find(work.mr);
@@ -499,7 +500,8 @@ absl::StatusOr<uint64_t> FakeDevice::PostInvalidate(
                     absl::StrCat("no fast-register MR ", work.mr));
   }
   if (m->second.pd != c->second.pd) {
-    return SeedError(v1::STATUS_CONNECTION_INVALID, "CONNECTION_OF_ANOTHER_PD",
+    return SeedError(::mrd::STATUS_CONNECTION_INVALID,
+                     "CONNECTION_OF_ANOTHER_PD",
                      "the connection belongs to another PD than the MR");
   }
   if (work.flags & ~kKnownWorkFlags) {
@@ -537,7 +539,7 @@ std::optional<device::WorkCompletion> FakeDevice::ExecuteLocked(const Work& w) {
     status = std::move(work_failures_.front());
     work_failures_.pop_front();
   } else if (conn == connections_.end() || !conn->second.connected) {
-    status = SeedError(v1::STATUS_CONNECTION_INVALID, "WORK_FLUSHED",
+    status = SeedError(::mrd::STATUS_CONNECTION_INVALID, "WORK_FLUSHED",
                        "the connection went down before the work ran");
   } else if (m == mrs_.end()) {
     status = Invalid("MR_GONE", "the MR was freed before the work ran");

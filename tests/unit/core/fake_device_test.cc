@@ -166,7 +166,7 @@ TEST_F(FakeDeviceTest, RegisterMrEnforcesTheDeviceRules) {
   EXPECT_TRUE(
       IsSeedError(fake_.RegisterMr(pd_, m.Span(0, page_), 0, 0).status(),
                   absl::StatusCode::kInvalidArgument,
-                  v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
+                  ::mrd::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
   EXPECT_EQ(
       fake_
           .RegisterMr(pd_, m.Span(0, page_), 0x1000, device::kAccessRemoteWrite)
@@ -194,7 +194,7 @@ TEST_F(FakeDeviceTest, UnmappedMemoryCannotBeRegisteredAndIsDetectedLater) {
   EXPECT_FALSE(fake_.CheckLiveMemory().ok());
   EXPECT_TRUE(IsSeedError(fake_.RegisterMr(pd_, span, 0x1000, 0).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "SPAN_NOT_MAPPED"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "SPAN_NOT_MAPPED"));
   EXPECT_OK(fake_.DeregisterMr(mr->mr));
 }
 
@@ -291,7 +291,7 @@ TEST_F(FakeDeviceTest, PostFastRegisterChecksConnectionPagesAndAccess) {
   EXPECT_TRUE(IsSeedError(
       fake_.PostFastRegister(r.connection, Work(r, device::kAccessRemoteRead))
           .status(),
-      absl::StatusCode::kPermissionDenied, v1::STATUS_ACCESS_VIOLATION,
+      absl::StatusCode::kPermissionDenied, ::mrd::STATUS_ACCESS_VIOLATION,
       "MR_NOT_REMOTE"));
   device::FastRegisterWork w = Work(r, 0);
   w.pages[0] += page_ * 1000;

@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "mrd/status.h"
 #include "server/device/device.h"
+#include "server/device/fast_register_rules.h"
 #include "tests/unit/core/core_test_util.h"
 
 namespace mrd::core_test {
@@ -19,7 +20,6 @@ namespace {
 using core::FastRegisterAccess;
 using core::FlagsFromAccess;
 using core::RegistrationAccess;
-using core::ValidatePageArray;
 
 constexpr uint32_t kLW = device::kAccessLocalWrite;
 constexpr uint32_t kRR = device::kAccessRemoteRead;
@@ -55,7 +55,7 @@ TEST(RegistrationAccessTest, EveryCombinationOfDefinedBitsIsDecodedOrRejected) {
     if ((flags & 0x4) && !(flags & 0x1)) {
       EXPECT_TRUE(IsSeedError(access.status(),
                               absl::StatusCode::kInvalidArgument,
-                              v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"))
+                              ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"))
           << "flags 0x" << std::hex << flags;
       continue;
     }
@@ -76,10 +76,10 @@ TEST(RegistrationAccessTest, EveryCombinationOfDefinedBitsIsDecodedOrRejected) {
 TEST(RegistrationAccessTest, BitFourAloneIsRejected) {
   EXPECT_TRUE(IsSeedError(RegistrationAccess(0x4, 0).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
   EXPECT_TRUE(IsSeedError(RegistrationAccess(0x4 | 0x2 | 0x8, 0).status(),
                           absl::StatusCode::kInvalidArgument,
-                          v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
+                          ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"));
 }
 
 TEST(RegistrationAccessTest, RemoteWriteWithReadAndSinkCombines) {
@@ -96,7 +96,7 @@ TEST(RegistrationAccessTest, UnknownNdkBitsAreInvalidParameter) {
        {0x10u, 0x20u, 0x100u, 0x80000000u, 0x11u, 0xFFFFFFFFu}) {
     EXPECT_TRUE(IsSeedError(RegistrationAccess(flags, 0).status(),
                             absl::StatusCode::kInvalidArgument,
-                            v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"))
+                            ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"))
         << "flags 0x" << std::hex << flags;
   }
 }
@@ -122,8 +122,8 @@ TEST(RegistrationAccessTest, MemFlagsMapToRemoteAccess) {
 TEST(RegistrationAccessTest, UnknownMemFlagsAreWsaeinval) {
   for (uint32_t mem : {0x4u, 0x7u, 0x8u, 0x80000000u}) {
     EXPECT_TRUE(IsSeedError(RegistrationAccess(0, mem).status(),
-                            absl::StatusCode::kInvalidArgument, v1::WSAEINVAL,
-                            "UNKNOWN_MEM_FLAGS"))
+                            absl::StatusCode::kInvalidArgument,
+                            ::mrd::WSAEINVAL, "UNKNOWN_MEM_FLAGS"))
         << "mem_flags 0x" << std::hex << mem;
   }
 }
@@ -132,11 +132,11 @@ TEST(RegistrationAccessTest, BothFlagFormsAreWsaeinval) {
   EXPECT_TRUE(IsSeedError(
       RegistrationAccess(v1::NDK_MR_FLAG_ALLOW_REMOTE_READ, v1::MEM_READ)
           .status(),
-      absl::StatusCode::kInvalidArgument, v1::WSAEINVAL, "BOTH_FLAG_FORMS"));
+      absl::StatusCode::kInvalidArgument, ::mrd::WSAEINVAL, "BOTH_FLAG_FORMS"));
   EXPECT_TRUE(IsSeedError(
       RegistrationAccess(v1::NDK_MR_FLAG_ALLOW_LOCAL_WRITE, v1::MEM_WRITE)
           .status(),
-      absl::StatusCode::kInvalidArgument, v1::WSAEINVAL, "BOTH_FLAG_FORMS"));
+      absl::StatusCode::kInvalidArgument, ::mrd::WSAEINVAL, "BOTH_FLAG_FORMS"));
 }
 
 // --- NDK_OP_FLAG_* (F3)
@@ -183,7 +183,7 @@ TEST(FastRegisterAccessTest, EveryCombinationOfDefinedBitsIsDecodedOrRejected) {
     if ((flags & 0x20) && !(flags & 0x10)) {
       EXPECT_TRUE(IsSeedError(access.status(),
                               absl::StatusCode::kInvalidArgument,
-                              v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"))
+                              ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"))
           << "flags 0x" << std::hex << flags;
       continue;
     }
@@ -203,7 +203,7 @@ TEST(FastRegisterAccessTest, UnknownOpBitsAreInvalidParameter) {
        {0x4u, 0x80u, 0x100u, 0x400u, 0x80000000u, 0x4u | 0x8u}) {
     EXPECT_TRUE(IsSeedError(FastRegisterAccess(flags).status(),
                             absl::StatusCode::kInvalidArgument,
-                            v1::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"))
+                            ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_FLAGS"))
         << "flags 0x" << std::hex << flags;
   }
 }
@@ -223,12 +223,14 @@ class PageArrayTest : public ::testing::TestWithParam<uint64_t> {
   absl::Status Check(const google::protobuf::RepeatedField<uint64_t>& pages,
                      uint32_t fbo, uint64_t length, uint64_t base,
                      uint32_t max_pages = 16) const {
-    return ValidatePageArray(page(), max_pages, pages, fbo, length, base);
+    return device::ValidatePageArray(
+        page(), max_pages, absl::MakeConstSpan(pages.data(), pages.size()), fbo,
+        length, base);
   }
   ::testing::AssertionResult Rejected(const absl::Status& s,
                                       absl::string_view reason) const {
     return IsSeedError(s, absl::StatusCode::kInvalidArgument,
-                       v1::STATUS_INVALID_PARAMETER, reason);
+                       ::mrd::STATUS_INVALID_PARAMETER, reason);
   }
 };
 

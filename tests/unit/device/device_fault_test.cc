@@ -60,7 +60,7 @@ constexpr uint64_t kBase = uint64_t{0x6000} << 32;  // page-aligned, non-zero
 // the operation and step number, so that it cannot be mistaken for another
 // failure.
 absl::Status Injected(absl::string_view op, size_t k) {
-  return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "INJECTED_FAULT",
+  return SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "INJECTED_FAULT",
                    absl::StrCat(op, ": injected failure at step ", k));
 }
 

@@ -158,12 +158,13 @@ MATCHER_P2(IsMrdError, code, reason,
 
 // A status carrying this seed outcome and reason.
 MATCHER_P2(IsSeedError, seed, reason,
-           ::mrd::v1::SeedStatus_Name(seed) + " with reason " + reason) {
+           std::string(::mrd::SeedStatusName(seed)) + " with reason " +
+               reason) {
   const absl::Status& status = arg;
-  ::mrd::v1::ErrorDetail detail = ::mrd::GetErrorDetail(status);
+  ::mrd::ErrorDetail detail = ::mrd::GetErrorDetail(status);
   *result_listener << "status is " << status.ToString() << ", seed "
-                   << ::mrd::v1::SeedStatus_Name(detail.seed_status())
-                   << ", reason " << detail.reason();
+                   << ::mrd::SeedStatusName(detail.seed_status()) << ", reason "
+                   << detail.reason();
   return status.code() == ::mrd::CodeForSeed(seed) &&
          detail.seed_status() == seed && detail.reason() == reason;
 }

@@ -296,7 +296,7 @@ TEST(KernelPinMlockTest, MapSplitsPastTheBudgetAreRefused) {
     EXPECT_LE(MapsIn(base, end), maps + ops->MapSplits());
     EXPECT_THAT(
         tracker.Pin(base + 11 * ps, ps),
-        IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_MEMORY_MAPS"));
+        IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_MEMORY_MAPS"));
     EXPECT_EQ(ops->Lock(base + 11 * ps, ps), kErrMapBudget);
     // Joining two runs costs no new split, so it is allowed.
     ASSERT_TRUE(tracker.Pin(base + 2 * ps, ps).ok());

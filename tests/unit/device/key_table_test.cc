@@ -7,7 +7,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "server/device/software/iova_space.h"
+#include "server/device/iova_space.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace mrd::device {
@@ -72,8 +72,9 @@ TEST(KeyTableTest, ExhaustionIsInsufficientResources) {
   uint32_t a = *table.Allocate(1);
   uint32_t b = *table.Allocate(2);
   EXPECT_NE(a >> 8, b >> 8);
-  EXPECT_THAT(table.Allocate(3).status(),
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+  EXPECT_THAT(
+      table.Allocate(3).status(),
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
   table.Release(a);
   EXPECT_TRUE(table.Allocate(3).ok());
   EXPECT_EQ(table.free_slots(), 0u);
@@ -156,8 +157,9 @@ TEST(KeyTableTest, GrowsChunkByChunkAndExhaustsAtExactlyTheCapacity) {
   EXPECT_EQ(*indices.begin(), 1u);
   EXPECT_EQ(*indices.rbegin(), 1000u);
   EXPECT_EQ(table.grown_slots(), 1000u);
-  EXPECT_THAT(table.Allocate(1001).status(),
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+  EXPECT_THAT(
+      table.Allocate(1001).status(),
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
 }
 
 TEST(KeyTableTest, ChunksOfOneSlotStillWork) {
@@ -217,8 +219,9 @@ TEST(IovaSpaceTest, ExhaustionIsInsufficientResources) {
   const uint64_t ps = 4096;
   IovaSpace space(ps, ps, 10 * ps);
   EXPECT_TRUE(space.Allocate(8, 1, 1).ok());
-  EXPECT_THAT(space.Allocate(1, 1, 2).status(),
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "IOVA_EXHAUSTED"));
+  EXPECT_THAT(
+      space.Allocate(1, 1, 2).status(),
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "IOVA_EXHAUSTED"));
 }
 
 }  // namespace

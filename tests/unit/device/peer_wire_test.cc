@@ -3,10 +3,10 @@
 
 #include <string>
 
-#include "client/peer/frame.h"
-#include "client/peer/net.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "mrd/net.h"
+#include "mrd/peer_frame.h"
 #include "mrd/unique_fd.h"
 #include "mrd/v1/peer.pb.h"
 #include "tests/unit/device/device_test_util.h"

@@ -159,7 +159,7 @@ TEST_F(PinTrackerTest, FailedLockUndoesEveryGapAndKeepsOtherPins) {
   ops_.FailLockAt(P(3));  // the second gap of [0, 6)
   absl::Status status = tracker_.Pin(P(0), 6 * PageSize());
   EXPECT_THAT(status,
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+              IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
   EXPECT_THAT(ops_.TakeLocks(), ElementsAre(Pair(P(0), 2 * PageSize()),
                                             Pair(P(3), 3 * PageSize())));
   // The failed gap (mlock may have locked a prefix) and the earlier gap.
@@ -173,9 +173,9 @@ TEST_F(PinTrackerTest, FailedLockUndoesEveryGapAndKeepsOtherPins) {
 
 TEST_F(PinTrackerTest, EmptyAndWrappingRangesAreRefused) {
   EXPECT_THAT(tracker_.Pin(P(0), 0),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW"));
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW"));
   EXPECT_THAT(tracker_.Pin(UINT64_MAX - 10, 100),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW"));
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW"));
   EXPECT_THAT(ops_.TakeLocks(), IsEmpty());
 }
 
@@ -218,8 +218,9 @@ TEST(PinTrackerSystemTest, PinOverAHoleLeavesNothingLocked) {
   const uint64_t before = KernelPinnedBytesSettled(0);
   {
     PinTracker tracker(ps, SystemPinOps());
-    EXPECT_THAT(tracker.Pin(base, 3 * ps),
-                IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+    EXPECT_THAT(
+        tracker.Pin(base, 3 * ps),
+        IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
     // mlock itself locked page 0 before failing on the hole.
     EXPECT_EQ(KernelPinnedBytesSettled(before), before);
     EXPECT_EQ(tracker.PinnedBytes(), 0u);
@@ -239,7 +240,7 @@ TEST(PinTrackerSystemTest, PinPastEndOfFileLeavesNothingLocked) {
   const uint64_t before = KernelPinnedBytesSettled(0);
   PinTracker tracker(ps, SystemPinOps());
   EXPECT_THAT(tracker.Pin(reinterpret_cast<uint64_t>(buffer->data()), 3 * ps),
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+              IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
   EXPECT_EQ(KernelPinnedBytesSettled(before), before);
   EXPECT_EQ(tracker.PinnedBytes(), 0u);
 }

@@ -17,11 +17,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "client/peer/frame.h"
-#include "client/peer/net.h"
 #include "client/peer/soft_peer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "mrd/net.h"
+#include "mrd/peer_frame.h"
 #include "tests/support/kernel_pins.h"
 #include "tests/unit/device/device_test_util.h"
 
@@ -52,7 +52,7 @@ constexpr uint64_t kBase = uint64_t{0x5000} << 32;  // page-aligned, non-zero
                              absl::StatusCode::kUnavailable);
 }
 ::testing::Matcher<absl::Status> IsConnectionInvalid() {
-  return IsSeedError(v1::STATUS_CONNECTION_INVALID, "CONNECTION_INVALID");
+  return IsSeedError(::mrd::STATUS_CONNECTION_INVALID, "CONNECTION_INVALID");
 }
 
 // Lets the first peer I/O in, then holds it until Open().
@@ -525,24 +525,26 @@ TEST_F(SoftwareDeviceTest, RegisterMrValidatesItsArguments) {
   PdId pd = NewPd();
   MemfdBuffer& buffer = NewBuffer(1);
   MemorySpan span = buffer.Span(0, 100);
-  EXPECT_THAT(device_->RegisterMr(pd, span, 0, kAccessRemoteRead).status(),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
+  EXPECT_THAT(
+      device_->RegisterMr(pd, span, 0, kAccessRemoteRead).status(),
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
   EXPECT_THAT(device_->RegisterMr(pd, buffer.Span(0, 0), kBase, 0).status(),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_LENGTH"));
-  EXPECT_THAT(device_->RegisterMr(pd, span, kBase, 0x100).status(),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "UNKNOWN_ACCESS_BITS"));
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "ZERO_LENGTH"));
+  EXPECT_THAT(
+      device_->RegisterMr(pd, span, kBase, 0x100).status(),
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_ACCESS_BITS"));
   EXPECT_THAT(
       device_->RegisterMr(pd, span, UINT64_MAX - 10, 0).status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW"));
   MemorySpan huge = span;
   huge.length = (uint64_t{1} << 40) + 1;
   EXPECT_THAT(
       device_->RegisterMr(pd, huge, kBase, 0).status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "LENGTH_OVER_MAX_MR_SIZE"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "LENGTH_OVER_MAX_MR_SIZE"));
   MemorySpan no_fd = span;
   no_fd.fd = -1;
   EXPECT_THAT(device_->RegisterMr(pd, no_fd, kBase, 0).status(),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "INVALID_SPAN"));
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "INVALID_SPAN"));
   EXPECT_THAT(device_->RegisterMr(pd + 1000, span, kBase, 0).status(),
               IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_PD"));
   EXPECT_EQ(device_->PinnedBytes(), 0u);
@@ -557,7 +559,7 @@ TEST_F(SoftwareDeviceTest, PinFailureIsInsufficientResourcesAndPinsNothing) {
   ASSERT_EQ(ftruncate(buffer.fd(), static_cast<off_t>(ps)), 0);
   EXPECT_THAT(
       device_->RegisterMr(pd, buffer.Span(0, 3 * ps), kBase, 0).status(),
-      IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
   EXPECT_EQ(device_->PinnedBytes(), 0u);
   EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_),
             kernel_pinned_before_);
@@ -575,8 +577,9 @@ TEST_F(SoftwareDeviceTest, KeyByteChangesEveryTimeASlotIsReused) {
   MrKeys previous = Register(pd, buffer, 0, 64, kAccessRemoteRead);
   EXPECT_EQ(previous.lkey, previous.rkey);
   EXPECT_EQ(previous.rkey >> 8, 1u);
-  EXPECT_THAT(device_->RegisterMr(pd, buffer.Span(0, 64), kBase, 0).status(),
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+  EXPECT_THAT(
+      device_->RegisterMr(pd, buffer.Span(0, 64), kBase, 0).status(),
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
   for (int i = 0; i < 64; ++i) {
     ASSERT_TRUE(device_->DeregisterMr(previous.mr).ok());
     MrKeys next = Register(pd, buffer, 0, 64, kAccessRemoteRead);
@@ -645,10 +648,12 @@ TEST_F(SoftwareDeviceTest, KeySpaceIsSharedAndExhaustsAtItsCapacity) {
     EXPECT_GE(key >> 8, 1u);
     EXPECT_LE(key >> 8, 300u);
   }
-  EXPECT_THAT(device_->RegisterMr(b, buffer.Span(0, 64), kBase, 0).status(),
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
-  EXPECT_THAT(device_->AllocateFastRegisterMr(b, true, 1).status(),
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+  EXPECT_THAT(
+      device_->RegisterMr(b, buffer.Span(0, 64), kBase, 0).status(),
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+  EXPECT_THAT(
+      device_->AllocateFastRegisterMr(b, true, 1).status(),
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
   ASSERT_TRUE(device_->DeregisterMr(a_mrs.back()).ok());
   EXPECT_TRUE(device_->RegisterMr(b, buffer.Span(0, 64), kBase, 0).ok());
   EXPECT_EQ(device_->CountResources().key_slots_grown, 300u);
@@ -1020,7 +1025,7 @@ TEST_F(SoftwareDeviceTest, BuildLamThatFailsPartWayLeavesNothingPinned) {
   // where mlock fails after locking them in the kernel.
   ASSERT_EQ(ftruncate(buffer.fd(), static_cast<off_t>(2 * ps)), 0);
   EXPECT_THAT(device_->BuildLam(pd, buffer.Span(0, 4 * ps)).status(),
-              IsSeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
+              IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED"));
   // L7: the LAM left nothing behind, and the registration keeps its pages.
   EXPECT_EQ(device_->PinnedBytes(), 2 * ps);
   EXPECT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_ + 2 * ps) -
@@ -1037,7 +1042,7 @@ TEST_F(SoftwareDeviceTest, BuildLamRefusesASpanWhosePagesDoNotLineUp) {
   MemorySpan span = buffer.Span(0, 100);
   span.file_offset = 8;
   EXPECT_THAT(device_->BuildLam(pd, span).status(),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "SPAN_MISALIGNED"));
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "SPAN_MISALIGNED"));
   EXPECT_EQ(device_->PinnedBytes(), 0u);
 }
 
@@ -1161,7 +1166,7 @@ TEST_F(FastRegisterTest, FastRegisteringAValidMrFailsWithMrNotFree) {
       device_->PostFastRegister(connection_, Work({lam_.pages[1]}, 64)).ok());
   ASSERT_TRUE(sink_->WaitForCompletions(2));
   EXPECT_THAT(sink_->Completions().back().status,
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "MR_NOT_FREE"));
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "MR_NOT_FREE"));
   // The mapping in place is untouched.
   EXPECT_EQ(device_->QueryMr(mr_.mr)->rkey, rkey);
   EXPECT_EQ(*peer_->Read(rkey, kBase, 8), buffer_->Bytes(0, 8));
@@ -1190,8 +1195,9 @@ TEST_F(FastRegisterTest, SilentSuccessSuppressesOnlySuccesses) {
   std::vector<WorkCompletion> completions = sink_->Completions();
   ASSERT_EQ(completions.size(), 1u);
   EXPECT_EQ(completions[0].request_context, 3u);
-  EXPECT_THAT(completions[0].status, IsSeedError(v1::STATUS_INVALID_PARAMETER,
-                                                 "MR_NOT_FAST_REGISTERED"));
+  EXPECT_THAT(
+      completions[0].status,
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTERED"));
 }
 
 TEST_F(FastRegisterTest, DeferredWorkIsHeldUntilTheNextNonDeferredWork) {
@@ -1232,9 +1238,9 @@ TEST_F(FastRegisterTest, RemoteAccessOnALocalOnlyMrIsAnAccessViolation) {
   work.mr = local->mr;
   for (uint32_t access : {uint32_t{kAccessRemoteRead}, kRemoteRw}) {
     work.access = access;
-    EXPECT_THAT(
-        device_->PostFastRegister(connection_, work).status(),
-        IsSeedError(v1::STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED"));
+    EXPECT_THAT(device_->PostFastRegister(connection_, work).status(),
+                IsSeedError(::mrd::STATUS_ACCESS_VIOLATION,
+                            "REMOTE_ACCESS_NOT_ALLOWED"));
   }
   work.access = kAccessLocalWrite;
   EXPECT_TRUE(device_->PostFastRegister(connection_, work).ok());
@@ -1251,7 +1257,7 @@ TEST_F(FastRegisterTest, BadPageArraysAreInvalidParameters) {
     return device_->PostFastRegister(connection_, work).status();
   };
   auto invalid = [](const char* reason) {
-    return IsSeedError(v1::STATUS_INVALID_PARAMETER, reason);
+    return IsSeedError(::mrd::STATUS_INVALID_PARAMETER, reason);
   };
   EXPECT_THAT(post(Work({lam_.pages[0] + 8}, 64)), invalid("MISALIGNED_PAGE"));
   // Just past the LAM: a guard page, mapped by no one.
@@ -1261,19 +1267,19 @@ TEST_F(FastRegisterTest, BadPageArraysAreInvalidParameters) {
   PdId other = NewPd();
   LogicalMapping foreign = Lam(other, NewBuffer(1), 0, ps);
   EXPECT_THAT(post(Work({foreign.pages[0]}, 64)), invalid("PAGE_NOT_MAPPED"));
-  EXPECT_THAT(post(Work({}, 64)), invalid("EMPTY_PAGE_LIST"));
+  EXPECT_THAT(post(Work({}, 64)), invalid("EMPTY_PAGE_ARRAY"));
   std::vector<uint64_t> nine(9, lam_.pages[0]);
-  EXPECT_THAT(post(Work(nine, 64)), invalid("PAGE_LIST_TOO_LONG"));
+  EXPECT_THAT(post(Work(nine, 64)), invalid("PAGE_ARRAY_TOO_LONG"));
   EXPECT_THAT(post(Work({lam_.pages[0]}, ps + 1)),
-              invalid("LENGTH_OVER_PAGES"));
-  EXPECT_THAT(post(Work({lam_.pages[0]}, 0)), invalid("LENGTH_OVER_PAGES"));
+              invalid("LENGTH_EXCEEDS_PAGES"));
+  EXPECT_THAT(post(Work({lam_.pages[0]}, 0)), invalid("ZERO_LENGTH"));
   EXPECT_THAT(post(Work({lam_.pages[0]}, 64, 0)),
               invalid("ZERO_BASED_ADDRESS"));
   EXPECT_THAT(post(Work({lam_.pages[0]}, 64, kBase + 1)),
-              invalid("BASE_ADDRESS_NOT_FBO"));
+              invalid("BASE_NOT_AT_FBO"));
   FastRegisterWork bad_fbo = Work({lam_.pages[0]}, 64, kBase);
   bad_fbo.fbo = static_cast<uint32_t>(ps);
-  EXPECT_THAT(post(bad_fbo), invalid("BAD_FBO"));
+  EXPECT_THAT(post(bad_fbo), invalid("FBO_TOO_LARGE"));
   EXPECT_THAT(post(Work({lam_.pages[0]}, 64, kBase, 0x4)),
               invalid("UNKNOWN_WORK_FLAGS"));
   device_->WaitForWorkerIdle();
@@ -1304,7 +1310,7 @@ TEST_F(FastRegisterTest, PostsNeedAConnectedQueuePairOfTheMrsPd) {
   wrong_kind.mr = normal.mr;
   EXPECT_THAT(
       device_->PostFastRegister(connection_, wrong_kind).status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "NOT_FAST_REGISTER_MR"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "NOT_FAST_REGISTER_MR"));
   EXPECT_THAT(device_->DeregisterMr(mr_.mr),
               IsMrdError(absl::StatusCode::kInvalidArgument, "WRONG_MR_KIND"));
   EXPECT_THAT(device_->FreeFastRegisterMr(normal.mr),
@@ -1330,7 +1336,7 @@ TEST_F(FastRegisterTest, QueuedWorkIsFlushedWhenTheConnectionCloses) {
   EXPECT_EQ(events[1].completion.request_context, 55u);
   EXPECT_EQ(events[1].completion.work_request, *posted);
   EXPECT_THAT(events[1].completion.status,
-              IsSeedError(v1::STATUS_CONNECTION_INVALID, "FLUSHED"));
+              IsSeedError(::mrd::STATUS_CONNECTION_INVALID, "FLUSHED"));
   EXPECT_EQ(events[2].kind, Event::Kind::kDisconnected);
   EXPECT_EQ(events[2].connection, connection_);
   // Nothing was mapped.

@@ -55,7 +55,7 @@ constexpr uint64_t kBase = uint64_t{0x5000} << 32;  // page-aligned, non-zero
   return IsMrdError(absl::StatusCode::kPermissionDenied, "REMOTE_ACCESS_ERROR");
 }
 ::testing::Matcher<absl::Status> IsConnectionInvalid() {
-  return IsSeedError(v1::STATUS_CONNECTION_INVALID, "CONNECTION_INVALID");
+  return IsSeedError(::mrd::STATUS_CONNECTION_INVALID, "CONNECTION_INVALID");
 }
 // A token that no longer works: refused by the adapter, or the connection
 // is already gone.
@@ -461,7 +461,7 @@ TEST_F(VerbsDeviceTest, ReadOnlyFileIsRegisteredOrRefusedClearly) {
     EXPECT_EQ(device_->PinnedBytes(), ps);
     EXPECT_TRUE(device_->DeregisterMr(keys->mr).ok());
   } else {
-    EXPECT_THAT(keys.status(), IsSeedError(v1::STATUS_INVALID_PARAMETER,
+    EXPECT_THAT(keys.status(), IsSeedError(::mrd::STATUS_INVALID_PARAMETER,
                                            "READ_ONLY_MEMORY_NOT_PINNABLE"));
   }
   EXPECT_EQ(device_->PinnedBytes(), 0u);
@@ -609,7 +609,7 @@ TEST_F(VerbsDeviceTest, OverMaxMrSizeIsRefusedNamingBothSizes) {
   MemfdBuffer& buffer = NewBuffer(5);
   absl::StatusOr<MrKeys> keys =
       device_->RegisterMr(pd, buffer.Span(0, 5 * ps), kBase, kRemoteRw);
-  EXPECT_THAT(keys.status(), IsSeedError(v1::STATUS_INVALID_PARAMETER,
+  EXPECT_THAT(keys.status(), IsSeedError(::mrd::STATUS_INVALID_PARAMETER,
                                          "LENGTH_OVER_MAX_MR_SIZE"));
   EXPECT_THAT(std::string(keys.status().message()),
               HasSubstr(absl::StrCat(5 * ps)));
@@ -617,7 +617,7 @@ TEST_F(VerbsDeviceTest, OverMaxMrSizeIsRefusedNamingBothSizes) {
               HasSubstr(absl::StrCat(4 * ps)));
   EXPECT_THAT(
       device_->BuildLam(pd, buffer.Span(0, 5 * ps)).status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "LENGTH_OVER_MAX_MR_SIZE"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "LENGTH_OVER_MAX_MR_SIZE"));
   EXPECT_EQ(device_->PinnedBytes(), 0u);
   EXPECT_TRUE(
       device_->RegisterMr(pd, buffer.Span(0, 4 * ps), kBase, kRemoteRw).ok());
@@ -626,18 +626,20 @@ TEST_F(VerbsDeviceTest, OverMaxMrSizeIsRefusedNamingBothSizes) {
 TEST_F(VerbsDeviceTest, RegisterMrValidatesItsArguments) {
   PdId pd = NewPd();
   MemfdBuffer& buffer = NewBuffer(1);
-  EXPECT_THAT(device_->RegisterMr(pd, buffer.Span(0, PageSize()), 0, kRemoteRw)
-                  .status(),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
-  EXPECT_THAT(device_->RegisterMr(pd, buffer.Span(0, PageSize()), kBase, 0x100)
-                  .status(),
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "UNKNOWN_ACCESS_BITS"));
+  EXPECT_THAT(
+      device_->RegisterMr(pd, buffer.Span(0, PageSize()), 0, kRemoteRw)
+          .status(),
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS"));
+  EXPECT_THAT(
+      device_->RegisterMr(pd, buffer.Span(0, PageSize()), kBase, 0x100)
+          .status(),
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_ACCESS_BITS"));
   // Pages are translated whole: the base must share the memory's offset
   // within its page.
   EXPECT_THAT(
       device_->RegisterMr(pd, buffer.Span(0, PageSize()), kBase + 8, kRemoteRw)
           .status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_MISALIGNED"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "BASE_ADDRESS_MISALIGNED"));
   EXPECT_THAT(
       device_
           ->RegisterMr(pd + 1000, buffer.Span(0, PageSize()), kBase, kRemoteRw)
@@ -891,7 +893,7 @@ TEST_F(VerbsFastRegisterTest, FastRegisteringAValidMrCompletesWithMrNotFree) {
   ASSERT_TRUE(sink_->WaitForCompletions(2));
   WorkCompletion failed = sink_->Completions().back();
   EXPECT_THAT(failed.status,
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "MR_NOT_FREE"));
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "MR_NOT_FREE"));
   EXPECT_EQ(failed.request_context, 2u);
   EXPECT_EQ(device_->QueryMr(mr_.mr)->rkey, rkey);  // unchanged
   EXPECT_TRUE(poster_->Read(rkey, kBase, 8).ok());
@@ -921,7 +923,7 @@ TEST_F(VerbsFastRegisterTest, SilentSuccessSuppressesOnlySuccesses) {
                   .ok());
   ASSERT_TRUE(sink_->WaitForCompletions(1));
   EXPECT_THAT(sink_->Completions()[0].status,
-              IsSeedError(v1::STATUS_INVALID_PARAMETER, "MR_NOT_FREE"));
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "MR_NOT_FREE"));
   EXPECT_EQ(sink_->Completions()[0].request_context, 2u);
 }
 
@@ -963,7 +965,7 @@ TEST_F(VerbsFastRegisterTest, QueuedWorkIsFlushedWhenTheConnectionCloses) {
   ASSERT_EQ(events.size(), 3u);  // connected, flushed completion, disconnect
   EXPECT_EQ(events[1].kind, Event::Kind::kCompletion);
   EXPECT_THAT(events[1].completion.status,
-              IsSeedError(v1::STATUS_CONNECTION_INVALID, "FLUSHED"));
+              IsSeedError(::mrd::STATUS_CONNECTION_INVALID, "FLUSHED"));
   EXPECT_EQ(events[1].completion.request_context, 7u);
   EXPECT_EQ(events[2].kind, Event::Kind::kDisconnected);
 }
@@ -975,7 +977,7 @@ TEST_F(VerbsFastRegisterTest, RemoteAccessOnALocalOnlyMrIsAnAccessViolation) {
   work.mr = local->mr;
   EXPECT_THAT(
       device_->PostFastRegister(connection_, work).status(),
-      IsSeedError(v1::STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED"));
+      IsSeedError(::mrd::STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED"));
 }
 
 TEST_F(VerbsFastRegisterTest, BadPageArraysAreInvalidParameters) {
@@ -983,15 +985,15 @@ TEST_F(VerbsFastRegisterTest, BadPageArraysAreInvalidParameters) {
   EXPECT_THAT(
       device_->PostFastRegister(connection_, Work({lam_a_.pages[0] + 8}, ps))
           .status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "MISALIGNED_PAGE"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "MISALIGNED_PAGE"));
   EXPECT_THAT(
       device_->PostFastRegister(connection_, Work({lam_a_.pages[3] + ps}, ps))
           .status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "PAGE_NOT_MAPPED"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "PAGE_NOT_MAPPED"));
   std::vector<uint64_t> nine(9, lam_a_.pages[0]);
   EXPECT_THAT(
       device_->PostFastRegister(connection_, Work(nine, 9 * ps)).status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "PAGE_LIST_TOO_LONG"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "PAGE_ARRAY_TOO_LONG"));
   // Another PD's pages read like unmapped ones.
   PdId other = NewPd();
   MemfdBuffer& buffer = NewBuffer(1);
@@ -999,7 +1001,7 @@ TEST_F(VerbsFastRegisterTest, BadPageArraysAreInvalidParameters) {
   EXPECT_THAT(
       device_->PostFastRegister(connection_, Work({foreign.pages[0]}, ps))
           .status(),
-      IsSeedError(v1::STATUS_INVALID_PARAMETER, "PAGE_NOT_MAPPED"));
+      IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "PAGE_NOT_MAPPED"));
 }
 
 TEST_F(VerbsFastRegisterTest, FreeingTheMrObjectRevokesAtOnce) {

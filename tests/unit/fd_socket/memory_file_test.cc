@@ -1,6 +1,6 @@
 // MapMemfd, OpenSharedFile and MappedFile::Span against real memfds, pipes,
 // sockets and files in private directories under /dev/shm and on disk.
-#include "server/session/memory_file.h"
+#include "server/fd_socket/memory_file.h"
 
 #include <fcntl.h>
 #include <linux/magic.h>
@@ -21,17 +21,17 @@
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
 #include "mrd/status.h"
-#include "tests/unit/session/session_test_util.h"
+#include "tests/unit/fd_socket/fd_socket_test_util.h"
 
-namespace mrd::session {
+namespace mrd::fd_socket {
 namespace {
 
-using ::mrd::session::testing::CountOpenFds;
-using ::mrd::session::testing::FdIsOpen;
-using ::mrd::session::testing::HasError;
-using ::mrd::session::testing::MakeMemfd;
-using ::mrd::session::testing::MakeSealedMemfd;
-using ::mrd::session::testing::TempDir;
+using ::mrd::fd_socket::testing::CountOpenFds;
+using ::mrd::fd_socket::testing::FdIsOpen;
+using ::mrd::fd_socket::testing::HasError;
+using ::mrd::fd_socket::testing::MakeMemfd;
+using ::mrd::fd_socket::testing::MakeSealedMemfd;
+using ::mrd::fd_socket::testing::TempDir;
 
 constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 constexpr absl::StatusCode kDenied = absl::StatusCode::kPermissionDenied;
@@ -169,7 +169,7 @@ TEST(MapMemfdTest, ClosedFdNumberIsBadFd) {
   auto file = MapMemfd(UniqueFd(number), ReadOnly());
   EXPECT_TRUE(HasError(file.status(), kInvalid, "BAD_FD"));
   EXPECT_EQ(GetErrorDetail(file.status()).seed_status(),
-            v1::STATUS_INVALID_PARAMETER);
+            ::mrd::STATUS_INVALID_PARAMETER);
   EXPECT_TRUE(
       HasError(MapMemfd(UniqueFd(), ReadOnly()).status(), kInvalid, "BAD_FD"));
 }
@@ -275,7 +275,7 @@ TEST(MapMemfdTest, TooBigIsALimit) {
   EXPECT_TRUE(HasError(file.status(), absl::StatusCode::kResourceExhausted,
                        "LIMIT_BUFFER_SIZE"));
   EXPECT_EQ(GetErrorDetail(file.status()).seed_status(),
-            v1::STATUS_INSUFFICIENT_RESOURCES);
+            ::mrd::STATUS_INSUFFICIENT_RESOURCES);
 }
 
 TEST(MapMemfdTest, WritableOnReadOnlyFdIsRefused) {
@@ -368,7 +368,7 @@ TEST_F(SpanTest, LengthPastBufferNamesTheValues) {
   auto span = file_->Span(4096, kSize);
   EXPECT_TRUE(HasError(span.status(), kInvalid, "LENGTH_PAST_BUFFER"));
   EXPECT_EQ(GetErrorDetail(span.status()).seed_status(),
-            v1::STATUS_INVALID_PARAMETER);
+            ::mrd::STATUS_INVALID_PARAMETER);
   const std::string message(span.status().message());
   EXPECT_NE(message.find("4096"), std::string::npos) << message;
   EXPECT_NE(message.find(absl::StrCat(kSize)), std::string::npos) << message;
@@ -603,4 +603,4 @@ TEST_F(SharedFileTest, NoFdLeaksOnAnyPath) {
 }
 
 }  // namespace
-}  // namespace mrd::session
+}  // namespace mrd::fd_socket

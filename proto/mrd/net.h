@@ -5,8 +5,8 @@
 //
 // Thread safety: the functions keep no state and may be called from any
 // thread.
-#ifndef MRD_CLIENT_PEER_NET_H_
-#define MRD_CLIENT_PEER_NET_H_
+#ifndef MRD_PROTO_MRD_NET_H_
+#define MRD_PROTO_MRD_NET_H_
 
 #include <string>
 #include <utility>
@@ -42,4 +42,4 @@ void SetNoDelay(int fd);
 
 }  // namespace mrd::peer
 
-#endif  // MRD_CLIENT_PEER_NET_H_
+#endif  // MRD_PROTO_MRD_NET_H_

@@ -1,8 +1,8 @@
 // Randomness for keys, tickets and the IOVA layout, from the kernel CSPRNG
 // (getrandom(2)). Key bytes and tickets are security boundaries: a peer that
 // could predict them could reach memory it was never given (W8).
-#ifndef MRD_SERVER_DEVICE_SOFTWARE_SECURE_RANDOM_H_
-#define MRD_SERVER_DEVICE_SOFTWARE_SECURE_RANDOM_H_
+#ifndef MRD_SERVER_DEVICE_SECURE_RANDOM_H_
+#define MRD_SERVER_DEVICE_SECURE_RANDOM_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -37,4 +37,4 @@ class SecureRandomPool {
 
 }  // namespace mrd::device
 
-#endif  // MRD_SERVER_DEVICE_SOFTWARE_SECURE_RANDOM_H_
+#endif  // MRD_SERVER_DEVICE_SECURE_RANDOM_H_

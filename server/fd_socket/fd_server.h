@@ -36,8 +36,8 @@
 //   LIMIT_OPEN_FILES (accept hit the process's open-file limit: a spare fd,
 //   kept for this, is closed to accept the connection and refuse it, so the
 //   backlog drains instead of filling), or OnConnect's error.
-#ifndef MRD_SERVER_SESSION_FD_SERVER_H_
-#define MRD_SERVER_SESSION_FD_SERVER_H_
+#ifndef MRD_SERVER_FD_SOCKET_FD_SERVER_H_
+#define MRD_SERVER_FD_SOCKET_FD_SERVER_H_
 
 #include <sys/types.h>
 
@@ -58,7 +58,7 @@
 #include "server/common/fd_budget.h"
 #include "server/common/thread.h"
 
-namespace mrd::session {
+namespace mrd::fd_socket {
 
 // The peer of a connection as the kernel saw it at connect() (SO_PEERCRED).
 struct PeerCredentials {
@@ -205,6 +205,6 @@ class FdServer final {
   Thread thread_ ABSL_GUARDED_BY(shutdown_mu_);
 };
 
-}  // namespace mrd::session
+}  // namespace mrd::fd_socket
 
-#endif  // MRD_SERVER_SESSION_FD_SERVER_H_
+#endif  // MRD_SERVER_FD_SOCKET_FD_SERVER_H_

@@ -25,8 +25,8 @@
 // Thread safety: a MappedFile is immutable after construction; every const
 // method may be called from any thread concurrently. The factories are
 // thread-safe (they touch only their arguments).
-#ifndef MRD_SERVER_SESSION_MEMORY_FILE_H_
-#define MRD_SERVER_SESSION_MEMORY_FILE_H_
+#ifndef MRD_SERVER_FD_SOCKET_MEMORY_FILE_H_
+#define MRD_SERVER_FD_SOCKET_MEMORY_FILE_H_
 
 #include <cstdint>
 #include <limits>
@@ -39,7 +39,7 @@
 #include "mrd/unique_fd.h"
 #include "server/device/device.h"
 
-namespace mrd::session {
+namespace mrd::fd_socket {
 
 struct MemfdImportOptions;
 struct SharedFileOptions;
@@ -159,6 +159,6 @@ class MappedFile final {
   std::string source_;
 };
 
-}  // namespace mrd::session
+}  // namespace mrd::fd_socket
 
-#endif  // MRD_SERVER_SESSION_MEMORY_FILE_H_
+#endif  // MRD_SERVER_FD_SOCKET_MEMORY_FILE_H_

@@ -1,4 +1,4 @@
-#include "server/device/software/iova_space.h"
+#include "server/device/iova_space.h"
 
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
@@ -21,7 +21,7 @@ absl::StatusOr<uint64_t> IovaSpace::Allocate(uint64_t pages,
   uint64_t room_pages = (limit_ - next_) / page_size_;
   if (guard_pages > room_pages || pages > room_pages - guard_pages) {
     return SeedError(
-        v1::STATUS_INSUFFICIENT_RESOURCES, "IOVA_EXHAUSTED",
+        STATUS_INSUFFICIENT_RESOURCES, "IOVA_EXHAUSTED",
         absl::StrCat("logical address space has room for ", room_pages,
                      " more pages, ", pages, " requested"));
   }

@@ -1,4 +1,4 @@
-#include "client/peer/frame.h"
+#include "mrd/peer_frame.h"
 
 #include <sys/socket.h>
 #include <sys/types.h>

@@ -2,8 +2,8 @@
 // private directory, and a raw SOCK_SEQPACKET client for the fd socket (raw
 // socket calls on purpose: the tests check the wire protocol, not a client
 // library).
-#ifndef MRD_TESTS_UNIT_SESSION_SESSION_TEST_UTIL_H_
-#define MRD_TESTS_UNIT_SESSION_SESSION_TEST_UTIL_H_
+#ifndef MRD_TESTS_UNIT_FD_SOCKET_FD_SOCKET_TEST_UTIL_H_
+#define MRD_TESTS_UNIT_FD_SOCKET_FD_SOCKET_TEST_UTIL_H_
 
 #include <sys/types.h>
 
@@ -18,7 +18,7 @@
 #include "mrd/unique_fd.h"
 #include "mrd/v1/fd.pb.h"
 
-namespace mrd::session::testing {
+namespace mrd::fd_socket::testing {
 
 // A memfd of `contents` (MFD_ALLOW_SEALING) with `seals` added. Fails the
 // test (and returns an invalid fd) if any step fails.
@@ -91,6 +91,6 @@ class RawClient {
   UniqueFd sock_;
 };
 
-}  // namespace mrd::session::testing
+}  // namespace mrd::fd_socket::testing
 
-#endif  // MRD_TESTS_UNIT_SESSION_SESSION_TEST_UTIL_H_
+#endif  // MRD_TESTS_UNIT_FD_SOCKET_FD_SOCKET_TEST_UTIL_H_

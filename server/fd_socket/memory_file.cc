@@ -1,4 +1,4 @@
-#include "server/session/memory_file.h"
+#include "server/fd_socket/memory_file.h"
 
 #include <fcntl.h>
 #include <linux/magic.h>
@@ -20,12 +20,12 @@
 #include "mrd/status.h"
 #include "server/common/log.h"
 
-namespace mrd::session {
+namespace mrd::fd_socket {
 namespace {
 
 absl::Status InvalidParameter(absl::string_view reason,
                               absl::string_view message) {
-  return SeedError(v1::STATUS_INVALID_PARAMETER, reason, message);
+  return SeedError(STATUS_INVALID_PARAMETER, reason, message);
 }
 
 absl::Status PermissionDenied(absl::string_view reason,
@@ -89,7 +89,7 @@ absl::Status CheckSize(uint64_t size, uint64_t max_size,
                             absl::StrCat(what, " is empty (size 0)"));
   }
   if (size > max_size) {
-    return SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_BUFFER_SIZE",
+    return SeedError(STATUS_INSUFFICIENT_RESOURCES, "LIMIT_BUFFER_SIZE",
                      absl::StrCat(what, " has ", size,
                                   " bytes, more than the buffer limit of ",
                                   max_size, " bytes"));
@@ -381,4 +381,4 @@ absl::StatusOr<std::unique_ptr<MappedFile>> OpenSharedFile(
                          absl::StrCat("file:", path));
 }
 
-}  // namespace mrd::session
+}  // namespace mrd::fd_socket

@@ -10,8 +10,8 @@
 // page array lands in a gap and is refused.
 //
 // Thread-compatible: the device serializes calls under its own mutex.
-#ifndef MRD_SERVER_DEVICE_SOFTWARE_IOVA_SPACE_H_
-#define MRD_SERVER_DEVICE_SOFTWARE_IOVA_SPACE_H_
+#ifndef MRD_SERVER_DEVICE_IOVA_SPACE_H_
+#define MRD_SERVER_DEVICE_IOVA_SPACE_H_
 
 #include <cstdint>
 #include <map>
@@ -62,4 +62,4 @@ class IovaSpace {
 
 }  // namespace mrd::device
 
-#endif  // MRD_SERVER_DEVICE_SOFTWARE_IOVA_SPACE_H_
+#endif  // MRD_SERVER_DEVICE_IOVA_SPACE_H_

@@ -1,4 +1,4 @@
-#include "client/peer/net.h"
+#include "mrd/net.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

@@ -6,8 +6,8 @@
 //
 // Thread safety: the functions keep no state. A socket must not be read (or
 // written) by two threads at once.
-#ifndef MRD_CLIENT_PEER_FRAME_H_
-#define MRD_CLIENT_PEER_FRAME_H_
+#ifndef MRD_PROTO_MRD_PEER_FRAME_H_
+#define MRD_PROTO_MRD_PEER_FRAME_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -46,4 +46,4 @@ absl::Status ReadFrame(int fd, uint32_t max_body_bytes,
 
 }  // namespace mrd::peer
 
-#endif  // MRD_CLIENT_PEER_FRAME_H_
+#endif  // MRD_PROTO_MRD_PEER_FRAME_H_

@@ -2,7 +2,7 @@
 // that really maps what it is given (MapMemfd). Every test ends with the
 // invariant that each session OnConnect opened got exactly one OnDisconnect
 // and holds no buffer any more.
-#include "server/session/fd_server.h"
+#include "server/fd_socket/fd_server.h"
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -28,19 +28,19 @@
 #include "gtest/gtest.h"
 #include "mrd/status.h"
 #include "server/common/fd_budget.h"
-#include "server/session/memory_file.h"
-#include "tests/unit/session/session_test_util.h"
+#include "server/fd_socket/memory_file.h"
+#include "tests/unit/fd_socket/fd_socket_test_util.h"
 
-namespace mrd::session {
+namespace mrd::fd_socket {
 namespace {
 
-using ::mrd::session::testing::CountOpenFds;
-using ::mrd::session::testing::FdIsOpen;
-using ::mrd::session::testing::IsErrorReply;
-using ::mrd::session::testing::MakeMemfd;
-using ::mrd::session::testing::MakeSealedMemfd;
-using ::mrd::session::testing::RawClient;
-using ::mrd::session::testing::TempDir;
+using ::mrd::fd_socket::testing::CountOpenFds;
+using ::mrd::fd_socket::testing::FdIsOpen;
+using ::mrd::fd_socket::testing::IsErrorReply;
+using ::mrd::fd_socket::testing::MakeMemfd;
+using ::mrd::fd_socket::testing::MakeSealedMemfd;
+using ::mrd::fd_socket::testing::RawClient;
+using ::mrd::fd_socket::testing::TempDir;
 
 constexpr absl::Duration kWait = absl::Seconds(10);
 constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
@@ -500,7 +500,7 @@ TEST_F(FdServerTest, ImportErrorComesBackAsFdErrorWithDetail) {
   EXPECT_EQ(reply->sequence(), 5u);
   EXPECT_TRUE(IsErrorReply(*reply, kInvalid, "NOT_SEALED"));
   EXPECT_EQ(reply->error().detail().seed_status(),
-            v1::STATUS_INVALID_PARAMETER);
+            ::mrd::STATUS_INVALID_PARAMETER);
   EXPECT_NE(reply->error().message().find("F_SEAL_SHRINK"), std::string::npos);
   EXPECT_EQ(CountOpenFds(), before) << "the refused fd was not closed";
   // A second error, from the handler's size check.
@@ -944,4 +944,4 @@ TEST_F(FdServerTest, MissingDirectoryFailsToBind) {
 }
 
 }  // namespace
-}  // namespace mrd::session
+}  // namespace mrd::fd_socket

@@ -1,4 +1,4 @@
-#include "tests/unit/session/session_test_util.h"
+#include "tests/unit/fd_socket/fd_socket_test_util.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -17,7 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
 
-namespace mrd::session::testing {
+namespace mrd::fd_socket::testing {
 
 UniqueFd MakeMemfd(absl::string_view contents, int seals) {
   UniqueFd fd(::memfd_create("mrd-test", MFD_CLOEXEC | MFD_ALLOW_SEALING));
@@ -252,4 +252,4 @@ std::optional<v1::FdWelcome> RawClient::ReceiveWelcome() {
   return reply->welcome();
 }
 
-}  // namespace mrd::session::testing
+}  // namespace mrd::fd_socket::testing

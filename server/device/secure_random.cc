@@ -1,4 +1,4 @@
-#include "server/device/software/secure_random.h"
+#include "server/device/secure_random.h"
 
 #include <sys/random.h>
 

@@ -1,4 +1,4 @@
-#include "server/session/fd_server.h"
+#include "server/fd_socket/fd_server.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -20,9 +20,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 #include "server/common/log.h"
 
-namespace mrd::session {
+namespace mrd::fd_socket {
 namespace {
 
 // epoll_event.data.u64 of the two fixed fds; connections count up from
@@ -59,7 +60,7 @@ void SetError(v1::FdReply& reply, const absl::Status& status) {
   v1::FdError* error = reply.mutable_error();
   error->set_code(static_cast<int32_t>(status.code()));
   error->set_message(std::string(status.message()));
-  *error->mutable_detail() = GetErrorDetail(status);
+  *error->mutable_detail() = ErrorDetailToProto(GetErrorDetail(status));
 }
 
 absl::Status ProtocolError(absl::string_view reason,
@@ -400,7 +401,7 @@ bool FdServer::AcceptWithSpareFd() {
   if (accepted) {
     v1::FdReply refusal;
     SetError(refusal,
-             SeedError(v1::STATUS_INSUFFICIENT_RESOURCES, "LIMIT_OPEN_FILES",
+             SeedError(STATUS_INSUFFICIENT_RESOURCES, "LIMIT_OPEN_FILES",
                        "mrd has reached its open-file limit (RLIMIT_NOFILE); "
                        "try again later"));
     SendOnce(sock.get(), refusal);
@@ -789,4 +790,4 @@ void FdServer::CloseAll() {
   LogInfo("fd socket: stopped listening on ", options_.path);
 }
 
-}  // namespace mrd::session
+}  // namespace mrd::fd_socket

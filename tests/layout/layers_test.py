@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""The module graph of docs/ARCHITECTURE.md, held to the code.
+
+Every `#include` of our own headers is an edge between two modules (folders,
+or proto/mrd/v1 for the generated messages). The test fails when
+  * an edge exists in the code that the module table does not list
+    ("depends on" column), so the table always shows every edge there is;
+  * the table lists an edge the code does not have (it went stale);
+  * a forbidden edge appears: a server module including client/, a client
+    module including server/, server/common or the devices including the
+    generated proto, or anything but main.cc including server/service.
+The CMake link graph (cmake --graphviz of a scratch configure) is held to
+the same rule: no client target links a server library and no server
+library links a client one.
+Run: layers_test.py REPO_ROOT
+"""
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# Longest prefix first: a file belongs to the most specific module.
+MODULES = [
+    "proto/mrd/v1",
+    "proto/mrd",
+    "server/common",
+    "server/device/software",
+    "server/device/verbs",
+    "server/device",
+    "server/fd_socket",
+    "server/cache",
+    "server/core",
+    "server/service",
+    "server/metrics",
+    "server/main.cc",
+    "client/lib",
+    "client/peer",
+    "client/mrctl",
+]
+
+FORBIDDEN = [
+    # (from-prefix, to-prefix, why)
+    ("server/", "client/", "no server code includes the client"),
+    ("client/", "server/", "no client code includes the server"),
+    ("server/common", "proto/mrd/v1", "common speaks no wire messages"),
+    ("server/cache", "proto/mrd/v1", "the cache speaks no wire messages"),
+    ("server/device", "proto/mrd/v1", "devices speak no wire messages"),
+]
+# The one generated header a module of FORBIDDEN may still include: the
+# software device's own peer protocol.
+ALLOWED_GENERATED = {"server/device/software": {"mrd/v1/peer.pb.h"}}
+# Only main.cc wires the gRPC service in.
+SERVICE_USERS = {"server/main.cc", "server/service"}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+
+def module_of(path):
+    for m in MODULES:
+        if path == m or path.startswith(m + "/"):
+            return m
+    return None
+
+
+def header_module(include):
+    """The module an include names (our own headers only)."""
+    if include.startswith("mrd/v1/"):
+        return "proto/mrd/v1"
+    if include.startswith("mrd/"):
+        return "proto/mrd"
+    return module_of(include)
+
+
+def code_edges(root):
+    edges = {}
+    for top in ("proto/mrd", "server", "client"):
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            for name in files:
+                if not name.endswith((".cc", ".h")):
+                    continue
+                full = os.path.join(dirpath, name)
+                rel = os.path.relpath(full, root)
+                src = module_of(rel)
+                if src is None:
+                    continue
+                with open(full, encoding="utf-8") as f:
+                    text = f.read()
+                for inc in INCLUDE.findall(text):
+                    dst = header_module(inc)
+                    if dst is None or dst == src:
+                        continue
+                    allowed = inc in ALLOWED_GENERATED.get(src, ())
+                    edges.setdefault((src, dst), []).append(
+                        (rel, inc, allowed))
+    return edges
+
+
+def table_edges(root):
+    """(module, dependency) pairs of the ARCHITECTURE.md module table."""
+    path = os.path.join(root, "docs", "ARCHITECTURE.md")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    section = text.split("## Modules", 1)[1].split("\n## ", 1)[0]
+    edges = set()
+    rows = 0
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or not cells[0].startswith("`"):
+            continue
+        module = cells[0].strip("`").rstrip("/")
+        if module not in MODULES:
+            sys.exit(f"ARCHITECTURE.md: unknown module {module!r} in the table")
+        rows += 1
+        for dep in re.findall(r"`([^`]+)`", cells[3]):
+            dep = dep.rstrip("/")
+            if dep in MODULES:
+                edges.add((module, dep))
+    if rows != len(MODULES):
+        sys.exit(f"ARCHITECTURE.md: the module table has {rows} rows of our "
+                 f"modules, the code has {len(MODULES)}")
+    return edges
+
+
+CLIENT_TARGETS = {"mrd_client", "mrd_peer_client", "mrd_verbs_peer", "mrctl"}
+SERVER_TARGET = re.compile(
+    r"^mrd_(common|device\w*|verbs_device|fd_socket|cache|core|service|"
+    r"metrics|rpc_observer)$")
+NODE = re.compile(r'^\s*"(node\d+)" \[ label = "([^"]+)"', re.M)
+EDGE = re.compile(r'^\s*"(node\d+)" -> "(node\d+)"', re.M)
+
+
+def link_failures(root):
+    """Forbidden edges of the CMake link graph."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dot = os.path.join(tmp, "targets.dot")
+        subprocess.run(["cmake", "-S", root, "-B", os.path.join(tmp, "build"),
+                        "-G", "Ninja", f"--graphviz={dot}"],
+                       check=True, stdout=subprocess.DEVNULL)
+        with open(dot, encoding="utf-8") as f:
+            text = f.read()
+    names = dict(NODE.findall(text))
+    failures = []
+    edges = 0
+    for a, b in EDGE.findall(text):
+        src, dst = names.get(a, ""), names.get(b, "")
+        edges += 1
+        if src in CLIENT_TARGETS and SERVER_TARGET.match(dst):
+            failures.append(f"client target {src} links server library {dst}")
+        if SERVER_TARGET.match(src) and dst in CLIENT_TARGETS:
+            failures.append(f"server library {src} links client target {dst}")
+    if edges == 0 or "mrd_client" not in names.values():
+        failures.append("cmake --graphviz gave no graph of our targets")
+    return failures
+
+
+def main():
+    root = sys.argv[1] if len(sys.argv) > 1 else "."
+    code = code_edges(root)
+    table = table_edges(root)
+    failures = []
+    failures += link_failures(root)
+    for (src, dst), uses in sorted(code.items()):
+        for prefix_from, prefix_to, why in FORBIDDEN:
+            if src.startswith(prefix_from) and dst.startswith(prefix_to):
+                bad = sorted({f"{rel} includes {inc}"
+                              for rel, inc, allowed in uses if not allowed})
+                if bad:
+                    failures.append(f"forbidden edge {src} -> {dst} ({why}): "
+                                    + "; ".join(bad))
+        if dst == "server/service" and src not in SERVICE_USERS:
+            failures.append(f"forbidden edge {src} -> server/service (only "
+                            f"main.cc wires the service): {uses[0][0]}")
+        if (src, dst) not in table:
+            failures.append(f"edge {src} -> {dst} is in the code "
+                            f"({uses[0][0]}) but not in ARCHITECTURE.md")
+    for src, dst in sorted(table - set(code)):
+        failures.append(f"ARCHITECTURE.md lists {src} -> {dst}, which the "
+                        f"code does not have")
+    for f in failures:
+        print("FAIL:", f)
+    print(f"{len(code)} module edges checked, {len(failures)} problem(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
