@@ -2,7 +2,7 @@
 // owns the listening socket, ONE reactor thread (epoll: accept, non-blocking
 // reads that assemble frames byte by byte, non-blocking writes of queued
 // responses, deadlines) and a small fixed pool of workers that run the
-// owner's frame handler. It knows the framing (client/peer/frame.h) but not
+// owner's frame handler. It knows the framing (mrd/peer_frame.h) but not
 // the messages.
 //
 // Per connection, frames are handled strictly one at a time, in order (RC

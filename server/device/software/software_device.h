@@ -19,25 +19,20 @@
 //   truncated underneath gives REMOTE_ACCESS_ERROR, not SIGBUS. Hence the
 //   contract: span.fd stays open until DeregisterMr / ReleaseLam /
 //   DeallocatePd returns.
-// * Revocation vs. peers in flight: a peer op checks the key and takes an
-//   in-flight reference on the MR under the device mutex, then does its I/O
-//   without the mutex. Revoking (DeregisterMr, invalidation, FreeFast-
-//   RegisterMr, DeallocatePd) makes the key unmatchable under the mutex and
-//   then waits for the in-flight count to drain. So every peer op either
-//   completes before the revoking call returns (or the invalidation's
-//   completion is delivered) or fails.
+// * The device model (device_model.h) holds the PD, MR, LAM and connection
+//   tables, the work queue and its ordering, and the NIC's checks of a peer
+//   request (BeginPeerAccess); this provider adds pinning, keys and the TCP
+//   peer path.
+// * Revocation vs. peers in flight: a peer op finds the MR its key names and
+//   takes an in-flight reference on it through the model, then does its I/O
+//   without any lock; revoking waits for those references (device_model.h).
 // * Threads: a fixed set, whatever the number of peer connections: the peer
 //   listener's reactor and its worker pool (peer_listener.h), which run
-//   HandleRequest one frame at a time per connection, and one worker that
-//   executes posted work in post
-//   order and delivers every sink event (peer connected, completions, peer
-//   disconnected). A PD's events therefore arrive in order, from one thread,
-//   never with a caller's device call on the stack. Because the worker runs
-//   a connection's work strictly in order, READ_FENCE holds trivially (and
-//   this connection issues no RDMA reads of its own for a fence to wait on).
+//   HandleRequest one frame at a time per connection, and the model's
+//   worker. This connection issues no RDMA reads of its own for a
+//   READ_FENCE to wait on.
 // * Pinning (pin_tracker.h) happens outside the device mutex, since mlock
-//   faults every page in; the PD is held "busy" meanwhile so DeallocatePd
-//   waits for it instead of racing it.
+//   faults every page in.
 //
 // Peer connections. The first request must be hello (anything else:
 // PEER_REMOTE_INVALID_REQUEST, then close) with a ticket of a live PD (else
@@ -57,26 +52,21 @@
 #define MRD_SERVER_DEVICE_SOFTWARE_SOFTWARE_DEVICE_H_
 
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "mrd/unique_fd.h"
 #include "mrd/v1/peer.pb.h"
-#include "server/common/thread.h"
 #include "server/device/device.h"
+#include "server/device/device_model.h"
 #include "server/device/fault_points.h"
-#include "server/device/iova_space.h"
 #include "server/device/secure_random.h"
 #include "server/device/software/kernel_pin_ops.h"
 #include "server/device/software/key_table.h"
@@ -147,7 +137,7 @@ struct SoftwareDeviceOptions {
   FaultPoints* fault_points = nullptr;
 };
 
-class SoftwareDevice final : public Device {
+class SoftwareDevice final : public DeviceModel {
  public:
   // Validates `options` (INVALID_ARGUMENT "BAD_OPTION"), binds and listens
   // on the peer address (errors of ListenTcp). Threads start in Start().
@@ -156,53 +146,9 @@ class SoftwareDevice final : public Device {
   // Shutdown(), then releases whatever PDs are left (nothing stays pinned),
   // without calling their sinks.
   ~SoftwareDevice() override;
-  SoftwareDevice(const SoftwareDevice&) = delete;
-  SoftwareDevice& operator=(const SoftwareDevice&) = delete;
 
-  const DeviceAttributes& Attributes() const override { return attributes_; }
   DeviceHealth Health() const override;
   uint64_t PinnedBytes() const override;
-
-  // Errors: FAILED_PRECONDITION "ALREADY_STARTED".
-  absl::Status Start() override;
-  void Shutdown() override;
-
-  absl::StatusOr<PdId> AllocatePd(PdEventSink* sink) override;
-  absl::Status DeallocatePd(PdId pd) override;
-
-  absl::StatusOr<MrKeys> RegisterMr(PdId pd, const MemorySpan& span,
-                                    uint64_t base_address,
-                                    uint32_t access) override;
-  absl::Status DeregisterMr(MrId mr) override;
-
-  absl::StatusOr<LogicalMapping> BuildLam(PdId pd,
-                                          const MemorySpan& span) override;
-  absl::Status ReleaseLam(LamId lam) override;
-
-  absl::StatusOr<MrKeys> AllocateFastRegisterMr(PdId pd, bool allow_remote,
-                                                uint32_t max_pages) override;
-  absl::Status FreeFastRegisterMr(MrId mr) override;
-
-  absl::StatusOr<std::string> CreatePeerTicket(PdId pd) override;
-
-  absl::StatusOr<uint64_t> PostFastRegister(
-      ConnectionId connection, const FastRegisterWork& work) override;
-  absl::StatusOr<uint64_t> PostInvalidate(ConnectionId connection,
-                                          const InvalidateWork& work) override;
-
-  // Beyond Device:
-
-  // The MR's current keys (NDK_FN_GET_REMOTE_TOKEN_FROM_MR, F5): after a
-  // fast registration, the new rkey. Errors: NOT_FOUND "UNKNOWN_MR".
-  absl::StatusOr<MrKeys> QueryMr(MrId mr) const override;
-  // Hands the connection's deferred (kWorkDefer) work to the worker now, as
-  // the next non-deferred post would. Errors: FAILED_PRECONDITION
-  // (STATUS_CONNECTION_INVALID) as for posts.
-  absl::Status FlushDeferred(ConnectionId connection);
-  // Blocks until the worker has no task queued or running: every event due
-  // so far has been delivered. For tests and orderly teardown; must not be
-  // called from a sink. Returns at once when the device was never started.
-  void WaitForWorkerIdle();
 
   // What the device holds right now, for leak checks in tests.
   struct ResourceCounts {
@@ -227,158 +173,68 @@ class SoftwareDevice final : public Device {
   };
   PeerPathStats PeerStats() const;
 
+ protected:
+  absl::Status ProviderStart() override;
+  void ProviderStop() override;
+  absl::Status ProviderPin(const MemorySpan& span) override;
+  void ProviderUnpin(const MemorySpan& span) override;
+  absl::StatusOr<Registration> ProviderRegister(ProviderState* pd,
+                                                const MemorySpan& span,
+                                                uint64_t iova, uint32_t access,
+                                                uint64_t owner,
+                                                bool lam) override;
+  absl::Status ProviderDeregister(
+      std::unique_ptr<ProviderState> state) override;
+  absl::StatusOr<Registration> ProviderAllocateFastMr(ProviderState* pd,
+                                                      MrId owner) override;
+  absl::StatusOr<Registration> ProviderFastRegister(
+      ProviderState* pd, ProviderState* object, MrId mr,
+      const std::vector<PageRef>& pages, const FastRegisterWork& fr,
+      uint32_t previous_rkey) override;
+  void ProviderCloseConnectionsLocked(
+      const std::vector<ConnectionId>& connections) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
  private:
-  struct Pd;
-  struct Mr;
-  struct Lam;
-  struct Connection;
-  struct IoSegment;
-  struct ResolvedPages;
+  struct Key;   // a ProviderState: one key of the key table
+  struct Peer;  // one TCP connection of the peer path
 
-  // One posted work request (a send-queue entry).
-  struct Work {
-    WorkCompletion::Kind kind = WorkCompletion::Kind::kFastRegister;
-    uint64_t id = 0;
-    ConnectionId connection = 0;
-    PdId pd = 0;
-    MrId mr = 0;
-    uint32_t flags = 0;
-    uint64_t request_context = 0;
-    FastRegisterWork fast_register;  // kFastRegister only
-  };
-  // What the worker does next: run work, or deliver a connection event.
-  struct Task {
-    enum class Kind { kWork, kConnected, kDisconnected };
-    Kind kind = Kind::kWork;
-    PdId pd = 0;
-    ConnectionId connection = 0;
-    std::string remote;  // kConnected
-    Work work;           // kWork
-  };
-
-  SoftwareDevice(const SoftwareDeviceOptions& options, uint64_t page_size,
-                 std::unique_ptr<PeerListener> listener, uint64_t iova_start,
+  SoftwareDevice(const SoftwareDeviceOptions& options, DeviceModelOptions model,
+                 DeviceAttributes attributes,
+                 std::unique_ptr<PeerListener> listener,
                  std::unique_ptr<KernelPinOps> own_pin_ops);
 
-  absl::Status ValidateSpan(const MemorySpan& span,
-                            absl::string_view call) const;
-
-  // A live (not dying) PD. Errors: NOT_FOUND "UNKNOWN_PD".
-  absl::StatusOr<Pd*> FindPdLocked(PdId pd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks the PD busy: DeallocatePd waits until it is idle again. Used
-  // around work on the PD's objects done outside the mutex (pinning, sink
-  // calls) or across waits that release it.
-  absl::Status BeginPdOp(PdId pd) ABSL_LOCKS_EXCLUDED(mu_);
-  void EndPdOp(PdId pd) ABSL_LOCKS_EXCLUDED(mu_);
-  void EndPdOpLocked(PdId pd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  absl::StatusOr<MrKeys> RegisterPinned(PdId pd, const MemorySpan& span,
-                                        uint64_t base_address, uint32_t access)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<LogicalMapping> MapPinned(PdId pd, const MemorySpan& span)
-      ABSL_LOCKS_EXCLUDED(mu_);
-
-  // An MR that is not being destroyed. Errors: NOT_FOUND "UNKNOWN_MR".
-  absl::StatusOr<std::shared_ptr<Mr>> FindMrLocked(MrId mr) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Makes the MR's mapping unusable by peers and waits (releasing the mutex)
-  // until no peer op is inside it. Returns the LAM references the mapping
-  // held; the caller drops them with DropLamRefsLocked.
-  std::vector<LamId> UnmapLocked(const std::shared_ptr<Mr>& mr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void DropLamRefsLocked(const std::vector<LamId>& lams)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Revokes the key, unmaps and erases the MR. Returns its span for
-  // unpinning (normal MRs) or an empty span.
-  MemorySpan DestroyMrLocked(std::shared_ptr<Mr> mr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // Translates a fast-register page array that passed ValidatePageArray.
-  // Errors: INVALID_ARGUMENT (STATUS_INVALID_PARAMETER "PAGE_NOT_MAPPED").
-  absl::StatusOr<ResolvedPages> ResolvePagesLocked(
-      PdId pd, const std::vector<uint64_t>& pages) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A connected queue pair of `pd`. Errors: FAILED_PRECONDITION
-  // (STATUS_CONNECTION_INVALID "CONNECTION_INVALID").
-  absl::StatusOr<Connection*> FindPostConnectionLocked(ConnectionId connection,
-                                                       PdId pd) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t EnqueueLocked(Connection& connection, Work work)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseDeferredLocked(Connection& connection)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // Worker.
-  void WorkerLoop();
-  // Runs one work request; nullopt = nothing to deliver (silent success).
-  std::optional<WorkCompletion> Execute(const Work& work)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status ExecuteFastRegisterLocked(const Work& work, uint32_t* rkey)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ExecuteInvalidateLocked(const Work& work)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool WorkerHasTask() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool WorkerIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Registration> NewKey(uint64_t owner)
+      ABSL_LOCKS_EXCLUDED(keys_mu_);
 
   // Peer path: open and close on the listener's reactor, frames on its
   // workers, one at a time per connection.
-  std::shared_ptr<Connection> OpenConnection(int fd, const std::string& remote)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  PeerListener::Verdict HandleFrame(
-      const std::shared_ptr<Connection>& connection,
-      absl::StatusOr<std::string> body, std::string* out)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  std::shared_ptr<Peer> OpenConnection(int fd, const std::string& remote);
+  PeerListener::Verdict HandleFrame(const std::shared_ptr<Peer>& peer,
+                                    absl::StatusOr<std::string> body,
+                                    std::string* out);
   // Fills `response`; false = close the connection after sending it.
-  bool HandleRequest(const std::shared_ptr<Connection>& connection,
-                     const v1::PeerRequest& request, v1::PeerResponse* response)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  bool HandleHello(const std::shared_ptr<Connection>& connection,
-                   const v1::PeerHello& hello, v1::PeerResponse* response)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  bool HandleData(const std::shared_ptr<Connection>& connection,
-                  const v1::PeerRequest& request, v1::PeerResponse* response)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // The NIC's checks of an incoming READ/WRITE; on success the I/O plan and
-  // the MR, whose in-flight count the caller then raises.
-  absl::Status CheckPeerAccessLocked(const Connection& connection,
-                                     uint32_t rkey, uint64_t address,
-                                     uint64_t length, uint32_t need,
-                                     std::vector<IoSegment>* plan,
-                                     std::shared_ptr<Mr>* mr) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void CloseConnection(const std::shared_ptr<Connection>& connection)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  bool HandleRequest(const std::shared_ptr<Peer>& peer,
+                     const v1::PeerRequest& request,
+                     v1::PeerResponse* response);
+  bool HandleHello(const std::shared_ptr<Peer>& peer,
+                   const v1::PeerHello& hello, v1::PeerResponse* response);
+  bool HandleData(const std::shared_ptr<Peer>& peer,
+                  const v1::PeerRequest& request, v1::PeerResponse* response);
+  void CloseConnection(const std::shared_ptr<Peer>& peer);
 
   const SoftwareDeviceOptions options_;
-  const uint64_t page_size_;
-  DeviceAttributes attributes_;
   // Before pins_, which uses it (when options_.pin_ops is nullptr).
   const std::unique_ptr<KernelPinOps> own_pin_ops_;
   PinTracker pins_;
   const std::unique_ptr<PeerListener> listener_;
 
-  mutable absl::Mutex mu_;
-  Thread worker_ ABSL_GUARDED_BY(mu_);
-  bool started_ ABSL_GUARDED_BY(mu_) = false;
-  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
-  bool worker_stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool worker_busy_ ABSL_GUARDED_BY(mu_) = false;
-  SecureRandomPool random_ ABSL_GUARDED_BY(mu_);
-  KeyTable keys_ ABSL_GUARDED_BY(mu_);
-  IovaSpace iova_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<PdId, std::unique_ptr<Pd>> pds_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<MrId, std::shared_ptr<Mr>> mrs_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<LamId, std::unique_ptr<Lam>> lams_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<ConnectionId, std::shared_ptr<Connection>> connections_
-      ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, PdId> tickets_ ABSL_GUARDED_BY(mu_);
-  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_pd_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_mr_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_lam_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_work_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t session_limit_refusals_ ABSL_GUARDED_BY(mu_) = 0;
+  mutable absl::Mutex keys_mu_;
+  SecureRandomPool random_ ABSL_GUARDED_BY(keys_mu_);
+  KeyTable keys_ ABSL_GUARDED_BY(keys_mu_);
+  // Sockets of the connections the model knows, to shut them down when
+  // their PD goes (ProviderCloseConnectionsLocked).
+  absl::flat_hash_map<ConnectionId, int> sockets_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mrd::device

@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -20,24 +19,16 @@
 #include "mrd/net.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
-#include "server/device/fast_register_rules.h"
 
 namespace mrd::device {
 namespace {
 
-constexpr uint32_t kKnownAccess = kAccessLocalWrite | kAccessRemoteRead |
-                                  kAccessRemoteWrite | kAccessReadSink;
-constexpr uint32_t kRemoteAccess = kAccessRemoteRead | kAccessRemoteWrite;
-constexpr uint32_t kKnownWorkFlags =
-    kWorkSilentSuccess | kWorkReadFence | kWorkDefer;
 constexpr int kWriteAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
 // Logical addresses: the same layout as the software device's (random start
 // in [4 GiB, 68 GiB) for 4 KiB pages, guard gaps, well below 2^56).
 constexpr uint64_t kIovaFloorPages = uint64_t{1} << 20;
 constexpr uint64_t kIovaSpreadPages = uint64_t{1} << 24;
 constexpr uint64_t kIovaLimit = uint64_t{1} << 56;
-constexpr uint64_t kMaxGuardPages = 16;
-constexpr size_t kTicketBytes = 16;  // 128-bit secret, 32 hex characters
 // RC connect private data (CM REQ) has room for 56 bytes after rdma_cm's
 // own header.
 constexpr size_t kMaxConnectPrivateData = 56;
@@ -51,11 +42,6 @@ std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
 absl::Status InvalidParameter(absl::string_view reason,
                               absl::string_view message) {
   return SeedError(STATUS_INVALID_PARAMETER, reason, message);
-}
-
-absl::Status UnknownMr(MrId mr) {
-  return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR",
-                  absl::StrCat("no memory region ", mr));
 }
 
 uint64_t PageRound(uint64_t address, uint64_t length, uint64_t page_size) {
@@ -221,70 +207,43 @@ std::vector<std::string> ListVerbsDevices() {
   return names;
 }
 
-// All fields below are guarded by VerbsDevice::mu_ unless marked immutable.
-
-struct VerbsDevice::Pd {
-  PdId id = 0;                  // immutable
-  PdEventSink* sink = nullptr;  // immutable
-  ibv_pd* pd = nullptr;         // null once DeallocatePd/ReleaseDevice took it
-  bool dying = false;
-  int busy = 0;  // see BeginPdOp
-  absl::flat_hash_set<MrId> mrs;
-  absl::flat_hash_set<LamId> lams;
-  // Every connection with a QP in this PD, connecting or connected. Only
-  // the connection-manager thread removes entries, after destroying the QP.
-  absl::flat_hash_set<ConnectionId> connections;
-  std::vector<std::string> tickets;
+// The opened device. Owned by the VerbsDevice; the cm thread destroys
+// listen_id on its way out, ReleaseDevice after a loss, or the destructor
+// when the device never started.
+struct VerbsDevice::Adapter {
+  ~Adapter() {
+    if (listen_id != nullptr) rdma_destroy_id(listen_id);
+    if (channel != nullptr) rdma_destroy_event_channel(channel);
+  }
+  // librdmacm's context of the device (listen_id->verbs); closed by
+  // librdmacm once every id on it is gone (and, after a loss, the device is
+  // noticed to be gone).
+  ibv_context* context = nullptr;
+  rdma_event_channel* channel = nullptr;
+  rdma_cm_id* listen_id = nullptr;
+  DeviceAttributes attributes;
+  uint64_t max_mr_size = 0;
+  uint32_t max_page_list_length = 0;
+  uint64_t max_message_size = 0;
+  uint32_t max_responder_resources = 0;  // device max_qp_rd_atom
+  uint32_t max_initiator_depth = 0;      // device max_qp_init_rd_atom
+  uint8_t port_num = 1;
+  std::string port_problem;  // non-empty: the port was not active
 };
 
-struct VerbsDevice::Mr {
-  MrId id = 0;                // immutable
-  PdId pd = 0;                // immutable
-  bool fast = false;          // immutable
-  bool allow_remote = false;  // immutable, fast only
-  uint32_t max_pages = 0;     // immutable, fast only
-  bool revoking = false;      // being destroyed: treat as gone
-  bool valid = false;         // registered / fast-registered
-  bool executing = false;     // the worker is fast-registering it now
-  Memory memory;              // the live registration, if any
-  uint32_t lkey = 0;
-  uint32_t rkey = 0;
-  uint32_t previous_rkey = 0;  // fast: the last registration's rkey
-  std::vector<LamId> lams;     // fast: distinct LAMs the mapping holds a ref on
+struct VerbsDevice::VerbsPd final : ProviderState {
+  explicit VerbsPd(ibv_pd* p) : pd(p) {}
+  ibv_pd* pd;
 };
 
-struct VerbsDevice::Lam {
-  LamId id = 0;
-  PdId pd = 0;
-  MemorySpan span;
-  uint32_t fbo = 0;
-  uint64_t iova = 0;
-  uint64_t page_count = 0;
-  uint32_t fr_users = 0;
-  Memory memory;  // local-only registration at the logical addresses
-};
-
-struct VerbsDevice::Connection {
-  enum class State { kConnecting, kReady, kError, kClosed };
-  ConnectionId id = 0;          // immutable
-  PdId pd = 0;                  // immutable
-  rdma_cm_id* cm_id = nullptr;  // immutable; the cm thread destroys it
-  ibv_cq* cq = nullptr;         // immutable
-  uint32_t qp_num = 0;          // immutable
-  State state = State::kConnecting;
-  bool announced = false;  // OnPeerConnected is queued
-  std::string remote;
-  std::deque<Work> deferred;
-};
-
-struct VerbsDevice::PageRef {
-  int fd = -1;
-  uint64_t file_offset = 0;
-};
-
-struct VerbsDevice::ResolvedPages {
-  std::vector<PageRef> pages;
-  std::vector<LamId> lams;  // distinct
+// One verbs registration: the MR, and the view of the file mrd mapped for
+// it when it did not register the caller's mapping (fast-registration
+// remaps, writable views of read-only memory).
+struct VerbsDevice::Memory final : ProviderState {
+  ibv_mr* mr = nullptr;
+  void* view = nullptr;
+  uint64_t view_length = 0;
+  uint64_t pinned = 0;  // page-rounded bytes the registration pins
 };
 
 struct VerbsDevice::CmEvent {
@@ -314,22 +273,41 @@ absl::StatusOr<std::unique_ptr<VerbsDevice>> VerbsDevice::Create(
   if (options.max_connections == 0) return bad("max_connections must be > 0");
   long page_size = sysconf(_SC_PAGESIZE);
   if (page_size <= 0) return ErrnoError(errno, "sysconf", "PAGE_SIZE_UNKNOWN");
-  uint64_t ps = static_cast<uint64_t>(page_size);
+  const uint64_t ps = static_cast<uint64_t>(page_size);
   uint64_t pick = 0;
   MRD_RETURN_IF_ERROR(SecureRandomBytes(&pick, sizeof(pick)));
-  uint64_t iova_start = (kIovaFloorPages + pick % kIovaSpreadPages) * ps;
-  std::unique_ptr<VerbsDevice> device(new VerbsDevice(options, ps, iova_start));
-  MRD_RETURN_IF_ERROR(device->Open(options));
+  MRD_ASSIGN_OR_RETURN(std::unique_ptr<Adapter> adapter,
+                       OpenAdapter(options, ps));
+  DeviceModelOptions model;
+  model.page_size = ps;
+  model.max_mr_size = adapter->max_mr_size;
+  model.max_page_list_length = adapter->max_page_list_length;
+  model.max_session_connections = options.max_connections;
+  model.iova_start = (kIovaFloorPages + pick % kIovaSpreadPages) * ps;
+  model.iova_limit = kIovaLimit / ps * ps;
+  auto device = std::unique_ptr<VerbsDevice>(
+      new VerbsDevice(options, model, std::move(adapter)));
+  device->cm_wake_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  device->async_wake_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!device->cm_wake_.valid() || !device->async_wake_.valid()) {
+    return ErrnoError(errno, "eventfd", "VERBS_SETUP_FAILED");
+  }
   return device;
 }
 
-VerbsDevice::VerbsDevice(const VerbsDeviceOptions& options, uint64_t page_size,
-                         uint64_t iova_start)
-    : options_(options),
-      page_size_(page_size),
-      iova_(page_size, iova_start, kIovaLimit / page_size * page_size) {}
+VerbsDevice::VerbsDevice(const VerbsDeviceOptions& options,
+                         DeviceModelOptions model,
+                         std::unique_ptr<Adapter> adapter)
+    : DeviceModel(adapter->attributes, model),
+      options_(options),
+      adapter_(std::move(adapter)) {
+  absl::MutexLock lock(&verbs_mu_);
+  port_problem_ = adapter_->port_problem;
+}
 
-absl::Status VerbsDevice::Open(const VerbsDeviceOptions& options) {
+absl::StatusOr<std::unique_ptr<VerbsDevice::Adapter>> VerbsDevice::OpenAdapter(
+    const VerbsDeviceOptions& options, uint64_t page_size) {
+  auto adapter = std::make_unique<Adapter>();
   const std::vector<std::string> names = ListVerbsDevices();
   if (names.empty()) {
     return MrdError(absl::StatusCode::kNotFound, "NO_VERBS_DEVICE",
@@ -346,16 +324,18 @@ absl::Status VerbsDevice::Open(const VerbsDeviceOptions& options) {
 
   // The listener comes first: the address it binds to picks the device,
   // and librdmacm opens that device (only) for it.
-  channel_ = rdma_create_event_channel();
-  if (channel_ == nullptr) {
+  adapter->channel = rdma_create_event_channel();
+  if (adapter->channel == nullptr) {
     return ErrnoError(errno,
                       "rdma_create_event_channel (is rdma_ucm loaded and "
                       "/dev/infiniband/rdma_cm accessible?)",
                       "VERBS_SETUP_FAILED");
   }
-  MRD_RETURN_IF_ERROR(SetNonBlocking(channel_->fd, "the rdma_cm channel"));
-  if (rdma_create_id(channel_, &listen_id_, nullptr, RDMA_PS_TCP) != 0) {
-    listen_id_ = nullptr;
+  MRD_RETURN_IF_ERROR(
+      SetNonBlocking(adapter->channel->fd, "the rdma_cm channel"));
+  if (rdma_create_id(adapter->channel, &adapter->listen_id, nullptr,
+                     RDMA_PS_TCP) != 0) {
+    adapter->listen_id = nullptr;
     return ErrnoError(errno, "rdma_create_id", "VERBS_SETUP_FAILED");
   }
   MRD_ASSIGN_OR_RETURN(auto host_port,
@@ -373,7 +353,7 @@ absl::Status VerbsDevice::Open(const VerbsDeviceOptions& options) {
         absl::StrCat("peer address '", options.peer_address,
                      "' is not a numeric ip:port: ", gai_strerror(rc)));
   }
-  int bind_rc = rdma_bind_addr(listen_id_, resolved->ai_addr);
+  int bind_rc = rdma_bind_addr(adapter->listen_id, resolved->ai_addr);
   int bind_err = errno;
   freeaddrinfo(resolved);
   if (bind_rc != 0) {
@@ -384,7 +364,7 @@ absl::Status VerbsDevice::Open(const VerbsDeviceOptions& options) {
                      "interface?)"),
         "PEER_LISTEN_FAILED");
   }
-  if (listen_id_->verbs == nullptr) {
+  if (adapter->listen_id->verbs == nullptr) {
     return MrdError(
         absl::StatusCode::kInvalidArgument, "PEER_ADDRESS_NOT_ON_DEVICE",
         absl::StrCat("peer address ", options.peer_address,
@@ -393,8 +373,8 @@ absl::Status VerbsDevice::Open(const VerbsDeviceOptions& options) {
                      "devices: ",
                      absl::StrJoin(names, ", ")));
   }
-  context_ = listen_id_->verbs;
-  const std::string name = ibv_get_device_name(context_->device);
+  adapter->context = adapter->listen_id->verbs;
+  const std::string name = ibv_get_device_name(adapter->context->device);
   if (!options.device_name.empty() && options.device_name != name) {
     return MrdError(absl::StatusCode::kInvalidArgument,
                     "PEER_ADDRESS_NOT_ON_DEVICE",
@@ -404,125 +384,116 @@ absl::Status VerbsDevice::Open(const VerbsDeviceOptions& options) {
   }
 
   ibv_device_attr attr{};
-  if (int rc = ibv_query_device(context_, &attr); rc != 0) {
+  if (int rc = ibv_query_device(adapter->context, &attr); rc != 0) {
     return ErrnoError(rc, absl::StrCat("ibv_query_device(", name, ")"),
                       "VERBS_QUERY_FAILED");
   }
-  if (attr.page_size_cap != 0 && (attr.page_size_cap & page_size_) == 0) {
+  if (attr.page_size_cap != 0 && (attr.page_size_cap & page_size) == 0) {
     return MrdError(
         absl::StatusCode::kFailedPrecondition, "PAGE_SIZE_UNSUPPORTED",
         absl::StrCat("device ", name, " supports page sizes ",
-                     Hex(attr.page_size_cap), ", not the host's ", page_size_));
+                     Hex(attr.page_size_cap), ", not the host's ", page_size));
   }
-  port_num_ = listen_id_->port_num != 0 ? listen_id_->port_num : 1;
+  adapter->port_num =
+      adapter->listen_id->port_num != 0 ? adapter->listen_id->port_num : 1;
   ibv_port_attr port{};
-  if (int rc = ibv_query_port(context_, port_num_, &port); rc != 0) {
+  if (int rc = ibv_query_port(adapter->context, adapter->port_num, &port);
+      rc != 0) {
     return ErrnoError(rc,
                       absl::StrCat("ibv_query_port(", name, ", ",
-                                   static_cast<int>(port_num_), ")"),
+                                   static_cast<int>(adapter->port_num), ")"),
                       "VERBS_QUERY_FAILED");
   }
 
-  MRD_RETURN_IF_ERROR(SetNonBlocking(context_->async_fd, "the async fd"));
-  cm_wake_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  async_wake_.Reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!cm_wake_.valid() || !async_wake_.valid()) {
-    return ErrnoError(errno, "eventfd", "VERBS_SETUP_FAILED");
-  }
+  MRD_RETURN_IF_ERROR(
+      SetNonBlocking(adapter->context->async_fd, "the async fd"));
 
   uint64_t max_mr_size = attr.max_mr_size;
   if (options.max_mr_size_limit != 0) {
     max_mr_size = std::min(max_mr_size, options.max_mr_size_limit);
   }
-  if (max_mr_size < page_size_) {
+  if (max_mr_size < page_size) {
     return MrdError(absl::StatusCode::kFailedPrecondition, "MAX_MR_SIZE_TINY",
                     absl::StrCat("device ", name, " allows MRs of at most ",
                                  max_mr_size, " bytes, under one page"));
   }
-  attributes_.name = name;
-  attributes_.kind = "verbs";
-  attributes_.page_size = page_size_;
-  attributes_.max_mr_size = max_mr_size;
-  attributes_.max_page_list_length = static_cast<uint32_t>(std::min<uint64_t>(
-      options.max_page_list_length, max_mr_size / page_size_));
+  adapter->attributes.name = name;
+  adapter->attributes.kind = "verbs";
+  adapter->max_mr_size = max_mr_size;
+  adapter->max_page_list_length = static_cast<uint32_t>(std::min<uint64_t>(
+      options.max_page_list_length, max_mr_size / page_size));
   // A verbs RDMA READ sink needs only LOCAL_WRITE (R9).
-  attributes_.adapter_flags = kAdapterFlagReadSinkNotRequired;
-  attributes_.supports_memory_windows =
+  adapter->attributes.adapter_flags = kAdapterFlagReadSinkNotRequired;
+  adapter->attributes.supports_memory_windows =
       (attr.device_cap_flags & IBV_DEVICE_MEM_WINDOW) != 0 || attr.max_mw > 0;
-  attributes_.peer_address = FormatSockaddr(rdma_get_local_addr(listen_id_));
-  max_message_size_ =
+  adapter->attributes.peer_address =
+      FormatSockaddr(rdma_get_local_addr(adapter->listen_id));
+  adapter->max_message_size =
       port.max_msg_sz != 0 ? port.max_msg_sz : uint64_t{1} << 30;
-  max_responder_resources_ = static_cast<uint32_t>(attr.max_qp_rd_atom);
-  max_initiator_depth_ = static_cast<uint32_t>(attr.max_qp_init_rd_atom);
-  LogInfo("verbs device ", name, " port ", static_cast<int>(port_num_),
-          ": max_mr_size ", max_mr_size, ", max_msg_sz ", max_message_size_,
-          ", max_qp_rd_atom ", attr.max_qp_rd_atom, ", memory windows ",
-          attributes_.supports_memory_windows ? "yes" : "no", ", port state ",
-          ibv_port_state_str(port.state));
+  adapter->max_responder_resources = static_cast<uint32_t>(attr.max_qp_rd_atom);
+  adapter->max_initiator_depth =
+      static_cast<uint32_t>(attr.max_qp_init_rd_atom);
+  LogInfo("verbs device ", name, " port ", static_cast<int>(adapter->port_num),
+          ": max_mr_size ", max_mr_size, ", max_msg_sz ",
+          adapter->max_message_size, ", max_qp_rd_atom ", attr.max_qp_rd_atom,
+          ", memory windows ",
+          adapter->attributes.supports_memory_windows ? "yes" : "no",
+          ", port state ", ibv_port_state_str(port.state));
   if (port.state != IBV_PORT_ACTIVE) {
-    absl::MutexLock lock(&mu_);
-    port_problem_ = absl::StrCat("port ", static_cast<int>(port_num_), " is ",
-                                 ibv_port_state_str(port.state));
+    adapter->port_problem =
+        absl::StrCat("port ", static_cast<int>(adapter->port_num), " is ",
+                     ibv_port_state_str(port.state));
   }
-  return absl::OkStatus();
+  return adapter;
 }
 
-VerbsDevice::~VerbsDevice() {
-  Shutdown();
-  std::vector<PdId> left;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, pd] : pds_) left.push_back(id);
-  }
-  for (PdId pd : left) (void)DeallocatePd(pd);
-  // Never started (Shutdown's cm thread destroys it otherwise).
-  if (listen_id_ != nullptr) rdma_destroy_id(listen_id_);
-  if (channel_ != nullptr) rdma_destroy_event_channel(channel_);
-}
+VerbsDevice::~VerbsDevice() { ShutdownAndReleaseAll(); }
 
 DeviceHealth VerbsDevice::Health() const {
-  absl::MutexLock lock(&mu_);
+  const Phase phase = this->phase();
+  const std::string& name = Attributes().name;
+  absl::MutexLock lock(&verbs_mu_);
   if (!lost_reason_.empty()) {
     return {false, absl::StrCat("device lost: ", lost_reason_)};
   }
-  if (shut_down_) {
-    return {false,
-            absl::StrCat("verbs device ", attributes_.name, " is shut down")};
+  if (phase == Phase::kShutDown) {
+    return {false, absl::StrCat("verbs device ", name, " is shut down")};
   }
-  if (!started_) {
-    return {false,
-            absl::StrCat("verbs device ", attributes_.name, " is not started")};
+  if (phase == Phase::kNew) {
+    return {false, absl::StrCat("verbs device ", name, " is not started")};
   }
   if (!port_problem_.empty()) {
-    return {false, absl::StrCat("verbs device ", attributes_.name, ": ",
-                                port_problem_)};
+    return {false, absl::StrCat("verbs device ", name, ": ", port_problem_)};
   }
-  return {true, absl::StrCat("verbs device ", attributes_.name, " port ",
-                             static_cast<int>(port_num_), ", peers at ",
-                             attributes_.peer_address)};
+  return {true, absl::StrCat("verbs device ", name, " port ",
+                             static_cast<int>(adapter_->port_num),
+                             ", peers at ", Attributes().peer_address)};
 }
 
 uint64_t VerbsDevice::PinnedBytes() const {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&verbs_mu_);
   return pinned_bytes_;
 }
 
-absl::Status VerbsDevice::Start() {
-  absl::MutexLock lock(&mu_);
-  if (started_ || shut_down_) {
-    return MrdError(absl::StatusCode::kFailedPrecondition, "ALREADY_STARTED",
-                    "the verbs device was started or shut down before");
+uint64_t VerbsDevice::max_message_size() const {
+  return adapter_->max_message_size;
+}
+
+void VerbsDevice::AddPinned(int64_t bytes) {
+  absl::MutexLock lock(&verbs_mu_);
+  pinned_bytes_ += static_cast<uint64_t>(bytes);
+}
+
+absl::Status VerbsDevice::ProviderStart() {
+  if (rdma_listen(adapter_->listen_id, kListenBacklog) != 0) {
+    return ErrnoError(
+        errno, absl::StrCat("rdma_listen on ", Attributes().peer_address),
+        "PEER_LISTEN_FAILED");
   }
-  if (rdma_listen(listen_id_, kListenBacklog) != 0) {
-    return ErrnoError(errno,
-                      absl::StrCat("rdma_listen on ", attributes_.peer_address),
-                      "PEER_LISTEN_FAILED");
-  }
-  started_ = true;
+  absl::MutexLock lock(&verbs_mu_);
   cm_running_ = true;
-  // A thread that cannot be made is an error (Shutdown joins those made).
-  MRD_ASSIGN_OR_RETURN(
-      worker_, Thread::Start("mrd-verbs-work", [this] { WorkerLoop(); }));
+  // A thread that cannot be made is an error (ProviderStop joins those
+  // made).
   MRD_ASSIGN_OR_RETURN(cm_thread_,
                        Thread::Start("mrd-verbs-cm", [this] { CmLoop(); }));
   MRD_ASSIGN_OR_RETURN(
@@ -530,34 +501,29 @@ absl::Status VerbsDevice::Start() {
   return absl::OkStatus();
 }
 
-void VerbsDevice::Shutdown() {
+void VerbsDevice::ProviderStop() {
   Thread cm_thread;
   {
-    absl::MutexLock lock(&mu_);
-    if (shut_down_) return;
-    shut_down_ = true;  // from here connect requests are rejected
+    absl::MutexLock lock(&verbs_mu_);
     cm_stop_ = true;
     cm_thread = std::move(cm_thread_);
   }
-  // The cm thread closes every connection (queueing flushes and
-  // disconnects for the worker) and destroys the listener on its way out.
+  // The cm thread closes every connection (the model queues flushes and
+  // disconnects for its worker) and destroys the listener on its way out.
   Wake(cm_wake_.get());
   cm_thread.Join();
-  Thread worker;
   Thread async_thread;
   {
-    absl::MutexLock lock(&mu_);
-    worker_stop_ = true;  // after draining what is queued
-    async_stop_ = true;   // after a device release in progress
-    worker = std::move(worker_);
+    absl::MutexLock lock(&verbs_mu_);
+    async_stop_ = true;  // after a device release in progress
     async_thread = std::move(async_thread_);
   }
   Wake(async_wake_.get());
-  worker.Join();
   async_thread.Join();
 }
 
-absl::Status VerbsDevice::CheckUsableLocked() const {
+absl::Status VerbsDevice::ProviderUsable() const {
+  absl::MutexLock lock(&verbs_mu_);
   if (!lost_reason_.empty()) {
     return MrdError(absl::StatusCode::kUnavailable, "DEVICE_LOST",
                     absl::StrCat("device lost: ", lost_reason_));
@@ -566,168 +532,69 @@ absl::Status VerbsDevice::CheckUsableLocked() const {
 }
 
 // ---------------------------------------------------------------------------
-// Protection domains.
+// Protection domains and registrations.
 
-absl::StatusOr<VerbsDevice::Pd*> VerbsDevice::FindPdLocked(PdId pd) {
-  auto it = pds_.find(pd);
-  if (it == pds_.end() || it->second->dying) {
-    return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_PD",
-                    absl::StrCat("no protection domain ", pd));
-  }
-  return it->second.get();
-}
-
-absl::StatusOr<ibv_pd*> VerbsDevice::BeginPdOp(PdId pd) {
-  absl::MutexLock lock(&mu_);
-  MRD_RETURN_IF_ERROR(CheckUsableLocked());
-  MRD_ASSIGN_OR_RETURN(Pd * found, FindPdLocked(pd));
-  ++found->busy;
-  return found->pd;
-}
-
-void VerbsDevice::EndPdOp(PdId pd) {
-  absl::MutexLock lock(&mu_);
-  EndPdOpLocked(pd);
-}
-
-void VerbsDevice::EndPdOpLocked(PdId pd) {
-  auto it = pds_.find(pd);
-  MRD_CHECK(it != pds_.end() && it->second->busy > 0);
-  --it->second->busy;
-}
-
-absl::StatusOr<PdId> VerbsDevice::AllocatePd(PdEventSink* sink) {
-  if (sink == nullptr) {
-    return MrdError(absl::StatusCode::kInvalidArgument, "NULL_SINK",
-                    "AllocatePd needs an event sink");
-  }
-  // Under the mutex, so that ReleaseDevice never misses a verbs PD.
-  absl::MutexLock lock(&mu_);
-  MRD_RETURN_IF_ERROR(CheckUsableLocked());
-  ibv_pd* verbs_pd = ibv_alloc_pd(context_);
-  if (verbs_pd == nullptr) {
+absl::StatusOr<std::unique_ptr<ProviderState>>
+VerbsDevice::ProviderAllocatePd() {
+  ibv_pd* pd = ibv_alloc_pd(adapter_->context);
+  if (pd == nullptr) {
     return ErrnoError(errno, "ibv_alloc_pd", "PD_ALLOCATION_FAILED");
   }
-  auto pd = std::make_unique<Pd>();
-  pd->id = next_pd_++;
-  pd->sink = sink;
-  pd->pd = verbs_pd;
-  PdId id = pd->id;
-  pds_.emplace(id, std::move(pd));
-  return id;
+  return std::make_unique<VerbsPd>(pd);
 }
 
-absl::Status VerbsDevice::DeallocatePd(PdId pd_id) {
-  std::vector<Memory> memories;
-  ibv_pd* verbs_pd = nullptr;
-  {
-    absl::MutexLock lock(&mu_);
-    MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
-    // From here calls naming the PD fail, its tickets are refused, and the
-    // worker drops its queued tasks.
-    pd->dying = true;
-    for (const std::string& ticket : pd->tickets) tickets_.erase(ticket);
-    pd->tickets.clear();
-    for (ConnectionId id : pd->connections) {
-      auto it = connections_.find(id);
-      if (it == connections_.end()) continue;
-      it->second->state = Connection::State::kClosed;
-      it->second->deferred.clear();
-    }
-    // Registrations, connection setups and sink calls in progress finish
-    // first.
-    mu_.Await(absl::Condition(
-        +[](const Pd* p) { return p->busy == 0; }, static_cast<const Pd*>(pd)));
-    // QPs live in the PD: the cm thread destroys them (it owns every id and
-    // QP). When it is not running there are none (never started, or
-    // already torn down by Shutdown).
-    if (!pd->connections.empty()) {
-      CmCommand command;
-      command.kind = CmCommand::Kind::kClosePd;
-      command.pd = pd_id;
-      CommandCm(command);
-      mu_.Await(absl::Condition(
-          +[](const Pd* p) { return p->connections.empty(); },
-          static_cast<const Pd*>(pd)));
-    }
-    for (MrId id : pd->mrs) {
-      auto it = mrs_.find(id);
-      if (it == mrs_.end()) continue;
-      it->second->revoking = true;
-      memories.push_back(TakeResourcesLocked(*it->second).memory);
-      mrs_.erase(it);
-    }
-    pd->mrs.clear();
-    for (LamId id : pd->lams) {
-      auto it = lams_.find(id);
-      if (it == lams_.end()) continue;
-      iova_.Free(it->second->iova);
-      memories.push_back(std::exchange(it->second->memory, {}));
-      lams_.erase(it);
-    }
-    pd->lams.clear();
-    verbs_pd = std::exchange(pd->pd, nullptr);  // null after a device loss
-    ++pd->busy;  // ReleaseDevice waits for the verbs calls below
+absl::Status VerbsDevice::ProviderDeallocatePd(
+    std::unique_ptr<ProviderState> state) {
+  if (state == nullptr) return absl::OkStatus();  // released after a loss
+  if (int rc = ibv_dealloc_pd(static_cast<VerbsPd*>(state.get())->pd);
+      rc != 0) {
+    LogError("ibv_dealloc_pd: ", std::strerror(rc));
+    return ErrnoError(rc, "ibv_dealloc_pd", "PD_DEALLOCATION_FAILED");
   }
-  absl::Status status;
-  uint64_t unpinned = 0;
-  for (const Memory& memory : memories) {
-    absl::Status s = ReleaseMemory(memory);
-    if (s.ok()) {
-      unpinned += memory.pinned;
-    } else if (status.ok()) {
-      status = s;
-    }
-  }
-  if (verbs_pd != nullptr) {
-    if (int rc = ibv_dealloc_pd(verbs_pd); rc != 0) {
-      LogError("DeallocatePd ", pd_id, ": ibv_dealloc_pd: ", std::strerror(rc));
-      if (status.ok()) {
-        status = ErrnoError(rc, "ibv_dealloc_pd", "PD_DEALLOCATION_FAILED");
-      }
-    }
-  }
-  absl::MutexLock lock(&mu_);
-  pinned_bytes_ -= unpinned;
-  pds_.erase(pd_id);
-  return status;
+  return absl::OkStatus();
 }
 
-absl::StatusOr<std::string> VerbsDevice::CreatePeerTicket(PdId pd_id) {
-  MRD_ASSIGN_OR_RETURN(std::string ticket, SecureRandomHex(kTicketBytes));
-  static_assert(2 * kTicketBytes <= 48, "tickets must fit connect data");
-  absl::MutexLock lock(&mu_);
-  MRD_RETURN_IF_ERROR(CheckUsableLocked());
-  MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
-  tickets_.emplace(ticket, pd_id);
-  pd->tickets.push_back(ticket);
-  return ticket;
+absl::Status VerbsDevice::ProviderCheckBase(const MemorySpan& span,
+                                            uint64_t base_address) const {
+  // The adapter translates whole pages: the base address must sit at the
+  // same offset within its page as the memory does (the kernel refuses
+  // anything else with EINVAL).
+  const uint64_t page_size = Attributes().page_size;
+  const uint64_t in_page =
+      reinterpret_cast<uint64_t>(span.host_address) % page_size;
+  if (base_address % page_size == in_page) return absl::OkStatus();
+  return InvalidParameter(
+      "BASE_ADDRESS_MISALIGNED",
+      absl::StrCat("RegisterMr: base address ", Hex(base_address),
+                   " is at offset ", base_address % page_size,
+                   " within its page, but the memory starts at offset ",
+                   in_page, " within its page; the ", Attributes().name,
+                   " adapter maps whole pages, so base_address % ", page_size,
+                   " must be ", in_page));
 }
 
-// ---------------------------------------------------------------------------
-// Registrations.
-
-absl::StatusOr<VerbsDevice::Memory> VerbsDevice::RegisterSpan(
+absl::StatusOr<std::unique_ptr<VerbsDevice::Memory>> VerbsDevice::RegisterSpan(
     ibv_pd* pd, const MemorySpan& span, uint64_t iova, int access,
     absl::string_view what) const {
+  const uint64_t page_size = Attributes().page_size;
   const uint64_t host = reinterpret_cast<uint64_t>(span.host_address);
-  Memory memory;
-  memory.mr =
+  auto memory = std::make_unique<Memory>();
+  memory->mr =
       ibv_reg_mr_iova2(pd, span.host_address, span.length, iova, access);
-  if (memory.mr != nullptr) {
-    memory.pinned = PageRound(host, span.length, page_size_);
+  if (memory->mr != nullptr) {
+    memory->pinned = PageRound(host, span.length, page_size);
     return memory;
   }
   const int err = errno;
-  const uint64_t fbo = host % page_size_;
+  const uint64_t fbo = host % page_size;
   if (err != EFAULT || (access & kWriteAccess) != 0 ||
-      span.file_offset % page_size_ != fbo) {
+      span.file_offset % page_size != fbo) {
     return RegistrationError(err, what, span.length);
   }
   // EFAULT without write access: a read-only shared mapping, which kernels
   // before 6.2 refuse to pin. A writable view of the same file pages pins
   // the same pages; mrd never writes through it (MapWritableView).
-  const uint64_t view_length = PageRound(host, span.length, page_size_);
+  const uint64_t view_length = PageRound(host, span.length, page_size);
   void* view =
       MapWritableView(span.fd, view_length,
                       static_cast<off_t>(span.file_offset - fbo), nullptr, 0);
@@ -738,16 +605,16 @@ absl::StatusOr<VerbsDevice::Memory> VerbsDevice::RegisterSpan(
     }
     return RegistrationError(err, what, span.length);
   }
-  memory.mr = ibv_reg_mr_iova2(pd, static_cast<char*>(view) + fbo, span.length,
-                               iova, access);
-  if (memory.mr == nullptr) {
+  memory->mr = ibv_reg_mr_iova2(pd, static_cast<char*>(view) + fbo, span.length,
+                                iova, access);
+  if (memory->mr == nullptr) {
     int view_err = errno;
     ::munmap(view, view_length);
     return RegistrationError(view_err, what, span.length);
   }
-  memory.view = view;
-  memory.view_length = view_length;
-  memory.pinned = view_length;
+  memory->view = view;
+  memory->view_length = view_length;
+  memory->pinned = view_length;
   return memory;
 }
 
@@ -764,581 +631,38 @@ absl::Status VerbsDevice::ReleaseMemory(const Memory& memory) {
   return absl::OkStatus();
 }
 
-absl::Status VerbsDevice::ValidateSpan(const MemorySpan& span,
-                                       absl::string_view call) const {
-  if (span.host_address == nullptr || span.fd < 0) {
-    return InvalidParameter(
-        "INVALID_SPAN",
-        absl::StrCat(call, ": span has host address ",
-                     Hex(reinterpret_cast<uint64_t>(span.host_address)),
-                     " and fd ", span.fd));
-  }
-  if (span.length == 0) {
-    return InvalidParameter("ZERO_LENGTH",
-                            absl::StrCat(call, ": span length is 0"));
-  }
-  if (span.length > attributes_.max_mr_size) {
-    // Never truncated: the caller learns both sizes.
-    return InvalidParameter(
-        "LENGTH_OVER_MAX_MR_SIZE",
-        absl::StrCat(call, ": length ", span.length,
-                     " exceeds the device's max_mr_size ",
-                     attributes_.max_mr_size, " (", attributes_.name, ")"));
-  }
-  uint64_t host = reinterpret_cast<uint64_t>(span.host_address);
-  uint64_t end = 0;
-  uint64_t file_end = 0;
-  if (__builtin_add_overflow(host, span.length, &end) ||
-      __builtin_add_overflow(span.file_offset, span.length, &file_end) ||
-      file_end > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
-    return InvalidParameter(
-        "SPAN_OVERFLOW",
-        absl::StrCat(call, ": span of ", span.length, " bytes at ", Hex(host),
-                     " (file offset ", span.file_offset, ") wraps around"));
-  }
+absl::StatusOr<DeviceModel::Registration> VerbsDevice::ProviderRegister(
+    ProviderState* pd, const MemorySpan& span, uint64_t iova, uint32_t access,
+    uint64_t /*owner*/, bool lam) {
+  // A LAM's registration is local read only: it pins the pages, and its
+  // lkey is the privileged token for the logical addresses (L9).
+  MRD_ASSIGN_OR_RETURN(
+      std::unique_ptr<Memory> memory,
+      RegisterSpan(static_cast<VerbsPd*>(pd)->pd, span, iova,
+                   lam ? 0 : VerbsAccess(access),
+                   lam ? "BuildLam: ibv_reg_mr" : "RegisterMr: ibv_reg_mr"));
+  AddPinned(static_cast<int64_t>(memory->pinned));
+  Registration registration{memory->mr->lkey, memory->mr->rkey, nullptr};
+  registration.state = std::move(memory);
+  return registration;
+}
+
+absl::Status VerbsDevice::ProviderDeregister(
+    std::unique_ptr<ProviderState> state) {
+  // ibv_dereg_mr returns once the adapter no longer honours the key.
+  const Memory& memory = *static_cast<Memory*>(state.get());
+  MRD_RETURN_IF_ERROR(ReleaseMemory(memory));
+  AddPinned(-static_cast<int64_t>(memory.pinned));
   return absl::OkStatus();
 }
 
-absl::StatusOr<MrKeys> VerbsDevice::RegisterMr(PdId pd_id,
-                                               const MemorySpan& span,
-                                               uint64_t base_address,
-                                               uint32_t access) {
-  MRD_RETURN_IF_ERROR(ValidateSpan(span, "RegisterMr"));
-  if (base_address == 0) {
-    return InvalidParameter(
-        "ZERO_BASED_ADDRESS",
-        "RegisterMr: base address 0: zero-based addressing is not supported");
-  }
-  uint64_t end = 0;
-  if (__builtin_add_overflow(base_address, span.length, &end)) {
-    return InvalidParameter(
-        "BASE_ADDRESS_OVERFLOW",
-        absl::StrCat("RegisterMr: base address ", Hex(base_address), " + ",
-                     span.length, " bytes wraps around"));
-  }
-  if ((access & ~kKnownAccess) != 0) {
-    return InvalidParameter(
-        "UNKNOWN_ACCESS_BITS",
-        absl::StrCat("RegisterMr: access ", Hex(access), " has unknown bits ",
-                     Hex(access & ~kKnownAccess)));
-  }
-  // The adapter translates whole pages: the base address must sit at the
-  // same offset within its page as the memory does (the kernel refuses
-  // anything else with EINVAL).
-  const uint64_t in_page =
-      reinterpret_cast<uint64_t>(span.host_address) % page_size_;
-  if (base_address % page_size_ != in_page) {
-    return InvalidParameter(
-        "BASE_ADDRESS_MISALIGNED",
-        absl::StrCat("RegisterMr: base address ", Hex(base_address),
-                     " is at offset ", base_address % page_size_,
-                     " within its page, but the memory starts at offset ",
-                     in_page, " within its page; the ", attributes_.name,
-                     " adapter maps whole pages, so base_address % ",
-                     page_size_, " must be ", in_page));
-  }
-  MRD_ASSIGN_OR_RETURN(ibv_pd * verbs_pd, BeginPdOp(pd_id));
-  absl::StatusOr<Memory> memory =
-      RegisterSpan(verbs_pd, span, base_address, VerbsAccess(access),
-                   "RegisterMr: ibv_reg_mr");
-  if (!memory.ok()) {
-    EndPdOp(pd_id);
-    return memory.status();
-  }
-  absl::StatusOr<MrKeys> keys = [&]() -> absl::StatusOr<MrKeys> {
-    absl::MutexLock lock(&mu_);
-    MRD_RETURN_IF_ERROR(CheckUsableLocked());
-    MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
-    auto mr = std::make_shared<Mr>();
-    mr->id = next_mr_++;
-    mr->pd = pd_id;
-    mr->valid = true;
-    mr->memory = *memory;
-    mr->lkey = memory->mr->lkey;
-    mr->rkey = memory->mr->rkey;
-    pinned_bytes_ += memory->pinned;
-    pd->mrs.insert(mr->id);
-    MrKeys result{mr->id, mr->lkey, mr->rkey};
-    mrs_.emplace(mr->id, std::move(mr));
-    return result;
-  }();
-  // The PD began dying or the device was lost meanwhile: undo (L7) before
-  // the PD stops being busy, so that no teardown misses this MR.
-  if (!keys.ok()) (void)ReleaseMemory(*memory);
-  EndPdOp(pd_id);
-  return keys;
-}
-
-absl::StatusOr<std::shared_ptr<VerbsDevice::Mr>> VerbsDevice::FindMrLocked(
-    MrId mr) const {
-  auto it = mrs_.find(mr);
-  if (it == mrs_.end() || it->second->revoking) return UnknownMr(mr);
-  auto pd = pds_.find(it->second->pd);
-  if (pd == pds_.end() || pd->second->dying) return UnknownMr(mr);
-  return it->second;
-}
-
-VerbsDevice::MrResources VerbsDevice::TakeResourcesLocked(Mr& mr) {
-  MrResources resources;
-  resources.memory = std::exchange(mr.memory, {});
-  resources.lams = std::exchange(mr.lams, {});
-  mr.valid = false;
-  return resources;
-}
-
-void VerbsDevice::DetachMrLocked(const std::shared_ptr<Mr>& mr) {
-  mr->revoking = true;
-  // A fast registration of this MR in progress on the worker finishes (and
-  // commits) first; its result is torn down with the rest.
-  mu_.Await(absl::Condition(
-      +[](const Mr* m) { return !m->executing; },
-      static_cast<const Mr*>(mr.get())));
-  auto pd = pds_.find(mr->pd);
-  if (pd != pds_.end()) pd->second->mrs.erase(mr->id);
-  mrs_.erase(mr->id);
-}
-
-absl::Status VerbsDevice::ReleaseMrResources(MrResources resources) {
-  absl::Status status = ReleaseMemory(resources.memory);
-  absl::MutexLock lock(&mu_);
-  DropLamRefsLocked(resources.lams);
-  if (status.ok()) pinned_bytes_ -= resources.memory.pinned;
-  return status;
-}
-
-void VerbsDevice::DropLamRefsLocked(const std::vector<LamId>& lams) {
-  for (LamId id : lams) {
-    auto it = lams_.find(id);
-    if (it == lams_.end()) continue;  // DeallocatePd took it
-    MRD_CHECK(it->second->fr_users > 0);
-    --it->second->fr_users;
-  }
-}
-
-absl::Status VerbsDevice::DeregisterMr(MrId mr_id) {
-  MrResources resources;
-  PdId pd = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(mr_id));
-    if (mr->fast) {
-      return MrdError(absl::StatusCode::kInvalidArgument, "WRONG_MR_KIND",
-                      absl::StrCat("MR ", mr_id,
-                                   " is a fast-register MR object: free it "
-                                   "with FreeFastRegisterMr"));
-    }
-    pd = mr->pd;
-    ++pds_.find(pd)->second->busy;  // until deregistered
-    DetachMrLocked(mr);
-    resources = TakeResourcesLocked(*mr);
-  }
-  // ibv_dereg_mr returns once the adapter no longer honours the key.
-  absl::Status status = ReleaseMrResources(std::move(resources));
-  EndPdOp(pd);
-  return status;
-}
-
-// ---------------------------------------------------------------------------
-// Logical address mappings.
-
-absl::StatusOr<LogicalMapping> VerbsDevice::BuildLam(PdId pd_id,
-                                                     const MemorySpan& span) {
-  MRD_RETURN_IF_ERROR(ValidateSpan(span, "BuildLam"));
-  const uint64_t host = reinterpret_cast<uint64_t>(span.host_address);
-  if (span.file_offset % page_size_ != host % page_size_) {
-    return InvalidParameter(
-        "SPAN_MISALIGNED",
-        absl::StrCat("BuildLam: host address ", Hex(host), " and file offset ",
-                     span.file_offset,
-                     " are at different offsets within a page"));
-  }
-  const uint32_t fbo = static_cast<uint32_t>(host % page_size_);
-  const uint64_t page_count = (fbo + span.length + page_size_ - 1) / page_size_;
-  // The logical range first: the pinning registration lives at it.
-  ibv_pd* verbs_pd = nullptr;
-  auto lam = std::make_unique<Lam>();
-  {
-    absl::MutexLock lock(&mu_);
-    MRD_RETURN_IF_ERROR(CheckUsableLocked());
-    MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
-    MRD_ASSIGN_OR_RETURN(uint64_t pick, random_.Uint64());
-    lam->id = next_lam_++;
-    MRD_ASSIGN_OR_RETURN(
-        lam->iova,
-        iova_.Allocate(page_count, 1 + pick % kMaxGuardPages, lam->id));
-    ++pd->busy;
-    verbs_pd = pd->pd;
-  }
-  // Local read only: it pins the pages, and its lkey is the privileged
-  // token for the logical addresses (L9).
-  absl::StatusOr<Memory> memory =
-      RegisterSpan(verbs_pd, span, lam->iova + fbo, 0, "BuildLam: ibv_reg_mr");
-  absl::StatusOr<LogicalMapping> mapping =
-      [&]() -> absl::StatusOr<LogicalMapping> {
-    absl::MutexLock lock(&mu_);
-    absl::Status status = memory.status();
-    if (status.ok()) status = CheckUsableLocked();
-    if (status.ok()) status = FindPdLocked(pd_id).status();
-    if (!status.ok()) {
-      iova_.Free(lam->iova);
-      return status;
-    }
-    Pd& pd = *pds_.find(pd_id)->second;
-    lam->pd = pd_id;
-    lam->span = span;
-    lam->fbo = fbo;
-    lam->page_count = page_count;
-    lam->memory = *memory;
-    pinned_bytes_ += memory->pinned;
-    LogicalMapping result;
-    result.lam = lam->id;
-    result.fbo = fbo;
-    result.privileged_key = memory->mr->lkey;
-    result.pages.reserve(page_count);
-    for (uint64_t i = 0; i < page_count; ++i) {
-      result.pages.push_back(lam->iova + i * page_size_);
-    }
-    pd.lams.insert(lam->id);
-    lams_.emplace(lam->id, std::move(lam));
-    return result;
-  }();
-  // L7: nothing stays pinned or mapped on failure; released while the PD
-  // is still busy, so that no teardown misses the registration.
-  if (!mapping.ok() && memory.ok()) (void)ReleaseMemory(*memory);
-  EndPdOp(pd_id);
-  return mapping;
-}
-
-absl::Status VerbsDevice::ReleaseLam(LamId lam_id) {
-  Memory memory;
-  PdId pd_id = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = lams_.find(lam_id);
-    if (it == lams_.end() || pds_.find(it->second->pd)->second->dying) {
-      return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_LAM",
-                      absl::StrCat("no logical address mapping ", lam_id));
-    }
-    Lam& lam = *it->second;
-    if (lam.fr_users > 0) {
-      return MrdError(
-          absl::StatusCode::kFailedPrecondition, "LAM_IN_USE",
-          absl::StrCat("LAM ", lam_id, " has pages fast-registered by ",
-                       lam.fr_users, " MR(s); invalidate them first"));
-    }
-    pd_id = lam.pd;
-    Pd& pd = *pds_.find(pd_id)->second;
-    ++pd.busy;  // until deregistered
-    pd.lams.erase(lam_id);
-    iova_.Free(lam.iova);
-    memory = std::exchange(lam.memory, {});
-    lams_.erase(it);
-  }
-  absl::Status status = ReleaseMemory(memory);
-  absl::MutexLock lock(&mu_);
-  if (status.ok()) pinned_bytes_ -= memory.pinned;
-  EndPdOpLocked(pd_id);
-  return status;
-}
-
-// ---------------------------------------------------------------------------
-// Fast registration.
-
-absl::StatusOr<MrKeys> VerbsDevice::AllocateFastRegisterMr(PdId pd_id,
-                                                           bool allow_remote,
-                                                           uint32_t max_pages) {
-  if (max_pages == 0 || max_pages > attributes_.max_page_list_length) {
-    return InvalidParameter(
-        "BAD_MAX_PAGES",
-        absl::StrCat("AllocateFastRegisterMr: max_pages ", max_pages,
-                     " is not in [1, ", attributes_.max_page_list_length, "]"));
-  }
-  absl::MutexLock lock(&mu_);
-  MRD_RETURN_IF_ERROR(CheckUsableLocked());
-  MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
-  auto mr = std::make_shared<Mr>();
-  mr->id = next_mr_++;
-  mr->pd = pd_id;
-  mr->fast = true;
-  mr->allow_remote = allow_remote;
-  mr->max_pages = max_pages;
-  // No verbs MR yet: keys 0 name nothing until a fast registration.
-  pd->mrs.insert(mr->id);
-  MrKeys result{mr->id, 0, 0};
-  mrs_.emplace(mr->id, std::move(mr));
-  return result;
-}
-
-absl::Status VerbsDevice::FreeFastRegisterMr(MrId mr_id) {
-  MrResources resources;
-  PdId pd = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(mr_id));
-    if (!mr->fast) {
-      return MrdError(absl::StatusCode::kInvalidArgument, "WRONG_MR_KIND",
-                      absl::StrCat("MR ", mr_id,
-                                   " is a registered MR: deregister it with "
-                                   "DeregisterMr"));
-    }
-    pd = mr->pd;
-    ++pds_.find(pd)->second->busy;
-    DetachMrLocked(mr);
-    resources = TakeResourcesLocked(*mr);
-  }
-  absl::Status status = ReleaseMrResources(std::move(resources));
-  EndPdOp(pd);
-  return status;
-}
-
-absl::StatusOr<MrKeys> VerbsDevice::QueryMr(MrId mr_id) const {
-  absl::MutexLock lock(&mu_);
-  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(mr_id));
-  return MrKeys{mr->id, mr->lkey, mr->rkey};
-}
-
-absl::StatusOr<VerbsDevice::ResolvedPages> VerbsDevice::ResolvePagesLocked(
-    PdId pd, const std::vector<uint64_t>& pages) const {
-  ResolvedPages resolved;
-  resolved.pages.reserve(pages.size());
-  absl::flat_hash_set<LamId> seen;
-  for (size_t i = 0; i < pages.size(); ++i) {
-    uint64_t page = pages[i];
-    std::optional<IovaSpace::Hit> hit = iova_.Lookup(page);
-    const Lam* lam = nullptr;
-    if (hit.has_value()) {
-      auto it = lams_.find(hit->owner);
-      if (it != lams_.end()) lam = it->second.get();
-    }
-    // Another PD's pages read exactly like unmapped ones (W8).
-    if (lam == nullptr || lam->pd != pd) {
-      return InvalidParameter(
-          "PAGE_NOT_MAPPED",
-          absl::StrCat("page[", i, "] = ", Hex(page),
-                       " is not a logical page mapped in protection domain ",
-                       pd));
-    }
-    resolved.pages.push_back(PageRef{
-        lam->span.fd,
-        lam->span.file_offset - lam->fbo + hit->page_index * page_size_});
-    if (seen.insert(lam->id).second) resolved.lams.push_back(lam->id);
-  }
-  return resolved;
-}
-
-absl::StatusOr<VerbsDevice::Connection*> VerbsDevice::FindPostConnectionLocked(
-    ConnectionId connection, PdId pd) const {
-  auto it = connections_.find(connection);
-  // Unknown, connecting, failed, closed and other-PD connections all read
-  // the same.
-  if (it == connections_.end() ||
-      it->second->state != Connection::State::kReady || it->second->pd != pd) {
-    return SeedError(STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
-                     absl::StrCat("connection ", connection,
-                                  " is not a connected queue pair of "
-                                  "protection domain ",
-                                  pd));
-  }
-  return it->second.get();
-}
-
-void VerbsDevice::ReleaseDeferredLocked(Connection& connection) {
-  for (Work& work : connection.deferred) {
-    Task task;
-    task.kind = Task::Kind::kWork;
-    task.pd = work.pd;
-    task.connection = work.connection;
-    task.work = std::move(work);
-    tasks_.push_back(std::move(task));
-  }
-  connection.deferred.clear();
-}
-
-uint64_t VerbsDevice::EnqueueLocked(Connection& connection, Work work) {
-  work.id = next_work_++;
-  uint64_t id = work.id;
-  if ((work.flags & kWorkDefer) != 0) {
-    connection.deferred.push_back(std::move(work));
-    return id;
-  }
-  // Deferred work goes first, in post order, with the next non-deferred
-  // request.
-  ReleaseDeferredLocked(connection);
-  Task task;
-  task.kind = Task::Kind::kWork;
-  task.pd = work.pd;
-  task.connection = work.connection;
-  task.work = std::move(work);
-  tasks_.push_back(std::move(task));
-  return id;
-}
-
-absl::StatusOr<uint64_t> VerbsDevice::PostFastRegister(
-    ConnectionId connection_id, const FastRegisterWork& work) {
-  if ((work.flags & ~kKnownWorkFlags) != 0) {
-    return InvalidParameter("UNKNOWN_WORK_FLAGS",
-                            absl::StrCat("fast register: flags ",
-                                         Hex(work.flags), " have unknown bits ",
-                                         Hex(work.flags & ~kKnownWorkFlags)));
-  }
-  if ((work.access & ~kKnownAccess) != 0) {
-    return InvalidParameter(
-        "UNKNOWN_ACCESS_BITS",
-        absl::StrCat("fast register: access ", Hex(work.access),
-                     " has unknown bits ", Hex(work.access & ~kKnownAccess)));
-  }
-  absl::MutexLock lock(&mu_);
-  MRD_RETURN_IF_ERROR(CheckUsableLocked());
-  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
-  if (!mr->fast) {
-    return InvalidParameter(
-        "NOT_FAST_REGISTER_MR",
-        absl::StrCat("MR ", work.mr,
-                     " was not created for fast registration (R4/C1)"));
-  }
-  MRD_ASSIGN_OR_RETURN(Connection * connection,
-                       FindPostConnectionLocked(connection_id, mr->pd));
-  if ((work.access & kRemoteAccess) != 0 && !mr->allow_remote) {
-    return SeedError(
-        STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
-        absl::StrCat("MR ", work.mr,
-                     " was allocated without remote access, but the fast "
-                     "registration asks for access ",
-                     Hex(work.access)));
-  }
-  // F2/F6, the same rules the core applied, against this MR's own
-  // max_pages.
-  MRD_RETURN_IF_ERROR(ValidatePageArray(page_size_, mr->max_pages, work.pages,
-                                        work.fbo, work.length,
-                                        work.base_address));
-  MRD_RETURN_IF_ERROR(ResolvePagesLocked(mr->pd, work.pages).status());
-
-  Work queued;
-  queued.kind = WorkCompletion::Kind::kFastRegister;
-  queued.connection = connection_id;
-  queued.pd = mr->pd;
-  queued.mr = work.mr;
-  queued.flags = work.flags;
-  queued.request_context = work.request_context;
-  queued.fast_register = work;
-  return EnqueueLocked(*connection, std::move(queued));
-}
-
-absl::StatusOr<uint64_t> VerbsDevice::PostInvalidate(
-    ConnectionId connection_id, const InvalidateWork& work) {
-  if ((work.flags & ~kKnownWorkFlags) != 0) {
-    return InvalidParameter("UNKNOWN_WORK_FLAGS",
-                            absl::StrCat("invalidate: flags ", Hex(work.flags),
-                                         " have unknown bits ",
-                                         Hex(work.flags & ~kKnownWorkFlags)));
-  }
-  absl::MutexLock lock(&mu_);
-  MRD_RETURN_IF_ERROR(CheckUsableLocked());
-  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
-  if (!mr->fast) {
-    return InvalidParameter(
-        "NOT_FAST_REGISTER_MR",
-        absl::StrCat("MR ", work.mr,
-                     " was not created for fast registration; deregister "
-                     "it instead"));
-  }
-  MRD_ASSIGN_OR_RETURN(Connection * connection,
-                       FindPostConnectionLocked(connection_id, mr->pd));
-  Work queued;
-  queued.kind = WorkCompletion::Kind::kInvalidate;
-  queued.connection = connection_id;
-  queued.pd = mr->pd;
-  queued.mr = work.mr;
-  queued.flags = work.flags;
-  queued.request_context = work.request_context;
-  return EnqueueLocked(*connection, std::move(queued));
-}
-
-// ---------------------------------------------------------------------------
-// Worker.
-
-bool VerbsDevice::WorkerHasTask() const {
-  return worker_stop_ || !tasks_.empty();
-}
-
-bool VerbsDevice::WorkerIdle() const { return tasks_.empty() && !worker_busy_; }
-
-void VerbsDevice::WaitForWorkerIdle() {
-  absl::MutexLock lock(&mu_);
-  if (!started_) return;
-  mu_.Await(absl::Condition(this, &VerbsDevice::WorkerIdle));
-}
-
-void VerbsDevice::WorkerLoop() {
-  while (true) {
-    Task task;
-    PdEventSink* sink = nullptr;
-    {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &VerbsDevice::WorkerHasTask));
-      if (tasks_.empty()) return;  // asked to stop, and drained
-      task = std::move(tasks_.front());
-      tasks_.pop_front();
-      auto it = pds_.find(task.pd);
-      // A deallocated PD's tasks vanish: its sink is never called again
-      // once DeallocatePd returns.
-      if (it == pds_.end() || it->second->dying) continue;
-      ++it->second->busy;
-      sink = it->second->sink;
-      worker_busy_ = true;
-    }
-    switch (task.kind) {
-      case Task::Kind::kWork:
-        if (std::optional<WorkCompletion> completion = Execute(task.work)) {
-          sink->OnCompletion(*completion);
-        }
-        break;
-      case Task::Kind::kConnected:
-        sink->OnPeerConnected(task.connection, task.remote);
-        break;
-      case Task::Kind::kDisconnected:
-        sink->OnPeerDisconnected(task.connection);
-        break;
-    }
-    absl::MutexLock lock(&mu_);
-    EndPdOpLocked(task.pd);
-    worker_busy_ = false;
-  }
-}
-
-std::optional<WorkCompletion> VerbsDevice::Execute(const Work& work) {
-  WorkCompletion completion;
-  completion.kind = work.kind;
-  completion.connection = work.connection;
-  completion.work_request = work.id;
-  completion.request_context = work.request_context;
-  completion.mr = work.mr;
-  bool ready = false;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = connections_.find(work.connection);
-    ready = it != connections_.end() &&
-            it->second->state == Connection::State::kReady;
-  }
-  if (!ready) {
-    completion.status = SeedError(
-        STATUS_CONNECTION_INVALID, "FLUSHED",
-        absl::StrCat("work request ", work.id, " flushed: connection ",
-                     work.connection, " is closed or in error"));
-  } else if (work.kind == WorkCompletion::Kind::kFastRegister) {
-    completion.status = ExecuteFastRegister(work, &completion.rkey);
-  } else {
-    completion.status = ExecuteInvalidate(work);
-  }
-  // SILENT_SUCCESS hides successes only; failures always complete (F3).
-  if (completion.status.ok() && (work.flags & kWorkSilentSuccess) != 0) {
-    return std::nullopt;
-  }
-  return completion;
+absl::StatusOr<DeviceModel::Registration> VerbsDevice::ProviderAllocateFastMr(
+    ProviderState* /*pd*/, MrId /*owner*/) {
+  // Keys come with the first fast registration's verbs registration.
+  return Registration{};
 }
 
 namespace {
-
 // A contiguous view of `pages` (file pages): a PROT_NONE reservation, then
 // one MAP_FIXED|MAP_SHARED mapping per run of consecutive file pages.
 // Writable when the file allows it (see "Read-only memory" in the header);
@@ -1404,113 +728,75 @@ absl::StatusOr<std::pair<void*, uint64_t>> BuildRemap(
 
 }  // namespace
 
-absl::Status VerbsDevice::ExecuteFastRegister(const Work& work,
-                                              uint32_t* rkey) {
-  const FastRegisterWork& fr = work.fast_register;
-  std::shared_ptr<Mr> mr;
-  ResolvedPages resolved;
-  ibv_pd* verbs_pd = nullptr;
-  uint32_t previous_rkey = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    MRD_RETURN_IF_ERROR(CheckUsableLocked());
-    MRD_ASSIGN_OR_RETURN(mr, FindMrLocked(work.mr));
-    if (mr->valid) {
-      return InvalidParameter(
-          "MR_NOT_FREE",
-          absl::StrCat("MR ", work.mr, " is already fast-registered (rkey ",
-                       Hex(mr->rkey), "); invalidate it first"));
-    }
-    // The LAMs may have been released since the post.
-    MRD_ASSIGN_OR_RETURN(resolved, ResolvePagesLocked(mr->pd, fr.pages));
-    for (LamId id : resolved.lams) ++lams_.find(id)->second->fr_users;
-    mr->executing = true;
-    verbs_pd = pds_.find(mr->pd)->second->pd;  // busy: held by the worker
-    previous_rkey = mr->previous_rkey;
-  }
-
+absl::StatusOr<DeviceModel::Registration> VerbsDevice::ProviderFastRegister(
+    ProviderState* pd, ProviderState* /*object*/, MrId /*mr*/,
+    const std::vector<PageRef>& pages, const FastRegisterWork& fr,
+    uint32_t previous_rkey) {
   const int access = VerbsAccess(fr.access);
-  Memory memory;
-  absl::StatusOr<std::pair<void*, uint64_t>> remap =
-      BuildRemap(resolved.pages, page_size_, (access & kWriteAccess) != 0);
-  absl::Status status = remap.status();
-  if (status.ok()) {
-    memory.view = remap->first;
-    memory.view_length = remap->second;
-    char* start = static_cast<char*>(memory.view) + fr.fbo;
-    // Re-register while the adapter hands back the previous rkey, so that
-    // every fast registration yields a new key; the older registration is
-    // dropped only after the newer one exists, so the two never coincide.
-    for (int attempt = 0; attempt < kMaxKeyRenewals; ++attempt) {
-      ibv_mr* next =
-          ibv_reg_mr_iova2(verbs_pd, start, fr.length, fr.base_address, access);
-      if (next == nullptr) {
-        int err = errno;
-        status = err == EFAULT && (access & kWriteAccess) == 0
-                     ? ReadOnlyNotPinnable("fast register: ibv_reg_mr",
-                                           fr.length, EACCES)
-                     : RegistrationError(err, "fast register: ibv_reg_mr",
-                                         fr.length);
-        break;
-      }
-      if (memory.mr != nullptr) ibv_dereg_mr(memory.mr);
-      memory.mr = next;
-      if (previous_rkey == 0 || memory.mr->rkey != previous_rkey) break;
+  MRD_ASSIGN_OR_RETURN(auto remap, BuildRemap(pages, Attributes().page_size,
+                                              (access & kWriteAccess) != 0));
+  auto memory = std::make_unique<Memory>();
+  memory->view = remap.first;
+  memory->view_length = remap.second;
+  char* start = static_cast<char*>(memory->view) + fr.fbo;
+  ibv_pd* verbs_pd = static_cast<VerbsPd*>(pd)->pd;
+  absl::Status status;
+  // Re-register while the adapter hands back the previous rkey, so that
+  // every fast registration yields a new key; the older registration is
+  // dropped only after the newer one exists, so the two never coincide.
+  for (int attempt = 0; attempt < kMaxKeyRenewals; ++attempt) {
+    ibv_mr* next =
+        ibv_reg_mr_iova2(verbs_pd, start, fr.length, fr.base_address, access);
+    if (next == nullptr) {
+      const int err = errno;
+      status =
+          err == EFAULT && (access & kWriteAccess) == 0
+              ? ReadOnlyNotPinnable("fast register: ibv_reg_mr", fr.length,
+                                    EACCES)
+              : RegistrationError(err, "fast register: ibv_reg_mr", fr.length);
+      break;
     }
-    if (status.ok() && previous_rkey != 0 && memory.mr->rkey == previous_rkey) {
-      status = MrdError(
-          absl::StatusCode::kInternal, "KEY_NOT_RENEWED",
-          absl::StrCat("the adapter returned rkey ", Hex(previous_rkey),
-                       " again ", kMaxKeyRenewals, " times"));
-    }
-    if (!status.ok()) (void)ReleaseMemory(memory);
+    if (memory->mr != nullptr) ibv_dereg_mr(memory->mr);
+    memory->mr = next;
+    if (previous_rkey == 0 || memory->mr->rkey != previous_rkey) break;
   }
-
-  absl::MutexLock lock(&mu_);
-  mr->executing = false;
+  if (status.ok() && previous_rkey != 0 && memory->mr->rkey == previous_rkey) {
+    status =
+        MrdError(absl::StatusCode::kInternal, "KEY_NOT_RENEWED",
+                 absl::StrCat("the adapter returned rkey ", Hex(previous_rkey),
+                              " again ", kMaxKeyRenewals, " times"));
+  }
   if (!status.ok()) {
-    DropLamRefsLocked(resolved.lams);
+    (void)ReleaseMemory(*memory);
     return status;
   }
-  // Committed even when FreeFastRegisterMr waits for us (it tears the
-  // registration down right after) or the device was lost meanwhile
-  // (ReleaseDevice waits for the worker's busy count, then takes it).
-  memory.pinned = PageRound(reinterpret_cast<uint64_t>(memory.view) + fr.fbo,
-                            fr.length, page_size_);
-  mr->memory = memory;
-  mr->lkey = memory.mr->lkey;
-  mr->rkey = memory.mr->rkey;
-  mr->previous_rkey = memory.mr->rkey;
-  mr->lams = std::move(resolved.lams);
-  mr->valid = true;
-  pinned_bytes_ += memory.pinned;
-  *rkey = memory.mr->rkey;
-  return absl::OkStatus();
-}
-
-absl::Status VerbsDevice::ExecuteInvalidate(const Work& work) {
-  MrResources resources;
-  {
-    absl::MutexLock lock(&mu_);
-    MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
-    if (!mr->valid) {
-      return InvalidParameter(
-          "MR_NOT_FAST_REGISTERED",
-          absl::StrCat("MR ", work.mr, " is not fast-registered"));
-    }
-    // The rkey stays what QueryMr reports, now dead, until the next fast
-    // registration.
-    resources = TakeResourcesLocked(*mr);
-  }
-  // The old rkey is dead before the completion is delivered.
-  return ReleaseMrResources(std::move(resources));
+  memory->pinned = PageRound(reinterpret_cast<uint64_t>(start), fr.length,
+                             Attributes().page_size);
+  AddPinned(static_cast<int64_t>(memory->pinned));
+  Registration registration{memory->mr->lkey, memory->mr->rkey, nullptr};
+  registration.state = std::move(memory);
+  return registration;
 }
 
 // ---------------------------------------------------------------------------
 // Connection manager.
 
-void VerbsDevice::CommandCm(CmCommand command) {
-  cm_commands_.push_back(command);
+void VerbsDevice::ProviderCloseConnectionsLocked(
+    const std::vector<ConnectionId>& connections) {
+  absl::MutexLock lock(&verbs_mu_);
+  CmCommand command;
+  for (ConnectionId id : connections) {
+    if (auto it = links_.find(id); it != links_.end()) {
+      command.ids.push_back(it->second.id);
+    }
+  }
+  // Without links there is nothing to close (and no cm thread may be
+  // running to do it).
+  if (!command.ids.empty()) CommandCmLocked(std::move(command));
+}
+
+void VerbsDevice::CommandCmLocked(CmCommand command) {
+  cm_commands_.push_back(std::move(command));
   Wake(cm_wake_.get());
 }
 
@@ -1518,12 +804,12 @@ void VerbsDevice::CmLoop() {
   while (true) {
     RunCmCommands();
     {
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&verbs_mu_);
       if (cm_stop_) break;
     }
     while (true) {
       rdma_cm_event* event = nullptr;
-      if (rdma_get_cm_event(channel_, &event) != 0) {
+      if (rdma_get_cm_event(adapter_->channel, &event) != 0) {
         if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
           LogError("verbs device: rdma_get_cm_event: ", std::strerror(errno));
         }
@@ -1547,38 +833,38 @@ void VerbsDevice::CmLoop() {
       rdma_ack_cm_event(event);
       HandleCmEvent(copy);
     }
-    WaitReadable(channel_->fd, cm_wake_.get());
+    WaitReadable(adapter_->channel->fd, cm_wake_.get());
     DrainWake(cm_wake_.get());
   }
   // Stopping: every connection closes (sinks hear of it through the
   // worker), then the listener goes, unless a device release owns it now.
   bool released = false;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&verbs_mu_);
     released = cm_released_;
   }
   CloseAllCmIds(/*listener=*/!released);
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&verbs_mu_);
   cm_running_ = false;
 }
 
 void VerbsDevice::CloseAllCmIds(bool listener) {
   std::vector<rdma_cm_id*> ids;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&verbs_mu_);
     for (const auto& [id, connection] : by_cm_id_) ids.push_back(id);
   }
-  for (rdma_cm_id* id : ids) CloseCmId(id, /*notify=*/true);
-  if (listener && listen_id_ != nullptr) {
-    rdma_destroy_id(listen_id_);
-    listen_id_ = nullptr;
+  for (rdma_cm_id* id : ids) CloseCmId(id);
+  if (listener && adapter_->listen_id != nullptr) {
+    rdma_destroy_id(adapter_->listen_id);
+    adapter_->listen_id = nullptr;
   }
 }
 
 void VerbsDevice::RunCmCommands() {
   std::deque<CmCommand> commands;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&verbs_mu_);
     commands.swap(cm_commands_);
   }
   for (const CmCommand& command : commands) {
@@ -1588,28 +874,18 @@ void VerbsDevice::RunCmCommands() {
       // librdmacm in this process could otherwise make it close the context
       // under our MRs), and ReleaseDevice destroys it.
       CloseAllCmIds(/*listener=*/false);
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&verbs_mu_);
       cm_released_ = true;
       continue;
     }
-    std::vector<rdma_cm_id*> ids;
-    bool notify = false;
-    {
-      absl::MutexLock lock(&mu_);
-      if (command.kind == CmCommand::Kind::kClosePd) {
-        auto pd = pds_.find(command.pd);
-        if (pd == pds_.end()) continue;
-        for (ConnectionId id : pd->second->connections) {
-          auto it = connections_.find(id);
-          if (it != connections_.end()) ids.push_back(it->second->cm_id);
-        }
-      } else {
-        auto it = connections_.find(command.connection);
-        if (it != connections_.end()) ids.push_back(it->second->cm_id);
-        notify = true;
+    for (rdma_cm_id* id : command.ids) {
+      bool known = false;
+      {
+        absl::MutexLock lock(&verbs_mu_);
+        known = by_cm_id_.contains(id);
       }
+      if (known) CloseCmId(id);  // not closed meanwhile
     }
-    for (rdma_cm_id* id : ids) CloseCmId(id, notify);
   }
 }
 
@@ -1618,16 +894,24 @@ void VerbsDevice::HandleCmEvent(const CmEvent& event) {
     case RDMA_CM_EVENT_CONNECT_REQUEST:
       HandleConnectRequest(event);
       return;
-    case RDMA_CM_EVENT_ESTABLISHED:
-      HandleEstablished(event.id);
+    case RDMA_CM_EVENT_ESTABLISHED: {
+      ConnectionId connection = 0;
+      {
+        absl::MutexLock lock(&verbs_mu_);
+        auto it = by_cm_id_.find(event.id);
+        if (it == by_cm_id_.end()) return;
+        connection = it->second;
+      }
+      ConnectionEstablished(connection);
       return;
+    }
     case RDMA_CM_EVENT_DISCONNECTED:
     case RDMA_CM_EVENT_CONNECT_ERROR:
     case RDMA_CM_EVENT_UNREACHABLE:
     case RDMA_CM_EVENT_REJECTED:
       LogDebug("verbs device: ", rdma_event_str(event.type), " (status ",
                event.status, ")");
-      CloseCmId(event.id, /*notify=*/true);
+      CloseCmId(event.id);
       return;
     case RDMA_CM_EVENT_DEVICE_REMOVAL:
       // Every id on the device gets one; the release closes them all.
@@ -1647,7 +931,7 @@ void VerbsDevice::HandleConnectRequest(const CmEvent& event) {
     rdma_reject(id, data.data(), static_cast<uint8_t>(data.size()));
     rdma_destroy_id(id);
   };
-  if (id->verbs != context_) {
+  if (id->verbs != adapter_->context) {
     reject("WRONG_DEVICE", "it arrived on another RDMA device");
     return;
   }
@@ -1655,44 +939,45 @@ void VerbsDevice::HandleConnectRequest(const CmEvent& event) {
       std::min(event.private_data.size(), kMaxConnectPrivateData);
   ticket_length = strnlen(event.private_data.data(), ticket_length);
   const std::string ticket = event.private_data.substr(0, ticket_length);
-  PdId pd_id = 0;
-  ibv_pd* verbs_pd = nullptr;
-  ConnectionId connection_id = 0;
-  std::string reject_data;  // non-empty: reject, for reject_why
-  std::string reject_why;
   {
-    absl::MutexLock lock(&mu_);
-    auto it = tickets_.find(ticket);
-    Pd* pd = nullptr;
-    if (it != tickets_.end()) {
-      auto p = pds_.find(it->second);
-      if (p != pds_.end() && !p->second->dying) pd = p->second.get();
+    absl::MutexLock lock(&verbs_mu_);
+    if (!lost_reason_.empty()) {
+      reject("UNAVAILABLE", "the device is lost");
+      return;
     }
-    if (shut_down_ || !lost_reason_.empty()) {
-      reject_data = "UNAVAILABLE";
-      reject_why = "the device is shutting down or lost";
-    } else if (pd == nullptr) {
-      reject_data = kBadTicketRejectData;
-      reject_why = "unknown ticket, or its session has ended";
-    } else if (connections_.size() >= options_.max_connections) {
-      reject_data = "TOO_MANY_CONNECTIONS";
-      reject_why = absl::StrCat("the device has its maximum of ",
-                                options_.max_connections, " connections");
-    } else {
-      ++pd->busy;  // DeallocatePd waits until the QP is registered or gone
-      pd_id = pd->id;
-      verbs_pd = pd->pd;
-      connection_id = next_connection_++;
+    if (links_.size() >= options_.max_connections) {
+      reject("TOO_MANY_CONNECTIONS",
+             absl::StrCat("the device has its maximum of ",
+                          options_.max_connections, " connections"));
+      return;
     }
   }
-  if (!reject_data.empty()) {
-    reject(reject_data, reject_why);
+  std::optional<ConnectionId> connection = NewConnection(remote);
+  if (!connection.has_value()) {
+    reject("UNAVAILABLE", "the device is shutting down");
     return;
   }
-
+  absl::StatusOr<BindResult> bound =
+      BindConnection(*connection, ticket, /*ready=*/false);
+  if (!bound.ok()) {
+    ConnectionClosed(*connection);
+    reject(bound.status().code() == absl::StatusCode::kNotFound
+               ? kBadTicketRejectData
+               : "TOO_MANY_CONNECTIONS",
+           bound.status().message());
+    return;
+  }
+  {
+    // Before the QP exists: a PD that dies meanwhile finds the connection
+    // here and has the cm thread (this one, next) close it.
+    absl::MutexLock lock(&verbs_mu_);
+    links_[*connection].id = id;
+    by_cm_id_.emplace(id, *connection);
+  }
   // A small RC QP with its own CQ: mrd never posts on it; the adapter
-  // answers the peer's READ/WRITE from the PD's MRs.
-  ibv_cq* cq = ibv_create_cq(context_, 2, nullptr, nullptr, 0);
+  // answers the peer's READ/WRITE from the PD's MRs. The PD's state stays
+  // until the connection is reported closed.
+  ibv_cq* cq = ibv_create_cq(adapter_->context, 2, nullptr, nullptr, 0);
   bool created = false;
   if (cq != nullptr) {
     ibv_qp_init_attr init{};
@@ -1703,127 +988,76 @@ void VerbsDevice::HandleConnectRequest(const CmEvent& event) {
     init.cap.max_recv_wr = 1;
     init.cap.max_send_sge = 1;
     init.cap.max_recv_sge = 1;
-    created = rdma_create_qp(id, verbs_pd, &init) == 0;
+    created = rdma_create_qp(id, static_cast<VerbsPd*>(bound->pd_state)->pd,
+                             &init) == 0;
   }
   if (!created) {
-    int err = errno;
+    const int err = errno;
     if (cq != nullptr) ibv_destroy_cq(cq);
-    EndPdOp(pd_id);
+    {
+      absl::MutexLock lock(&verbs_mu_);
+      links_.erase(*connection);
+      by_cm_id_.erase(id);
+    }
+    ConnectionClosed(*connection);
     reject("NO_RESOURCES",
            absl::StrCat("creating the queue pair: ", std::strerror(err)));
     return;
   }
-  bool dying = false;
   {
-    absl::MutexLock lock(&mu_);
-    Pd& pd = *pds_.find(pd_id)->second;  // busy keeps it
-    dying = pd.dying || shut_down_ || !lost_reason_.empty();
-    if (!dying) {
-      auto connection = std::make_unique<Connection>();
-      connection->id = connection_id;
-      connection->pd = pd_id;
-      connection->cm_id = id;
-      connection->cq = cq;
-      connection->qp_num = id->qp->qp_num;
-      connection->remote = remote;
-      by_cm_id_.emplace(id, connection_id);
-      by_qp_num_.emplace(connection->qp_num, connection_id);
-      pd.connections.insert(connection_id);
-      connections_.emplace(connection_id, std::move(connection));
-      EndPdOpLocked(pd_id);
-    }
+    absl::MutexLock lock(&verbs_mu_);
+    Link& link = links_[*connection];
+    link.cq = cq;
+    link.qp_num = id->qp->qp_num;
+    by_qp_num_.emplace(link.qp_num, *connection);
   }
-  if (dying) {
-    rdma_destroy_qp(id);
-    ibv_destroy_cq(cq);
-    EndPdOp(pd_id);
-    reject(kBadTicketRejectData, "the session ended during the connect");
-    return;
-  }
-
   uint8_t reply[kAcceptPrivateDataBytes];
-  PutLe64(reply, connection_id);
-  PutLe64(reply + 8, max_message_size_);
+  PutLe64(reply, *connection);
+  PutLe64(reply + 8, adapter_->max_message_size);
   rdma_conn_param param{};
   param.private_data = reply;
   param.private_data_len = sizeof(reply);
-  param.responder_resources = static_cast<uint8_t>(
-      std::min<uint32_t>(event.responder_resources, max_responder_resources_));
+  param.responder_resources = static_cast<uint8_t>(std::min<uint32_t>(
+      event.responder_resources, adapter_->max_responder_resources));
   param.initiator_depth = static_cast<uint8_t>(
-      std::min<uint32_t>(event.initiator_depth, max_initiator_depth_));
+      std::min<uint32_t>(event.initiator_depth, adapter_->max_initiator_depth));
   param.rnr_retry_count = 7;
   if (rdma_accept(id, &param) != 0) {
     LogWarning("verbs device: rdma_accept for ", remote, ": ",
                std::strerror(errno));
-    CloseCmId(id, /*notify=*/false);
+    CloseCmId(id);
     return;
   }
-  LogDebug("verbs device: accepted connection ", connection_id, " from ",
-           remote, " (PD ", pd_id, ", QP ", id->qp->qp_num, ")");
+  LogDebug("verbs device: accepted connection ", *connection, " from ", remote,
+           " (PD ", bound->pd, ", QP ", id->qp->qp_num, ")");
 }
 
-void VerbsDevice::HandleEstablished(rdma_cm_id* id) {
-  absl::MutexLock lock(&mu_);
-  auto by_id = by_cm_id_.find(id);
-  if (by_id == by_cm_id_.end()) return;
-  Connection& connection = *connections_.find(by_id->second)->second;
-  if (connection.state != Connection::State::kConnecting) return;
-  auto pd = pds_.find(connection.pd);
-  if (pd == pds_.end() || pd->second->dying) return;  // kClosePd is coming
-  connection.state = Connection::State::kReady;
-  connection.announced = true;
-  // Queued before any post can find the connection ready, so
-  // OnPeerConnected precedes every completion on it.
-  Task task;
-  task.kind = Task::Kind::kConnected;
-  task.pd = connection.pd;
-  task.connection = connection.id;
-  task.remote = connection.remote;
-  tasks_.push_back(std::move(task));
-}
-
-void VerbsDevice::CloseCmId(rdma_cm_id* id, bool notify) {
-  ConnectionId connection_id = 0;
-  PdId pd_id = 0;
-  ibv_cq* cq = nullptr;
+void VerbsDevice::CloseCmId(rdma_cm_id* id) {
+  ConnectionId connection = 0;
+  Link link;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&verbs_mu_);
     auto by_id = by_cm_id_.find(id);
     if (by_id != by_cm_id_.end()) {
-      connection_id = by_id->second;
+      connection = by_id->second;
       by_cm_id_.erase(by_id);
-      auto it = connections_.find(connection_id);
-      Connection& connection = *it->second;
-      pd_id = connection.pd;
-      cq = connection.cq;
-      by_qp_num_.erase(connection.qp_num);
-      connection.state = Connection::State::kClosed;
-      auto pd = pds_.find(pd_id);
-      if (notify && connection.announced && pd != pds_.end() &&
-          !pd->second->dying) {
-        // Held work is flushed by the worker (the connection is gone), so
-        // every post gets its completion, then the disconnect.
-        ReleaseDeferredLocked(connection);
-        Task task;
-        task.kind = Task::Kind::kDisconnected;
-        task.pd = pd_id;
-        task.connection = connection_id;
-        tasks_.push_back(std::move(task));
-      }
-      connections_.erase(it);
+      auto it = links_.find(connection);
+      link = it->second;
+      links_.erase(it);
+      if (link.cq != nullptr) by_qp_num_.erase(link.qp_num);
     }
   }
-  if (connection_id != 0) {
+  if (link.cq != nullptr) {
     rdma_disconnect(id);  // harmless when the peer already disconnected
     rdma_destroy_qp(id);
-    ibv_destroy_cq(cq);
+    ibv_destroy_cq(link.cq);
   }
   rdma_destroy_id(id);
-  if (connection_id != 0) {
-    absl::MutexLock lock(&mu_);
-    auto pd = pds_.find(pd_id);
-    if (pd != pds_.end()) pd->second->connections.erase(connection_id);
-    LogDebug("verbs device: connection ", connection_id, " closed");
+  // After the QP is gone: the PD may be deallocated once the model hears
+  // this.
+  if (connection != 0) {
+    ConnectionClosed(connection);
+    LogDebug("verbs device: connection ", connection, " closed");
   }
 }
 
@@ -1831,60 +1065,41 @@ void VerbsDevice::CloseCmId(rdma_cm_id* id, bool notify) {
 // Device loss.
 
 void VerbsDevice::LoseDevice(const std::string& reason) {
-  absl::MutexLock lock(&mu_);
-  LoseDeviceLocked(reason);
-}
-
-void VerbsDevice::LoseDeviceLocked(const std::string& reason) {
-  if (!lost_reason_.empty()) return;
-  lost_reason_ = reason;
-  LogError("verbs device ", attributes_.name, " lost: ", reason,
-           "; releasing everything on it");
-  for (auto& [id, connection] : connections_) {
-    if (connection->state != Connection::State::kClosed) {
-      connection->state = Connection::State::kError;
-    }
+  {
+    absl::MutexLock lock(&verbs_mu_);
+    if (!lost_reason_.empty()) return;
+    lost_reason_ = reason;  // from here ProviderUsable fails
+    LogError("verbs device ", Attributes().name, " lost: ", reason,
+             "; releasing everything on it");
+    CmCommand command;
+    command.kind = CmCommand::Kind::kReleaseAll;
+    CommandCmLocked(std::move(command));
+    Wake(async_wake_.get());
   }
-  CmCommand command;
-  command.kind = CmCommand::Kind::kReleaseAll;
-  CommandCm(command);
-  Wake(async_wake_.get());
-}
-
-bool VerbsDevice::ReadyToRelease() const {
-  if (!cm_released_ && cm_running_) return false;
-  for (const auto& [id, pd] : pds_) {
-    if (pd->busy > 0) return false;
-  }
-  return true;
+  MarkAllConnectionsError();
 }
 
 void VerbsDevice::ReleaseDevice() {
-  std::vector<Memory> memories;
-  std::vector<ibv_pd*> verbs_pds;
   {
-    absl::MutexLock lock(&mu_);
-    // Every id is closed (so every QP and CQ is gone), and no verbs call on
-    // a PD's objects is in progress; new ones are refused (DEVICE_LOST).
-    mu_.Await(absl::Condition(this, &VerbsDevice::ReadyToRelease));
-    for (auto& [id, mr] : mrs_) {
-      memories.push_back(TakeResourcesLocked(*mr).memory);
-    }
-    for (auto& [id, lam] : lams_) {
-      memories.push_back(std::exchange(lam->memory, {}));
-      lam->fr_users = 0;  // the fast registrations are gone too
-    }
-    for (auto& [id, pd] : pds_) {
-      if (pd->pd != nullptr)
-        verbs_pds.push_back(std::exchange(pd->pd, nullptr));
-    }
+    // Every id is closed (so every QP and CQ is gone) before the PDs go.
+    absl::MutexLock lock(&verbs_mu_);
+    verbs_mu_.Await(absl::Condition(
+        +[](VerbsDevice* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(d->verbs_mu_) {
+          return d->cm_released_ || !d->cm_running_;
+        },
+        this));
   }
+  // Then no verbs call on a PD's objects is in progress; new ones are
+  // refused (DEVICE_LOST).
+  Taken taken = TakeAllProviderState();
   uint64_t unpinned = 0;
-  for (const Memory& memory : memories) {
+  for (const std::unique_ptr<ProviderState>& state : taken.memory) {
+    const Memory& memory = *static_cast<Memory*>(state.get());
     if (ReleaseMemory(memory).ok()) unpinned += memory.pinned;
   }
-  for (ibv_pd* pd : verbs_pds) {
-    if (int rc = ibv_dealloc_pd(pd); rc != 0) {
+  for (const std::unique_ptr<ProviderState>& state : taken.pds) {
+    if (int rc = ibv_dealloc_pd(static_cast<VerbsPd*>(state.get())->pd);
+        rc != 0) {
       LogError("verbs device: ibv_dealloc_pd after device loss: ",
                std::strerror(rc));
     }
@@ -1892,38 +1107,42 @@ void VerbsDevice::ReleaseDevice() {
   // The listener last (see kReleaseAll): then nothing of ours is left on
   // the device. librdmacm closes its context once it notices the device is
   // gone, which a device list sync does. The cm thread no longer touches
-  // listen_id_ once cm_released_ is set.
-  if (listen_id_ != nullptr) {
-    rdma_destroy_id(listen_id_);
-    listen_id_ = nullptr;
+  // the listener once cm_released_ is set.
+  if (adapter_->listen_id != nullptr) {
+    rdma_destroy_id(adapter_->listen_id);
+    adapter_->listen_id = nullptr;
   }
   int count = 0;
   if (ibv_context** list = rdma_get_devices(&count); list != nullptr) {
     rdma_free_devices(list);
   }
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&verbs_mu_);
   pinned_bytes_ -= unpinned;
   released_ = true;
-  LogInfo("verbs device ", attributes_.name, ": released after the loss (",
-          memories.size(), " registrations, ", verbs_pds.size(), " PDs)");
+  LogInfo("verbs device ", Attributes().name, ": released after the loss (",
+          taken.memory.size(), " registrations, ", taken.pds.size(), " PDs)");
 }
 
 // ---------------------------------------------------------------------------
 // Async events.
 
-void VerbsDevice::MarkConnectionErrorLocked(Connection& connection,
-                                            const std::string& why) {
-  if (connection.state == Connection::State::kClosed ||
-      connection.state == Connection::State::kError) {
-    return;
+void VerbsDevice::FailLinks(const std::vector<ConnectionId>& connections,
+                            const std::string& why) {
+  std::vector<ConnectionId> failed;
+  {
+    absl::MutexLock lock(&verbs_mu_);
+    CmCommand command;
+    for (ConnectionId connection : connections) {
+      auto it = links_.find(connection);
+      if (it == links_.end() || it->second.error) continue;
+      it->second.error = true;
+      LogInfo("verbs device: connection ", connection, " in error: ", why);
+      command.ids.push_back(it->second.id);
+      failed.push_back(connection);
+    }
+    if (!command.ids.empty()) CommandCmLocked(std::move(command));
   }
-  LogInfo("verbs device: connection ", connection.id, " (", connection.remote,
-          ") in error: ", why);
-  connection.state = Connection::State::kError;
-  CmCommand command;
-  command.kind = CmCommand::Kind::kClose;
-  command.connection = connection.id;
-  CommandCm(command);
+  for (ConnectionId connection : failed) ConnectionError(connection);
 }
 
 void VerbsDevice::AsyncLoop() {
@@ -1931,7 +1150,7 @@ void VerbsDevice::AsyncLoop() {
   while (true) {
     bool release = false;
     {
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&verbs_mu_);
       if (!lost_reason_.empty() && !released_) {
         release = true;
       } else if (async_stop_) {
@@ -1946,7 +1165,7 @@ void VerbsDevice::AsyncLoop() {
     }
     while (readable) {
       ibv_async_event event{};
-      if (ibv_get_async_event(context_, &event) != 0) {
+      if (ibv_get_async_event(adapter_->context, &event) != 0) {
         if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
           int err = errno;
           readable = false;
@@ -1988,7 +1207,8 @@ void VerbsDevice::AsyncLoop() {
       HandleAsyncEvent(copy);
       if (copy.type == IBV_EVENT_DEVICE_FATAL) break;
     }
-    WaitReadable(readable ? context_->async_fd : -1, async_wake_.get());
+    WaitReadable(readable ? adapter_->context->async_fd : -1,
+                 async_wake_.get());
     DrainWake(async_wake_.get());
   }
 }
@@ -2000,37 +1220,43 @@ void VerbsDevice::HandleAsyncEvent(const AsyncEvent& event) {
     case IBV_EVENT_QP_REQ_ERR:
     case IBV_EVENT_QP_ACCESS_ERR:
     case IBV_EVENT_PATH_MIG_ERR: {
-      absl::MutexLock lock(&mu_);
-      auto it = by_qp_num_.find(event.qp_num);
-      if (it == by_qp_num_.end()) return;
-      MarkConnectionErrorLocked(*connections_.find(it->second)->second, name);
+      std::vector<ConnectionId> failed;
+      {
+        absl::MutexLock lock(&verbs_mu_);
+        auto it = by_qp_num_.find(event.qp_num);
+        if (it == by_qp_num_.end()) return;
+        failed.push_back(it->second);
+      }
+      FailLinks(failed, name);
       return;
     }
     case IBV_EVENT_CQ_ERR: {
-      absl::MutexLock lock(&mu_);
-      for (auto& [id, connection] : connections_) {
-        if (connection->cq == event.cq) {
-          MarkConnectionErrorLocked(*connection, name);
+      std::vector<ConnectionId> failed;
+      {
+        absl::MutexLock lock(&verbs_mu_);
+        for (const auto& [connection, link] : links_) {
+          if (link.cq == event.cq) failed.push_back(connection);
         }
       }
+      FailLinks(failed, name);
       return;
     }
     case IBV_EVENT_DEVICE_FATAL:
       LoseDevice("fatal device error (IBV_EVENT_DEVICE_FATAL)");
       return;
     case IBV_EVENT_PORT_ERR:
-      if (event.port_num == port_num_) {
-        absl::MutexLock lock(&mu_);
+      if (event.port_num == adapter_->port_num) {
+        absl::MutexLock lock(&verbs_mu_);
         port_problem_ =
             absl::StrCat("port ", event.port_num, " is down (", name, ")");
-        LogWarning("verbs device ", attributes_.name, ": ", port_problem_);
+        LogWarning("verbs device ", Attributes().name, ": ", port_problem_);
       }
       return;
     case IBV_EVENT_PORT_ACTIVE:
-      if (event.port_num == port_num_) {
-        absl::MutexLock lock(&mu_);
+      if (event.port_num == adapter_->port_num) {
+        absl::MutexLock lock(&verbs_mu_);
         if (!port_problem_.empty()) {
-          LogInfo("verbs device ", attributes_.name, ": port ", event.port_num,
+          LogInfo("verbs device ", Attributes().name, ": port ", event.port_num,
                   " is active again");
         }
         port_problem_.clear();
@@ -2042,7 +1268,7 @@ void VerbsDevice::HandleAsyncEvent(const AsyncEvent& event) {
       LogDebug("verbs device: async event ", name, " on QP ", event.qp_num);
       return;
     default:
-      LogInfo("verbs device ", attributes_.name, ": async event ", name);
+      LogInfo("verbs device ", Attributes().name, ": async event ", name);
       return;
   }
 }

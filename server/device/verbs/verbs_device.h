@@ -53,14 +53,10 @@
 //   Invalidation is ibv_dereg_mr plus munmap. Limitation: pages of hugetlbfs
 //   files cannot be remapped one base page at a time; such a fast
 //   registration completes with an error.
-// * Work ordering (same semantics as the software device): posted work runs
-//   on one worker thread in post order per connection; kWorkDefer work is
-//   held until the next non-deferred post on that connection;
-//   kWorkSilentSuccess suppresses only success completions; kWorkReadFence
-//   holds trivially, since the worker executes each request synchronously
-//   and to completion before the next one. The worker also delivers every
-//   sink event (peer connected, completions, peer disconnected), so a PD's
-//   events arrive in order, from one thread, never on a caller's stack.
+// * The device model (device_model.h) holds the PD, MR, LAM and connection
+//   tables, the work queue and its ordering (the same as the software
+//   device's, written once) and the rules; this provider adds the verbs
+//   calls, the connection manager and the async events.
 // * Peer path: an rdma_cm listener (RDMA_PS_TCP) on peer_address. A connect
 //   request's private data carries the ticket (CreatePeerTicket: 32 hex
 //   characters, NUL-padded by the transport). Unknown ticket: rdma_reject
@@ -99,14 +95,11 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <optional>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -114,8 +107,7 @@
 #include "mrd/unique_fd.h"
 #include "server/common/thread.h"
 #include "server/device/device.h"
-#include "server/device/iova_space.h"
-#include "server/device/secure_random.h"
+#include "server/device/device_model.h"
 
 namespace mrd::device {
 
@@ -147,7 +139,7 @@ inline constexpr char kBadTicketRejectData[] = "BAD_TICKET";
 // Opens none of them.
 std::vector<std::string> ListVerbsDevices();
 
-class VerbsDevice final : public Device {
+class VerbsDevice final : public DeviceModel {
  public:
   // Binds the rdma_cm listener (which opens the device) and queries the
   // device. Errors: NOT_FOUND "NO_VERBS_DEVICE" / "UNKNOWN_VERBS_DEVICE"
@@ -159,98 +151,60 @@ class VerbsDevice final : public Device {
   // Shutdown(), then releases whatever PDs are left (nothing stays pinned),
   // without calling their sinks.
   ~VerbsDevice() override;
-  VerbsDevice(const VerbsDevice&) = delete;
-  VerbsDevice& operator=(const VerbsDevice&) = delete;
 
-  const DeviceAttributes& Attributes() const override { return attributes_; }
   DeviceHealth Health() const override;
   // Page-rounded bytes of every live verbs registration. Verbs pins per
   // registration, so overlapping registrations count twice (unlike the
   // software device, which counts each page once).
   uint64_t PinnedBytes() const override;
 
-  // Starts listening and the threads. Errors: FAILED_PRECONDITION
-  // "ALREADY_STARTED", or the errno of rdma_listen.
-  absl::Status Start() override;
-  void Shutdown() override;
-
-  absl::StatusOr<PdId> AllocatePd(PdEventSink* sink) override;
-  absl::Status DeallocatePd(PdId pd) override;
-
-  absl::StatusOr<MrKeys> RegisterMr(PdId pd, const MemorySpan& span,
-                                    uint64_t base_address,
-                                    uint32_t access) override;
-  absl::Status DeregisterMr(MrId mr) override;
-
-  absl::StatusOr<LogicalMapping> BuildLam(PdId pd,
-                                          const MemorySpan& span) override;
-  absl::Status ReleaseLam(LamId lam) override;
-
-  absl::StatusOr<MrKeys> AllocateFastRegisterMr(PdId pd, bool allow_remote,
-                                                uint32_t max_pages) override;
-  absl::Status FreeFastRegisterMr(MrId mr) override;
-  absl::StatusOr<MrKeys> QueryMr(MrId mr) const override;
-
-  absl::StatusOr<std::string> CreatePeerTicket(PdId pd) override;
-
-  absl::StatusOr<uint64_t> PostFastRegister(
-      ConnectionId connection, const FastRegisterWork& work) override;
-  absl::StatusOr<uint64_t> PostInvalidate(ConnectionId connection,
-                                          const InvalidateWork& work) override;
-
-  // Beyond Device:
-
   // The largest peer READ/WRITE (the port's max_msg_sz), as advertised in
   // the accept reply.
-  uint64_t max_message_size() const { return max_message_size_; }
-  // Blocks until the worker has no task queued or running. For tests and
-  // orderly teardown; must not be called from a sink.
-  void WaitForWorkerIdle();
+  uint64_t max_message_size() const;
+
+ protected:
+  absl::Status ProviderStart() override;
+  void ProviderStop() override;
+  absl::Status ProviderUsable() const override;
+  absl::Status ProviderCheckBase(const MemorySpan& span,
+                                 uint64_t base_address) const override;
+  absl::StatusOr<std::unique_ptr<ProviderState>> ProviderAllocatePd() override;
+  absl::Status ProviderDeallocatePd(std::unique_ptr<ProviderState> pd) override;
+  absl::StatusOr<Registration> ProviderRegister(ProviderState* pd,
+                                                const MemorySpan& span,
+                                                uint64_t iova, uint32_t access,
+                                                uint64_t owner,
+                                                bool lam) override;
+  absl::Status ProviderDeregister(
+      std::unique_ptr<ProviderState> state) override;
+  absl::StatusOr<Registration> ProviderAllocateFastMr(ProviderState* pd,
+                                                      MrId owner) override;
+  absl::StatusOr<Registration> ProviderFastRegister(
+      ProviderState* pd, ProviderState* object, MrId mr,
+      const std::vector<PageRef>& pages, const FastRegisterWork& fr,
+      uint32_t previous_rkey) override;
+  void ProviderCloseConnectionsLocked(
+      const std::vector<ConnectionId>& connections) override
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
  private:
-  struct Pd;
-  struct Mr;
-  struct Lam;
-  struct Connection;
-  struct PageRef;
-  struct ResolvedPages;
+  struct Adapter;  // the opened device: context, listener, limits
+  struct VerbsPd;  // a ProviderState: an ibv_pd
+  struct Memory;   // a ProviderState: one verbs registration
+  // A connection's verbs objects, owned by the connection-manager thread.
+  struct Link {
+    rdma_cm_id* id = nullptr;
+    ibv_cq* cq = nullptr;
+    uint32_t qp_num = 0;
+    bool error = false;  // a close is already on its way
+  };
   // A connection-manager event, copied out before it is acknowledged.
   struct CmEvent;
-
-  // One verbs registration: the MR, and the view of the file mrd mapped for
-  // it when it did not register the caller's mapping (fast-registration
-  // remaps, writable views of read-only memory).
-  struct Memory {
-    ibv_mr* mr = nullptr;
-    void* view = nullptr;
-    uint64_t view_length = 0;
-    uint64_t pinned = 0;  // page-rounded bytes the registration pins
-  };
-
-  struct Work {
-    WorkCompletion::Kind kind = WorkCompletion::Kind::kFastRegister;
-    uint64_t id = 0;
-    ConnectionId connection = 0;
-    PdId pd = 0;
-    MrId mr = 0;
-    uint32_t flags = 0;
-    uint64_t request_context = 0;
-    FastRegisterWork fast_register;  // kFastRegister only
-  };
-  struct Task {
-    enum class Kind { kWork, kConnected, kDisconnected };
-    Kind kind = Kind::kWork;
-    PdId pd = 0;
-    ConnectionId connection = 0;
-    std::string remote;  // kConnected
-    Work work;           // kWork
-  };
   // What other threads ask of the connection-manager thread.
   struct CmCommand {
-    enum class Kind { kClosePd, kClose, kReleaseAll };
+    enum class Kind { kClose, kReleaseAll };
     Kind kind = Kind::kClose;
-    PdId pd = 0;                  // kClosePd
-    ConnectionId connection = 0;  // kClose
+    std::vector<rdma_cm_id*> ids;  // kClose
   };
   // What HandleAsyncEvent needs of an ibv_async_event, copied before the
   // event is acknowledged.
@@ -261,153 +215,74 @@ class VerbsDevice final : public Device {
     int port_num = 0;      // port events
   };
 
-  VerbsDevice(const VerbsDeviceOptions& options, uint64_t page_size,
-              uint64_t iova_start);
+  VerbsDevice(const VerbsDeviceOptions& options, DeviceModelOptions model,
+              std::unique_ptr<Adapter> adapter);
+  static absl::StatusOr<std::unique_ptr<Adapter>> OpenAdapter(
+      const VerbsDeviceOptions& options, uint64_t page_size);
 
-  absl::Status Open(const VerbsDeviceOptions& options);
-  absl::Status CheckUsableLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ValidateSpan(const MemorySpan& span,
-                            absl::string_view call) const;
   // ibv_reg_mr_iova2 of [span) at `iova`, through a writable view of the
   // file when the kernel refuses to pin a read-only mapping (see above).
-  absl::StatusOr<Memory> RegisterSpan(ibv_pd* pd, const MemorySpan& span,
-                                      uint64_t iova, int access,
-                                      absl::string_view what) const;
+  absl::StatusOr<std::unique_ptr<Memory>> RegisterSpan(
+      ibv_pd* pd, const MemorySpan& span, uint64_t iova, int access,
+      absl::string_view what) const;
   // Deregisters and unmaps. Errors: ibv_dereg_mr's (the memory then stays
   // pinned and the view mapped).
   static absl::Status ReleaseMemory(const Memory& memory);
-
-  absl::StatusOr<Pd*> FindPdLocked(PdId pd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks the PD busy (DeallocatePd and ReleaseDevice wait until it is idle
-  // again) and returns its verbs PD. Used around verbs calls made outside
-  // the mutex.
-  absl::StatusOr<ibv_pd*> BeginPdOp(PdId pd) ABSL_LOCKS_EXCLUDED(mu_);
-  void EndPdOp(PdId pd) ABSL_LOCKS_EXCLUDED(mu_);
-  void EndPdOpLocked(PdId pd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  absl::StatusOr<std::shared_ptr<Mr>> FindMrLocked(MrId mr) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks the MR revoking, waits until no fast registration is executing on
-  // it, and erases it from the maps.
-  void DetachMrLocked(const std::shared_ptr<Mr>& mr)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  struct MrResources {
-    Memory memory;
-    std::vector<LamId> lams;
-  };
-  // Takes the MR's registration out of it (the MR is then not valid).
-  MrResources TakeResourcesLocked(Mr& mr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // ReleaseMemory (no lock held), then drops the LAM references and the
-  // pinned count (taking the mutex).
-  absl::Status ReleaseMrResources(MrResources resources)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  void DropLamRefsLocked(const std::vector<LamId>& lams)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  absl::StatusOr<ResolvedPages> ResolvePagesLocked(
-      PdId pd, const std::vector<uint64_t>& pages) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<Connection*> FindPostConnectionLocked(ConnectionId connection,
-                                                       PdId pd) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  uint64_t EnqueueLocked(Connection& connection, Work work)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseDeferredLocked(Connection& connection)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-
-  // Worker.
-  void WorkerLoop();
-  std::optional<WorkCompletion> Execute(const Work& work)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status ExecuteFastRegister(const Work& work, uint32_t* rkey)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status ExecuteInvalidate(const Work& work) ABSL_LOCKS_EXCLUDED(mu_);
-  bool WorkerHasTask() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool WorkerIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddPinned(int64_t bytes) ABSL_LOCKS_EXCLUDED(verbs_mu_);
 
   // Connection-manager thread.
   void CmLoop();
-  void HandleCmEvent(const CmEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
-  void HandleConnectRequest(const CmEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
-  void HandleEstablished(rdma_cm_id* id) ABSL_LOCKS_EXCLUDED(mu_);
-  // Closes the connection of `id` (if any) and destroys its QP, CQ and the
-  // id itself. `notify`: the PD's sink hears OnPeerDisconnected (if it
-  // heard OnPeerConnected and the PD is not dying).
-  void CloseCmId(rdma_cm_id* id, bool notify) ABSL_LOCKS_EXCLUDED(mu_);
+  void HandleCmEvent(const CmEvent& event);
+  void HandleConnectRequest(const CmEvent& event);
+  // Closes the connection of `id` (if any): destroys its QP, CQ and the id
+  // itself, then tells the model (flushes, OnPeerDisconnected).
+  void CloseCmId(rdma_cm_id* id);
   // Closes every connection and, with `listener`, destroys the listener.
-  void CloseAllCmIds(bool listener) ABSL_LOCKS_EXCLUDED(mu_);
-  void RunCmCommands() ABSL_LOCKS_EXCLUDED(mu_);
-  void CommandCm(CmCommand command) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CloseAllCmIds(bool listener);
+  void RunCmCommands();
+  void CommandCmLocked(CmCommand command)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(verbs_mu_);
 
   // Device loss. LoseDevice marks the device lost (once) and starts letting
   // go of it: the cm thread closes every id (kReleaseAll), then the async
-  // thread runs ReleaseDevice: every MR and LAM pin is deregistered, every
-  // verbs PD deallocated, and librdmacm made to close the device.
-  void LoseDevice(const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
-  void LoseDeviceLocked(const std::string& reason)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void ReleaseDevice() ABSL_LOCKS_EXCLUDED(mu_);
-  bool ReadyToRelease() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // thread runs ReleaseDevice: every MR and LAM registration is
+  // deregistered, every verbs PD deallocated, and librdmacm made to close
+  // the device.
+  void LoseDevice(const std::string& reason) ABSL_LOCKS_EXCLUDED(verbs_mu_);
+  void ReleaseDevice() ABSL_LOCKS_EXCLUDED(verbs_mu_);
 
   // Async-event thread.
   void AsyncLoop();
-  void HandleAsyncEvent(const AsyncEvent& event) ABSL_LOCKS_EXCLUDED(mu_);
-  void MarkConnectionErrorLocked(Connection& connection, const std::string& why)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void HandleAsyncEvent(const AsyncEvent& event);
+  // Puts the connections of these links in error and closes them.
+  void FailLinks(const std::vector<ConnectionId>& connections,
+                 const std::string& why) ABSL_LOCKS_EXCLUDED(verbs_mu_);
 
   const VerbsDeviceOptions options_;
-  const uint64_t page_size_;
-  DeviceAttributes attributes_;
-  uint64_t max_message_size_ = 0;
-  uint32_t max_responder_resources_ = 0;  // device max_qp_rd_atom
-  uint32_t max_initiator_depth_ = 0;      // device max_qp_init_rd_atom
-  uint8_t port_num_ = 1;
-
-  // librdmacm's context of the device (listen_id_->verbs); closed by
-  // librdmacm once every id on it is gone (and, after a loss, the device is
-  // noticed to be gone).
-  ibv_context* context_ = nullptr;
-  rdma_event_channel* channel_ = nullptr;  // owned
-  // Owned. Destroyed by the cm thread on its way out, by ReleaseDevice after
-  // a loss (the cm thread hands it over with cm_released_), or by the
-  // destructor when the device never started.
-  rdma_cm_id* listen_id_ = nullptr;
+  const std::unique_ptr<Adapter> adapter_;
   UniqueFd cm_wake_;     // eventfd: commands or stop
   UniqueFd async_wake_;  // eventfd: stop or device loss
 
-  mutable absl::Mutex mu_;
-  Thread worker_ ABSL_GUARDED_BY(mu_);
-  Thread cm_thread_ ABSL_GUARDED_BY(mu_);
-  Thread async_thread_ ABSL_GUARDED_BY(mu_);
-  bool started_ ABSL_GUARDED_BY(mu_) = false;
-  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
-  bool cm_stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool cm_running_ ABSL_GUARDED_BY(mu_) = false;
-  bool async_stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool worker_stop_ ABSL_GUARDED_BY(mu_) = false;
-  bool worker_busy_ ABSL_GUARDED_BY(mu_) = false;
-  std::string lost_reason_ ABSL_GUARDED_BY(mu_);   // non-empty: device lost
-  bool cm_released_ ABSL_GUARDED_BY(mu_) = false;  // every id closed
-  bool released_ ABSL_GUARDED_BY(mu_) = false;     // ReleaseDevice done
-  std::string port_problem_ ABSL_GUARDED_BY(mu_);  // non-empty: port down
-  uint64_t pinned_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  SecureRandomPool random_ ABSL_GUARDED_BY(mu_);
-  IovaSpace iova_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<PdId, std::unique_ptr<Pd>> pds_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<MrId, std::shared_ptr<Mr>> mrs_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<LamId, std::unique_ptr<Lam>> lams_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<ConnectionId, std::unique_ptr<Connection>> connections_
-      ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<rdma_cm_id*, ConnectionId> by_cm_id_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint32_t, ConnectionId> by_qp_num_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<std::string, PdId> tickets_ ABSL_GUARDED_BY(mu_);
-  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
-  std::deque<CmCommand> cm_commands_ ABSL_GUARDED_BY(mu_);
-  uint64_t next_pd_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_mr_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_lam_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_work_ ABSL_GUARDED_BY(mu_) = 1;
+  // Lock order: the model's mu_ before verbs_mu_ (the model calls
+  // ProviderUsable and ProviderCloseConnectionsLocked under mu_); nothing
+  // here calls the model while holding verbs_mu_.
+  mutable absl::Mutex verbs_mu_;
+  Thread cm_thread_ ABSL_GUARDED_BY(verbs_mu_);
+  Thread async_thread_ ABSL_GUARDED_BY(verbs_mu_);
+  bool cm_stop_ ABSL_GUARDED_BY(verbs_mu_) = false;
+  bool cm_running_ ABSL_GUARDED_BY(verbs_mu_) = false;
+  bool async_stop_ ABSL_GUARDED_BY(verbs_mu_) = false;
+  std::string lost_reason_ ABSL_GUARDED_BY(verbs_mu_);   // non-empty: lost
+  bool cm_released_ ABSL_GUARDED_BY(verbs_mu_) = false;  // every id closed
+  bool released_ ABSL_GUARDED_BY(verbs_mu_) = false;     // ReleaseDevice done
+  std::string port_problem_ ABSL_GUARDED_BY(verbs_mu_);  // non-empty: down
+  uint64_t pinned_bytes_ ABSL_GUARDED_BY(verbs_mu_) = 0;
+  absl::flat_hash_map<ConnectionId, Link> links_ ABSL_GUARDED_BY(verbs_mu_);
+  absl::flat_hash_map<rdma_cm_id*, ConnectionId> by_cm_id_
+      ABSL_GUARDED_BY(verbs_mu_);
+  absl::flat_hash_map<uint32_t, ConnectionId> by_qp_num_
+      ABSL_GUARDED_BY(verbs_mu_);
+  std::deque<CmCommand> cm_commands_ ABSL_GUARDED_BY(verbs_mu_);
 };
 
 }  // namespace mrd::device

@@ -1,0 +1,1272 @@
+#include "server/device/device_model.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "mrd/status.h"
+#include "server/common/log.h"
+#include "server/device/fast_register_rules.h"
+
+namespace mrd::device {
+namespace {
+
+constexpr uint32_t kKnownAccess = kAccessLocalWrite | kAccessRemoteRead |
+                                  kAccessRemoteWrite | kAccessReadSink;
+constexpr uint32_t kRemoteAccess = kAccessRemoteRead | kAccessRemoteWrite;
+constexpr uint32_t kKnownWorkFlags =
+    kWorkSilentSuccess | kWorkReadFence | kWorkDefer;
+constexpr uint64_t kMaxGuardPages = 16;
+constexpr size_t kTicketBytes = 16;  // 128-bit secret
+
+std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
+
+absl::Status InvalidParameter(absl::string_view reason,
+                              absl::string_view message) {
+  return SeedError(STATUS_INVALID_PARAMETER, reason, message);
+}
+
+absl::Status UnknownMr(MrId mr) {
+  return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR",
+                  absl::StrCat("no memory region ", mr));
+}
+
+absl::Status CheckAccessBits(uint32_t access, absl::string_view call) {
+  if ((access & ~kKnownAccess) == 0) return absl::OkStatus();
+  return InvalidParameter(
+      "UNKNOWN_ACCESS_BITS",
+      absl::StrCat(call, ": access ", Hex(access), " has unknown bits ",
+                   Hex(access & ~kKnownAccess)));
+}
+
+absl::Status CheckWorkFlags(uint32_t flags, absl::string_view call) {
+  if ((flags & ~kKnownWorkFlags) == 0) return absl::OkStatus();
+  return InvalidParameter(
+      "UNKNOWN_WORK_FLAGS",
+      absl::StrCat(call, ": flags ", Hex(flags), " have unknown bits ",
+                   Hex(flags & ~kKnownWorkFlags)));
+}
+
+absl::Status CheckBaseAddress(uint64_t base_address, uint64_t length,
+                              absl::string_view call) {
+  if (base_address == 0) {
+    return InvalidParameter(
+        "ZERO_BASED_ADDRESS",
+        absl::StrCat(call,
+                     ": base address 0: zero-based addressing is not "
+                     "supported"));
+  }
+  uint64_t end = 0;
+  if (__builtin_add_overflow(base_address, length, &end)) {
+    return InvalidParameter(
+        "BASE_ADDRESS_OVERFLOW",
+        absl::StrCat(call, ": base address ", Hex(base_address), " + ", length,
+                     " bytes wraps around"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// All fields of the structs below are guarded by DeviceModel::mu_ unless
+// marked immutable.
+
+struct DeviceModel::Pd {
+  PdId id = 0;                  // immutable
+  PdEventSink* sink = nullptr;  // immutable
+  std::unique_ptr<ProviderState> state;
+  bool dying = false;             // DeallocatePd has begun
+  int busy = 0;                   // see BeginPdOp
+  absl::flat_hash_set<MrId> mrs;  // normal and fast-register MRs
+  absl::flat_hash_set<LamId> lams;
+  absl::flat_hash_set<ConnectionId> connections;  // bound to this PD
+  std::vector<std::string> tickets;
+};
+
+struct DeviceModel::Mr {
+  MrId id = 0;                // immutable
+  PdId pd = 0;                // immutable
+  bool fast = false;          // immutable: a fast-register MR object (C1)
+  bool allow_remote = false;  // immutable, fast only (F4)
+  uint32_t max_pages = 0;     // immutable, fast only
+  uint32_t lkey = 0;
+  uint32_t rkey = 0;
+  bool revoking = false;   // being destroyed: treat as gone
+  bool valid = false;      // registered / fast-registered: peers may use it
+  bool executing = false;  // the worker is fast-registering it now
+  uint64_t base = 0;
+  uint64_t length = 0;
+  uint32_t access = 0;
+  MemorySpan span;  // normal MRs: the registered memory
+  // The registration (normal MRs) or the MR object's keys (fast).
+  std::unique_ptr<ProviderState> object;
+  // Fast-registered: the mapping.
+  uint32_t fbo = 0;
+  std::vector<PageRef> pages;
+  std::vector<LamId> lams;  // distinct LAMs the mapping holds a ref on
+  std::unique_ptr<ProviderState> mapping;
+  int inflight = 0;  // peer operations inside the memory now
+};
+
+struct DeviceModel::Lam {
+  LamId id = 0;
+  PdId pd = 0;
+  MemorySpan span;
+  uint32_t fbo = 0;
+  uint64_t iova = 0;  // logical address of the first page
+  uint64_t page_count = 0;
+  uint32_t fr_users = 0;  // fast-registered MRs mapping any of its pages
+  std::unique_ptr<ProviderState> state;
+};
+
+struct DeviceModel::Connection {
+  // kHandshake: not bound to a PD yet; kConnecting: bound, not usable yet.
+  enum class State { kHandshake, kConnecting, kReady, kError, kClosed };
+  ConnectionId id = 0;  // immutable
+  std::string remote;   // immutable
+  State state = State::kHandshake;
+  PdId pd = 0;                // set by BindConnection
+  bool announced = false;     // OnPeerConnected is queued
+  std::deque<Work> deferred;  // kWorkDefer work held back
+};
+
+struct DeviceModel::ResolvedPages {
+  std::vector<PageRef> pages;
+  std::vector<LamId> lams;  // distinct
+};
+
+// ---------------------------------------------------------------------------
+// Creation, lifecycle.
+
+DeviceModel::DeviceModel(DeviceAttributes attributes,
+                         const DeviceModelOptions& options)
+    : options_(options),
+      attributes_(std::move(attributes)),
+      iova_(options.page_size, options.iova_start, options.iova_limit,
+            options.fault_points) {
+  attributes_.page_size = options.page_size;
+  attributes_.max_mr_size = options.max_mr_size;
+  attributes_.max_page_list_length = options.max_page_list_length;
+}
+
+DeviceModel::~DeviceModel() {
+  // The provider's destructor released everything (ShutdownAndReleaseAll).
+  absl::MutexLock lock(&mu_);
+  MRD_CHECK(pds_.empty());
+}
+
+void DeviceModel::ShutdownAndReleaseAll() {
+  Shutdown();
+  std::vector<PdId> left;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, pd] : pds_) left.push_back(id);
+  }
+  for (PdId pd : left) (void)DeallocatePd(pd);
+}
+
+absl::Status DeviceModel::Start() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (started_ || shut_down_) {
+      return MrdError(absl::StatusCode::kFailedPrecondition, "ALREADY_STARTED",
+                      absl::StrCat("the ", attributes_.kind,
+                                   " device was started or shut down before"));
+    }
+    MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "thread.create"));
+    MRD_ASSIGN_OR_RETURN(
+        worker_, Thread::Start(absl::StrCat("mrd-", attributes_.kind, "-work"),
+                               [this] { WorkerLoop(); }));
+    started_ = true;
+  }
+  absl::Status status = ProviderStart();
+  // Without the provider no peer can ever connect: stop the worker again,
+  // so that the device is cleanly shut down rather than half started.
+  if (!status.ok()) Shutdown();
+  return status;
+}
+
+void DeviceModel::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    if (shut_down_) return;
+    shut_down_ = true;  // from here NewConnection refuses
+  }
+  // Every connection closes (ConnectionClosed queues flushes and
+  // disconnects), after the frames and events being handled.
+  ProviderStop();
+  Thread worker;
+  {
+    absl::MutexLock lock(&mu_);
+    // The worker drains what the closing connections queued: their PDs, and
+    // so their sinks, are still alive.
+    worker_stop_ = true;
+    worker = std::move(worker_);
+  }
+  worker.Join();
+}
+
+absl::Status DeviceModel::UsableLocked() const { return ProviderUsable(); }
+
+DeviceModel::Phase DeviceModel::phase() const {
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return Phase::kShutDown;
+  return started_ ? Phase::kStarted : Phase::kNew;
+}
+
+// ---------------------------------------------------------------------------
+// Protection domains.
+
+absl::StatusOr<DeviceModel::Pd*> DeviceModel::FindPdLocked(PdId pd) {
+  auto it = pds_.find(pd);
+  if (it == pds_.end() || it->second->dying) {
+    return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_PD",
+                    absl::StrCat("no protection domain ", pd));
+  }
+  return it->second.get();
+}
+
+absl::StatusOr<ProviderState*> DeviceModel::BeginPdOp(PdId pd) {
+  absl::MutexLock lock(&mu_);
+  MRD_RETURN_IF_ERROR(UsableLocked());
+  MRD_ASSIGN_OR_RETURN(Pd * found, FindPdLocked(pd));
+  ++found->busy;
+  return found->state.get();
+}
+
+void DeviceModel::EndPdOp(PdId pd) {
+  absl::MutexLock lock(&mu_);
+  EndPdOpLocked(pd);
+}
+
+void DeviceModel::EndPdOpLocked(PdId pd) {
+  // DeallocatePd waits for busy == 0 before erasing, so the PD is here.
+  auto it = pds_.find(pd);
+  MRD_CHECK(it != pds_.end() && it->second->busy > 0);
+  --it->second->busy;
+}
+
+absl::StatusOr<PdId> DeviceModel::AllocatePd(PdEventSink* sink) {
+  if (sink == nullptr) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "NULL_SINK",
+                    "AllocatePd needs an event sink");
+  }
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "pd.allocate"));
+  {
+    absl::MutexLock lock(&mu_);
+    MRD_RETURN_IF_ERROR(UsableLocked());
+  }
+  MRD_ASSIGN_OR_RETURN(std::unique_ptr<ProviderState> state,
+                       ProviderAllocatePd());
+  absl::StatusOr<PdId> id = [&]() -> absl::StatusOr<PdId> {
+    absl::MutexLock lock(&mu_);
+    // Lost meanwhile: TakeAllProviderState may have run already.
+    MRD_RETURN_IF_ERROR(UsableLocked());
+    auto pd = std::make_unique<Pd>();
+    pd->id = next_pd_++;
+    pd->sink = sink;
+    pd->state = std::move(state);
+    const PdId pd_id = pd->id;
+    pds_.emplace(pd_id, std::move(pd));
+    return pd_id;
+  }();
+  if (!id.ok()) (void)ProviderDeallocatePd(std::move(state));
+  return id;
+}
+
+absl::Status DeviceModel::DeallocatePd(PdId pd_id) {
+  Released released;
+  std::unique_ptr<ProviderState> pd_state;
+  {
+    absl::MutexLock lock(&mu_);
+    MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+    // From here new calls naming the PD fail, its tickets are refused, and
+    // the worker drops its queued tasks.
+    pd->dying = true;
+    for (const std::string& ticket : pd->tickets) tickets_.erase(ticket);
+    pd->tickets.clear();
+    std::vector<ConnectionId> closing;
+    for (ConnectionId id : pd->connections) {
+      auto it = connections_.find(id);
+      if (it == connections_.end()) continue;
+      it->second->state = Connection::State::kClosed;
+      it->second->deferred.clear();
+      closing.push_back(id);
+    }
+    if (!closing.empty()) ProviderCloseConnectionsLocked(closing);
+    // Pins in progress, teardowns and sink calls finish first, and the
+    // provider lets go of the PD's connections: after this the PD's objects
+    // are ours alone (peers in flight aside).
+    mu_.Await(absl::Condition(
+        +[](const Pd* p) { return p->busy == 0 && p->connections.empty(); },
+        static_cast<const Pd*>(pd)));
+    std::vector<MrId> mrs(pd->mrs.begin(), pd->mrs.end());
+    for (MrId id : mrs) {
+      auto it = mrs_.find(id);
+      if (it == mrs_.end()) continue;
+      DestroyMrLocked(it->second, &released);  // copies the pointer
+    }
+    for (LamId id : pd->lams) {
+      auto it = lams_.find(id);
+      if (it == lams_.end()) continue;
+      // Every MR of the PD is gone, so no fast registration maps it.
+      MRD_CHECK(it->second->fr_users == 0);
+      iova_.Free(it->second->iova);
+      released.states.push_back(std::move(it->second->state));
+      released.unpin.push_back(it->second->span);
+      lams_.erase(it);
+    }
+    pd_state = std::move(pd->state);
+    pds_.erase(pd_id);
+  }
+  absl::Status status = Release(std::move(released));
+  absl::Status pd_status = ProviderDeallocatePd(std::move(pd_state));
+  return status.ok() ? pd_status : status;
+}
+
+absl::StatusOr<std::string> DeviceModel::CreatePeerTicket(PdId pd_id) {
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "random.ticket"));
+  MRD_ASSIGN_OR_RETURN(std::string ticket, SecureRandomHex(kTicketBytes));
+  absl::MutexLock lock(&mu_);
+  MRD_RETURN_IF_ERROR(UsableLocked());
+  MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "ticket.insert"));
+  tickets_.emplace(ticket, pd_id);
+  pd->tickets.push_back(ticket);
+  return ticket;
+}
+
+// ---------------------------------------------------------------------------
+// Memory regions.
+
+absl::Status DeviceModel::ValidateSpan(const MemorySpan& span,
+                                       absl::string_view call) const {
+  if (span.host_address == nullptr || span.fd < 0) {
+    return InvalidParameter(
+        "INVALID_SPAN",
+        absl::StrCat(call, ": span has host address ",
+                     Hex(reinterpret_cast<uint64_t>(span.host_address)),
+                     " and fd ", span.fd));
+  }
+  if (span.length == 0) {
+    return InvalidParameter("ZERO_LENGTH",
+                            absl::StrCat(call, ": span length is 0"));
+  }
+  if (span.length > options_.max_mr_size) {
+    // Never truncated: the caller learns both sizes.
+    return InvalidParameter(
+        "LENGTH_OVER_MAX_MR_SIZE",
+        absl::StrCat(call, ": length ", span.length,
+                     " exceeds the device's max_mr_size ", options_.max_mr_size,
+                     " (", attributes_.name, ")"));
+  }
+  uint64_t host = reinterpret_cast<uint64_t>(span.host_address);
+  uint64_t end = 0;
+  uint64_t file_end = 0;
+  // pread/pwrite and mmap take a signed off_t: the span must stay below it.
+  if (__builtin_add_overflow(host, span.length, &end) ||
+      __builtin_add_overflow(span.file_offset, span.length, &file_end) ||
+      file_end > static_cast<uint64_t>(std::numeric_limits<off_t>::max())) {
+    return InvalidParameter(
+        "SPAN_OVERFLOW",
+        absl::StrCat(call, ": span of ", span.length, " bytes at ", Hex(host),
+                     " (file offset ", span.file_offset, ") wraps around"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MrKeys> DeviceModel::RegisterMr(PdId pd, const MemorySpan& span,
+                                               uint64_t base_address,
+                                               uint32_t access) {
+  MRD_RETURN_IF_ERROR(ValidateSpan(span, "RegisterMr"));
+  MRD_RETURN_IF_ERROR(
+      CheckBaseAddress(base_address, span.length, "RegisterMr"));
+  MRD_RETURN_IF_ERROR(CheckAccessBits(access, "RegisterMr"));
+  MRD_RETURN_IF_ERROR(ProviderCheckBase(span, base_address));
+  MRD_ASSIGN_OR_RETURN(ProviderState * pd_state, BeginPdOp(pd));
+  absl::StatusOr<MrKeys> keys =
+      RegisterPinned(pd, pd_state, span, base_address, access);
+  EndPdOp(pd);
+  return keys;
+}
+
+absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
+                                                   ProviderState* pd_state,
+                                                   const MemorySpan& span,
+                                                   uint64_t base_address,
+                                                   uint32_t access) {
+  MRD_RETURN_IF_ERROR(ProviderPin(span));
+  MrId id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    id = next_mr_++;
+  }
+  absl::StatusOr<Registration> registration =
+      ProviderRegister(pd_state, span, base_address, access, id, false);
+  if (!registration.ok()) {
+    ProviderUnpin(span);
+    return registration.status();
+  }
+  absl::StatusOr<MrKeys> keys = [&]() -> absl::StatusOr<MrKeys> {
+    MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "mr.insert"));
+    absl::MutexLock lock(&mu_);
+    MRD_RETURN_IF_ERROR(UsableLocked());
+    MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+    auto mr = std::make_shared<Mr>();
+    mr->id = id;
+    mr->pd = pd_id;
+    mr->lkey = registration->lkey;
+    mr->rkey = registration->rkey;
+    mr->valid = true;
+    mr->base = base_address;
+    mr->length = span.length;
+    mr->access = access;
+    mr->span = span;
+    mr->object = std::move(registration->state);
+    pd->mrs.insert(id);
+    mrs_.emplace(id, mr);
+    return MrKeys{id, mr->lkey, mr->rkey};
+  }();
+  if (!keys.ok()) {
+    // The PD began dying or the device was lost meanwhile: undo (L7) before
+    // the PD stops being busy, so that no teardown misses this MR.
+    Released undo;
+    undo.states.push_back(std::move(registration->state));
+    undo.unpin.push_back(span);
+    (void)Release(std::move(undo));
+  }
+  return keys;
+}
+
+absl::StatusOr<std::shared_ptr<DeviceModel::Mr>> DeviceModel::FindMrLocked(
+    MrId mr) const {
+  auto it = mrs_.find(mr);
+  if (it == mrs_.end() || it->second->revoking) return UnknownMr(mr);
+  auto pd = pds_.find(it->second->pd);
+  // A dying PD's objects belong to DeallocatePd now.
+  if (pd == pds_.end() || pd->second->dying) return UnknownMr(mr);
+  return it->second;
+}
+
+std::unique_ptr<ProviderState> DeviceModel::UnmapLocked(
+    const std::shared_ptr<Mr>& mr) {
+  mr->valid = false;
+  // `mr` is a shared_ptr held by our caller, so the object outlives this
+  // wait even if another thread erases it from mrs_ meanwhile.
+  mu_.Await(absl::Condition(
+      +[](const Mr* m) { return m->inflight == 0; },
+      static_cast<const Mr*>(mr.get())));
+  DropLamRefsLocked(mr->lams);
+  mr->lams.clear();
+  mr->pages.clear();
+  return std::move(mr->mapping);
+}
+
+void DeviceModel::DropLamRefsLocked(const std::vector<LamId>& lams) {
+  for (LamId id : lams) {
+    auto it = lams_.find(id);
+    // A LAM is never released while fr_users > 0.
+    MRD_CHECK(it != lams_.end() && it->second->fr_users > 0);
+    --it->second->fr_users;
+  }
+}
+
+void DeviceModel::DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released) {
+  // `mr` is our own reference: the waits below release the mutex, and the
+  // map slot it came from may move or go meanwhile.
+  const MrId id = mr->id;
+  // The MR stops matching before anything else: a peer that looks it up
+  // from now on fails, and one already inside is waited for below, as is a
+  // fast registration executing on it (its result is torn down with the
+  // rest).
+  mr->revoking = true;
+  mu_.Await(absl::Condition(
+      +[](const Mr* m) { return !m->executing; },
+      static_cast<const Mr*>(mr.get())));
+  std::unique_ptr<ProviderState> mapping = UnmapLocked(mr);
+  if (mapping != nullptr) released->states.push_back(std::move(mapping));
+  if (mr->object != nullptr) released->states.push_back(std::move(mr->object));
+  if (!mr->fast) released->unpin.push_back(mr->span);
+  auto pd = pds_.find(mr->pd);
+  if (pd != pds_.end()) pd->second->mrs.erase(id);
+  mrs_.erase(id);
+}
+
+absl::Status DeviceModel::Release(Released released) {
+  absl::Status status;
+  for (std::unique_ptr<ProviderState>& state : released.states) {
+    if (state == nullptr) continue;  // taken by TakeAllProviderState
+    absl::Status s = ProviderDeregister(std::move(state));
+    if (!s.ok() && status.ok()) status = s;
+  }
+  // A deregistration that failed leaves its memory pinned by the adapter;
+  // unpinning our own count is still right for memory the model let go.
+  for (const MemorySpan& span : released.unpin) ProviderUnpin(span);
+  return status;
+}
+
+absl::Status DeviceModel::DeregisterMr(MrId mr) { return DestroyMr(mr, false); }
+
+absl::Status DeviceModel::DestroyMr(MrId mr_id, bool fast) {
+  Released released;
+  PdId pd = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(mr_id));
+    if (mr->fast != fast) {
+      return MrdError(
+          absl::StatusCode::kInvalidArgument, "WRONG_MR_KIND",
+          mr->fast ? absl::StrCat("MR ", mr_id,
+                                  " is a fast-register MR object: free it "
+                                  "with FreeFastRegisterMr")
+                   : absl::StrCat("MR ", mr_id,
+                                  " is a registered MR: deregister it with "
+                                  "DeregisterMr"));
+    }
+    pd = mr->pd;
+    // Until released: DestroyMrLocked may wait for peers and the worker.
+    ++pds_.find(pd)->second->busy;
+    DestroyMrLocked(mr, &released);
+  }
+  absl::Status status = Release(std::move(released));
+  EndPdOp(pd);
+  return status;
+}
+
+// ---------------------------------------------------------------------------
+// Logical address mappings.
+
+absl::StatusOr<LogicalMapping> DeviceModel::BuildLam(PdId pd,
+                                                     const MemorySpan& span) {
+  MRD_RETURN_IF_ERROR(ValidateSpan(span, "BuildLam"));
+  const uint64_t host = reinterpret_cast<uint64_t>(span.host_address);
+  // The host page and the file page must line up, as they do in any mmap;
+  // otherwise a logical page would not correspond to one file page.
+  if (span.file_offset % page_size() != host % page_size()) {
+    return InvalidParameter(
+        "SPAN_MISALIGNED",
+        absl::StrCat("BuildLam: host address ", Hex(host), " and file offset ",
+                     span.file_offset,
+                     " are at different offsets within a page"));
+  }
+  MRD_ASSIGN_OR_RETURN(ProviderState * pd_state, BeginPdOp(pd));
+  absl::StatusOr<LogicalMapping> mapping = MapPinned(pd, pd_state, span);
+  EndPdOp(pd);
+  return mapping;
+}
+
+absl::StatusOr<LogicalMapping> DeviceModel::MapPinned(PdId pd_id,
+                                                      ProviderState* pd_state,
+                                                      const MemorySpan& span) {
+  const uint64_t host = reinterpret_cast<uint64_t>(span.host_address);
+  const uint32_t fbo = static_cast<uint32_t>(host % page_size());
+  const uint64_t page_count =
+      (fbo + span.length + page_size() - 1) / page_size();
+  // L7: on any failure below, nothing stays pinned or mapped.
+  MRD_RETURN_IF_ERROR(ProviderPin(span));
+  LamId id = 0;
+  uint64_t iova = 0;
+  absl::Status status = [&]() -> absl::Status {
+    absl::MutexLock lock(&mu_);
+    MRD_RETURN_IF_ERROR(FindPdLocked(pd_id).status());
+    MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "random.iova_guard"));
+    MRD_ASSIGN_OR_RETURN(uint64_t pick, random_.Uint64());
+    id = next_lam_++;
+    MRD_ASSIGN_OR_RETURN(
+        iova, iova_.Allocate(page_count, 1 + pick % kMaxGuardPages, id));
+    return absl::OkStatus();
+  }();
+  if (!status.ok()) {
+    ProviderUnpin(span);
+    return status;
+  }
+  // Local only (access 0): it pins the pages, and its lkey is the
+  // privileged token for the logical addresses (L9).
+  absl::StatusOr<Registration> registration =
+      ProviderRegister(pd_state, span, iova + fbo, 0, id, true);
+  absl::StatusOr<LogicalMapping> mapping =
+      [&]() -> absl::StatusOr<LogicalMapping> {
+    MRD_RETURN_IF_ERROR(registration.status());
+    MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "lam.insert"));
+    absl::MutexLock lock(&mu_);
+    MRD_RETURN_IF_ERROR(UsableLocked());
+    MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+    auto lam = std::make_unique<Lam>();
+    lam->id = id;
+    lam->pd = pd_id;
+    lam->span = span;
+    lam->fbo = fbo;
+    lam->iova = iova;
+    lam->page_count = page_count;
+    lam->state = std::move(registration->state);
+    LogicalMapping result;
+    result.lam = id;
+    result.fbo = fbo;
+    result.privileged_key = registration->lkey;
+    result.pages.reserve(page_count);
+    for (uint64_t i = 0; i < page_count; ++i) {
+      result.pages.push_back(iova + i * page_size());
+    }
+    pd->lams.insert(id);
+    lams_.emplace(id, std::move(lam));
+    return result;
+  }();
+  if (!mapping.ok()) {
+    {
+      absl::MutexLock lock(&mu_);
+      iova_.Free(iova);
+    }
+    Released undo;
+    if (registration.ok())
+      undo.states.push_back(std::move(registration->state));
+    undo.unpin.push_back(span);
+    (void)Release(std::move(undo));
+  }
+  return mapping;
+}
+
+absl::Status DeviceModel::ReleaseLam(LamId lam_id) {
+  Released released;
+  PdId pd_id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = lams_.find(lam_id);
+    if (it == lams_.end() || pds_.find(it->second->pd)->second->dying) {
+      return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_LAM",
+                      absl::StrCat("no logical address mapping ", lam_id));
+    }
+    Lam& lam = *it->second;
+    if (lam.fr_users > 0) {
+      return MrdError(
+          absl::StatusCode::kFailedPrecondition, "LAM_IN_USE",
+          absl::StrCat("LAM ", lam_id, " has pages fast-registered by ",
+                       lam.fr_users, " MR(s); invalidate them first"));
+    }
+    pd_id = lam.pd;
+    Pd& pd = *pds_.find(pd_id)->second;
+    ++pd.busy;  // until released
+    pd.lams.erase(lam_id);
+    iova_.Free(lam.iova);
+    released.states.push_back(std::move(lam.state));
+    released.unpin.push_back(lam.span);
+    lams_.erase(it);
+  }
+  absl::Status status = Release(std::move(released));
+  EndPdOp(pd_id);
+  return status;
+}
+
+// ---------------------------------------------------------------------------
+// Fast registration.
+
+absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
+                                                           bool allow_remote,
+                                                           uint32_t max_pages) {
+  if (max_pages == 0 || max_pages > options_.max_page_list_length) {
+    return InvalidParameter(
+        "BAD_MAX_PAGES",
+        absl::StrCat("AllocateFastRegisterMr: max_pages ", max_pages,
+                     " is not in [1, ", options_.max_page_list_length, "]"));
+  }
+  MRD_ASSIGN_OR_RETURN(ProviderState * pd_state, BeginPdOp(pd_id));
+  MrId id = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    id = next_mr_++;
+  }
+  // The keys exist from the start, as an MR object's do, but match nothing
+  // until a fast registration makes the MR valid.
+  absl::StatusOr<Registration> registration =
+      ProviderAllocateFastMr(pd_state, id);
+  absl::StatusOr<MrKeys> keys = [&]() -> absl::StatusOr<MrKeys> {
+    MRD_RETURN_IF_ERROR(registration.status());
+    MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "mr.insert"));
+    absl::MutexLock lock(&mu_);
+    MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+    auto mr = std::make_shared<Mr>();
+    mr->id = id;
+    mr->pd = pd_id;
+    mr->fast = true;
+    mr->allow_remote = allow_remote;
+    mr->max_pages = max_pages;
+    mr->lkey = registration->lkey;
+    mr->rkey = registration->rkey;
+    mr->object = std::move(registration->state);
+    pd->mrs.insert(id);
+    mrs_.emplace(id, mr);
+    return MrKeys{id, mr->lkey, mr->rkey};
+  }();
+  if (!keys.ok() && registration.ok()) {
+    Released undo;
+    undo.states.push_back(std::move(registration->state));
+    (void)Release(std::move(undo));
+  }
+  EndPdOp(pd_id);
+  return keys;
+}
+
+absl::Status DeviceModel::FreeFastRegisterMr(MrId mr) {
+  return DestroyMr(mr, true);
+}
+
+absl::StatusOr<MrKeys> DeviceModel::QueryMr(MrId mr_id) const {
+  absl::MutexLock lock(&mu_);
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(mr_id));
+  return MrKeys{mr->id, mr->lkey, mr->rkey};
+}
+
+absl::StatusOr<DeviceModel::ResolvedPages> DeviceModel::ResolvePagesLocked(
+    PdId pd, const std::vector<uint64_t>& pages) const {
+  ResolvedPages resolved;
+  resolved.pages.reserve(pages.size());
+  absl::flat_hash_set<LamId> seen;
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const uint64_t page = pages[i];
+    std::optional<IovaSpace::Hit> hit = iova_.Lookup(page);
+    const Lam* lam = nullptr;
+    if (hit.has_value()) {
+      auto it = lams_.find(hit->owner);
+      if (it != lams_.end()) lam = it->second.get();
+    }
+    // Pages of another PD read exactly like unmapped ones: the caller learns
+    // nothing about other sessions' mappings (W8).
+    if (lam == nullptr || lam->pd != pd) {
+      return InvalidParameter(
+          "PAGE_NOT_MAPPED",
+          absl::StrCat("page[", i, "] = ", Hex(page),
+                       " is not a logical page mapped in protection domain ",
+                       pd));
+    }
+    resolved.pages.push_back(PageRef{
+        lam->span.fd,
+        lam->span.file_offset - lam->fbo + hit->page_index * page_size()});
+    if (seen.insert(lam->id).second) resolved.lams.push_back(lam->id);
+  }
+  return resolved;
+}
+
+absl::StatusOr<DeviceModel::Connection*> DeviceModel::FindPostConnectionLocked(
+    ConnectionId connection, PdId pd) const {
+  auto it = connections_.find(connection);
+  // Unknown, closing, failed and other-PD connections all read the same:
+  // which one it was is none of this PD's business.
+  if (it == connections_.end() ||
+      it->second->state != Connection::State::kReady || it->second->pd != pd) {
+    return SeedError(STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
+                     absl::StrCat("connection ", connection,
+                                  " is not a connected queue pair of "
+                                  "protection domain ",
+                                  pd));
+  }
+  return it->second.get();
+}
+
+void DeviceModel::ReleaseDeferredLocked(Connection& connection) {
+  for (Work& work : connection.deferred) {
+    Task task;
+    task.kind = Task::Kind::kWork;
+    task.pd = work.pd;
+    task.connection = work.connection;
+    task.work = std::move(work);
+    tasks_.push_back(std::move(task));
+  }
+  connection.deferred.clear();
+}
+
+uint64_t DeviceModel::EnqueueLocked(Connection& connection, Work work) {
+  work.id = next_work_++;
+  const uint64_t id = work.id;
+  if ((work.flags & kWorkDefer) != 0) {
+    connection.deferred.push_back(std::move(work));
+    return id;
+  }
+  // Deferred work goes to the "hardware" with the next non-deferred work,
+  // ahead of it, in post order.
+  ReleaseDeferredLocked(connection);
+  Task task;
+  task.kind = Task::Kind::kWork;
+  task.pd = work.pd;
+  task.connection = work.connection;
+  task.work = std::move(work);
+  tasks_.push_back(std::move(task));
+  return id;
+}
+
+absl::StatusOr<uint64_t> DeviceModel::PostFastRegister(
+    ConnectionId connection_id, const FastRegisterWork& work) {
+  MRD_RETURN_IF_ERROR(CheckWorkFlags(work.flags, "fast register"));
+  MRD_RETURN_IF_ERROR(CheckAccessBits(work.access, "fast register"));
+  absl::MutexLock lock(&mu_);
+  MRD_RETURN_IF_ERROR(UsableLocked());
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
+  if (!mr->fast) {
+    return InvalidParameter(
+        "NOT_FAST_REGISTER_MR",
+        absl::StrCat("MR ", work.mr,
+                     " was not created for fast registration (R4/C1)"));
+  }
+  MRD_ASSIGN_OR_RETURN(Connection * connection,
+                       FindPostConnectionLocked(connection_id, mr->pd));
+  if ((work.access & kRemoteAccess) != 0 && !mr->allow_remote) {
+    return SeedError(
+        STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
+        absl::StrCat("MR ", work.mr,
+                     " was allocated without remote access, but the fast "
+                     "registration asks for access ",
+                     Hex(work.access)));
+  }
+  // F2/F6, the same rules the core applied, against this MR's own
+  // max_pages.
+  MRD_RETURN_IF_ERROR(ValidatePageArray(page_size(), mr->max_pages, work.pages,
+                                        work.fbo, work.length,
+                                        work.base_address));
+  MRD_RETURN_IF_ERROR(ResolvePagesLocked(mr->pd, work.pages).status());
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "work.post"));
+  Work queued;
+  queued.kind = WorkCompletion::Kind::kFastRegister;
+  queued.connection = connection_id;
+  queued.pd = mr->pd;
+  queued.mr = work.mr;
+  queued.flags = work.flags;
+  queued.request_context = work.request_context;
+  queued.fast_register = work;
+  return EnqueueLocked(*connection, std::move(queued));
+}
+
+absl::StatusOr<uint64_t> DeviceModel::PostInvalidate(
+    ConnectionId connection_id, const InvalidateWork& work) {
+  MRD_RETURN_IF_ERROR(CheckWorkFlags(work.flags, "invalidate"));
+  absl::MutexLock lock(&mu_);
+  MRD_RETURN_IF_ERROR(UsableLocked());
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
+  if (!mr->fast) {
+    return InvalidParameter(
+        "NOT_FAST_REGISTER_MR",
+        absl::StrCat("MR ", work.mr,
+                     " was not created for fast registration; deregister "
+                     "it instead"));
+  }
+  MRD_ASSIGN_OR_RETURN(Connection * connection,
+                       FindPostConnectionLocked(connection_id, mr->pd));
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "work.post"));
+  Work queued;
+  queued.kind = WorkCompletion::Kind::kInvalidate;
+  queued.connection = connection_id;
+  queued.pd = mr->pd;
+  queued.mr = work.mr;
+  queued.flags = work.flags;
+  queued.request_context = work.request_context;
+  return EnqueueLocked(*connection, std::move(queued));
+}
+
+absl::Status DeviceModel::FlushDeferred(ConnectionId connection_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(connection_id);
+  if (it == connections_.end() ||
+      it->second->state != Connection::State::kReady) {
+    return SeedError(STATUS_CONNECTION_INVALID, "CONNECTION_INVALID",
+                     absl::StrCat("connection ", connection_id,
+                                  " is not a connected queue pair"));
+  }
+  ReleaseDeferredLocked(*it->second);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Worker.
+
+bool DeviceModel::WorkerHasTask() const {
+  return worker_stop_ || !tasks_.empty();
+}
+
+bool DeviceModel::WorkerIdle() const { return tasks_.empty() && !worker_busy_; }
+
+void DeviceModel::WaitForWorkerIdle() {
+  absl::MutexLock lock(&mu_);
+  if (!started_) return;
+  mu_.Await(absl::Condition(this, &DeviceModel::WorkerIdle));
+}
+
+DeviceModel::ModelCounts DeviceModel::CountModel() const {
+  absl::MutexLock lock(&mu_);
+  ModelCounts counts;
+  counts.pds = pds_.size();
+  counts.mrs = mrs_.size();
+  for (const auto& [id, mr] : mrs_) counts.valid_mrs += mr->valid ? 1 : 0;
+  counts.lams = lams_.size();
+  counts.iova_ranges = iova_.ranges();
+  counts.tickets = tickets_.size();
+  counts.connections = connections_.size();
+  for (const auto& [id, lam] : lams_) {
+    counts.lam_fast_register_refs += lam->fr_users;
+  }
+  for (const auto& [id, pd] : pds_) {
+    counts.pd_objects += pd->mrs.size() + pd->lams.size();
+  }
+  counts.session_limit_refusals = session_limit_refusals_;
+  return counts;
+}
+
+void DeviceModel::WorkerLoop() {
+  while (true) {
+    Task task;
+    PdEventSink* sink = nullptr;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &DeviceModel::WorkerHasTask));
+      if (tasks_.empty()) return;  // asked to stop, and drained
+      task = std::move(tasks_.front());
+      tasks_.pop_front();
+      auto it = pds_.find(task.pd);
+      // A deallocated PD's queued tasks vanish: its sink is never called
+      // again once DeallocatePd returns.
+      if (it == pds_.end() || it->second->dying) continue;
+      ++it->second->busy;
+      sink = it->second->sink;
+      worker_busy_ = true;
+    }
+    switch (task.kind) {
+      case Task::Kind::kWork:
+        if (std::optional<WorkCompletion> completion = Execute(task.work)) {
+          sink->OnCompletion(*completion);
+        }
+        break;
+      case Task::Kind::kConnected:
+        sink->OnPeerConnected(task.connection, task.remote);
+        break;
+      case Task::Kind::kDisconnected:
+        sink->OnPeerDisconnected(task.connection);
+        break;
+    }
+    absl::MutexLock lock(&mu_);
+    EndPdOpLocked(task.pd);
+    worker_busy_ = false;
+  }
+}
+
+std::optional<WorkCompletion> DeviceModel::Execute(const Work& work) {
+  WorkCompletion completion;
+  completion.kind = work.kind;
+  completion.connection = work.connection;
+  completion.work_request = work.id;
+  completion.request_context = work.request_context;
+  completion.mr = work.mr;
+  bool ready = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = connections_.find(work.connection);
+    ready = it != connections_.end() &&
+            it->second->state == Connection::State::kReady;
+  }
+  if (!ready) {
+    completion.status = SeedError(
+        STATUS_CONNECTION_INVALID, "FLUSHED",
+        absl::StrCat("work request ", work.id, " flushed: connection ",
+                     work.connection, " is closed or in error"));
+  } else if (work.kind == WorkCompletion::Kind::kFastRegister) {
+    completion.status = ExecuteFastRegister(work, &completion.rkey);
+  } else {
+    completion.status = ExecuteInvalidate(work);
+  }
+  // SILENT_SUCCESS hides successes only; failures always complete (F3).
+  if (completion.status.ok() && (work.flags & kWorkSilentSuccess) != 0) {
+    return std::nullopt;
+  }
+  return completion;
+}
+
+absl::Status DeviceModel::ExecuteFastRegister(const Work& work,
+                                              uint32_t* rkey) {
+  MRD_RETURN_IF_ERROR(
+      FaultPoint(options_.fault_points, "fast_register.execute"));
+  const FastRegisterWork& fr = work.fast_register;
+  std::shared_ptr<Mr> mr;
+  ResolvedPages resolved;
+  ProviderState* pd_state = nullptr;
+  ProviderState* object = nullptr;
+  uint32_t previous_rkey = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    MRD_RETURN_IF_ERROR(UsableLocked());
+    MRD_ASSIGN_OR_RETURN(mr, FindMrLocked(work.mr));
+    if (mr->valid) {
+      return InvalidParameter(
+          "MR_NOT_FREE",
+          absl::StrCat("MR ", work.mr, " is already fast-registered (rkey ",
+                       Hex(mr->rkey), "); invalidate it first"));
+    }
+    // The LAMs may have been released since the post.
+    MRD_ASSIGN_OR_RETURN(resolved, ResolvePagesLocked(mr->pd, fr.pages));
+    for (LamId id : resolved.lams) ++lams_.find(id)->second->fr_users;
+    mr->executing = true;
+    // The PD is busy (held by the worker), so its state stays.
+    pd_state = pds_.find(mr->pd)->second->state.get();
+    // The MR object's state stays too: DestroyMrLocked waits for executing.
+    object = mr->object.get();
+    previous_rkey = mr->rkey;
+  }
+  absl::StatusOr<Registration> registration = ProviderFastRegister(
+      pd_state, object, work.mr, resolved.pages, fr, previous_rkey);
+  absl::MutexLock lock(&mu_);
+  mr->executing = false;
+  if (!registration.ok()) {
+    DropLamRefsLocked(resolved.lams);
+    return registration.status();
+  }
+  // Committed even when FreeFastRegisterMr waits for us: it tears the
+  // mapping down right after.
+  mr->lkey = registration->lkey;
+  mr->rkey = registration->rkey;
+  mr->mapping = std::move(registration->state);
+  mr->base = fr.base_address;
+  mr->length = fr.length;
+  mr->access = fr.access;
+  mr->fbo = fr.fbo;
+  mr->pages = std::move(resolved.pages);
+  mr->lams = std::move(resolved.lams);
+  mr->valid = true;
+  *rkey = mr->rkey;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceModel::ExecuteInvalidate(const Work& work) {
+  std::unique_ptr<ProviderState> mapping;
+  {
+    absl::MutexLock lock(&mu_);
+    MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
+    if (!mr->valid) {
+      return InvalidParameter(
+          "MR_NOT_FAST_REGISTERED",
+          absl::StrCat("MR ", work.mr, " is not fast-registered"));
+    }
+    // The rkey stays what QueryMr reports, now dead, until the next fast
+    // registration; no peer operation is inside the mapping after this.
+    mapping = UnmapLocked(mr);
+  }
+  // The old rkey is dead before the completion is delivered.
+  if (mapping == nullptr) return absl::OkStatus();  // none, or taken
+  return ProviderDeregister(std::move(mapping));
+}
+
+// ---------------------------------------------------------------------------
+// Peer connections.
+
+std::optional<ConnectionId> DeviceModel::NewConnection(
+    const std::string& remote) {
+  absl::MutexLock lock(&mu_);
+  if (shut_down_) return std::nullopt;
+  auto connection = std::make_unique<Connection>();
+  connection->id = next_connection_++;
+  connection->remote = remote;
+  ConnectionId id = connection->id;
+  connections_.emplace(id, std::move(connection));
+  return id;
+}
+
+absl::StatusOr<DeviceModel::BindResult> DeviceModel::BindConnection(
+    ConnectionId connection_id, absl::string_view ticket, bool ready) {
+  absl::MutexLock lock(&mu_);
+  auto c = connections_.find(connection_id);
+  if (c == connections_.end() ||
+      c->second->state != Connection::State::kHandshake) {
+    return MrdError(
+        absl::StatusCode::kFailedPrecondition, "ALREADY_BOUND",
+        absl::StrCat("connection ", connection_id, " is bound or closed"));
+  }
+  Connection& connection = *c->second;
+  auto found = tickets_.find(ticket);
+  Pd* pd = nullptr;
+  if (found != tickets_.end()) {
+    auto it = pds_.find(found->second);
+    if (it != pds_.end() && !it->second->dying) pd = it->second.get();
+  }
+  if (pd == nullptr) {
+    return MrdError(absl::StatusCode::kNotFound, "BAD_TICKET",
+                    "unknown ticket, or its session has ended");
+  }
+  if (pd->connections.size() >= options_.max_session_connections) {
+    ++session_limit_refusals_;
+    return MrdError(
+        absl::StatusCode::kResourceExhausted, "LIMIT_PEER_CONNECTIONS",
+        absl::StrCat("LIMIT_PEER_CONNECTIONS: the session already has ",
+                     pd->connections.size(), " peer connections (max ",
+                     options_.max_session_connections, ")"));
+  }
+  if (absl::Status admitted = pd->sink->AdmitPeerConnection(); !admitted.ok()) {
+    ++session_limit_refusals_;
+    const std::string reason = GetErrorDetail(admitted).reason();
+    return MrdError(absl::StatusCode::kResourceExhausted, reason,
+                    absl::StrCat(reason, ": ", admitted.message()));
+  }
+  connection.pd = pd->id;
+  connection.state = Connection::State::kConnecting;
+  pd->connections.insert(connection.id);
+  if (ready) AnnounceLocked(connection);
+  return BindResult{pd->id, pd->state.get()};
+}
+
+void DeviceModel::AnnounceLocked(Connection& connection) {
+  connection.state = Connection::State::kReady;
+  connection.announced = true;
+  // Queued before the peer hears it is connected, so OnPeerConnected
+  // precedes every completion of work posted on this connection.
+  Task task;
+  task.kind = Task::Kind::kConnected;
+  task.pd = connection.pd;
+  task.connection = connection.id;
+  task.remote = connection.remote;
+  tasks_.push_back(std::move(task));
+}
+
+void DeviceModel::ConnectionEstablished(ConnectionId connection_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(connection_id);
+  if (it == connections_.end() ||
+      it->second->state != Connection::State::kConnecting) {
+    return;
+  }
+  auto pd = pds_.find(it->second->pd);
+  if (pd == pds_.end() || pd->second->dying) return;  // being closed
+  AnnounceLocked(*it->second);
+}
+
+void DeviceModel::MarkAllConnectionsError() {
+  absl::MutexLock lock(&mu_);
+  for (auto& [id, connection] : connections_) {
+    if (connection->state != Connection::State::kClosed) {
+      connection->state = Connection::State::kError;
+    }
+  }
+}
+
+bool DeviceModel::NoPdBusy() const {
+  for (const auto& [id, pd] : pds_) {
+    if (pd->busy > 0) return false;
+  }
+  return true;
+}
+
+DeviceModel::Taken DeviceModel::TakeAllProviderState() {
+  Taken taken;
+  absl::MutexLock lock(&mu_);
+  // No call is working on a PD's objects; new ones are refused
+  // (ProviderUsable).
+  mu_.Await(absl::Condition(this, &DeviceModel::NoPdBusy));
+  for (auto& [id, mr] : mrs_) {
+    mr->valid = false;
+    mr->lams.clear();  // the fast registrations go with the adapter
+    mr->pages.clear();
+    if (mr->mapping != nullptr) taken.memory.push_back(std::move(mr->mapping));
+    if (mr->object != nullptr) taken.memory.push_back(std::move(mr->object));
+  }
+  for (auto& [id, lam] : lams_) {
+    lam->fr_users = 0;
+    if (lam->state != nullptr) taken.memory.push_back(std::move(lam->state));
+  }
+  for (auto& [id, pd] : pds_) {
+    if (pd->state != nullptr) taken.pds.push_back(std::move(pd->state));
+  }
+  return taken;
+}
+
+void DeviceModel::ConnectionError(ConnectionId connection_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(connection_id);
+  if (it != connections_.end() &&
+      it->second->state == Connection::State::kReady) {
+    it->second->state = Connection::State::kError;
+  }
+}
+
+void DeviceModel::ConnectionClosed(ConnectionId connection_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(connection_id);
+  if (it == connections_.end()) return;
+  std::unique_ptr<Connection> connection = std::move(it->second);
+  connections_.erase(it);
+  connection->state = Connection::State::kClosed;
+  if (connection->pd == 0) return;  // never bound
+  auto pd = pds_.find(connection->pd);
+  if (pd == pds_.end()) return;
+  pd->second->connections.erase(connection->id);
+  if (pd->second->dying) return;  // DeallocatePd hears no events
+  // Held work goes to the worker too, which flushes it (the connection is
+  // gone), so every post gets its completion, then the disconnect.
+  ReleaseDeferredLocked(*connection);
+  if (!connection->announced) return;
+  Task task;
+  task.kind = Task::Kind::kDisconnected;
+  task.pd = connection->pd;
+  task.connection = connection->id;
+  tasks_.push_back(std::move(task));
+}
+
+absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
+    ConnectionId connection_id, MrId mr_id, uint32_t rkey, uint64_t address,
+    uint64_t length, uint32_t need) {
+  auto denied = [](std::string message) {
+    return MrdError(absl::StatusCode::kPermissionDenied, "REMOTE_ACCESS_ERROR",
+                    message);
+  };
+  absl::MutexLock lock(&mu_);
+  auto c = connections_.find(connection_id);
+  if (c == connections_.end() ||
+      c->second->state != Connection::State::kReady) {
+    return denied(absl::StrCat("connection ", connection_id, " is closing"));
+  }
+  std::shared_ptr<Mr> mr;
+  if (auto it = mrs_.find(mr_id); it != mrs_.end()) mr = it->second;
+  // One answer for a wrong key, a free or dying MR and another PD's MR: a
+  // peer must not learn that a key exists elsewhere (W8).
+  if (mr == nullptr || mr->revoking || !mr->valid || mr->rkey != rkey ||
+      mr->pd != c->second->pd) {
+    return denied(
+        absl::StrCat("rkey ", Hex(rkey), " is not valid on this connection"));
+  }
+  if (address < mr->base || length > mr->length ||
+      address - mr->base > mr->length - length) {
+    return denied(absl::StrCat("[", Hex(address), ", +", length,
+                               ") is outside the region [", Hex(mr->base),
+                               ", +", mr->length, ") of rkey ", Hex(rkey)));
+  }
+  if ((mr->access & need) == 0) {
+    return denied(absl::StrCat("rkey ", Hex(rkey), " does not grant remote ",
+                               need == kAccessRemoteRead ? "read" : "write"));
+  }
+  const uint64_t offset = address - mr->base;
+  PeerAccess access;
+  if (!mr->fast) {
+    access.plan.push_back(
+        IoSegment{mr->span.fd, mr->span.file_offset + offset, length});
+  } else {
+    // VA -> position in the page array -> logical page -> file page.
+    uint64_t position = mr->fbo + offset;
+    uint64_t left = length;
+    while (left > 0) {
+      const PageRef& page = mr->pages[position / page_size()];
+      const uint64_t within = position % page_size();
+      const uint64_t chunk = std::min(left, page_size() - within);
+      IoSegment segment{page.fd, page.file_offset + within, chunk};
+      std::vector<IoSegment>& plan = access.plan;
+      if (!plan.empty() && plan.back().fd == segment.fd &&
+          plan.back().offset + plan.back().length == segment.offset) {
+        plan.back().length += chunk;  // neighbouring file pages: one call
+      } else {
+        plan.push_back(segment);
+      }
+      position += chunk;
+      left -= chunk;
+    }
+  }
+  ++mr->inflight;
+  access.hold = std::move(mr);
+  return access;
+}
+
+void DeviceModel::EndPeerAccess(const PeerAccess& access) {
+  absl::MutexLock lock(&mu_);
+  --static_cast<Mr*>(access.hold.get())->inflight;
+}
+
+}  // namespace mrd::device
