@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
@@ -110,6 +111,11 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
       clock_(clock),
       options_(std::move(options)),
       page_size_(device->Attributes().page_size),
+      budgets_(BudgetLimits{
+          options_.max_session_pinned_bytes, options_.max_total_pinned_bytes,
+          options_.max_session_registrations, options_.max_total_registrations,
+          options_.max_total_buffers, options_.max_total_lams,
+          options_.max_total_mrs}),
       warm_(cache::WarmPinLimits{options_.warm_pin_bytes_per_session,
                                  options_.warm_pin_bytes_total}),
       tenants_(options_.tenants) {
@@ -300,7 +306,7 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   for (auto& [id, lam] : lams) {
     absl::Status s = device_->ReleaseLam(lam.device_lam);
     if (!s.ok()) LogWarning("teardown: release LAM ", id, ": ", s.ToString());
-    UnreservePinned(*session, lam.pinned_bytes);
+    budgets_.UnreservePinned(*session, lam.pinned_bytes);
   }
   // `closing` is set: no warm pin of this session can be kept from now on.
   ReleaseWarm(warm_.DropSession(session->id()));
@@ -324,10 +330,10 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
     absl::MutexLock lock(&session->mu);
     leftover = session->pinned_bytes;
   }
-  UnreservePinned(*session, leftover);
-  ReturnObjects(*session, TenantResource::kMrs, mrs.size());
-  ReturnObjects(*session, TenantResource::kLams, lams.size());
-  ReturnObjects(*session, TenantResource::kBuffers, buffers_held);
+  budgets_.UnreservePinned(*session, leftover);
+  budgets_.ReturnObjects(*session, TenantResource::kMrs, mrs.size());
+  budgets_.ReturnObjects(*session, TenantResource::kLams, lams.size());
+  budgets_.ReturnObjects(*session, TenantResource::kBuffers, buffers_held);
   session->ReleasePeerConnections();
   session->tenant()->Release(TenantResource::kSessions, 1);
   session->MarkEndedAndNotify();
@@ -484,7 +490,7 @@ absl::StatusOr<v1::BufferInfo> Core::AddBuffer(
         absl::StrCat("the session holds its maximum of ",
                      options_.max_buffers_per_session, " buffers"));
   }
-  MRD_RETURN_IF_ERROR(TakeObject(*session, TenantResource::kBuffers));
+  MRD_RETURN_IF_ERROR(budgets_.TakeObject(*session, TenantResource::kBuffers));
   BufferRecord record;
   record.id = next_handle_.fetch_add(1);
   record.file = std::move(file);
@@ -586,119 +592,125 @@ absl::Status Core::CheckFileAccess(const Session& session,
           "change the file's mode"));
 }
 
+absl::Status Core::DetachBufferLocked(Session& session, uint64_t buffer,
+                                      DetachedBuffer* detached) {
+  auto it = session.buffers.find(buffer);
+  if (it == session.buffers.end()) return UnknownHandle("buffer", buffer);
+  detached->file = std::move(it->second.file);
+  session.buffers.erase(it);
+  // W11: everything made on this buffer goes with it.
+  for (auto r = session.registrations.begin();
+       r != session.registrations.end();) {
+    if (r->second.buffer == buffer) {
+      detached->entries.push_back(r->first);
+      r = session.registrations.erase(r);
+    } else {
+      ++r;
+    }
+  }
+  for (auto& [id, mr] : session.mrs) {
+    if (mr.fast_register) continue;
+    for (uint64_t e : detached->entries) {
+      if (mr.registration == e) mr.registration = 0;
+    }
+  }
+  absl::flat_hash_set<uint64_t> lam_ids;
+  for (auto l = session.lams.begin(); l != session.lams.end();) {
+    if (l->second.buffer == buffer) {
+      lam_ids.insert(l->first);
+      for (uint64_t page : l->second.pages) session.page_to_lam.erase(page);
+      detached->lams.push_back(std::move(l->second));
+      l = session.lams.erase(l);
+    } else {
+      ++l;
+    }
+  }
+  // Fast registrations mapping those LAMs die too.
+  for (auto& [id, mr] : session.mrs) {
+    if (!mr.fast_register || !mr.fast_registered) continue;
+    for (uint64_t lam : mr.lams) {
+      if (lam_ids.contains(lam)) {
+        detached->fr_to_reset.emplace_back(id, mr.device_mr);
+        break;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Core::ResetFastRegistration(Session& session, uint64_t id,
+                                 device::MrId device_mr) {
+  // There is no synchronous invalidate in the device interface: replace the
+  // device MR object, which kills the old key at once.
+  bool allow_remote;
+  device::PdId pd;
+  {
+    absl::MutexLock lock(&session.mu);
+    auto it = session.mrs.find(id);
+    if (it == session.mrs.end()) return;
+    allow_remote = it->second.allow_remote;
+    pd = session.pd;
+  }
+  (void)device_->FreeFastRegisterMr(device_mr);
+  absl::StatusOr<device::MrKeys> keys = device_->AllocateFastRegisterMr(
+      pd, allow_remote, device_->Attributes().max_page_list_length);
+  absl::MutexLock lock(&session.mu);
+  auto it = session.mrs.find(id);
+  if (it == session.mrs.end()) return;
+  MrObject& mr = it->second;
+  mr.fast_registered = false;
+  mr.base_address = 0;
+  mr.length = 0;
+  mr.lams.clear();
+  mr.pending.clear();
+  mr.pending_invalidate_silent.clear();
+  if (!keys.ok()) {
+    LogWarning("release buffer: MR ", id, " could not be given a new device ",
+               "object: ", keys.status().ToString(),
+               "; it cannot be fast-registered again");
+  }
+  mr.device_mr = keys.ok() ? keys->mr : 0;
+  mr.lkey = keys.ok() ? keys->lkey : 0;
+  mr.rkey = keys.ok() ? keys->rkey : 0;
+}
+
 absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
                                  v1::ReleaseBufferResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  std::vector<uint64_t> entries;
-  std::vector<LamRecord> lams;
-  std::vector<std::pair<uint64_t, device::MrId>> fr_to_reset;
   // The mapping (and its fd, through which the software device moves peer
   // data) must outlive every registration, LAM and warm pin made on it, not
   // just the buffer's record: a closed fd number may be reused at once.
-  std::shared_ptr<fd_socket::MappedFile> file;
+  DetachedBuffer detached;
   {
     absl::MutexLock lock(&session->mu);
-    auto it = session->buffers.find(req.buffer());
-    if (it == session->buffers.end())
-      return UnknownHandle("buffer", req.buffer());
-    file = std::move(it->second.file);
-    session->buffers.erase(it);
-    // W11: everything made on this buffer goes with it.
-    for (auto r = session->registrations.begin();
-         r != session->registrations.end();) {
-      if (r->second.buffer == req.buffer()) {
-        entries.push_back(r->first);
-        r = session->registrations.erase(r);
-      } else {
-        ++r;
-      }
-    }
-    for (auto& [id, mr] : session->mrs) {
-      if (!mr.fast_register) {
-        for (uint64_t e : entries) {
-          if (mr.registration == e) mr.registration = 0;
-        }
-      }
-    }
-    std::vector<uint64_t> lam_ids;
-    for (auto l = session->lams.begin(); l != session->lams.end();) {
-      if (l->second.buffer == req.buffer()) {
-        lam_ids.push_back(l->first);
-        for (uint64_t page : l->second.pages) session->page_to_lam.erase(page);
-        lams.push_back(std::move(l->second));
-        l = session->lams.erase(l);
-      } else {
-        ++l;
-      }
-    }
-    // Fast registrations mapping those LAMs die too.
-    for (auto& [id, mr] : session->mrs) {
-      if (!mr.fast_register || !mr.fast_registered) continue;
-      for (uint64_t lam : mr.lams) {
-        if (std::find(lam_ids.begin(), lam_ids.end(), lam) != lam_ids.end()) {
-          fr_to_reset.emplace_back(id, mr.device_mr);
-          break;
-        }
-      }
-    }
+    MRD_RETURN_IF_ERROR(DetachBufferLocked(*session, req.buffer(), &detached));
   }
-  ReturnObjects(*session, TenantResource::kBuffers, 1);
-  ReturnObjects(*session, TenantResource::kLams, lams.size());
-  for (auto& [id, device_mr] : fr_to_reset) {
-    // There is no synchronous invalidate in the device interface: replace
-    // the device MR object, which kills the old key at once.
-    bool allow_remote;
-    device::PdId pd;
-    {
-      absl::MutexLock lock(&session->mu);
-      auto it = session->mrs.find(id);
-      if (it == session->mrs.end()) continue;
-      allow_remote = it->second.allow_remote;
-      pd = session->pd;
-    }
-    (void)device_->FreeFastRegisterMr(device_mr);
-    absl::StatusOr<device::MrKeys> keys = device_->AllocateFastRegisterMr(
-        pd, allow_remote, device_->Attributes().max_page_list_length);
-    absl::MutexLock lock(&session->mu);
-    auto it = session->mrs.find(id);
-    if (it == session->mrs.end()) continue;
-    MrObject& mr = it->second;
-    mr.fast_registered = false;
-    mr.base_address = 0;
-    mr.length = 0;
-    mr.lams.clear();
-    mr.pending.clear();
-    mr.pending_invalidate_silent.clear();
-    if (!keys.ok()) {
-      LogWarning("release buffer: MR ", id, " could not be given a new device ",
-                 "object: ", keys.status().ToString(),
-                 "; it cannot be fast-registered again");
-    }
-    mr.device_mr = keys.ok() ? keys->mr : 0;
-    mr.lkey = keys.ok() ? keys->lkey : 0;
-    mr.rkey = keys.ok() ? keys->rkey : 0;
+  budgets_.ReturnObjects(*session, TenantResource::kBuffers, 1);
+  budgets_.ReturnObjects(*session, TenantResource::kLams, detached.lams.size());
+  for (const auto& [id, device_mr] : detached.fr_to_reset) {
+    ResetFastRegistration(*session, id, device_mr);
   }
   uint32_t invalidated = 0;
-  for (uint64_t entry : entries) {
+  for (uint64_t entry : detached.entries) {
     absl::StatusOr<cache::CachedRegistration> reg = cache_.Invalidate(entry);
     if (reg.ok()) {
       DeregisterCached(*session, *reg);
       ++invalidated;
     }
   }
-  for (const LamRecord& lam : lams) {
+  for (const LamRecord& lam : detached.lams) {
     absl::Status s = device_->ReleaseLam(lam.device_lam);
     if (!s.ok()) {
       LogWarning("release buffer: LAM ", lam.id, ": ", s.ToString());
       KeepUntilPdGone(*session, lam.file);  // still pinned: keep it mapped
     }
-    UnreservePinned(*session, lam.pinned_bytes);
+    budgets_.UnreservePinned(*session, lam.pinned_bytes);
   }
   // The buffer is out of the session: no warm pin of it can be kept any more.
   ReleaseWarm(warm_.DropBuffer(session->id(), req.buffer()));
   out->set_invalidated_registrations(invalidated);
-  out->set_released_lams(static_cast<uint32_t>(lams.size()));
+  out->set_released_lams(static_cast<uint32_t>(detached.lams.size()));
   return absl::OkStatus();
 }
 
@@ -710,61 +722,20 @@ uint64_t Core::PageRound(uint64_t address, uint64_t length) const {
   return (last - first + 1) * page_size_;
 }
 
-absl::Status Core::TryReservePinned(Session& session, uint64_t bytes,
-                                    PinLimit* hit, uint64_t* over) {
-  *hit = PinLimit::kNone;
-  *over = 0;
-  absl::MutexLock session_lock(&session.mu);
-  if (session.closing) return NotConnected("the session is closing");
-  if (session.pinned_bytes + bytes > options_.max_session_pinned_bytes) {
-    *hit = PinLimit::kSession;
-    *over = session.pinned_bytes + bytes - options_.max_session_pinned_bytes;
-    return SeedError(STATUS_INSUFFICIENT_RESOURCES,
-                     "LIMIT_SESSION_PINNED_BYTES",
-                     absl::StrCat("pinning ", bytes,
-                                  " more bytes would exceed the "
-                                  "session's limit of ",
-                                  options_.max_session_pinned_bytes, " (",
-                                  session.pinned_bytes, " pinned now)"));
-  }
-  absl::MutexLock lock(&mu_);
-  if (total_pinned_ + bytes > options_.max_total_pinned_bytes) {
-    *hit = PinLimit::kTotal;
-    *over = total_pinned_ + bytes - options_.max_total_pinned_bytes;
-    return SeedError(STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_PINNED_BYTES",
-                     absl::StrCat("pinning ", bytes,
-                                  " more bytes would exceed the "
-                                  "server's limit of ",
-                                  options_.max_total_pinned_bytes, " (",
-                                  total_pinned_, " pinned now)"));
-  }
-  Tenant& tenant = *session.tenant();
-  if (absl::Status status = tenant.Reserve(TenantResource::kPinnedBytes, bytes);
-      !status.ok()) {
-    // The session's own warm pins are what can give way for its tenant.
-    *hit = PinLimit::kSession;
-    const uint64_t quota = tenant.quota(TenantResource::kPinnedBytes);
-    const uint64_t used = tenant.Used(TenantResource::kPinnedBytes);
-    *over = used + bytes > quota ? used + bytes - quota : 1;
-    return status;
-  }
-  session.pinned_bytes += bytes;
-  total_pinned_ += bytes;
-  return absl::OkStatus();
-}
-
 absl::Status Core::ReservePinned(Session& session, uint64_t bytes) {
   for (;;) {
-    PinLimit hit;
+    Budgets::PinLimit hit;
     uint64_t over;
-    absl::Status status = TryReservePinned(session, bytes, &hit, &over);
-    if (hit == PinLimit::kNone) return status;
+    absl::Status status =
+        budgets_.TryReservePinned(session, bytes, &hit, &over);
+    if (hit == Budgets::PinLimit::kNone) return status;
     // Warm pins give way before anything is refused: for the session's
     // limit its own, least recently kept first; for the total, anyone's.
     // None is evicted in vain: if all of them would not make room, refuse.
     const std::optional<uint64_t> whose =
-        hit == PinLimit::kSession ? std::optional<uint64_t>(session.id())
-                                  : std::nullopt;
+        hit == Budgets::PinLimit::kSession
+            ? std::optional<uint64_t>(session.id())
+            : std::nullopt;
     const uint64_t evictable =
         whose.has_value() ? warm_.SessionBytes(*whose) : warm_.Stats().bytes;
     if (evictable < over) return status;
@@ -787,23 +758,6 @@ absl::Status Core::SessionAwareError(Session& session, absl::Status status,
   return status;
 }
 
-void Core::ForceReservePinned(Session& session, uint64_t bytes) {
-  session.tenant()->Force(TenantResource::kPinnedBytes, bytes);
-  absl::MutexLock session_lock(&session.mu);
-  session.pinned_bytes += bytes;
-  absl::MutexLock lock(&mu_);
-  total_pinned_ += bytes;
-}
-
-void Core::UnreservePinned(Session& session, uint64_t bytes) {
-  absl::MutexLock session_lock(&session.mu);
-  bytes = std::min(bytes, session.pinned_bytes);
-  session.pinned_bytes -= bytes;
-  session.tenant()->Release(TenantResource::kPinnedBytes, bytes);
-  absl::MutexLock lock(&mu_);
-  total_pinned_ -= std::min(bytes, total_pinned_);
-}
-
 // --- MR objects
 // ---------------------------------------------------------------
 
@@ -819,11 +773,11 @@ absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {
                        absl::StrCat("the session holds its maximum of ",
                                     options_.max_session_mrs, " MR objects"));
     }
-    MRD_RETURN_IF_ERROR(TakeObject(*session, TenantResource::kMrs));
+    MRD_RETURN_IF_ERROR(budgets_.TakeObject(*session, TenantResource::kMrs));
     pd = session->pd;
   }
   absl::Cleanup give_back = [&] {
-    ReturnObjects(*session, TenantResource::kMrs, 1);
+    budgets_.ReturnObjects(*session, TenantResource::kMrs, 1);
   };
   mr.id = next_handle_.fetch_add(1);
   mr.fast_register = req.fast_register();
@@ -864,7 +818,7 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
     if (it == session->mrs.end()) return UnknownHandle("mr", req.mr());
     mr = std::move(it->second);
     session->mrs.erase(it);
-    ReturnObjects(*session, TenantResource::kMrs, 1);
+    budgets_.ReturnObjects(*session, TenantResource::kMrs, 1);
     if (mr.registration != 0) {
       auto r = session->registrations.find(mr.registration);
       if (r != session->registrations.end()) {
@@ -889,82 +843,6 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
 
 // --- registration
 // -------------------------------------------------------------
-
-absl::Status Core::TakeObject(Session& session, TenantResource resource) {
-  uint64_t* total = nullptr;
-  uint64_t limit = 0;
-  absl::MutexLock lock(&mu_);
-  switch (resource) {
-    case TenantResource::kBuffers:
-      total = &total_buffers_;
-      limit = options_.max_total_buffers;
-      break;
-    case TenantResource::kLams:
-      total = &total_lams_;
-      limit = options_.max_total_lams;
-      break;
-    case TenantResource::kMrs:
-      total = &total_mrs_;
-      limit = options_.max_total_mrs;
-      break;
-    default:
-      MRD_CHECK(false);
-  }
-  if (*total >= limit) {
-    const std::string name(TenantResourceName(resource));
-    return SeedError(
-        STATUS_INSUFFICIENT_RESOURCES,
-        absl::StrCat("LIMIT_TOTAL_", absl::AsciiStrToUpper(name)),
-        absl::StrCat("the server holds its maximum of ", limit, " ", name));
-  }
-  MRD_RETURN_IF_ERROR(session.tenant()->Reserve(resource, 1));
-  ++*total;
-  return absl::OkStatus();
-}
-
-void Core::ReturnObjects(Session& session, TenantResource resource,
-                         uint64_t n) {
-  if (n == 0) return;
-  session.tenant()->Release(resource, n);
-  absl::MutexLock lock(&mu_);
-  uint64_t* total = resource == TenantResource::kBuffers ? &total_buffers_
-                    : resource == TenantResource::kLams  ? &total_lams_
-                                                         : &total_mrs_;
-  *total -= std::min(n, *total);
-}
-
-absl::Status Core::ReserveRegistration(Session& session) {
-  absl::MutexLock session_lock(&session.mu);
-  if (session.closing) return NotConnected("the session is closing");
-  if (session.device_registrations >= options_.max_session_registrations) {
-    return SeedError(
-        STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS",
-        absl::StrCat("the session holds its maximum of ",
-                     options_.max_session_registrations, " registrations"));
-  }
-  absl::MutexLock lock(&mu_);
-  if (total_registrations_ >= options_.max_total_registrations) {
-    return SeedError(
-        STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_REGISTRATIONS",
-        absl::StrCat("the server holds its maximum of ",
-                     options_.max_total_registrations, " registrations"));
-  }
-  MRD_RETURN_IF_ERROR(
-      session.tenant()->Reserve(TenantResource::kRegistrations, 1));
-  ++session.device_registrations;
-  ++total_registrations_;
-  return absl::OkStatus();
-}
-
-void Core::UnreserveRegistration(Session& session) {
-  absl::MutexLock session_lock(&session.mu);
-  if (session.device_registrations > 0) {
-    --session.device_registrations;
-    session.tenant()->Release(TenantResource::kRegistrations, 1);
-  }
-  absl::MutexLock lock(&mu_);
-  if (total_registrations_ > 0) --total_registrations_;
-}
 
 namespace {
 
@@ -1058,7 +936,8 @@ void Core::ReleaseWarm(std::vector<cache::WarmPin> pins) {
                  "; its pages stay accounted until the session ends");
       continue;
     }
-    if (session != nullptr) UnreservePinned(*session, pin.pinned_bytes);
+    if (session != nullptr)
+      budgets_.UnreservePinned(*session, pin.pinned_bytes);
     // A session that is gone settled its whole reservation when it ended.
   }
 }
@@ -1104,11 +983,11 @@ absl::StatusOr<uint32_t> Core::DropReference(
     }
     // NOT_FOUND: the PD is being torn down and unpins the MR itself.
     if (!s.ok()) KeepUntilPdGone(*session, reg.memory);
-    UnreserveRegistration(*session);
+    budgets_.UnreserveRegistration(*session);
     if (warm.has_value()) {
       KeepWarm(session, std::move(*warm));  // the reservation moves to it
     } else {
-      UnreservePinned(*session, reg.pinned_bytes);
+      budgets_.UnreservePinned(*session, reg.pinned_bytes);
     }
   }
   return result.references;
@@ -1123,14 +1002,12 @@ void Core::DeregisterCached(Session& session,
   if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
     LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
   }
-  UnreserveRegistration(session);
-  UnreservePinned(session, reg.pinned_bytes);
+  budgets_.UnreserveRegistration(session);
+  budgets_.UnreservePinned(session, reg.pinned_bytes);
 }
 
-absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
-                              v1::RegisterMrResponse* out) {
-  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
-                       FindSession(req.session()));
+absl::Status Core::CheckRegisterRequest(const v1::RegisterMrRequest& req,
+                                        uint32_t* access) const {
   // Idempotency keys are remembered per session (request_id_memory of them):
   // their length is bounded so that remembering costs bounded memory.
   if (req.request_id().size() > kMaxRequestIdBytes) {
@@ -1139,11 +1016,8 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
         absl::StrCat("request_id is ", req.request_id().size(),
                      " bytes; at most ", kMaxRequestIdBytes, " are allowed"));
   }
-  MRD_ASSIGN_OR_RETURN(uint32_t access,
+  MRD_ASSIGN_OR_RETURN(*access,
                        RegistrationAccess(req.flags(), req.mem_flags()));
-  // The Winsock form of the call (WSPRegisterRdmaMemory: MEM_* flags) speaks
-  // Winsock errors: memory that is not the caller's is WSAEFAULT (W2).
-  const bool winsock = req.mem_flags() != 0;
   // W2: check the caller's space before doing anything.
   if (req.descriptor_capacity() != 0 &&
       req.descriptor_capacity() < kDescriptorSize) {
@@ -1154,69 +1028,82 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
                      " bytes"),
         kDescriptorSize);
   }
+  return absl::OkStatus();
+}
 
-  std::shared_ptr<fd_socket::MappedFile> file;
-  cache::CacheKey key;
-  device::PdId pd;
-  {
-    absl::MutexLock lock(&session->mu);
-    pd = session->pd;
-    if (!req.request_id().empty()) {
-      auto seen = session->request_ids.find(req.request_id());
-      if (seen != session->request_ids.end()) {
-        auto rec = session->registrations.find(seen->second.registration());
-        if (rec != session->registrations.end()) {
-          *out = seen->second;
-          out->set_references(cache_.References(rec->first));
-          return absl::OkStatus();
-        }
-        session->request_ids.erase(seen);  // released since: register anew
-      }
-    }
-    auto b = session->buffers.find(req.buffer());
-    if (b == session->buffers.end()) {
-      if (winsock) {
-        return OutsideCallerMemory(
-            absl::StrCat("this session has no buffer ", req.buffer()));
-      }
-      return UnknownHandle("buffer", req.buffer());
-    }
-    if (req.mr() != 0) {
-      auto m = session->mrs.find(req.mr());
-      if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
-      if (m->second.fast_register) {
-        return SeedError(STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
-                         absl::StrCat("MR ", req.mr(),
-                                      " was created for fast registration; "
-                                      "RegisterMr needs fast_register=false "
-                                      "(R4)"));
-      }
-      if (m->second.registration != 0) {
-        return MrdError(
-            absl::StatusCode::kFailedPrecondition, "MR_ALREADY_REGISTERED",
-            absl::StrCat("MR ", req.mr(),
-                         " already holds "
-                         "registration ",
-                         m->second.registration, "; deregister it first"));
-      }
-    }
-    file = b->second.file;
-    if ((access & (device::kAccessLocalWrite | device::kAccessRemoteWrite)) &&
-        !file->writable()) {
-      return SeedError(STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
-                       absl::StrCat("buffer ", req.buffer(),
-                                    " was imported read-only; write access "
-                                    "cannot be granted on it (W6)"));
-    }
-    key.base_address = b->second.address + req.offset();
+bool Core::ReplayLocked(Session& session, const v1::RegisterMrRequest& req,
+                        v1::RegisterMrResponse* out) {
+  if (req.request_id().empty()) return false;
+  auto seen = session.request_ids.find(req.request_id());
+  if (seen == session.request_ids.end()) return false;
+  auto rec = session.registrations.find(seen->second.registration());
+  if (rec == session.registrations.end()) {
+    session.request_ids.erase(seen);  // released since: register anew
+    return false;
   }
-  absl::StatusOr<device::MemorySpan> span_or =
-      file->Span(req.offset(), req.length());
-  if (!span_or.ok()) {
-    if (winsock) return OutsideCallerMemory(span_or.status().message());
-    return span_or.status();
+  *out = seen->second;
+  out->set_references(cache_.References(rec->first));
+  return true;
+}
+
+absl::Status Core::CheckTargetsLocked(Session& session,
+                                      const v1::RegisterMrRequest& req,
+                                      uint32_t access, RegistrationPlan* plan) {
+  // The Winsock form of the call (WSPRegisterRdmaMemory: MEM_* flags) speaks
+  // Winsock errors: memory that is not the caller's is WSAEFAULT (W2).
+  const bool winsock = req.mem_flags() != 0;
+  auto b = session.buffers.find(req.buffer());
+  if (b == session.buffers.end()) {
+    if (winsock) {
+      return OutsideCallerMemory(
+          absl::StrCat("this session has no buffer ", req.buffer()));
+    }
+    return UnknownHandle("buffer", req.buffer());
   }
-  const device::MemorySpan span = *span_or;
+  if (req.mr() != 0) {
+    auto m = session.mrs.find(req.mr());
+    if (m == session.mrs.end()) return UnknownHandle("mr", req.mr());
+    if (m->second.fast_register) {
+      return SeedError(STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
+                       absl::StrCat("MR ", req.mr(),
+                                    " was created for fast registration; "
+                                    "RegisterMr needs fast_register=false "
+                                    "(R4)"));
+    }
+    if (m->second.registration != 0) {
+      return MrdError(
+          absl::StatusCode::kFailedPrecondition, "MR_ALREADY_REGISTERED",
+          absl::StrCat("MR ", req.mr(),
+                       " already holds "
+                       "registration ",
+                       m->second.registration, "; deregister it first"));
+    }
+  }
+  plan->file = b->second.file;
+  if ((access & (device::kAccessLocalWrite | device::kAccessRemoteWrite)) &&
+      !plan->file->writable()) {
+    return SeedError(STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
+                     absl::StrCat("buffer ", req.buffer(),
+                                  " was imported read-only; write access "
+                                  "cannot be granted on it (W6)"));
+  }
+  plan->pd = session.pd;
+  plan->key.base_address = b->second.address + req.offset();
+  return absl::OkStatus();
+}
+
+absl::Status Core::PlanRegistration(Session& session,
+                                    const v1::RegisterMrRequest& req,
+                                    uint32_t access, RegistrationPlan* plan) {
+  absl::StatusOr<device::MemorySpan> span =
+      plan->file->Span(req.offset(), req.length());
+  if (!span.ok()) {
+    if (req.mem_flags() != 0)
+      return OutsideCallerMemory(span.status().message());
+    return span.status();
+  }
+  plan->span = *span;
+  cache::CacheKey& key = plan->key;
   if (req.has_base_address()) {
     if (req.base_address() == 0) {
       return SeedError(STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS",
@@ -1231,220 +1118,255 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
         absl::StrCat("base_address ", key.base_address, " + length ",
                      req.length(), " overflows the address space"));
   }
-  key.session = session->id();
-  key.file_device = file->device();
-  key.file_inode = file->inode();
+  key.session = session.id();
+  key.file_device = plan->file->device();
+  key.file_inode = plan->file->inode();
   key.offset = req.offset();
   key.length = req.length();
   key.access = access;
   key.buffer = req.buffer();
-  const uint64_t pin_bytes =
-      PageRound(reinterpret_cast<uintptr_t>(span.host_address), span.length);
-  const uint64_t buffer_id = req.buffer();
-  absl::StatusOr<cache::AcquireResult> acquired_or =
-      cache_.Acquire(key, [&]() -> absl::StatusOr<cache::CachedRegistration> {
-        MRD_RETURN_IF_ERROR(ReserveRegistration(*session));
-        // A warm pin of exactly these pages: its reservation becomes this
-        // registration's, and the device pins nothing anew.
-        std::optional<cache::WarmPin> warm = warm_.Take(WarmKeyOf(key));
-        if (!warm.has_value()) {
-          if (absl::Status s = ReservePinned(*session, pin_bytes); !s.ok()) {
-            UnreserveRegistration(*session);
-            return s;
-          }
-        }
-        absl::StatusOr<device::MrKeys> keys;
-        do {
-          keys = device_->RegisterMr(pd, span, key.base_address, access);
-        } while (!keys.ok() &&
-                 keys.status().code() == absl::StatusCode::kResourceExhausted &&
-                 EvictWarmForDevice());
-        if (!keys.ok()) {
-          if (warm.has_value()) {
-            std::vector<cache::WarmPin> pins;
-            pins.push_back(std::move(*warm));
-            ReleaseWarm(std::move(pins));  // and its reservation
-          } else {
-            UnreservePinned(*session, pin_bytes);
-          }
-          UnreserveRegistration(*session);
-          return keys.status();
-        }
-        if (warm.has_value()) {
-          absl::Status s = device_->ReleaseLam(warm->device_lam);
-          if (s.code() == absl::StatusCode::kNotFound) {
-            // The PD is being torn down and unpins the LAM itself.
-            KeepUntilPdGone(*session, warm->owner);
-          } else if (!s.ok()) {
-            // The registration stands; the LAM still pins its pages, so it
-            // stays a warm pin with its bytes accounted (over the limit if
-            // need be: they are pinned) and is released again on eviction
-            // or at the session's end.
-            LogWarning("release warm pin (LAM ", warm->device_lam,
-                       ") after a warm hit: ", s.ToString(),
-                       "; keeping it as a warm pin");
-            ForceReservePinned(*session, warm->pinned_bytes);
-            KeepWarm(session, std::move(*warm));
-          }
-        }
-        cache::CachedRegistration reg;
-        reg.device_mr = keys->mr;
-        reg.lkey = keys->lkey;
-        reg.rkey = keys->rkey;
-        reg.buffer = buffer_id;
-        reg.pinned_bytes = pin_bytes;
-        reg.memory = file;  // unmapped only after the MR is deregistered
-        return reg;
-      });
-  if (!acquired_or.ok()) {
+  plan->pin_bytes = PageRound(
+      reinterpret_cast<uintptr_t>(plan->span.host_address), plan->span.length);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<cache::CachedRegistration> Core::RegisterOnDevice(
+    const std::shared_ptr<Session>& session, const RegistrationPlan& plan) {
+  MRD_RETURN_IF_ERROR(budgets_.ReserveRegistration(*session));
+  // A warm pin of exactly these pages: its reservation becomes this
+  // registration's, and the device pins nothing anew.
+  std::optional<cache::WarmPin> warm = warm_.Take(WarmKeyOf(plan.key));
+  if (!warm.has_value()) {
+    if (absl::Status s = ReservePinned(*session, plan.pin_bytes); !s.ok()) {
+      budgets_.UnreserveRegistration(*session);
+      return s;
+    }
+  }
+  absl::StatusOr<device::MrKeys> keys;
+  do {
+    keys = device_->RegisterMr(plan.pd, plan.span, plan.key.base_address,
+                               plan.key.access);
+  } while (!keys.ok() &&
+           keys.status().code() == absl::StatusCode::kResourceExhausted &&
+           EvictWarmForDevice());
+  if (!keys.ok()) {
+    if (warm.has_value()) {
+      std::vector<cache::WarmPin> pins;
+      pins.push_back(std::move(*warm));
+      ReleaseWarm(std::move(pins));  // and its reservation
+    } else {
+      budgets_.UnreservePinned(*session, plan.pin_bytes);
+    }
+    budgets_.UnreserveRegistration(*session);
+    return keys.status();
+  }
+  if (warm.has_value()) ReleaseWarmAfterHit(session, std::move(*warm));
+  cache::CachedRegistration reg;
+  reg.device_mr = keys->mr;
+  reg.lkey = keys->lkey;
+  reg.rkey = keys->rkey;
+  reg.buffer = plan.key.buffer;
+  reg.pinned_bytes = plan.pin_bytes;
+  reg.memory = plan.file;  // unmapped only after the MR is deregistered
+  return reg;
+}
+
+void Core::ReleaseWarmAfterHit(const std::shared_ptr<Session>& session,
+                               cache::WarmPin warm) {
+  absl::Status s = device_->ReleaseLam(warm.device_lam);
+  if (s.code() == absl::StatusCode::kNotFound) {
+    // The PD is being torn down and unpins the LAM itself.
+    KeepUntilPdGone(*session, warm.owner);
+  } else if (!s.ok()) {
+    // The registration stands; the LAM still pins its pages, so it stays a
+    // warm pin with its bytes accounted (over the limit if need be: they
+    // are pinned) and is released again on eviction or at the session's
+    // end.
+    LogWarning("release warm pin (LAM ", warm.device_lam,
+               ") after a warm hit: ", s.ToString(),
+               "; keeping it as a warm pin");
+    budgets_.ForceReservePinned(*session, warm.pinned_bytes);
+    KeepWarm(session, std::move(warm));
+  }
+}
+
+absl::Status Core::CommitRegistrationLocked(
+    Session& session, const v1::RegisterMrRequest& req,
+    const RegistrationPlan& plan, const cache::AcquireResult& acquired,
+    v1::RegisterMrResponse* out) {
+  if (session.closing) {
+    return NotConnected("the session closed during the registration");
+  }
+  if (!session.buffers.contains(req.buffer())) {
+    return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_BUFFER",
+                    absl::StrCat("buffer ", req.buffer(),
+                                 " was released during the registration"));
+  }
+  if (req.mr() != 0 && (!session.mrs.contains(req.mr()) ||
+                        session.mrs[req.mr()].registration != 0)) {
+    return MrdError(absl::StatusCode::kFailedPrecondition,
+                    "MR_ALREADY_REGISTERED",
+                    absl::StrCat("MR ", req.mr(),
+                                 " was closed or registered concurrently"));
+  }
+  const uint64_t base = plan.key.base_address;
+  RegistrationRecord& rec = session.registrations[acquired.entry];
+  rec.entry = acquired.entry;
+  rec.buffer = req.buffer();
+  rec.offset = req.offset();
+  rec.length = req.length();
+  rec.flags = req.flags() != 0 ? req.flags() : FlagsFromAccess(plan.key.access);
+  rec.base_address = base;
+  rec.lkey = acquired.registration.lkey;
+  rec.rkey = acquired.registration.rkey;
+  if (req.mr() != 0) {
+    ++rec.mr_refs;
+    session.mrs[req.mr()].registration = acquired.entry;
+  } else {
+    ++rec.implicit_refs;
+  }
+  out->set_registration(acquired.entry);
+  out->set_lkey(acquired.registration.lkey);
+  out->set_rkey(acquired.registration.rkey);
+  out->set_base_address(base);
+  out->set_length(req.length());
+  out->set_references(acquired.references);
+  out->set_cache_hit(acquired.hit);
+  out->set_rdma_descriptor(
+      EncodeDescriptor(acquired.registration.rkey, base, req.length()));
+  out->set_mr(req.mr());
+  if (!req.request_id().empty()) {
+    session.request_ids[req.request_id()] = *out;
+    session.request_id_order.push_back(req.request_id());
+    if (session.request_id_order.size() > options_.request_id_memory) {
+      session.request_ids.erase(session.request_id_order.front());
+      session.request_id_order.pop_front();
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
+                              v1::RegisterMrResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  uint32_t access = 0;
+  MRD_RETURN_IF_ERROR(CheckRegisterRequest(req, &access));
+  RegistrationPlan plan;
+  {
+    absl::MutexLock lock(&session->mu);
+    // A retried request with the same id gets the first answer (no second
+    // reference).
+    if (ReplayLocked(*session, req, out)) return absl::OkStatus();
+    MRD_RETURN_IF_ERROR(CheckTargetsLocked(*session, req, access, &plan));
+  }
+  MRD_RETURN_IF_ERROR(PlanRegistration(*session, req, access, &plan));
+  absl::StatusOr<cache::AcquireResult> acquired =
+      cache_.Acquire(plan.key, [&] { return RegisterOnDevice(session, plan); });
+  if (!acquired.ok()) {
     absl::MutexLock lock(&session->mu);
     if (session->closing) {
       return NotConnected("the session closed during the registration");
     }
-    return acquired_or.status();
+    return acquired.status();
   }
-  cache::AcquireResult acquired = *acquired_or;
-
   // Commit to the session, or undo: either the registration exists and is
   // owned by the session, or nothing of it does.
   absl::Status commit;
   {
     absl::MutexLock lock(&session->mu);
-    if (session->closing) {
-      commit = NotConnected("the session closed during the registration");
-    } else if (!session->buffers.contains(req.buffer())) {
-      commit = MrdError(absl::StatusCode::kNotFound, "UNKNOWN_BUFFER",
-                        absl::StrCat("buffer ", req.buffer(),
-                                     " was released during the registration"));
-    } else if (req.mr() != 0 && (!session->mrs.contains(req.mr()) ||
-                                 session->mrs[req.mr()].registration != 0)) {
-      commit = MrdError(absl::StatusCode::kFailedPrecondition,
-                        "MR_ALREADY_REGISTERED",
-                        absl::StrCat("MR ", req.mr(),
-                                     " was closed or registered concurrently"));
-    } else {
-      RegistrationRecord& rec = session->registrations[acquired.entry];
-      rec.entry = acquired.entry;
-      rec.buffer = req.buffer();
-      rec.offset = req.offset();
-      rec.length = req.length();
-      rec.flags = req.flags() != 0 ? req.flags() : FlagsFromAccess(access);
-      rec.base_address = key.base_address;
-      rec.lkey = acquired.registration.lkey;
-      rec.rkey = acquired.registration.rkey;
-      if (req.mr() != 0) {
-        ++rec.mr_refs;
-        session->mrs[req.mr()].registration = acquired.entry;
-      } else {
-        ++rec.implicit_refs;
-      }
-      out->set_registration(acquired.entry);
-      out->set_lkey(acquired.registration.lkey);
-      out->set_rkey(acquired.registration.rkey);
-      out->set_base_address(key.base_address);
-      out->set_length(req.length());
-      out->set_references(acquired.references);
-      out->set_cache_hit(acquired.hit);
-      out->set_rdma_descriptor(EncodeDescriptor(
-          acquired.registration.rkey, key.base_address, req.length()));
-      out->set_mr(req.mr());
-      if (!req.request_id().empty()) {
-        session->request_ids[req.request_id()] = *out;
-        session->request_id_order.push_back(req.request_id());
-        if (session->request_id_order.size() > options_.request_id_memory) {
-          session->request_ids.erase(session->request_id_order.front());
-          session->request_id_order.pop_front();
-        }
-      }
+    commit = CommitRegistrationLocked(*session, req, plan, *acquired, out);
+  }
+  if (!commit.ok()) (void)DropReference(session, acquired->entry);
+  return commit;
+}
+
+absl::Status Core::TakeReferenceLocked(Session& session,
+                                       const v1::DeregisterMrRequest& req,
+                                       TakenReference* taken) {
+  auto take = [&](std::map<uint64_t, RegistrationRecord>::iterator r) {
+    if (r->second.implicit_refs + r->second.mr_refs != 0) return;
+    taken->record = r->second;
+    taken->erased = true;
+    session.registrations.erase(r);
+  };
+  if (req.has_mr()) {
+    auto m = session.mrs.find(req.mr());
+    if (m == session.mrs.end()) return UnknownHandle("mr", req.mr());
+    if (m->second.fast_register) {
+      return SeedError(STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
+                       absl::StrCat("MR ", req.mr(),
+                                    " is for fast registration: use "
+                                    "InvalidateMr"));
     }
+    if (m->second.registration == 0) {
+      return MrdError(absl::StatusCode::kFailedPrecondition,
+                      "MR_NOT_REGISTERED",
+                      absl::StrCat("MR ", req.mr(), " holds no registration"));
+    }
+    taken->entry = m->second.registration;
+    m->second.registration = 0;
+    taken->mr_object = req.mr();
+    auto r = session.registrations.find(taken->entry);
+    if (r != session.registrations.end()) {
+      --r->second.mr_refs;
+      take(r);
+    }
+    return absl::OkStatus();
   }
-  if (!commit.ok()) {
-    (void)DropReference(session, acquired.entry);
-    return commit;
+  if (!req.has_registration()) {
+    return SeedError(STATUS_INVALID_PARAMETER, "NO_TARGET",
+                     "DeregisterMr needs a registration or an mr");
   }
+  auto r = session.registrations.find(req.registration());
+  if (r == session.registrations.end()) {
+    return UnknownHandle("registration", req.registration());
+  }
+  if (r->second.implicit_refs == 0) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "HELD_BY_MR_OBJECT",
+                    absl::StrCat("registration ", req.registration(),
+                                 " is held only by MR objects; "
+                                 "deregister it through its MR"));
+  }
+  taken->entry = r->first;
+  --r->second.implicit_refs;
+  take(r);
   return absl::OkStatus();
+}
+
+void Core::PutReferenceBack(Session& session, const TakenReference& taken) {
+  absl::MutexLock lock(&session.mu);
+  if (session.closing) {
+    // The session's end takes the PD, and the MR with it.
+    (void)cache_.Invalidate(taken.entry);
+    return;
+  }
+  RegistrationRecord& rec = session.registrations[taken.entry];
+  if (taken.erased) rec = taken.record;
+  if (taken.mr_object != 0) {
+    ++rec.mr_refs;
+    auto m = session.mrs.find(taken.mr_object);
+    if (m != session.mrs.end()) m->second.registration = taken.entry;
+  } else {
+    ++rec.implicit_refs;
+  }
 }
 
 absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
                                 v1::DeregisterMrResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  uint64_t entry = 0;
-  // What this call took from the session, to put back if the device cannot
+  // What this call takes from the session, to put back if the device cannot
   // deregister (then nothing changed and the caller may retry).
-  RegistrationRecord taken;
-  bool erased = false;
-  uint64_t mr_object = 0;
+  TakenReference taken;
   {
     absl::MutexLock lock(&session->mu);
-    if (req.has_mr()) {
-      auto m = session->mrs.find(req.mr());
-      if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
-      if (m->second.fast_register) {
-        return SeedError(STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
-                         absl::StrCat("MR ", req.mr(),
-                                      " is for fast registration: use "
-                                      "InvalidateMr"));
-      }
-      if (m->second.registration == 0) {
-        return MrdError(
-            absl::StatusCode::kFailedPrecondition, "MR_NOT_REGISTERED",
-            absl::StrCat("MR ", req.mr(), " holds no registration"));
-      }
-      entry = m->second.registration;
-      m->second.registration = 0;
-      mr_object = req.mr();
-      auto r = session->registrations.find(entry);
-      if (r != session->registrations.end()) {
-        --r->second.mr_refs;
-        if (r->second.implicit_refs + r->second.mr_refs == 0) {
-          taken = r->second;
-          erased = true;
-          session->registrations.erase(r);
-        }
-      }
-    } else if (req.has_registration()) {
-      auto r = session->registrations.find(req.registration());
-      if (r == session->registrations.end()) {
-        return UnknownHandle("registration", req.registration());
-      }
-      if (r->second.implicit_refs == 0) {
-        return MrdError(absl::StatusCode::kFailedPrecondition,
-                        "HELD_BY_MR_OBJECT",
-                        absl::StrCat("registration ", req.registration(),
-                                     " is held only by MR objects; "
-                                     "deregister it through its MR"));
-      }
-      entry = r->first;
-      --r->second.implicit_refs;
-      if (r->second.implicit_refs + r->second.mr_refs == 0) {
-        taken = r->second;
-        erased = true;
-        session->registrations.erase(r);
-      }
-    } else {
-      return SeedError(STATUS_INVALID_PARAMETER, "NO_TARGET",
-                       "DeregisterMr needs a registration or an mr");
-    }
+    MRD_RETURN_IF_ERROR(TakeReferenceLocked(*session, req, &taken));
   }
-  absl::StatusOr<uint32_t> left = DropReference(session, entry);
+  absl::StatusOr<uint32_t> left = DropReference(session, taken.entry);
   if (!left.ok()) {
     if (GetErrorDetail(left.status()).reason() == "DEREGISTER_FAILED") {
-      absl::MutexLock lock(&session->mu);
-      if (!session->closing) {
-        RegistrationRecord& rec = session->registrations[entry];
-        if (erased) rec = taken;
-        if (mr_object != 0) {
-          ++rec.mr_refs;
-          auto m = session->mrs.find(mr_object);
-          if (m != session->mrs.end()) m->second.registration = entry;
-        } else {
-          ++rec.implicit_refs;
-        }
-      } else {
-        // The session's end takes the PD, and the MR with it.
-        (void)cache_.Invalidate(entry);
-      }
+      PutReferenceBack(*session, taken);
     }
     return left.status();
   }
@@ -1471,12 +1393,12 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
                        absl::StrCat("the session holds its maximum of ",
                                     options_.max_session_lams, " LAMs"));
     }
-    MRD_RETURN_IF_ERROR(TakeObject(*session, TenantResource::kLams));
+    MRD_RETURN_IF_ERROR(budgets_.TakeObject(*session, TenantResource::kLams));
     file = b->second.file;
     pd = session->pd;
   }
   absl::Cleanup give_back = [&] {
-    ReturnObjects(*session, TenantResource::kLams, 1);
+    budgets_.ReturnObjects(*session, TenantResource::kLams, 1);
   };
   MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
                        file->Span(req.offset(), req.length()));
@@ -1499,7 +1421,7 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
            mapping.status().code() == absl::StatusCode::kResourceExhausted &&
            EvictWarmForDevice());
   if (!mapping.ok()) {
-    UnreservePinned(*session, pin_bytes);
+    budgets_.UnreservePinned(*session, pin_bytes);
     return SessionAwareError(*session, mapping.status(), "BuildLam");
   }
   LamRecord lam;
@@ -1533,7 +1455,7 @@ absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
   if (!device_->ReleaseLam(lam.device_lam).ok()) {
     KeepUntilPdGone(*session, lam.file);
   }
-  UnreservePinned(*session, pin_bytes);
+  budgets_.UnreservePinned(*session, pin_bytes);
   return NotConnected("the session or its buffer went away during BuildLam");
 }
 
@@ -1570,10 +1492,10 @@ absl::Status Core::ReleaseLam(const v1::ReleaseLamRequest& req) {
       pinned = l->second.pinned_bytes;
       for (uint64_t page : l->second.pages) session->page_to_lam.erase(page);
       session->lams.erase(l);
-      ReturnObjects(*session, TenantResource::kLams, 1);
+      budgets_.ReturnObjects(*session, TenantResource::kLams, 1);
     }
   }
-  UnreservePinned(*session, pinned);
+  budgets_.UnreservePinned(*session, pinned);
   return absl::OkStatus();
 }
 
@@ -1841,7 +1763,7 @@ CoreStats Core::Stats() const {
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [token, s] : sessions_) sessions.push_back(s);
-    stats.accounted_pinned_bytes = total_pinned_;
+    stats.accounted_pinned_bytes = budgets_.Totals().pinned_bytes;
     stats.sessions_opened_total = sessions_opened_;
     stats.sessions_closed_total = sessions_closed_;
   }

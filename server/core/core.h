@@ -39,6 +39,7 @@
 #include "server/common/clock.h"
 #include "server/common/fd_budget.h"
 #include "server/common/thread.h"
+#include "server/core/budgets.h"
 #include "server/core/session.h"
 #include "server/core/tenants.h"
 #include "server/device/device.h"
@@ -204,6 +205,80 @@ class Core final : public fd_socket::FdSessionHandler {
       ABSL_LOCKS_EXCLUDED(mu_);
   void TearDown(const std::shared_ptr<Session>& session);
 
+  // RegisterMr, in steps. What a registration needs once its request is
+  // checked: the buffer's mapping, the cache key, the PD, the span and the
+  // pinned bytes it counts for.
+  struct RegistrationPlan {
+    std::shared_ptr<fd_socket::MappedFile> file;
+    cache::CacheKey key;
+    device::PdId pd = 0;
+    device::MemorySpan span;
+    uint64_t pin_bytes = 0;
+  };
+  // The request alone: request id length, flags (R3/W6), descriptor space
+  // (W2).
+  absl::Status CheckRegisterRequest(const v1::RegisterMrRequest& req,
+                                    uint32_t* access) const;
+  // A retried request id: fills `out` with the first answer.
+  bool ReplayLocked(Session& session, const v1::RegisterMrRequest& req,
+                    v1::RegisterMrResponse* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  // The buffer and MR object the request names, and the access they allow.
+  absl::Status CheckTargetsLocked(Session& session,
+                                  const v1::RegisterMrRequest& req,
+                                  uint32_t access, RegistrationPlan* plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  // The span (R2), the base address (R8) and the cache key.
+  absl::Status PlanRegistration(Session& session,
+                                const v1::RegisterMrRequest& req,
+                                uint32_t access, RegistrationPlan* plan);
+  // A cache miss: limits, then the device (through a warm pin of the same
+  // pages when there is one).
+  absl::StatusOr<cache::CachedRegistration> RegisterOnDevice(
+      const std::shared_ptr<Session>& session, const RegistrationPlan& plan);
+  // After a warm hit: the warm pin's LAM is no longer needed.
+  void ReleaseWarmAfterHit(const std::shared_ptr<Session>& session,
+                           cache::WarmPin warm);
+  // Records the registration in the session and fills `out`; an error when
+  // the session, buffer or MR object went meanwhile.
+  absl::Status CommitRegistrationLocked(Session& session,
+                                        const v1::RegisterMrRequest& req,
+                                        const RegistrationPlan& plan,
+                                        const cache::AcquireResult& acquired,
+                                        v1::RegisterMrResponse* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+
+  // ReleaseBuffer, in steps: what goes with the buffer (W11), taken out of
+  // the session under its lock, then released outside it.
+  struct DetachedBuffer {
+    std::shared_ptr<fd_socket::MappedFile> file;  // kept until the end
+    std::vector<uint64_t> entries;                // cache entries
+    std::vector<LamRecord> lams;
+    // Fast-registered MR objects mapping those LAMs: (MR, device MR).
+    std::vector<std::pair<uint64_t, device::MrId>> fr_to_reset;
+  };
+  absl::Status DetachBufferLocked(Session& session, uint64_t buffer,
+                                  DetachedBuffer* detached)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  // Gives the MR object a new device MR object (the old key dies at once)
+  // in the free state.
+  void ResetFastRegistration(Session& session, uint64_t id,
+                             device::MrId device_mr);
+
+  // DeregisterMr, in steps: one reference taken out of the session (and
+  // the record, when it was the last), put back if the device refused.
+  struct TakenReference {
+    uint64_t entry = 0;
+    uint64_t mr_object = 0;  // the MR object it was taken through, or 0
+    bool erased = false;     // the record left the session: `record`
+    RegistrationRecord record;
+  };
+  absl::Status TakeReferenceLocked(Session& session,
+                                   const v1::DeregisterMrRequest& req,
+                                   TakenReference* taken)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  void PutReferenceBack(Session& session, const TakenReference& taken);
+
   absl::StatusOr<v1::BufferInfo> AddBuffer(
       const std::shared_ptr<Session>& session,
       std::shared_ptr<fd_socket::MappedFile> file);
@@ -212,27 +287,10 @@ class Core final : public fd_socket::FdSessionHandler {
   // session's own for its limit, anyone's for the total), least recently
   // kept first, and is refused only when none is left to evict.
   absl::Status ReservePinned(Session& session, uint64_t bytes);
-  void UnreservePinned(Session& session, uint64_t bytes);
-  // Accounts bytes that are pinned whatever the limits say (a LAM the device
-  // failed to release).
-  void ForceReservePinned(Session& session, uint64_t bytes);
   // A device error of a call for `session`, or WSAENOTCONN when the session
   // ended meanwhile (the device then names a PD that no longer exists).
   absl::Status SessionAwareError(Session& session, absl::Status status,
                                  absl::string_view call);
-  enum class PinLimit { kNone, kSession, kTotal };
-  // `over`: by how many bytes the limit `hit` would be exceeded.
-  absl::Status TryReservePinned(Session& session, uint64_t bytes, PinLimit* hit,
-                                uint64_t* over);
-  // One buffer, LAM or MR object for `session`: against the server's total
-  // (max_total_buffers/lams/mrs) and the session's tenant's quota.
-  absl::Status TakeObject(Session& session, TenantResource resource)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  void ReturnObjects(Session& session, TenantResource resource, uint64_t n)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // Registrations made on the device, against the session and total limits.
-  absl::Status ReserveRegistration(Session& session);
-  void UnreserveRegistration(Session& session);
   // Drops one cache reference; deregisters on the last (keeping the pages
   // as a warm pin when it can). Returns refs left.
   absl::StatusOr<uint32_t> DropReference(
@@ -263,6 +321,7 @@ class Core final : public fd_socket::FdSessionHandler {
   const Clock* const clock_;
   const CoreOptions options_;
   const uint64_t page_size_;
+  Budgets budgets_;  // limits and tenant quotas of what sessions hold
   cache::RegistrationCache cache_;
   cache::WarmPinSet warm_;
   std::shared_ptr<TenantTable> tenants_;
@@ -275,11 +334,6 @@ class Core final : public fd_socket::FdSessionHandler {
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<std::string, std::shared_ptr<Session>> sessions_
       ABSL_GUARDED_BY(mu_);
-  uint64_t total_pinned_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t total_registrations_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t total_buffers_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t total_lams_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t total_mrs_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions being created (counted against max_sessions before they exist).
   uint64_t pending_sessions_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
