@@ -11,7 +11,9 @@ or proto/mrd/v1 for the generated messages). The test fails when
     generated proto, or anything but main.cc including server/service.
 The CMake link graph (cmake --graphviz of a scratch configure) is held to
 the same rule: no client target links a server library and no server
-library links a client one.
+library links a client one. And the README's "## Layout" block must name
+every folder of server/, client/ and tests/ and every page of docs/, and
+nothing that is not there.
 Run: layers_test.py REPO_ROOT
 """
 import os
@@ -154,12 +156,57 @@ def link_failures(root):
     return failures
 
 
+def layout_failures(root):
+    """The README's layout block against the tree."""
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = text.split("## Layout", 1)[1].split("```", 2)[1]
+    # Each top-level entry: its first line starts with the folder name; its
+    # continuation lines are indented.
+    entries = {}
+    current = None
+    for line in block.splitlines():
+        if not line.strip():
+            continue
+        if not line[0].isspace():
+            current = line.split()[0]
+            entries[current] = line[len(current):]
+        elif current is not None:
+            entries[current] += " " + line
+    failures = []
+    for top in ("server/", "client/", "tests/"):
+        if top not in entries:
+            failures.append(f"README layout has no {top} line")
+            continue
+        named = set(re.findall(r"(?<![\w/.])([a-z_]+)/", entries[top]))
+        named.discard(top.rstrip("/"))
+        actual = {d for d in os.listdir(os.path.join(root, top))
+                  if os.path.isdir(os.path.join(root, top, d))}
+        for d in sorted(actual - named):
+            failures.append(f"README layout does not name {top}{d}/")
+        for d in sorted(named - actual):
+            # device/software/ style mentions name nested folders
+            if not any(os.path.isdir(os.path.join(root, top, a, d))
+                       for a in actual):
+                failures.append(f"README layout names {top}{d}/, which "
+                                f"does not exist")
+    docs = {f for f in os.listdir(os.path.join(root, "docs"))
+            if f.endswith(".md")}
+    named_docs = set(re.findall(r"([A-Z]+\.md)", entries.get("docs/", "")))
+    for d in sorted(docs - named_docs):
+        failures.append(f"README layout does not name docs/{d}")
+    for d in sorted(named_docs - docs):
+        failures.append(f"README layout names docs/{d}, which does not exist")
+    return failures
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "."
     code = code_edges(root)
     table = table_edges(root)
     failures = []
     failures += link_failures(root)
+    failures += layout_failures(root)
     for (src, dst), uses in sorted(code.items()):
         for prefix_from, prefix_to, why in FORBIDDEN:
             if src.startswith(prefix_from) and dst.startswith(prefix_to):
