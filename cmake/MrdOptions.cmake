@@ -7,6 +7,12 @@ target_compile_options(mrd_options INTERFACE
 if(MRD_WERROR)
   target_compile_options(mrd_options INTERFACE -Werror)
 endif()
+if(CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+  # Clang checks every ABSL_GUARDED_BY / ABSL_*_LOCKS_REQUIRED annotation;
+  # make test's TSan build is clang's, so with MRD_WERROR an unguarded access
+  # fails the build there.
+  target_compile_options(mrd_options INTERFACE -Wthread-safety)
+endif()
 
 if(MRD_SANITIZE STREQUAL "address")
   add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)

@@ -6,9 +6,10 @@ set -euo pipefail
 PACKAGES=(
   # toolchain
   cmake ninja-build g++ pkg-config clang-format
-  # the fuzz targets (tests/fuzz, scripts/fuzz.sh): clang with libFuzzer and
-  # the sanitizer runtimes
-  clang-14 libclang-rt-14-dev
+  # the fuzz targets (tests/fuzz, scripts/fuzz.sh) and the TSan build, which
+  # also checks thread-safety annotations: clang with libFuzzer and the
+  # sanitizer runtimes; clang-tidy for the lint test (.clang-tidy)
+  clang-14 libclang-rt-14-dev clang-tidy-14
   # gRPC, protobuf, reflection/health protos
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   # Abseil

@@ -12,9 +12,9 @@ sanitize=$(sed -n 's/^MRD_SANITIZE:STRING=//p' "$build_dir/CMakeCache.txt")
 args=(-LE verbs)
 case "$sanitize" in
   address)
-    # deploy/, the README's recipes, the install, the Python client and the
-    # image are checked once, in the plain build.
-    args=(-LE "verbs|deploy|docs|install|python|image")
+    # deploy/, the README's recipes, the install, the Python client, the
+    # image and the lint are checked once, in the plain build.
+    args=(-LE "verbs|deploy|docs|install|python|image|lint")
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
     ;;
@@ -24,7 +24,7 @@ case "$sanitize" in
     # TSan and its inline header code races on paper with its uninstrumented
     # core (see tests/support/tsan.supp). The unit tests exercise every lock
     # and thread of our own code (core, cache, device, fd server, stress).
-    args=(-LE "integration|device_suite|verbs|deploy|docs|install|python|image")
+    args=(-LE "integration|device_suite|verbs|deploy|docs|install|python|image|lint")
     ;;
 esac
 cd "$build_dir"

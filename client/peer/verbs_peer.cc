@@ -416,11 +416,12 @@ absl::Status VerbsPeer::PostAndWaitLocked(ibv_wr_opcode opcode, uint32_t rkey,
   const std::string what =
       absl::StrCat(op, " of ", length, " bytes at ", Hex(address), " (rkey ",
                    Hex(rkey), ", connection ", connection_id_, ")");
-  auto broken = [&](absl::string_view reason, absl::string_view message) {
-    BreakLocked(std::string(message));
-    return MrdError(absl::StatusCode::kUnavailable, reason,
-                    absl::StrCat(what, ": ", message));
-  };
+  auto broken = [&](absl::string_view reason, absl::string_view message)
+                    ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                      BreakLocked(std::string(message));
+                      return MrdError(absl::StatusCode::kUnavailable, reason,
+                                      absl::StrCat(what, ": ", message));
+                    };
   ibv_sge sge{};
   sge.addr = reinterpret_cast<uint64_t>(bounce_);
   sge.length = static_cast<uint32_t>(length);

@@ -1281,15 +1281,18 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   return commit;
 }
 
+void Core::EraseIfUnreferencedLocked(
+    Session& session, std::map<uint64_t, RegistrationRecord>::iterator r,
+    TakenReference* taken) {
+  if (r->second.implicit_refs + r->second.mr_refs != 0) return;
+  taken->record = r->second;
+  taken->erased = true;
+  session.registrations.erase(r);
+}
+
 absl::Status Core::TakeReferenceLocked(Session& session,
                                        const v1::DeregisterMrRequest& req,
                                        TakenReference* taken) {
-  auto take = [&](std::map<uint64_t, RegistrationRecord>::iterator r) {
-    if (r->second.implicit_refs + r->second.mr_refs != 0) return;
-    taken->record = r->second;
-    taken->erased = true;
-    session.registrations.erase(r);
-  };
   if (req.has_mr()) {
     auto m = session.mrs.find(req.mr());
     if (m == session.mrs.end()) return UnknownHandle("mr", req.mr());
@@ -1310,7 +1313,7 @@ absl::Status Core::TakeReferenceLocked(Session& session,
     auto r = session.registrations.find(taken->entry);
     if (r != session.registrations.end()) {
       --r->second.mr_refs;
-      take(r);
+      EraseIfUnreferencedLocked(session, r, taken);
     }
     return absl::OkStatus();
   }
@@ -1330,7 +1333,7 @@ absl::Status Core::TakeReferenceLocked(Session& session,
   }
   taken->entry = r->first;
   --r->second.implicit_refs;
-  take(r);
+  EraseIfUnreferencedLocked(session, r, taken);
   return absl::OkStatus();
 }
 

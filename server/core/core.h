@@ -278,6 +278,11 @@ class Core final : public fd_socket::FdSessionHandler {
                                    TakenReference* taken)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
   void PutReferenceBack(Session& session, const TakenReference& taken);
+  // The record leaves the session when no reference is left: `taken` keeps
+  // it, to put back.
+  void EraseIfUnreferencedLocked(
+      Session& session, std::map<uint64_t, RegistrationRecord>::iterator r,
+      TakenReference* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
   absl::StatusOr<v1::BufferInfo> AddBuffer(
       const std::shared_ptr<Session>& session,

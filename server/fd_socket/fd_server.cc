@@ -179,6 +179,37 @@ struct FdServer::Datagram {
 FdServer::FdServer(const FdServerOptions& options, FdSessionHandler* handler)
     : options_(options), handler_(handler), next_id_(kFirstConnectionId) {}
 
+absl::Status FdServer::SetUpEvents() {
+  epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
+  if (!epoll_fd_.valid()) {
+    const int err = errno;
+    return ErrnoError(err, "epoll_create1", "EPOLL_FAILED");
+  }
+  wake_fd_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!wake_fd_.valid()) {
+    const int err = errno;
+    return ErrnoError(err, "eventfd", "EPOLL_FAILED");
+  }
+  for (auto [fd, id] : {std::pair<int, uint64_t>{listen_fd_.get(), kListenId},
+                        std::pair<int, uint64_t>{wake_fd_.get(), kWakeId}}) {
+    struct epoll_event ev;
+    std::memset(&ev, 0, sizeof(ev));
+    ev.events = EPOLLIN;
+    ev.data.u64 = id;
+    if (::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+      const int err = errno;
+      return ErrnoError(err, "epoll_ctl", "EPOLL_FAILED");
+    }
+  }
+
+  spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!spare_fd_.valid()) {
+    const int err = errno;
+    return ErrnoError(err, "open /dev/null (spare fd)", "SPARE_FD_FAILED");
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
     const FdServerOptions& options, FdSessionHandler* handler) {
   MRD_CHECK(handler != nullptr);
@@ -230,34 +261,7 @@ absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
     return ErrnoError(err, "listen", "LISTEN_FAILED");
   }
 
-  server->epoll_fd_.Reset(::epoll_create1(EPOLL_CLOEXEC));
-  if (!server->epoll_fd_.valid()) {
-    const int err = errno;
-    return ErrnoError(err, "epoll_create1", "EPOLL_FAILED");
-  }
-  server->wake_fd_.Reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
-  if (!server->wake_fd_.valid()) {
-    const int err = errno;
-    return ErrnoError(err, "eventfd", "EPOLL_FAILED");
-  }
-  for (auto [fd, id] :
-       {std::pair<int, uint64_t>{server->listen_fd_.get(), kListenId},
-        std::pair<int, uint64_t>{server->wake_fd_.get(), kWakeId}}) {
-    struct epoll_event ev;
-    std::memset(&ev, 0, sizeof(ev));
-    ev.events = EPOLLIN;
-    ev.data.u64 = id;
-    if (::epoll_ctl(server->epoll_fd_.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
-      const int err = errno;
-      return ErrnoError(err, "epoll_ctl", "EPOLL_FAILED");
-    }
-  }
-
-  server->spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-  if (!server->spare_fd_.valid()) {
-    const int err = errno;
-    return ErrnoError(err, "open /dev/null (spare fd)", "SPARE_FD_FAILED");
-  }
+  MRD_RETURN_IF_ERROR(server->SetUpEvents());
 
   FdServer* raw = server.get();
   {
@@ -441,6 +445,33 @@ void FdServer::ResumeAccepting() {
   accept_paused_ = false;
 }
 
+absl::StatusOr<FdCharge> FdServer::AdmitPeer(const PeerCredentials& creds) {
+  if (!PeerAllowed(options_, creds)) {
+    LogInfo("fd socket: refused pid ", creds.pid, " uid ", creds.uid, " gid ",
+            creds.gid, ": not in the allow-list");
+    return MrdError(absl::StatusCode::kPermissionDenied, "PEER_NOT_ALLOWED",
+                    absl::StrCat("uid ", creds.uid, " (gid ", creds.gid,
+                                 ") may not use mrd's fd socket"));
+  }
+  if (connections_.size() >= options_.max_connections) {
+    LogWarning("fd socket: refused pid ", creds.pid, ": ", connections_.size(),
+               " connections open, the limit");
+    return MrdError(
+        absl::StatusCode::kResourceExhausted, "TOO_MANY_SESSIONS",
+        absl::StrCat("the fd socket already serves ", connections_.size(),
+                     " connections, its limit (", options_.max_connections,
+                     ")"));
+  }
+  // The connection's socket is an fd a client makes mrd hold.
+  absl::StatusOr<FdCharge> charge =
+      ChargeFd(options_.fd_budget, /*owner=*/0, "an fd socket connection");
+  if (!charge.ok()) {
+    LogWarning("fd socket: refused pid ", creds.pid, ": ",
+               charge.status().message());
+  }
+  return charge;
+}
+
 void FdServer::Accept(UniqueFd sock) {
   struct ucred cred;
   socklen_t len = sizeof(cred);
@@ -453,44 +484,16 @@ void FdServer::Accept(UniqueFd sock) {
   creds.pid = cred.pid;
   creds.uid = cred.uid;
   creds.gid = cred.gid;
-
-  v1::FdReply refusal;
-  if (!PeerAllowed(options_, creds)) {
-    LogInfo("fd socket: refused pid ", creds.pid, " uid ", creds.uid, " gid ",
-            creds.gid, ": not in the allow-list");
-    SetError(refusal,
-             MrdError(absl::StatusCode::kPermissionDenied, "PEER_NOT_ALLOWED",
-                      absl::StrCat("uid ", creds.uid, " (gid ", creds.gid,
-                                   ") may not use mrd's fd socket")));
-    SendOnce(sock.get(), refusal);
-    return;
-  }
-  if (connections_.size() >= options_.max_connections) {
-    LogWarning("fd socket: refused pid ", creds.pid, ": ", connections_.size(),
-               " connections open, the limit");
-    SetError(
-        refusal,
-        MrdError(absl::StatusCode::kResourceExhausted, "TOO_MANY_SESSIONS",
-                 absl::StrCat("the fd socket already serves ",
-                              connections_.size(), " connections, its limit (",
-                              options_.max_connections, ")")));
-    SendOnce(sock.get(), refusal);
-    return;
-  }
-  // The connection's socket is an fd a client makes mrd hold.
-  absl::StatusOr<FdCharge> charge =
-      ChargeFd(options_.fd_budget, /*owner=*/0, "an fd socket connection");
-  if (!charge.ok()) {
-    LogWarning("fd socket: refused pid ", creds.pid, ": ",
-               charge.status().message());
-    SetError(refusal, charge.status());
-    SendOnce(sock.get(), refusal);
-    return;
-  }
-  absl::StatusOr<std::string> session = handler_->OnConnect(creds);
-  if (!session.ok()) {
+  absl::StatusOr<FdCharge> charge = AdmitPeer(creds);
+  absl::StatusOr<std::string> session =
+      charge.ok() ? handler_->OnConnect(creds)
+                  : absl::StatusOr<std::string>(charge.status());
+  if (charge.ok() && !session.ok()) {
     LogInfo("fd socket: no session for pid ", creds.pid, ": ",
             session.status().ToString());
+  }
+  if (!session.ok()) {
+    v1::FdReply refusal;
     SetError(refusal, session.status());
     SendOnce(sock.get(), refusal);
     return;

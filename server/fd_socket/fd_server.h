@@ -162,6 +162,11 @@ class FdServer final {
   void Run();
   void AcceptAll();
   void Accept(UniqueFd sock);
+  // The epoll set (listener and wake eventfd) and the spare fd.
+  absl::Status SetUpEvents();
+  // The allow-list, the connection limit and the fd budget; the fd charge
+  // of the connection's socket, or the refusal to send.
+  absl::StatusOr<FdCharge> AdmitPeer(const PeerCredentials& creds);
   // accept() failed for lack of fds: uses the spare fd to accept one
   // connection and refuse it. False if that did not work either.
   bool AcceptWithSpareFd();

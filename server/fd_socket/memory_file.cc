@@ -269,19 +269,19 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MapMemfd(
                          static_cast<uint64_t>(st.st_ino), "memfd");
 }
 
-absl::StatusOr<std::unique_ptr<MappedFile>> OpenSharedFile(
-    int dir_fd, absl::string_view relative_path,
-    const SharedFileOptions& options) {
-  MRD_RETURN_IF_ERROR(CheckRelativePath(relative_path));
-  const std::string path(relative_path);
+namespace {
 
+// openat2 of `path` beneath `dir_fd`: no symlinks, no magic links, no
+// crossing into another filesystem; each refusal with its own reason.
+absl::StatusOr<UniqueFd> OpenBeneath(int dir_fd, const std::string& path,
+                                     bool writable) {
   struct open_how how;
   std::memset(&how, 0, sizeof(how));
   // O_NONBLOCK: opening a FIFO must not wait for a writer. It has no effect
   // on regular files.
   how.flags =
-      static_cast<uint64_t>((options.writable ? O_RDWR : O_RDONLY) |
-                            O_NOFOLLOW | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+      static_cast<uint64_t>((writable ? O_RDWR : O_RDONLY) | O_NOFOLLOW |
+                            O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
   how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS |
                 RESOLVE_NO_XDEV;
   long ret;  // NOLINT(runtime/int): the syscall() return type.
@@ -323,11 +323,10 @@ absl::StatusOr<std::unique_ptr<MappedFile>> OpenSharedFile(
             absl::StrCat("\"", path, "\" is not a regular file"));
       case EACCES:
       case EPERM:
-        return PermissionDenied(
-            "ACCESS_DENIED",
-            absl::StrCat("opening \"", path, "\" for ",
-                         options.writable ? "read/write" : "read", ": ",
-                         std::strerror(err)));
+        return PermissionDenied("ACCESS_DENIED",
+                                absl::StrCat("opening \"", path, "\" for ",
+                                             writable ? "read/write" : "read",
+                                             ": ", std::strerror(err)));
       case ENOSYS:
         return MrdError(absl::StatusCode::kFailedPrecondition,
                         "OPENAT2_UNSUPPORTED",
@@ -337,15 +336,13 @@ absl::StatusOr<std::unique_ptr<MappedFile>> OpenSharedFile(
         return ErrnoError(err, "openat2", "OPEN_FAILED");
     }
   }
-  UniqueFd fd(static_cast<int>(ret));
-  const std::string what = absl::StrCat("\"", path, "\"");
+  return UniqueFd(static_cast<int>(ret));
+}
 
-  struct stat st;
-  if (::fstat(fd.get(), &st) != 0) {
-    const int stat_err = errno;
-    return ErrnoError(stat_err, "fstat", "BAD_FD");
-  }
-  MRD_RETURN_IF_ERROR(CheckFileType(fd.get(), st, what));
+// The checks of an opened shared file: a regular file with one name, owned
+// by an allowed uid, whose mode grants its owner the access asked for.
+absl::Status CheckSharedFile(const struct stat& st, const std::string& what,
+                             const SharedFileOptions& options) {
   if (st.st_nlink != 1) {
     return PermissionDenied(
         "HARD_LINKED",
@@ -373,6 +370,26 @@ absl::StatusOr<std::unique_ptr<MappedFile>> OpenSharedFile(
                      ", which does not grant its owner ",
                      options.writable ? "read and write" : "read", " access"));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MappedFile>> OpenSharedFile(
+    int dir_fd, absl::string_view relative_path,
+    const SharedFileOptions& options) {
+  MRD_RETURN_IF_ERROR(CheckRelativePath(relative_path));
+  const std::string path(relative_path);
+  MRD_ASSIGN_OR_RETURN(UniqueFd fd,
+                       OpenBeneath(dir_fd, path, options.writable));
+  const std::string what = absl::StrCat("\"", path, "\"");
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) {
+    const int stat_err = errno;
+    return ErrnoError(stat_err, "fstat", "BAD_FD");
+  }
+  MRD_RETURN_IF_ERROR(CheckFileType(fd.get(), st, what));
+  MRD_RETURN_IF_ERROR(CheckSharedFile(st, what, options));
   MRD_RETURN_IF_ERROR(
       CheckSize(static_cast<uint64_t>(st.st_size), options.max_size, what));
   return MappedFile::Map(std::move(fd), static_cast<uint64_t>(st.st_size),

@@ -174,6 +174,63 @@ void GrpcAcceptor::Run(grpc::Server* server) {
   }
 }
 
+void GrpcAcceptor::RefuseForLackOfFds(int err) {
+  // Give the spare up to take the connection off the queue and close it, so
+  // that the client learns at once and the listening socket keeps working.
+  spare_fd_.Reset();
+  UniqueFd dropped(::accept4(listen_fd_.get(), nullptr, nullptr,
+                             SOCK_CLOEXEC | SOCK_NONBLOCK));
+  if (dropped.valid()) {
+    SendGoaway(dropped.get(),
+               "mrd: LIMIT_OPEN_FILES: mrd has no file descriptor left "
+               "for a gRPC connection");
+  }
+  dropped.Reset();
+  spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  {
+    absl::MutexLock lock(&mu_);
+    ++stats_.refused_no_fd;
+  }
+  LogError("gRPC acceptor: out of file descriptors (", std::strerror(err),
+           "); a gRPC connection was refused. Raise the open-file limit or "
+           "lower --grpc_max_connections");
+}
+
+std::string GrpcAcceptor::Admit(uint32_t uid, uint64_t inode) {
+  auto at_limit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto of_uid = per_uid_.find(uid);
+    return live_.size() >= options_.max_connections ||
+           (of_uid != per_uid_.end() &&
+            of_uid->second >= options_.max_connections_per_uid);
+  };
+  bool refresh = false;
+  {
+    absl::MutexLock lock(&mu_);
+    refresh = at_limit();
+  }
+  // Connections gRPC closed since the last look may have made room.
+  if (refresh) Refresh(kRefreshBeforeRefusal);
+  absl::MutexLock lock(&mu_);
+  const uint64_t of_uid = per_uid_.count(uid) != 0 ? per_uid_[uid] : 0;
+  if (live_.size() >= options_.max_connections) {
+    ++stats_.refused_total_limit;
+    return absl::StrCat("mrd: LIMIT_GRPC_CONNECTIONS: mrd holds ", live_.size(),
+                        " gRPC connections, its limit (--grpc_max_connections=",
+                        options_.max_connections, ")");
+  }
+  if (of_uid >= options_.max_connections_per_uid) {
+    ++stats_.refused_uid_limit;
+    return absl::StrCat(
+        "mrd: LIMIT_UID_GRPC_CONNECTIONS: uid ", uid, " holds ", of_uid,
+        " gRPC connections, its limit (--grpc_max_connections_per_uid=",
+        options_.max_connections_per_uid, ")");
+  }
+  live_[inode] = uid;
+  ++per_uid_[uid];
+  ++stats_.accepted_total;
+  return std::string();
+}
+
 void GrpcAcceptor::AcceptAll(grpc::Server* server) {
   while (true) {
     UniqueFd conn(::accept4(listen_fd_.get(), nullptr, nullptr,
@@ -183,27 +240,7 @@ void GrpcAcceptor::AcceptAll(grpc::Server* server) {
       if (err == EAGAIN || err == EWOULDBLOCK) return;
       if (err == EINTR || err == ECONNABORTED) continue;
       if ((err == EMFILE || err == ENFILE) && spare_fd_.valid()) {
-        // Out of fds: give the spare up to take the connection off the
-        // queue and close it, so that the client learns at once and the
-        // listening socket keeps working.
-        spare_fd_.Reset();
-        UniqueFd dropped(::accept4(listen_fd_.get(), nullptr, nullptr,
-                                   SOCK_CLOEXEC | SOCK_NONBLOCK));
-        if (dropped.valid()) {
-          SendGoaway(dropped.get(),
-                     "mrd: LIMIT_OPEN_FILES: mrd has no file descriptor left "
-                     "for a gRPC connection");
-        }
-        dropped.Reset();
-        spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-        {
-          absl::MutexLock lock(&mu_);
-          ++stats_.refused_no_fd;
-        }
-        LogError(
-            "gRPC acceptor: out of file descriptors (", std::strerror(err),
-            "); a gRPC connection was refused. Raise the open-file limit or "
-            "lower --grpc_max_connections");
+        RefuseForLackOfFds(err);
         continue;
       }
       LogError("gRPC acceptor: accept4: ", std::strerror(err));
@@ -216,43 +253,7 @@ void GrpcAcceptor::AcceptAll(grpc::Server* server) {
         ::fstat(conn.get(), &st) != 0) {
       continue;  // the client is already gone
     }
-    auto at_limit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-      auto uid = per_uid_.find(cred.uid);
-      return live_.size() >= options_.max_connections ||
-             (uid != per_uid_.end() &&
-              uid->second >= options_.max_connections_per_uid);
-    };
-    bool refresh = false;
-    {
-      absl::MutexLock lock(&mu_);
-      refresh = at_limit();
-    }
-    // Connections gRPC closed since the last look may have made room.
-    if (refresh) Refresh(kRefreshBeforeRefusal);
-    std::string refusal;
-    {
-      absl::MutexLock lock(&mu_);
-      const uint64_t of_uid =
-          per_uid_.count(cred.uid) != 0 ? per_uid_[cred.uid] : 0;
-      if (live_.size() >= options_.max_connections) {
-        ++stats_.refused_total_limit;
-        refusal = absl::StrCat(
-            "mrd: LIMIT_GRPC_CONNECTIONS: mrd holds ", live_.size(),
-            " gRPC connections, its limit (--grpc_max_connections=",
-            options_.max_connections, ")");
-      } else if (of_uid >= options_.max_connections_per_uid) {
-        ++stats_.refused_uid_limit;
-        refusal = absl::StrCat(
-            "mrd: LIMIT_UID_GRPC_CONNECTIONS: uid ", cred.uid, " holds ",
-            of_uid,
-            " gRPC connections, its limit (--grpc_max_connections_per_uid=",
-            options_.max_connections_per_uid, ")");
-      } else {
-        live_[st.st_ino] = cred.uid;
-        ++per_uid_[cred.uid];
-        ++stats_.accepted_total;
-      }
-    }
+    const std::string refusal = Admit(cred.uid, st.st_ino);
     if (!refusal.empty()) {
       LogWarning("gRPC connection of pid ", cred.pid, " uid ", cred.uid,
                  " refused: ", refusal.substr(5));

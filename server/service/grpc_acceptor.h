@@ -76,6 +76,12 @@ class GrpcAcceptor {
   explicit GrpcAcceptor(const GrpcAcceptorOptions& options);
   void Run(grpc::Server* server);
   void AcceptAll(grpc::Server* server);
+  // accept4 failed for lack of fds: the spare fd takes the connection and
+  // refuses it (LIMIT_OPEN_FILES).
+  void RefuseForLackOfFds(int err);
+  // Counts a connection of `uid` (socket inode `inode`) against the total
+  // and per-uid caps: an empty string, or the refusal to send.
+  std::string Admit(uint32_t uid, uint64_t inode) ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets the connections whose fds gRPC has closed (at most every
   // `min_interval`).
   void Refresh(absl::Duration min_interval) ABSL_LOCKS_EXCLUDED(mu_);

@@ -1211,7 +1211,7 @@ TEST_F(BadInputTest, DescriptorCapacityTooSmallIsWsaefaultWithRequiredSize) {
 
 TEST_F(BadInputTest, RegularDiskFileIsNotShmem) {
   std::string dir;
-  for (std::string candidate :
+  for (const std::string& candidate :
        {std::string("/var/tmp"), std::filesystem::current_path().string(),
         std::string("/tmp")}) {
     struct statfs fs;

@@ -578,7 +578,8 @@ TEST_F(ClientLibTest, CachedRegistrationsCountReferencesAndReleaseEach) {
   EXPECT_EQ(PinnedBytes(), 4096u);
 
   Registration moved = *std::move(first);
-  EXPECT_FALSE(first->valid());
+  // Deliberately reads the moved-from object.
+  EXPECT_FALSE(first->valid());  // NOLINT(bugprone-use-after-move)
   EXPECT_TRUE(moved.valid());
   absl::StatusOr<uint32_t> left = moved.Deregister();
   ASSERT_TRUE(left.ok()) << left.status();
@@ -703,7 +704,8 @@ TEST_F(ClientLibTest, RegistrationMoveAssignmentReleasesTheOldReference) {
   EXPECT_EQ(List(session).registrations_size(), 2);
   EXPECT_EQ(PinnedBytes(), 2 * 4096u);
   a = std::move(b);  // a's registration is deregistered
-  EXPECT_FALSE(b.valid());
+  // Deliberately reads the moved-from object.
+  EXPECT_FALSE(b.valid());  // NOLINT(bugprone-use-after-move)
   EXPECT_TRUE(a.valid());
   EXPECT_EQ(a.id(), b_id);
   v1::ListRegistrationsResponse list = List(session);
@@ -730,7 +732,8 @@ TEST_F(ClientLibTest, BufferMoveReleaseAndDetach) {
   void* b_data = b.data();
   EXPECT_EQ(List(session).buffers_size(), 2);
   a = std::move(b);  // a's buffer is released
-  EXPECT_FALSE(b.valid());
+  // Deliberately reads the moved-from object.
+  EXPECT_FALSE(b.valid());  // NOLINT(bugprone-use-after-move)
   EXPECT_EQ(b.data(), nullptr);
   EXPECT_EQ(a.id(), b_id);
   EXPECT_EQ(a.data(), b_data);  // the mapping moved along
@@ -938,7 +941,8 @@ TEST_F(ClientLibTest, MrLamFastRegisterAndCompletions) {
 
   // Mr moves: the moved-to handle closes it; Close() reports the status.
   Mr moved = *std::move(normal);
-  EXPECT_FALSE(normal->valid());
+  // Deliberately reads the moved-from object.
+  EXPECT_FALSE(normal->valid());  // NOLINT(bugprone-use-after-move)
   EXPECT_TRUE(moved.valid());
   EXPECT_TRUE(moved.Close().ok());
   EXPECT_FALSE(moved.valid());
@@ -961,7 +965,8 @@ TEST_F(ClientLibTest, LamMoveAndDestructorRelease) {
   EXPECT_EQ(List(session).lams_size(), 2);
   EXPECT_EQ(PinnedBytes(), 2 * 4096u);
   *a = *std::move(b);  // a's LAM is released
-  EXPECT_FALSE(b->valid());
+  // Deliberately reads the moved-from object.
+  EXPECT_FALSE(b->valid());  // NOLINT(bugprone-use-after-move)
   EXPECT_EQ(a->id(), b_id);
   v1::ListRegistrationsResponse list = List(session);
   ASSERT_EQ(list.lams_size(), 1);

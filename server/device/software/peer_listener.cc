@@ -65,9 +65,8 @@ struct PeerListener::Conn {
 
 absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Bind(
     absl::string_view address, const PeerListenerOptions& options) {
-  auto bad = [](std::string message) {
-    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_OPTION",
-                    std::move(message));
+  auto bad = [](const std::string& message) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_OPTION", message);
   };
   if (options.max_connections == 0) return bad("max_connections must be > 0");
   if (options.max_unauthenticated == 0) {
@@ -408,86 +407,90 @@ void PeerListener::AcceptBatch() {
   }
 }
 
+PeerListener::Step PeerListener::AfterRecv(Conn& conn, ssize_t n,
+                                           const char* end_why) {
+  if (n == 0) {
+    CloseConn(conn.id, end_why);
+    return Step::kStop;
+  }
+  const int err = errno;
+  if (err == EINTR) return Step::kMore;
+  if (err == EAGAIN || err == EWOULDBLOCK) {
+    Arm(conn, EPOLLIN);
+  } else {
+    CloseConn(conn.id, std::strerror(err));
+  }
+  return Step::kStop;
+}
+
+PeerListener::Step PeerListener::ReadHeader(Conn& conn) {
+  ssize_t n = ::recv(conn.fd.get(), conn.header + conn.header_got,
+                     peer::kFrameHeaderBytes - conn.header_got, 0);
+  if (n <= 0) {
+    return AfterRecv(conn, n,
+                     conn.header_got == 0 ? nullptr : "end in a frame");
+  }
+  conn.header_got += static_cast<size_t>(n);
+  conn.last_progress = absl::Now();
+  if (conn.header_got < peer::kFrameHeaderBytes) return Step::kMore;
+  uint32_t length = 0;
+  for (size_t i = 0; i < peer::kFrameHeaderBytes; ++i) {
+    length |= static_cast<uint32_t>(conn.header[i]) << (8 * i);
+  }
+  const uint32_t limit = conn.authenticated ? options_.max_frame_bytes
+                                            : options_.hello_frame_bytes;
+  if (length > limit) {
+    Dispatch(conn,
+             MrdError(absl::StatusCode::kInvalidArgument, "FRAME_TOO_LARGE",
+                      absl::StrCat("peer frame of ", length,
+                                   " bytes exceeds the limit of ", limit)));
+    return Step::kStop;
+  }
+  conn.body_length = length;
+  if (length == 0) {
+    Dispatch(conn, std::string());
+    return Step::kStop;
+  }
+  return Step::kMore;
+}
+
+bool PeerListener::GrowBody(Conn& conn) {
+  // Memory follows the bytes that arrived, never the header's promise; the
+  // budget is charged first.
+  const uint64_t want = NextCap(conn);
+  const uint64_t delta = want - conn.body_cap;
+  if (!CanGrow(conn, delta)) {
+    conn.state = Conn::State::kParked;
+    parked_.push_back(conn.id);
+    ++local_.memory_waits;
+    return false;  // not armed: nothing is read until memory frees
+  }
+  std::string bigger;
+  bigger.reserve(want);  // from empty: exactly `want`
+  bigger.append(conn.body);
+  conn.body.swap(bigger);
+  charged_ += delta;
+  conn.charge += delta;
+  conn.body_cap = want;
+  return true;
+}
+
 void PeerListener::ReadSome(Conn& conn) {
   uint64_t round = 0;
   while (true) {
     if (conn.header_got < peer::kFrameHeaderBytes) {
-      ssize_t n = ::recv(conn.fd.get(), conn.header + conn.header_got,
-                         peer::kFrameHeaderBytes - conn.header_got, 0);
-      if (n == 0) {
-        CloseConn(conn.id, conn.header_got == 0 ? nullptr : "end in a frame");
-        return;
-      }
-      if (n < 0) {
-        int err = errno;
-        if (err == EINTR) continue;
-        if (err == EAGAIN || err == EWOULDBLOCK) {
-          Arm(conn, EPOLLIN);
-        } else {
-          CloseConn(conn.id, std::strerror(err));
-        }
-        return;
-      }
-      conn.header_got += static_cast<size_t>(n);
-      conn.last_progress = absl::Now();
-      if (conn.header_got < peer::kFrameHeaderBytes) continue;
-      uint32_t length = 0;
-      for (size_t i = 0; i < peer::kFrameHeaderBytes; ++i) {
-        length |= static_cast<uint32_t>(conn.header[i]) << (8 * i);
-      }
-      const uint32_t limit = conn.authenticated ? options_.max_frame_bytes
-                                                : options_.hello_frame_bytes;
-      if (length > limit) {
-        Dispatch(conn,
-                 MrdError(absl::StatusCode::kInvalidArgument, "FRAME_TOO_LARGE",
-                          absl::StrCat("peer frame of ", length,
-                                       " bytes exceeds the limit of ", limit)));
-        return;
-      }
-      conn.body_length = length;
-      if (length == 0) {
-        Dispatch(conn, std::string());
-        return;
-      }
+      if (ReadHeader(conn) == Step::kStop) return;
       continue;
     }
-    if (conn.body.size() == conn.body_cap) {
-      // Full: grow, charging the budget first. Memory follows the bytes
-      // that arrived, never the header's promise.
-      const uint64_t want = NextCap(conn);
-      const uint64_t delta = want - conn.body_cap;
-      if (!CanGrow(conn, delta)) {
-        conn.state = Conn::State::kParked;
-        parked_.push_back(conn.id);
-        ++local_.memory_waits;
-        return;  // not armed: nothing is read until memory frees
-      }
-      std::string bigger;
-      bigger.reserve(want);  // from empty: exactly `want`
-      bigger.append(conn.body);
-      conn.body.swap(bigger);
-      charged_ += delta;
-      conn.charge += delta;
-      conn.body_cap = want;
-    }
+    if (conn.body.size() == conn.body_cap && !GrowBody(conn)) return;
     const size_t old = conn.body.size();
     const size_t room = std::min<uint64_t>(conn.body_cap - old, kRecvBytes);
     conn.body.resize(old + room);
     ssize_t n = ::recv(conn.fd.get(), conn.body.data() + old, room, 0);
     conn.body.resize(old + (n > 0 ? static_cast<size_t>(n) : 0));
-    if (n == 0) {
-      CloseConn(conn.id, "end in a frame");
-      return;
-    }
-    if (n < 0) {
-      int err = errno;
-      if (err == EINTR) continue;
-      if (err == EAGAIN || err == EWOULDBLOCK) {
-        Arm(conn, EPOLLIN);
-      } else {
-        CloseConn(conn.id, std::strerror(err));
-      }
-      return;
+    if (n <= 0) {
+      if (AfterRecv(conn, n, "end in a frame") == Step::kStop) return;
+      continue;
     }
     conn.last_progress = absl::Now();
     if (conn.body.size() == conn.body_length) {
@@ -665,18 +668,59 @@ void PeerListener::CheckDeadlines(absl::Time now) {
   }
 }
 
-void PeerListener::ReactorLoop() {
-  {
-    epoll_event event{};
-    event.events = EPOLLIN;
-    event.data.u64 = kListenerId;
-    if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(), &event) ==
-        0) {
-      listen_armed_ = true;
-    } else {
-      LogError("peer listener ", address_,
-               ": epoll_ctl(listener): ", std::strerror(errno));
+bool PeerListener::ArmListener() {
+  epoll_event event{};
+  event.events = EPOLLIN;
+  event.data.u64 = kListenerId;
+  if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(), &event) !=
+      0) {
+    return false;
+  }
+  listen_armed_ = true;
+  return true;
+}
+
+void PeerListener::HandleEvents(const epoll_event* events, int n,
+                                bool stopping) {
+  for (int i = 0; i < n; ++i) {
+    const uint64_t id = events[i].data.u64;
+    if (id == kWakeId) {
+      uint64_t count = 0;
+      (void)!::read(wake_fd_.get(), &count, sizeof(count));
+      continue;
     }
+    if (id == kListenerId) {
+      if (!stopping) AcceptBatch();
+      continue;
+    }
+    auto it = conns_.find(id);
+    if (it == conns_.end() || stopping) continue;
+    Conn& conn = *it->second;
+    if (conn.state == Conn::State::kReading) {
+      ReadSome(conn);
+    } else if (conn.state == Conn::State::kWriting) {
+      WriteSome(conn);
+    }
+  }
+}
+
+void PeerListener::CloseEverything() {
+  if (listen_fd_.valid()) {
+    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
+    listen_fd_.Reset();    // later connection attempts are refused
+    listen_armed_ = true;  // nothing to re-arm
+  }
+  std::vector<uint64_t> ids;
+  ids.reserve(conns_.size());
+  for (const auto& [id, conn] : conns_) ids.push_back(id);
+  for (uint64_t id : ids) CloseConn(id, nullptr);  // busy ones: doomed
+  Publish();
+}
+
+void PeerListener::ReactorLoop() {
+  if (!ArmListener()) {
+    LogError("peer listener ", address_,
+             ": epoll_ctl(listener): ", std::strerror(errno));
   }
   bool stopping = false;
   absl::Time next_tick = absl::Now() + absl::Milliseconds(kTickMs);
@@ -694,26 +738,7 @@ void PeerListener::ReactorLoop() {
       }
       n = 0;
     }
-    for (int i = 0; i < n; ++i) {
-      const uint64_t id = events[i].data.u64;
-      if (id == kWakeId) {
-        uint64_t count = 0;
-        (void)!::read(wake_fd_.get(), &count, sizeof(count));
-        continue;
-      }
-      if (id == kListenerId) {
-        if (!stopping) AcceptBatch();
-        continue;
-      }
-      auto it = conns_.find(id);
-      if (it == conns_.end() || stopping) continue;
-      Conn& conn = *it->second;
-      if (conn.state == Conn::State::kReading) {
-        ReadSome(conn);
-      } else if (conn.state == Conn::State::kWriting) {
-        WriteSome(conn);
-      }
-    }
+    HandleEvents(events, n, stopping);
     std::vector<Done> done;
     {
       absl::MutexLock lock(&mu_);
@@ -723,16 +748,7 @@ void PeerListener::ReactorLoop() {
     for (Done& d : done) Finish(std::move(d));
     if (!parked_.empty()) ResumeParked();
     if (stopping) {
-      if (listen_fd_.valid()) {
-        epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
-        listen_fd_.Reset();    // later connection attempts are refused
-        listen_armed_ = true;  // nothing to re-arm
-      }
-      std::vector<uint64_t> ids;
-      ids.reserve(conns_.size());
-      for (const auto& [id, conn] : conns_) ids.push_back(id);
-      for (uint64_t id : ids) CloseConn(id, nullptr);  // busy ones: doomed
-      Publish();
+      CloseEverything();
       if (conns_.empty()) return;
       continue;
     }
@@ -740,15 +756,7 @@ void PeerListener::ReactorLoop() {
     if (now >= next_tick) {
       next_tick = now + absl::Milliseconds(kTickMs);
       CheckDeadlines(now);
-      if (!listen_armed_ && now >= accept_paused_until_) {
-        epoll_event event{};
-        event.events = EPOLLIN;
-        event.data.u64 = kListenerId;
-        if (epoll_ctl(epoll_fd_.get(), EPOLL_CTL_ADD, listen_fd_.get(),
-                      &event) == 0) {
-          listen_armed_ = true;
-        }
-      }
+      if (!listen_armed_ && now >= accept_paused_until_) ArmListener();
     }
     Publish();
   }

@@ -34,6 +34,8 @@
 #ifndef MRD_SERVER_DEVICE_SOFTWARE_PEER_LISTENER_H_
 #define MRD_SERVER_DEVICE_SOFTWARE_PEER_LISTENER_H_
 
+#include <sys/epoll.h>
+
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -160,6 +162,21 @@ class PeerListener {
   // `eligible` is given, passes it. False when there is none.
   bool ShedOne(bool for_total, bool (*eligible)(const Conn& conn));
   void ReadSome(Conn& conn);
+  // Reactor steps: (re-)adds the listener to the epoll set (false: failed,
+  // errno set); handles `n` ready events; at Stop, closes the listener and
+  // every connection.
+  bool ArmListener();
+  void HandleEvents(const epoll_event* events, int n, bool stopping);
+  void CloseEverything();
+  // ReadSome's steps: go on reading, or stop (the connection is closed,
+  // armed again, parked or its frame dispatched).
+  enum class Step { kMore, kStop };
+  // After a recv that returned `n` <= 0 (errno still set): EOF closes with
+  // `end_why`, EINTR reads on, EAGAIN re-arms.
+  Step AfterRecv(Conn& conn, ssize_t n, const char* end_why);
+  Step ReadHeader(Conn& conn);
+  // Grows the frame buffer within the memory budget; false = parked.
+  bool GrowBody(Conn& conn);
   void WriteSome(Conn& conn);
   void Dispatch(Conn& conn, absl::StatusOr<std::string> body);
   void Finish(Done done);

@@ -324,6 +324,14 @@ absl::StatusOr<std::unique_ptr<VerbsDevice::Adapter>> VerbsDevice::OpenAdapter(
 
   // The listener comes first: the address it binds to picks the device,
   // and librdmacm opens that device (only) for it.
+  MRD_RETURN_IF_ERROR(BindListener(options, names, adapter.get()));
+  MRD_RETURN_IF_ERROR(QueryAdapter(options, page_size, adapter.get()));
+  return adapter;
+}
+
+absl::Status VerbsDevice::BindListener(const VerbsDeviceOptions& options,
+                                       const std::vector<std::string>& names,
+                                       Adapter* adapter) {
   adapter->channel = rdma_create_event_channel();
   if (adapter->channel == nullptr) {
     return ErrnoError(errno,
@@ -382,7 +390,12 @@ absl::StatusOr<std::unique_ptr<VerbsDevice::Adapter>> VerbsDevice::OpenAdapter(
                                  " belongs to RDMA device ", name, ", not ",
                                  options.device_name));
   }
+  return absl::OkStatus();
+}
 
+absl::Status VerbsDevice::QueryAdapter(const VerbsDeviceOptions& options,
+                                       uint64_t page_size, Adapter* adapter) {
+  const std::string name = ibv_get_device_name(adapter->context->device);
   ibv_device_attr attr{};
   if (int rc = ibv_query_device(adapter->context, &attr); rc != 0) {
     return ErrnoError(rc, absl::StrCat("ibv_query_device(", name, ")"),
@@ -444,7 +457,7 @@ absl::StatusOr<std::unique_ptr<VerbsDevice::Adapter>> VerbsDevice::OpenAdapter(
         absl::StrCat("port ", static_cast<int>(adapter->port_num), " is ",
                      ibv_port_state_str(port.state));
   }
-  return adapter;
+  return absl::OkStatus();
 }
 
 VerbsDevice::~VerbsDevice() { ShutdownAndReleaseAll(); }
@@ -923,96 +936,31 @@ void VerbsDevice::HandleCmEvent(const CmEvent& event) {
   }
 }
 
+namespace {
+
+// A connect request refused: the rejection's private data is the reason.
+absl::Status Refused(absl::string_view data, absl::string_view why) {
+  return MrdError(absl::StatusCode::kUnavailable, data, why);
+}
+
+}  // namespace
+
 void VerbsDevice::HandleConnectRequest(const CmEvent& event) {
   rdma_cm_id* id = event.id;
   const std::string remote = FormatSockaddr(rdma_get_peer_addr(id));
-  auto reject = [&](absl::string_view data, absl::string_view why) {
-    LogInfo("verbs device: connect request from ", remote, " rejected: ", why);
+  absl::StatusOr<Admitted> admitted = AdmitConnectRequest(event, remote);
+  absl::Status status = admitted.status();
+  if (status.ok()) status = CreateQueuePair(id, *admitted);
+  if (!status.ok()) {
+    const std::string data = GetErrorDetail(status).reason();
+    LogInfo("verbs device: connect request from ", remote,
+            " rejected: ", status.message());
     rdma_reject(id, data.data(), static_cast<uint8_t>(data.size()));
     rdma_destroy_id(id);
-  };
-  if (id->verbs != adapter_->context) {
-    reject("WRONG_DEVICE", "it arrived on another RDMA device");
     return;
-  }
-  size_t ticket_length =
-      std::min(event.private_data.size(), kMaxConnectPrivateData);
-  ticket_length = strnlen(event.private_data.data(), ticket_length);
-  const std::string ticket = event.private_data.substr(0, ticket_length);
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    if (!lost_reason_.empty()) {
-      reject("UNAVAILABLE", "the device is lost");
-      return;
-    }
-    if (links_.size() >= options_.max_connections) {
-      reject("TOO_MANY_CONNECTIONS",
-             absl::StrCat("the device has its maximum of ",
-                          options_.max_connections, " connections"));
-      return;
-    }
-  }
-  std::optional<ConnectionId> connection = NewConnection(remote);
-  if (!connection.has_value()) {
-    reject("UNAVAILABLE", "the device is shutting down");
-    return;
-  }
-  absl::StatusOr<BindResult> bound =
-      BindConnection(*connection, ticket, /*ready=*/false);
-  if (!bound.ok()) {
-    ConnectionClosed(*connection);
-    reject(bound.status().code() == absl::StatusCode::kNotFound
-               ? kBadTicketRejectData
-               : "TOO_MANY_CONNECTIONS",
-           bound.status().message());
-    return;
-  }
-  {
-    // Before the QP exists: a PD that dies meanwhile finds the connection
-    // here and has the cm thread (this one, next) close it.
-    absl::MutexLock lock(&verbs_mu_);
-    links_[*connection].id = id;
-    by_cm_id_.emplace(id, *connection);
-  }
-  // A small RC QP with its own CQ: mrd never posts on it; the adapter
-  // answers the peer's READ/WRITE from the PD's MRs. The PD's state stays
-  // until the connection is reported closed.
-  ibv_cq* cq = ibv_create_cq(adapter_->context, 2, nullptr, nullptr, 0);
-  bool created = false;
-  if (cq != nullptr) {
-    ibv_qp_init_attr init{};
-    init.send_cq = cq;
-    init.recv_cq = cq;
-    init.qp_type = IBV_QPT_RC;
-    init.cap.max_send_wr = 1;
-    init.cap.max_recv_wr = 1;
-    init.cap.max_send_sge = 1;
-    init.cap.max_recv_sge = 1;
-    created = rdma_create_qp(id, static_cast<VerbsPd*>(bound->pd_state)->pd,
-                             &init) == 0;
-  }
-  if (!created) {
-    const int err = errno;
-    if (cq != nullptr) ibv_destroy_cq(cq);
-    {
-      absl::MutexLock lock(&verbs_mu_);
-      links_.erase(*connection);
-      by_cm_id_.erase(id);
-    }
-    ConnectionClosed(*connection);
-    reject("NO_RESOURCES",
-           absl::StrCat("creating the queue pair: ", std::strerror(err)));
-    return;
-  }
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    Link& link = links_[*connection];
-    link.cq = cq;
-    link.qp_num = id->qp->qp_num;
-    by_qp_num_.emplace(link.qp_num, *connection);
   }
   uint8_t reply[kAcceptPrivateDataBytes];
-  PutLe64(reply, *connection);
+  PutLe64(reply, admitted->connection);
   PutLe64(reply + 8, adapter_->max_message_size);
   rdma_conn_param param{};
   param.private_data = reply;
@@ -1028,8 +976,88 @@ void VerbsDevice::HandleConnectRequest(const CmEvent& event) {
     CloseCmId(id);
     return;
   }
-  LogDebug("verbs device: accepted connection ", *connection, " from ", remote,
-           " (PD ", bound->pd, ", QP ", id->qp->qp_num, ")");
+  LogDebug("verbs device: accepted connection ", admitted->connection, " from ",
+           remote, " (PD ", admitted->bound.pd, ", QP ", id->qp->qp_num, ")");
+}
+
+absl::StatusOr<VerbsDevice::Admitted> VerbsDevice::AdmitConnectRequest(
+    const CmEvent& event, const std::string& remote) {
+  if (event.id->verbs != adapter_->context) {
+    return Refused("WRONG_DEVICE", "it arrived on another RDMA device");
+  }
+  size_t ticket_length =
+      std::min(event.private_data.size(), kMaxConnectPrivateData);
+  ticket_length = strnlen(event.private_data.data(), ticket_length);
+  const std::string ticket = event.private_data.substr(0, ticket_length);
+  {
+    absl::MutexLock lock(&verbs_mu_);
+    if (!lost_reason_.empty()) {
+      return Refused("UNAVAILABLE", "the device is lost");
+    }
+    if (links_.size() >= options_.max_connections) {
+      return Refused("TOO_MANY_CONNECTIONS",
+                     absl::StrCat("the device has its maximum of ",
+                                  options_.max_connections, " connections"));
+    }
+  }
+  std::optional<ConnectionId> connection = NewConnection(remote);
+  if (!connection.has_value()) {
+    return Refused("UNAVAILABLE", "the device is shutting down");
+  }
+  absl::StatusOr<BindResult> bound =
+      BindConnection(*connection, ticket, /*ready=*/false);
+  if (!bound.ok()) {
+    ConnectionClosed(*connection);
+    return Refused(bound.status().code() == absl::StatusCode::kNotFound
+                       ? kBadTicketRejectData
+                       : "TOO_MANY_CONNECTIONS",
+                   bound.status().message());
+  }
+  // Before the QP exists: a PD that dies meanwhile finds the connection
+  // here and has the cm thread (this one, next) close it.
+  absl::MutexLock lock(&verbs_mu_);
+  links_[*connection].id = event.id;
+  by_cm_id_.emplace(event.id, *connection);
+  return Admitted{*connection, *bound};
+}
+
+absl::Status VerbsDevice::CreateQueuePair(rdma_cm_id* id,
+                                          const Admitted& admitted) {
+  // A small RC QP with its own CQ: mrd never posts on it; the adapter
+  // answers the peer's READ/WRITE from the PD's MRs. The PD's state stays
+  // until the connection is reported closed.
+  ibv_cq* cq = ibv_create_cq(adapter_->context, 2, nullptr, nullptr, 0);
+  bool created = false;
+  if (cq != nullptr) {
+    ibv_qp_init_attr init{};
+    init.send_cq = cq;
+    init.recv_cq = cq;
+    init.qp_type = IBV_QPT_RC;
+    init.cap.max_send_wr = 1;
+    init.cap.max_recv_wr = 1;
+    init.cap.max_send_sge = 1;
+    init.cap.max_recv_sge = 1;
+    ibv_pd* pd = static_cast<VerbsPd*>(admitted.bound.pd_state)->pd;
+    created = rdma_create_qp(id, pd, &init) == 0;
+  }
+  if (!created) {
+    const int err = errno;
+    if (cq != nullptr) ibv_destroy_cq(cq);
+    {
+      absl::MutexLock lock(&verbs_mu_);
+      links_.erase(admitted.connection);
+      by_cm_id_.erase(id);
+    }
+    ConnectionClosed(admitted.connection);
+    return Refused("NO_RESOURCES", absl::StrCat("creating the queue pair: ",
+                                                std::strerror(err)));
+  }
+  absl::MutexLock lock(&verbs_mu_);
+  Link& link = links_[admitted.connection];
+  link.cq = cq;
+  link.qp_num = id->qp->qp_num;
+  by_qp_num_.emplace(link.qp_num, admitted.connection);
+  return absl::OkStatus();
 }
 
 void VerbsDevice::CloseCmId(rdma_cm_id* id) {

@@ -219,6 +219,14 @@ class VerbsDevice final : public DeviceModel {
               std::unique_ptr<Adapter> adapter);
   static absl::StatusOr<std::unique_ptr<Adapter>> OpenAdapter(
       const VerbsDeviceOptions& options, uint64_t page_size);
+  // Binds the rdma_cm listener to the peer address, which opens the device
+  // (`names`: the devices there are, for error messages).
+  static absl::Status BindListener(const VerbsDeviceOptions& options,
+                                   const std::vector<std::string>& names,
+                                   Adapter* adapter);
+  // The device's and port's limits and attributes.
+  static absl::Status QueryAdapter(const VerbsDeviceOptions& options,
+                                   uint64_t page_size, Adapter* adapter);
 
   // ibv_reg_mr_iova2 of [span) at `iova`, through a writable view of the
   // file when the kernel refuses to pin a read-only mapping (see above).
@@ -234,6 +242,18 @@ class VerbsDevice final : public DeviceModel {
   void CmLoop();
   void HandleCmEvent(const CmEvent& event);
   void HandleConnectRequest(const CmEvent& event);
+  // A connect request the model bound to its ticket's PD (connecting).
+  struct Admitted {
+    ConnectionId connection = 0;
+    BindResult bound;
+  };
+  // Errors carry the rejection's private data as their reason
+  // ("BAD_TICKET", "TOO_MANY_CONNECTIONS", "UNAVAILABLE", ...).
+  absl::StatusOr<Admitted> AdmitConnectRequest(const CmEvent& event,
+                                               const std::string& remote);
+  // The RC QP and CQ of an admitted request; on failure the connection is
+  // forgotten again ("NO_RESOURCES").
+  absl::Status CreateQueuePair(rdma_cm_id* id, const Admitted& admitted);
   // Closes the connection of `id` (if any): destroys its QP, CQ and the id
   // itself, then tells the model (flushes, OnPeerDisconnected).
   void CloseCmId(rdma_cm_id* id);

@@ -58,7 +58,8 @@ TEST(MappedMemfdTest, DestructionClosesTheFd) {
     ASSERT_TRUE(m.ok());
     MappedMemfd moved = *std::move(m);
     fd = moved.fd();
-    EXPECT_EQ(m->fd(), -1);
+    // Deliberately reads the moved-from object.
+    EXPECT_EQ(m->fd(), -1);  // NOLINT(bugprone-use-after-move)
     EXPECT_EQ(m->data(), nullptr);
   }
   EXPECT_EQ(::fcntl(fd, F_GETFD), -1);

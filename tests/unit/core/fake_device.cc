@@ -55,8 +55,7 @@ absl::Status AccessCheck(uint32_t access) {
 
 }  // namespace
 
-FakeDevice::FakeDevice(FakeDeviceOptions options)
-    : options_(std::move(options)) {
+FakeDevice::FakeDevice(FakeDeviceOptions options) : options_(options) {
   attributes_.name = "fake";
   attributes_.kind = "software";
   attributes_.page_size = options_.page_size != 0
