@@ -111,6 +111,7 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
       clock_(clock),
       options_(std::move(options)),
       page_size_(device->Attributes().page_size),
+      sessions_(options_.max_sessions),
       budgets_(BudgetLimits{
           options_.max_session_pinned_bytes, options_.max_total_pinned_bytes,
           options_.max_session_registrations, options_.max_total_registrations,
@@ -168,14 +169,7 @@ void Core::Shutdown() {
     reaper_stop_ = true;
   }
   reaper_.Join();
-  std::map<std::string, std::shared_ptr<Session>> sessions;
-  {
-    absl::MutexLock lock(&mu_);
-    shutting_down_ = true;
-    sessions.swap(sessions_);
-    sessions_closed_ += sessions.size();
-  }
-  for (auto& [token, session] : sessions) {
+  for (const std::shared_ptr<Session>& session : sessions_.Close()) {
     LogInfo("session ", session->id(), " released: server shutting down");
     TearDown(session);
   }
@@ -186,50 +180,29 @@ void Core::Shutdown() {
 absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(
     SessionKind kind, const Identity& identity) {
   std::shared_ptr<Tenant> tenant = tenants_->Resolve(identity);
-  std::shared_ptr<Session> session;
-  {
-    absl::MutexLock lock(&mu_);
-    if (shutting_down_) {
-      return MrdError(absl::StatusCode::kUnavailable, "SHUTTING_DOWN",
-                      "mrd is shutting down");
-    }
-    if (sessions_.size() + pending_sessions_ >= options_.max_sessions) {
-      return SeedError(STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSIONS",
-                       absl::StrCat("the server holds its maximum of ",
-                                    options_.max_sessions, " sessions"));
-    }
-    MRD_RETURN_IF_ERROR(tenant->Reserve(TenantResource::kSessions, 1));
-    session = std::make_shared<Session>(next_session_id_++, RandomToken(), kind,
-                                        options_.completion_queue_depth,
-                                        identity, tenant);
-    ++pending_sessions_;
+  MRD_ASSIGN_OR_RETURN(const uint64_t id, sessions_.Reserve());
+  if (absl::Status s = tenant->Reserve(TenantResource::kSessions, 1); !s.ok()) {
+    sessions_.Unreserve();
+    return s;
   }
-  absl::StatusOr<device::PdId> pd_or = device_->AllocatePd(session.get());
-  if (!pd_or.ok()) {
+  auto session = std::make_shared<Session>(id, RandomToken(), kind,
+                                           options_.completion_queue_depth,
+                                           identity, tenant);
+  absl::StatusOr<device::PdId> pd = device_->AllocatePd(session.get());
+  if (!pd.ok()) {
     tenant->Release(TenantResource::kSessions, 1);
-    absl::MutexLock lock(&mu_);
-    --pending_sessions_;
-    return pd_or.status();
+    sessions_.Unreserve();
+    return pd.status();
   }
-  device::PdId pd = *pd_or;
   {
     absl::MutexLock lock(&session->mu);
-    session->pd = pd;
+    session->pd = *pd;
   }
-  absl::MutexLock lock(&mu_);
-  if (shutting_down_) {
-    --pending_sessions_;
+  if (absl::Status s = sessions_.Insert(session); !s.ok()) {
     tenant->Release(TenantResource::kSessions, 1);
-    // Lost a race with Shutdown: nothing of the session may outlive it.
-    mu_.Unlock();
-    (void)device_->DeallocatePd(pd);
-    mu_.Lock();
-    return MrdError(absl::StatusCode::kUnavailable, "SHUTTING_DOWN",
-                    "mrd is shutting down");
+    (void)device_->DeallocatePd(*pd);
+    return s;
   }
-  --pending_sessions_;
-  sessions_.emplace(session->token(), session);
-  ++sessions_opened_;
   return session;
 }
 
@@ -240,14 +213,9 @@ absl::StatusOr<std::shared_ptr<Session>> Core::FindSession(
         "no session given: open one on the fd socket or with "
         "OpenLeaseSession and pass its token");
   }
-  std::shared_ptr<Session> session;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(token);
-    if (it == sessions_.end()) {
-      return NotConnected("unknown, closed or expired session");
-    }
-    session = it->second;
+  std::shared_ptr<Session> session = sessions_.Find(token);
+  if (session == nullptr) {
+    return NotConnected("unknown, closed or expired session");
   }
   absl::MutexLock lock(&session->mu);
   if (session->closing) return NotConnected("the session is closing");
@@ -260,15 +228,8 @@ absl::StatusOr<std::shared_ptr<Session>> Core::FindSession(
 }
 
 void Core::EndSession(const std::string& token, absl::string_view why) {
-  std::shared_ptr<Session> session;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = sessions_.find(token);
-    if (it == sessions_.end()) return;
-    session = std::move(it->second);
-    sessions_.erase(it);
-    ++sessions_closed_;
-  }
+  std::shared_ptr<Session> session = sessions_.Remove(token);
+  if (session == nullptr) return;
   LogInfo("session ", session->id(), " released: ", why);
   TearDown(session);
 }
@@ -341,15 +302,9 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
 
 void Core::ReapExpiredLeases() {
   std::vector<std::string> expired;
-  std::vector<std::shared_ptr<Session>> leases;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [token, session] : sessions_) {
-      if (session->kind() == SessionKind::kLease) leases.push_back(session);
-    }
-  }
   absl::Time now = clock_->Now();
-  for (auto& session : leases) {
+  for (const std::shared_ptr<Session>& session : sessions_.All()) {
+    if (session->kind() != SessionKind::kLease) continue;
     absl::MutexLock lock(&session->mu);
     if (now >= session->expires) expired.push_back(session->token());
   }
@@ -1762,14 +1717,11 @@ void Core::UnsubscribeCompletions(const std::shared_ptr<Session>& session) {
 
 CoreStats Core::Stats() const {
   CoreStats stats;
-  std::vector<std::shared_ptr<Session>> sessions;
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [token, s] : sessions_) sessions.push_back(s);
-    stats.accounted_pinned_bytes = budgets_.Totals().pinned_bytes;
-    stats.sessions_opened_total = sessions_opened_;
-    stats.sessions_closed_total = sessions_closed_;
-  }
+  const std::vector<std::shared_ptr<Session>> sessions = sessions_.All();
+  const SessionCounts counts = sessions_.Counts();
+  stats.accounted_pinned_bytes = budgets_.Totals().pinned_bytes;
+  stats.sessions_opened_total = counts.opened_total;
+  stats.sessions_closed_total = counts.closed_total;
   stats.sessions = sessions.size();
   for (const auto& s : sessions) {
     if (s->kind() == SessionKind::kFd) {

@@ -9,7 +9,8 @@
 // response, returning OK or a status built with SeedError/MrdError.
 //
 // Thread safety: every public method may be called from any thread. Locking:
-// `mu_` guards the session table; each Session has its own mutex. No lock of
+// the session table (session_table.h) and the budgets (budgets.h) have their
+// own mutexes; each Session has its own mutex. No lock of
 // the core is held while calling the device (the device may call the event
 // sinks on its own threads at any time), and the cache's lock is never held
 // across device calls either.
@@ -41,6 +42,7 @@
 #include "server/common/thread.h"
 #include "server/core/budgets.h"
 #include "server/core/session.h"
+#include "server/core/session_table.h"
 #include "server/core/tenants.h"
 #include "server/device/device.h"
 #include "server/fd_socket/fd_server.h"
@@ -190,19 +192,17 @@ class Core final : public fd_socket::FdSessionHandler {
 
  private:
   absl::StatusOr<std::shared_ptr<Session>> NewSession(SessionKind kind,
-                                                      const Identity& identity)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                                                      const Identity& identity);
   // May the owner of `session` open a file with this owner, group and mode
   // for reading (and writing)? PERMISSION_DENIED "IDENTITY_DENIES_ACCESS"
   // naming who the session is and what the mode allows, otherwise.
   absl::Status CheckFileAccess(const Session& session, const struct stat& st,
                                bool writable) const;
   // Finds a live session by token and renews its lease.
-  absl::StatusOr<std::shared_ptr<Session>> FindSession(const std::string& token)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<std::shared_ptr<Session>> FindSession(
+      const std::string& token);
   // Removes the session from the table and releases everything it holds.
-  void EndSession(const std::string& token, absl::string_view why)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  void EndSession(const std::string& token, absl::string_view why);
   void TearDown(const std::shared_ptr<Session>& session);
 
   // RegisterMr, in steps. What a registration needs once its request is
@@ -326,23 +326,14 @@ class Core final : public fd_socket::FdSessionHandler {
   const Clock* const clock_;
   const CoreOptions options_;
   const uint64_t page_size_;
-  Budgets budgets_;  // limits and tenant quotas of what sessions hold
+  SessionTable sessions_;  // open sessions, max_sessions
+  Budgets budgets_;        // limits and tenant quotas of what sessions hold
   cache::RegistrationCache cache_;
   cache::WarmPinSet warm_;
   std::shared_ptr<TenantTable> tenants_;
   int shm_dir_fd_ = -1;
   std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
   std::function<void(const std::string&)> fd_hangup_;  // fixed after Start
-
-  mutable absl::Mutex mu_;
-  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
-  std::map<std::string, std::shared_ptr<Session>> sessions_
-      ABSL_GUARDED_BY(mu_);
-  // Sessions being created (counted against max_sessions before they exist).
-  uint64_t pending_sessions_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t sessions_opened_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t sessions_closed_ ABSL_GUARDED_BY(mu_) = 0;
 
   absl::Mutex reaper_mu_;
   bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;
