@@ -44,6 +44,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.pb.h"
+#include "mrd/status.h"
 #include "mrd/unique_fd.h"
 #include "mrd_revision.h"
 #include "server/common/fd_budget.h"
@@ -290,6 +291,582 @@ bool IsLoopback(const std::string& address) {
          absl::StartsWith(address, "localhost:");
 }
 
+// Everything mrd runs, in the order it starts (and, reversed, the order the
+// members are destroyed in when a start fails part-way). Each step returns
+// the error to log, with the text that names the flag or path at fault.
+class Daemon {
+ public:
+  Daemon() = default;
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  absl::Status Start();
+  // Serves until SIGINT or SIGTERM (blocked in `signals`), then shuts down
+  // in order.
+  void ServeUntil(const sigset_t& signals);
+
+ private:
+  absl::Status PrepareFdBudget();
+  absl::Status PreparePaths();
+  absl::Status PreparePeers();
+  absl::Status OpenDevice();
+  absl::Status OpenVerbsDevice(const std::string& device_flag);
+  absl::Status OpenSoftwareDevice();
+  absl::Status StartCore();
+  void SetCoreLimits();
+  absl::Status SetTenants();
+  absl::Status StartFdSocket();
+  absl::Status ListenGrpc();
+  absl::Status StartMetrics();
+  void SetMetricsSources();
+  absl::Status StartGrpc();
+  absl::Status StartHealthWatch();
+  void WatchHealth();
+
+  std::unique_ptr<FdBudget> fd_budget_;
+  std::string runtime_dir_;
+  std::string grpc_socket_;
+  std::string fd_socket_;
+  std::string shm_dir_;
+  mode_t socket_mode_ = 0;
+  std::vector<uint32_t> uids_;
+  std::vector<uint32_t> gids_;
+  std::string debug_tcp_;
+  device::PinMethod pin_method_{};
+  std::unique_ptr<device::Device> device_;
+  device::SoftwareDevice* software_device_ = nullptr;  // owned by device_
+  bool use_verbs_ = false;
+  bool device_fallback_ = false;  // auto: RDMA devices, software device
+  core::CoreOptions core_options_;
+  std::unique_ptr<core::Core> core_;
+  std::unique_ptr<fd_socket::FdServer> fd_server_;
+  service::GrpcAcceptorOptions acceptor_options_;
+  std::unique_ptr<service::GrpcAcceptor> acceptor_;
+  // Readiness's view of the device (the health watch keeps it; the metrics
+  // read it, so it outlives them).
+  std::atomic<bool> device_healthy_{true};
+  std::unique_ptr<metrics::Metrics> metrics_;
+  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<service::MrdService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  grpc::HealthCheckServiceInterface* health_ = nullptr;
+  absl::Notification stop_health_;
+  Thread health_watch_;
+};
+
+absl::Status Fail(absl::string_view message) {
+  return absl::InternalError(message);
+}
+
+absl::Status Daemon::Start() {
+  MRD_RETURN_IF_ERROR(PrepareFdBudget());
+  MRD_RETURN_IF_ERROR(PreparePaths());
+  MRD_RETURN_IF_ERROR(PreparePeers());
+  MRD_RETURN_IF_ERROR(OpenDevice());
+  MRD_RETURN_IF_ERROR(StartCore());
+  MRD_RETURN_IF_ERROR(StartFdSocket());
+  MRD_RETURN_IF_ERROR(ListenGrpc());
+  MRD_RETURN_IF_ERROR(StartMetrics());
+  MRD_RETURN_IF_ERROR(StartGrpc());
+  return StartHealthWatch();
+}
+
+// File descriptors (docs/RELIABILITY.md): the highest open-file limit we may
+// have, and a budget for clients that leaves a reserve for mrd itself.
+absl::Status Daemon::PrepareFdBudget() {
+  absl::StatusOr<NofileLimits> nofile = RaiseNofileLimit();
+  if (!nofile.ok()) {
+    return Fail(absl::StrCat("open-file limit: ", nofile.status().ToString()));
+  }
+  FdBudgetOptions options;
+  options.limit = nofile->soft;
+  options.reserve = absl::GetFlag(FLAGS_fd_reserve);
+  options.per_owner = absl::GetFlag(FLAGS_max_session_fds);
+  options.per_owner_cap = core::CoreOptions().max_buffers_per_session;
+  absl::StatusOr<std::unique_ptr<FdBudget>> budget = FdBudget::Create(options);
+  if (!budget.ok()) {
+    return Fail(absl::StrCat("--fd_reserve: ", budget.status().message()));
+  }
+  fd_budget_ = std::move(*budget);
+  return absl::OkStatus();
+}
+
+// Directories someone else could change are refused (docs/RELIABILITY.md,
+// "Runtime directory and shm_dir"): whoever can rename our sockets can
+// listen in their place and be handed our clients' memory.
+absl::Status Daemon::PreparePaths() {
+  runtime_dir_ = absl::GetFlag(FLAGS_runtime_dir);
+  if (runtime_dir_.empty()) runtime_dir_ = DefaultRuntimeDir();
+  absl::StatusOr<std::string> trusted =
+      PrepareRuntimeDir(runtime_dir_, geteuid());
+  if (!trusted.ok()) {
+    return Fail(absl::StrCat("refusing to start: runtime dir ", runtime_dir_,
+                             ": ", trusted.status().message()));
+  }
+  runtime_dir_ = *std::move(trusted);
+  grpc_socket_ = absl::GetFlag(FLAGS_grpc_socket);
+  fd_socket_ = absl::GetFlag(FLAGS_fd_socket);
+  for (std::string* socket : {&grpc_socket_, &fd_socket_}) {
+    if (socket->empty()) continue;
+    absl::StatusOr<std::string> checked = CheckSocketPath(*socket, geteuid());
+    if (!checked.ok()) {
+      return Fail(absl::StrCat("refusing to start: socket ", *socket, ": ",
+                               checked.status().message()));
+    }
+    *socket = *std::move(checked);
+  }
+  if (grpc_socket_.empty()) grpc_socket_ = runtime_dir_ + "/mrd.sock";
+  if (fd_socket_.empty()) fd_socket_ = runtime_dir_ + "/fd.sock";
+  shm_dir_ = absl::GetFlag(FLAGS_shm_dir);
+  if (!shm_dir_.empty()) {
+    // Created if missing (sticky and world-writable, like /dev/shm), so that
+    // `make run` works on a fresh machine; refused off tmpfs/hugetlbfs.
+    absl::StatusOr<std::string> shm = PrepareShmDir(shm_dir_, geteuid());
+    if (!shm.ok()) {
+      return Fail(absl::StrCat("refusing to start: --shm_dir ", shm_dir_, ": ",
+                               shm.status().message()));
+    }
+    shm_dir_ = *std::move(shm);
+  }
+  socket_mode_ = static_cast<mode_t>(
+      std::strtoul(absl::GetFlag(FLAGS_socket_mode).c_str(), nullptr, 8));
+  return absl::OkStatus();
+}
+
+// Who may use the sockets.
+absl::Status Daemon::PreparePeers() {
+  absl::StatusOr<std::vector<uint32_t>> uids =
+      ParseIds(absl::GetFlag(FLAGS_allowed_uids), "allowed_uids");
+  absl::StatusOr<std::vector<uint32_t>> gids =
+      ParseIds(absl::GetFlag(FLAGS_allowed_gids), "allowed_gids");
+  if (!uids.ok() || !gids.ok()) {
+    return Fail(!uids.ok() ? uids.status().message() : gids.status().message());
+  }
+  uids_ = *std::move(uids);
+  gids_ = *std::move(gids);
+  if (uids_.empty() && gids_.empty() && !absl::GetFlag(FLAGS_allow_any_peer)) {
+    uids_.push_back(geteuid());
+  }
+  debug_tcp_ = absl::GetFlag(FLAGS_debug_tcp_address);
+  if (!debug_tcp_.empty() && !IsLoopback(debug_tcp_)) {
+    return Fail(absl::StrCat(
+        "--debug_tcp_address=", debug_tcp_,
+        " is not a loopback address; the debug listener has no "
+        "authentication and may only listen on 127.0.0.0/8 or [::1]"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::OpenDevice() {
+  const std::string device_flag = absl::GetFlag(FLAGS_device);
+  if (device_flag != "software" && device_flag != "auto" &&
+      device_flag != "verbs") {
+    return Fail(absl::StrCat("--device must be software, verbs or auto, not '",
+                             device_flag, "'"));
+  }
+  absl::StatusOr<device::PinMethod> pin_method =
+      device::ParsePinMethod(absl::GetFlag(FLAGS_pin_method));
+  if (!pin_method.ok()) {
+    return Fail(absl::StrCat("--pin_method: ", pin_method.status().message()));
+  }
+  pin_method_ = *pin_method;
+  use_verbs_ = device_flag == "verbs";
+  if (device_flag == "auto") {
+    std::vector<std::string> verbs_devices = device::ListVerbsDevices();
+    use_verbs_ = !verbs_devices.empty();
+    LogInfo("device auto: ",
+            use_verbs_ ? absl::StrCat("RDMA device(s) ",
+                                      absl::StrJoin(verbs_devices, ", "),
+                                      " found; using the verbs device")
+                       : "no RDMA device found; using the software device");
+  }
+  if (use_verbs_) MRD_RETURN_IF_ERROR(OpenVerbsDevice(device_flag));
+  if (!use_verbs_) MRD_RETURN_IF_ERROR(OpenSoftwareDevice());
+  const std::string kind = device_->Attributes().kind;
+  if (absl::Status s = device_->Start(); !s.ok()) {
+    return Fail(absl::StrCat(kind, " device start: ", s.ToString()));
+  }
+  LogInfo("device: ", kind, " (", device_->Attributes().name,
+          "), peers connect to ", device_->Attributes().peer_address);
+  return absl::OkStatus();
+}
+
+// The verbs device; under --device=auto a failure falls back to the
+// software device (use_verbs_ false), loudly.
+absl::Status Daemon::OpenVerbsDevice(const std::string& device_flag) {
+  device::VerbsDeviceOptions options;
+  options.device_name = absl::GetFlag(FLAGS_verbs_device);
+  options.peer_address = absl::GetFlag(FLAGS_peer_address);
+  absl::StatusOr<std::unique_ptr<device::VerbsDevice>> verbs =
+      device::VerbsDevice::Create(options);
+  if (verbs.ok()) {
+    device_ = std::move(*verbs);
+    return absl::OkStatus();
+  }
+  if (device_flag == "verbs") {
+    return Fail(absl::StrCat("verbs device: ", verbs.status().ToString()));
+  }
+  // Loud: remote peers that use RDMA cannot reach this node's memory now
+  // (mrd_device_fallback says so to alerts).
+  LogError(
+      "device auto: this node has RDMA devices but the verbs device "
+      "failed (",
+      verbs.status().ToString(),
+      "); FALLING BACK TO THE SOFTWARE DEVICE: RDMA peers cannot "
+      "reach registrations. Fix the device or run --device=verbs "
+      "to fail instead.");
+  use_verbs_ = false;
+  device_fallback_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::OpenSoftwareDevice() {
+  device::SoftwareDeviceOptions options;
+  options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
+  options.pin_options.method = pin_method_;
+  options.pin_options.max_map_splits = absl::GetFlag(FLAGS_pin_max_map_splits);
+  // The key space covers everything the core's global limits allow, so no
+  // session can exhaust it (docs/RELIABILITY.md, "Key space"); the table
+  // grows only as keys are taken.
+  const uint64_t key_slots = SoftwareKeySlots(
+      absl::GetFlag(FLAGS_max_total_registrations),
+      absl::GetFlag(FLAGS_max_total_lams), absl::GetFlag(FLAGS_max_total_mrs));
+  if (key_slots > device::KeyTable::kMaxSlots) {
+    return Fail(absl::StrCat(
+        "refusing to start: --max_total_registrations plus LAMs and "
+        "fast-register MRs (",
+        key_slots, ") exceeds the software device's ",
+        device::KeyTable::kMaxSlots, " memory keys"));
+  }
+  options.max_keys = static_cast<uint32_t>(key_slots);
+  options.max_connections = absl::GetFlag(FLAGS_peer_max_connections);
+  options.max_unauthenticated_connections =
+      absl::GetFlag(FLAGS_peer_max_unauthenticated);
+  options.max_session_connections =
+      absl::GetFlag(FLAGS_peer_max_session_connections);
+  options.peer_hello_timeout = absl::GetFlag(FLAGS_peer_hello_timeout);
+  options.peer_stall_timeout = absl::GetFlag(FLAGS_peer_stall_timeout);
+  options.peer_buffer_bytes = absl::GetFlag(FLAGS_peer_buffer_bytes);
+  options.peer_workers = absl::GetFlag(FLAGS_peer_workers);
+  absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
+      device::SoftwareDevice::Create(options);
+  if (!software.ok()) {
+    return Fail(
+        absl::StrCat("software device: ", software.status().ToString()));
+  }
+  software_device_ = software->get();
+  device_ = std::move(*software);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartCore() {
+  SetCoreLimits();
+  MRD_RETURN_IF_ERROR(SetTenants());
+  // Who can reach the gRPC socket is who an anonymous lease session may be:
+  // ImportFile opens for it only what such a caller could open itself.
+  if (!debug_tcp_.empty() || (socket_mode_ & S_IWOTH) != 0) {
+    core_options_.anonymous_reach = core::CoreOptions::Reach::kAnyone;
+  } else if ((socket_mode_ & S_IWGRP) != 0) {
+    core_options_.anonymous_reach = core::CoreOptions::Reach::kGroupMember;
+    core_options_.anonymous_id = getegid();
+  } else {
+    core_options_.anonymous_reach = core::CoreOptions::Reach::kUser;
+    core_options_.anonymous_id = geteuid();
+  }
+  WarnIfMemlockTooLow(core_options_.max_total_pinned_bytes);
+  core_ = std::make_unique<core::Core>(device_.get(), RealClock::Get(),
+                                       core_options_);
+  if (absl::Status s = core_->Start(); !s.ok()) {
+    return Fail(absl::StrCat("core: ", s.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+void Daemon::SetCoreLimits() {
+  core::CoreOptions& o = core_options_;
+  o.shm_dir = shm_dir_;
+  o.allowed_uids = uids_;
+  o.default_lease_ttl = absl::GetFlag(FLAGS_lease_ttl);
+  o.max_lease_ttl = absl::GetFlag(FLAGS_max_lease_ttl);
+  o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  o.max_buffer_size = absl::GetFlag(FLAGS_max_buffer_size);
+  o.max_session_pinned_bytes = absl::GetFlag(FLAGS_max_session_pinned_bytes);
+  o.max_total_pinned_bytes = absl::GetFlag(FLAGS_max_total_pinned_bytes);
+  o.max_session_registrations = absl::GetFlag(FLAGS_max_session_registrations);
+  o.max_total_registrations = absl::GetFlag(FLAGS_max_total_registrations);
+  o.warm_pin_bytes_per_session =
+      absl::GetFlag(FLAGS_warm_pin_bytes_per_session);
+  o.warm_pin_bytes_total = absl::GetFlag(FLAGS_warm_pin_bytes_total);
+  o.fd_budget = fd_budget_.get();
+  if (!device_->Attributes().shares_pins && o.warm_pin_bytes_total != 0) {
+    // Measured (docs/PERFORMANCE.md): on a device that pins per registration
+    // a warm pin is one more registration and makes re-registering slower.
+    LogInfo("device ", device_->Attributes().name,
+            " pins per registration: warm pins are off");
+    o.warm_pin_bytes_per_session = 0;
+    o.warm_pin_bytes_total = 0;
+  }
+  o.max_total_buffers = absl::GetFlag(FLAGS_max_total_buffers);
+  o.max_total_lams = absl::GetFlag(FLAGS_max_total_lams);
+  o.max_total_mrs = absl::GetFlag(FLAGS_max_total_mrs);
+}
+
+// Tenants: quotas are shares of the totals unless the file names them.
+absl::Status Daemon::SetTenants() {
+  core::TenantTableOptions options;
+  options.default_percent = absl::GetFlag(FLAGS_tenant_default_percent);
+  auto total = [&](core::TenantResource r) -> uint64_t& {
+    return options.totals[static_cast<int>(r)];
+  };
+  total(core::TenantResource::kSessions) = core_options_.max_sessions;
+  total(core::TenantResource::kBuffers) = core_options_.max_total_buffers;
+  total(core::TenantResource::kRegistrations) =
+      core_options_.max_total_registrations;
+  total(core::TenantResource::kPinnedBytes) =
+      core_options_.max_total_pinned_bytes;
+  total(core::TenantResource::kLams) = core_options_.max_total_lams;
+  total(core::TenantResource::kMrs) = core_options_.max_total_mrs;
+  total(core::TenantResource::kPeerConnections) =
+      absl::GetFlag(FLAGS_peer_max_connections);
+  std::string text;
+  const std::string path = absl::GetFlag(FLAGS_tenants_file);
+  if (!path.empty()) {
+    absl::StatusOr<std::string> read = ReadSmallFile(path);
+    if (!read.ok()) {
+      return Fail(
+          absl::StrCat("--tenants_file=", path, ": ", read.status().message()));
+    }
+    text = std::move(*read);
+  }
+  absl::StatusOr<std::unique_ptr<core::TenantTable>> tenants =
+      core::TenantTable::Create(options, text);
+  if (!tenants.ok()) {
+    return Fail(absl::StrCat("--tenants_file=", path, ": ",
+                             tenants.status().message()));
+  }
+  core_options_.tenants = std::move(*tenants);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartFdSocket() {
+  fd_socket::FdServerOptions options;
+  options.path = fd_socket_;
+  options.mode = socket_mode_;
+  options.allowed_uids = uids_;
+  options.allowed_gids = gids_;
+  options.fd_budget = fd_budget_.get();
+  absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> server =
+      fd_socket::FdServer::Start(options, core_.get());
+  if (!server.ok()) {
+    return Fail(absl::StrCat("fd socket: ", server.status().ToString()));
+  }
+  fd_server_ = std::move(*server);
+  core_->SetFdHangup([server = fd_server_.get()](const std::string& token) {
+    server->Hangup(token);
+  });
+  return absl::OkStatus();
+}
+
+// mrd accepts on its gRPC socket itself and hands each connection to gRPC
+// (server/service/grpc_acceptor.h): connections are capped, in total and per
+// uid, and running out of fds never stops the server accepting. Made before
+// the metrics, which read it until they are destroyed.
+absl::Status Daemon::ListenGrpc() {
+  acceptor_options_.socket_path = grpc_socket_;
+  acceptor_options_.socket_mode = socket_mode_;
+  acceptor_options_.max_connections = absl::GetFlag(FLAGS_grpc_max_connections);
+  if (acceptor_options_.max_connections == 0) {
+    acceptor_options_.max_connections =
+        std::max<uint64_t>(1, fd_budget_->Stats().reserve / 2);
+  }
+  acceptor_options_.max_connections_per_uid =
+      absl::GetFlag(FLAGS_grpc_max_connections_per_uid);
+  if (acceptor_options_.max_connections_per_uid == 0) {
+    acceptor_options_.max_connections_per_uid = std::max<uint64_t>(
+        1, acceptor_options_.max_connections *
+               std::min<uint32_t>(100,
+                                  absl::GetFlag(FLAGS_tenant_default_percent)) /
+               100);
+  }
+  absl::StatusOr<std::unique_ptr<service::GrpcAcceptor>> acceptor =
+      service::GrpcAcceptor::Listen(acceptor_options_);
+  if (!acceptor.ok()) {
+    return Fail(absl::StrCat("gRPC socket: ", acceptor.status().ToString()));
+  }
+  acceptor_ = std::move(*acceptor);
+  return absl::OkStatus();
+}
+
+metrics::PeerPathGauges PeerPathGaugesOf(const device::SoftwareDevice& device) {
+  const device::SoftwareDevice::PeerPathStats s = device.PeerStats();
+  metrics::PeerPathGauges g;
+  g.connections = s.listener.connections;
+  g.unauthenticated = s.listener.unauthenticated;
+  g.buffered_bytes = s.listener.buffered_bytes;
+  g.threads = s.listener.threads;
+  g.accepted_total = s.listener.accepted;
+  g.refused_total = s.listener.refused;
+  g.shed_total = s.listener.shed;
+  g.hello_timeouts_total = s.listener.hello_timeouts;
+  g.stall_timeouts_total = s.listener.stall_timeouts;
+  g.session_limit_refusals_total = s.session_limit_refusals;
+  g.max_connections = s.listener.max_connections;
+  g.max_unauthenticated = s.listener.max_unauthenticated;
+  g.max_buffer_bytes = s.listener.max_buffer_bytes;
+  g.max_session_connections = s.max_session_connections;
+  return g;
+}
+
+absl::Status Daemon::StartMetrics() {
+  metrics_ = std::make_unique<metrics::Metrics>(core_.get(), fd_budget_.get());
+  SetMetricsSources();
+  const core::CoreOptions& o = core_options_;
+  auto d = [](uint64_t v) { return static_cast<double>(v); };
+  metrics_->SetLimits({
+      {"max_sessions", d(o.max_sessions)},
+      {"max_buffer_size", d(o.max_buffer_size)},
+      {"max_session_pinned_bytes", d(o.max_session_pinned_bytes)},
+      {"max_total_pinned_bytes", d(o.max_total_pinned_bytes)},
+      {"max_session_registrations", d(o.max_session_registrations)},
+      {"max_total_registrations", d(o.max_total_registrations)},
+      {"max_total_buffers", d(o.max_total_buffers)},
+      {"max_total_lams", d(o.max_total_lams)},
+      {"max_total_mrs", d(o.max_total_mrs)},
+      {"warm_pin_bytes_per_session", d(o.warm_pin_bytes_per_session)},
+      {"warm_pin_bytes_total", d(o.warm_pin_bytes_total)},
+      {"max_lease_ttl_seconds", absl::ToDoubleSeconds(o.max_lease_ttl)},
+  });
+  const std::string address = absl::GetFlag(FLAGS_metrics_address);
+  if (address.empty()) return absl::OkStatus();
+  if (absl::Status s = metrics_->Serve(address); !s.ok()) {
+    return Fail(absl::StrCat("metrics: ", s.ToString()));
+  }
+  LogInfo("metrics at http://", address, "/metrics");
+  return absl::OkStatus();
+}
+
+void Daemon::SetMetricsSources() {
+  if (software_device_ != nullptr) {
+    metrics_->SetPeerPathSource(
+        [device = software_device_] { return PeerPathGaugesOf(*device); });
+  }
+  metrics_->SetGrpcConnectionsSource(
+      [acceptor = acceptor_.get()] { return acceptor->Stats(); });
+  metrics::ServerInfo info;
+  info.version = MRD_VERSION;
+  info.revision = MRD_REVISION;
+  info.device = use_verbs_ ? "verbs" : "software";
+  info.device_fallback = device_fallback_;
+  metrics_->SetServerInfo(info);
+  metrics_->SetDeviceHealthSource(
+      [this] { return device_healthy_.load(std::memory_order_relaxed); });
+}
+
+absl::Status Daemon::StartGrpc() {
+  pool_ = std::make_unique<ThreadPool>();
+  if (absl::Status s = pool_->Start(absl::GetFlag(FLAGS_worker_threads));
+      !s.ok()) {
+    return Fail(absl::StrCat("--worker_threads: ", s.ToString()));
+  }
+  service_ = std::make_unique<service::MrdService>(core_.get(), pool_.get(),
+                                                   metrics_.get());
+  grpc::EnableDefaultHealthCheckService(true);
+  // gRPC's health service does not link the descriptors of its messages;
+  // referring to one puts health.proto in the generated pool, so reflection
+  // (grpcurl) can describe and call grpc.health.v1.Health.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int debug_port = 0;
+  if (!debug_tcp_.empty()) {
+    builder.AddListeningPort(debug_tcp_, grpc::InsecureServerCredentials(),
+                             &debug_port);
+  }
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr) {
+    return Fail(absl::StrCat("cannot start the gRPC server",
+                             debug_tcp_.empty() ? "" : " on ", debug_tcp_));
+  }
+  if (absl::Status s = acceptor_->Start(server_.get()); !s.ok()) {
+    server_->Shutdown();
+    return Fail(absl::StrCat("gRPC acceptor: ", s.ToString()));
+  }
+  LogInfo("gRPC connections: at most ", acceptor_options_.max_connections, ", ",
+          acceptor_options_.max_connections_per_uid, " per uid");
+  health_ = server_->GetHealthCheckService();
+  // "" (the server) and mrd's service name: Kubernetes gRPC probes and
+  // grpc_health_probe ask for a service by name.
+  health_->SetServingStatus(true);
+  health_->SetServingStatus(kServiceName, true);
+  LogInfo("mrd serving: grpc unix:", grpc_socket_, ", fd socket ", fd_socket_,
+          debug_tcp_.empty() ? ""
+                             : absl::StrCat(", debug tcp ", debug_tcp_,
+                                            " (port ", debug_port, ")"));
+  return absl::OkStatus();
+}
+
+// Liveness is "" (the server): SERVING from here until shutdown, whatever the
+// device does, so that a port flap never gets mrd restarted (which would end
+// every session on the node). Readiness is kServiceName: it follows the
+// device, NOT_SERVING while the device reports itself unhealthy (device
+// lost, port down), SERVING again when it recovers. GetDeviceInfo carries
+// the device's own message. The same thread samples the open fds once a
+// second (loud log when the fd reserve is being eaten).
+absl::Status Daemon::StartHealthWatch() {
+  absl::StatusOr<Thread> watch =
+      Thread::Start("mrd-health", [this] { WatchHealth(); });
+  if (!watch.ok()) {
+    acceptor_->Shutdown();
+    server_->Shutdown();
+    fd_server_->Shutdown();
+    core_->Shutdown();
+    device_->Shutdown();
+    return Fail(absl::StrCat("health watch: ", watch.status().ToString()));
+  }
+  health_watch_ = std::move(*watch);
+  return absl::OkStatus();
+}
+
+void Daemon::WatchHealth() {
+  bool serving = true;
+  while (
+      !stop_health_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+    fd_budget_->Sample(absl::Seconds(1));
+    device::DeviceHealth now = device_->Health();
+    if (now.healthy == serving) continue;
+    serving = now.healthy;
+    health_->SetServingStatus(kServiceName, serving);
+    device_healthy_.store(serving, std::memory_order_relaxed);
+    if (serving) {
+      LogInfo("device healthy again: readiness SERVING");
+    } else {
+      LogError("device unhealthy (", now.message,
+               "): readiness NOT_SERVING (liveness stays SERVING)");
+    }
+  }
+}
+
+void Daemon::ServeUntil(const sigset_t& signals) {
+  int sig = 0;
+  sigwait(&signals, &sig);
+  LogInfo("signal ", sig, ": shutting down");
+  stop_health_.Notify();
+  health_watch_.Join();
+  health_->SetServingStatus(false);
+  health_->SetServingStatus(kServiceName, false);
+  acceptor_->Shutdown();
+  fd_server_->Shutdown();
+  core_->Shutdown();
+  // Every session is released by now; what remains are idle client channels
+  // and open streams, which gRPC would otherwise wait on until the deadline.
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(500));
+  device_->Shutdown();
+  unlink(grpc_socket_.c_str());
+  LogInfo("mrd stopped; device pinned bytes: ", device_->PinnedBytes());
+}
+
 int Run() {
   // Signals are taken synchronously by this thread; every thread started
   // below inherits the blocked mask.
@@ -299,490 +876,13 @@ int Run() {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
-
   if (absl::GetFlag(FLAGS_verbose)) SetMinLogLevel(LogLevel::kDebug);
-
-  // File descriptors (docs/RELIABILITY.md): the highest open-file limit we
-  // may have, and a budget for clients that leaves a reserve for mrd itself.
-  absl::StatusOr<NofileLimits> nofile = RaiseNofileLimit();
-  if (!nofile.ok()) {
-    LogError("open-file limit: ", nofile.status().ToString());
+  Daemon daemon;
+  if (absl::Status s = daemon.Start(); !s.ok()) {
+    LogError(s.message());
     return 1;
   }
-  FdBudgetOptions fd_budget_options;
-  fd_budget_options.limit = nofile->soft;
-  fd_budget_options.reserve = absl::GetFlag(FLAGS_fd_reserve);
-  fd_budget_options.per_owner = absl::GetFlag(FLAGS_max_session_fds);
-  fd_budget_options.per_owner_cap = core::CoreOptions().max_buffers_per_session;
-  absl::StatusOr<std::unique_ptr<FdBudget>> fd_budget =
-      FdBudget::Create(fd_budget_options);
-  if (!fd_budget.ok()) {
-    LogError("--fd_reserve: ", fd_budget.status().message());
-    return 1;
-  }
-
-  // Directories someone else could change are refused (docs/RELIABILITY.md,
-  // "Runtime directory and shm_dir"): whoever can rename our sockets can
-  // listen in their place and be handed our clients' memory.
-  std::string runtime_dir = absl::GetFlag(FLAGS_runtime_dir);
-  if (runtime_dir.empty()) runtime_dir = DefaultRuntimeDir();
-  if (absl::StatusOr<std::string> trusted =
-          PrepareRuntimeDir(runtime_dir, geteuid());
-      trusted.ok()) {
-    runtime_dir = *std::move(trusted);
-  } else {
-    LogError("refusing to start: runtime dir ", runtime_dir, ": ",
-             trusted.status().message());
-    return 1;
-  }
-  std::string grpc_socket = absl::GetFlag(FLAGS_grpc_socket);
-  std::string fd_socket = absl::GetFlag(FLAGS_fd_socket);
-  for (std::string* socket : {&grpc_socket, &fd_socket}) {
-    if (socket->empty()) continue;
-    absl::StatusOr<std::string> trusted = CheckSocketPath(*socket, geteuid());
-    if (!trusted.ok()) {
-      LogError("refusing to start: socket ", *socket, ": ",
-               trusted.status().message());
-      return 1;
-    }
-    *socket = *std::move(trusted);
-  }
-  if (grpc_socket.empty()) grpc_socket = runtime_dir + "/mrd.sock";
-  if (fd_socket.empty()) fd_socket = runtime_dir + "/fd.sock";
-  std::string shm_dir = absl::GetFlag(FLAGS_shm_dir);
-  if (!shm_dir.empty()) {
-    // Created if missing (sticky and world-writable, like /dev/shm), so that
-    // `make run` works on a fresh machine; refused off tmpfs/hugetlbfs.
-    absl::StatusOr<std::string> trusted = PrepareShmDir(shm_dir, geteuid());
-    if (!trusted.ok()) {
-      LogError("refusing to start: --shm_dir ", shm_dir, ": ",
-               trusted.status().message());
-      return 1;
-    }
-    shm_dir = *std::move(trusted);
-  }
-  mode_t socket_mode = static_cast<mode_t>(
-      std::strtoul(absl::GetFlag(FLAGS_socket_mode).c_str(), nullptr, 8));
-
-  absl::StatusOr<std::vector<uint32_t>> uids =
-      ParseIds(absl::GetFlag(FLAGS_allowed_uids), "allowed_uids");
-  absl::StatusOr<std::vector<uint32_t>> gids =
-      ParseIds(absl::GetFlag(FLAGS_allowed_gids), "allowed_gids");
-  if (!uids.ok() || !gids.ok()) {
-    LogError(!uids.ok() ? uids.status().message() : gids.status().message());
-    return 1;
-  }
-  if (uids->empty() && gids->empty() && !absl::GetFlag(FLAGS_allow_any_peer)) {
-    uids->push_back(geteuid());
-  }
-
-  const std::string debug_tcp = absl::GetFlag(FLAGS_debug_tcp_address);
-  if (!debug_tcp.empty() && !IsLoopback(debug_tcp)) {
-    LogError("--debug_tcp_address=", debug_tcp,
-             " is not a loopback address; the debug listener has no "
-             "authentication and may only listen on 127.0.0.0/8 or [::1]");
-    return 1;
-  }
-
-  // The device.
-  const std::string device_flag = absl::GetFlag(FLAGS_device);
-  if (device_flag != "software" && device_flag != "auto" &&
-      device_flag != "verbs") {
-    LogError("--device must be software, verbs or auto, not '", device_flag,
-             "'");
-    return 1;
-  }
-  absl::StatusOr<device::PinMethod> pin_method =
-      device::ParsePinMethod(absl::GetFlag(FLAGS_pin_method));
-  if (!pin_method.ok()) {
-    LogError("--pin_method: ", pin_method.status().message());
-    return 1;
-  }
-  bool use_verbs = device_flag == "verbs";
-  bool device_fallback = false;  // auto: RDMA devices, software device
-  if (device_flag == "auto") {
-    std::vector<std::string> verbs_devices = device::ListVerbsDevices();
-    use_verbs = !verbs_devices.empty();
-    LogInfo("device auto: ",
-            use_verbs ? absl::StrCat("RDMA device(s) ",
-                                     absl::StrJoin(verbs_devices, ", "),
-                                     " found; using the verbs device")
-                      : "no RDMA device found; using the software device");
-  }
-  absl::StatusOr<std::unique_ptr<device::Device>> device =
-      absl::InternalError("no device");
-  if (use_verbs) {
-    device::VerbsDeviceOptions verbs_options;
-    verbs_options.device_name = absl::GetFlag(FLAGS_verbs_device);
-    verbs_options.peer_address = absl::GetFlag(FLAGS_peer_address);
-    absl::StatusOr<std::unique_ptr<device::VerbsDevice>> verbs =
-        device::VerbsDevice::Create(verbs_options);
-    if (verbs.ok()) {
-      device = std::unique_ptr<device::Device>(std::move(*verbs));
-    } else if (device_flag == "verbs") {
-      LogError("verbs device: ", verbs.status().ToString());
-      return 1;
-    } else {
-      // Loud: remote peers that use RDMA cannot reach this node's memory
-      // now (mrd_device_fallback says so to alerts).
-      LogError(
-          "device auto: this node has RDMA devices but the verbs device "
-          "failed (",
-          verbs.status().ToString(),
-          "); FALLING BACK TO THE SOFTWARE DEVICE: RDMA peers cannot "
-          "reach registrations. Fix the device or run --device=verbs "
-          "to fail instead.");
-      use_verbs = false;
-      device_fallback = true;
-    }
-  }
-  device::SoftwareDevice* software_device = nullptr;  // owned by `device`
-  if (!use_verbs) {
-    device::SoftwareDeviceOptions device_options;
-    device_options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
-    device_options.pin_options.method = *pin_method;
-    device_options.pin_options.max_map_splits =
-        absl::GetFlag(FLAGS_pin_max_map_splits);
-    // The key space covers everything the core's global limits allow, so
-    // no session can exhaust it (docs/RELIABILITY.md, "Key space"); the
-    // table grows only as keys are taken.
-    const uint64_t key_slots =
-        SoftwareKeySlots(absl::GetFlag(FLAGS_max_total_registrations),
-                         absl::GetFlag(FLAGS_max_total_lams),
-                         absl::GetFlag(FLAGS_max_total_mrs));
-    if (key_slots > device::KeyTable::kMaxSlots) {
-      LogError(
-          "refusing to start: --max_total_registrations plus LAMs and "
-          "fast-register MRs (",
-          key_slots, ") exceeds the software device's ",
-          device::KeyTable::kMaxSlots, " memory keys");
-      return 1;
-    }
-    device_options.max_keys = static_cast<uint32_t>(key_slots);
-    device_options.max_connections = absl::GetFlag(FLAGS_peer_max_connections);
-    device_options.max_unauthenticated_connections =
-        absl::GetFlag(FLAGS_peer_max_unauthenticated);
-    device_options.max_session_connections =
-        absl::GetFlag(FLAGS_peer_max_session_connections);
-    device_options.peer_hello_timeout = absl::GetFlag(FLAGS_peer_hello_timeout);
-    device_options.peer_stall_timeout = absl::GetFlag(FLAGS_peer_stall_timeout);
-    device_options.peer_buffer_bytes = absl::GetFlag(FLAGS_peer_buffer_bytes);
-    device_options.peer_workers = absl::GetFlag(FLAGS_peer_workers);
-    absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
-        device::SoftwareDevice::Create(device_options);
-    if (!software.ok()) {
-      LogError("software device: ", software.status().ToString());
-      return 1;
-    }
-    software_device = software->get();
-    device = std::unique_ptr<device::Device>(std::move(*software));
-  }
-  const std::string device_kind = (*device)->Attributes().kind;
-  if (absl::Status s = (*device)->Start(); !s.ok()) {
-    LogError(device_kind, " device start: ", s.ToString());
-    return 1;
-  }
-  LogInfo("device: ", device_kind, " (", (*device)->Attributes().name,
-          "), peers connect to ", (*device)->Attributes().peer_address);
-
-  // The core.
-  core::CoreOptions core_options;
-  core_options.shm_dir = shm_dir;
-  core_options.allowed_uids = *uids;
-  core_options.default_lease_ttl = absl::GetFlag(FLAGS_lease_ttl);
-  core_options.max_lease_ttl = absl::GetFlag(FLAGS_max_lease_ttl);
-  core_options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
-  core_options.max_buffer_size = absl::GetFlag(FLAGS_max_buffer_size);
-  core_options.max_session_pinned_bytes =
-      absl::GetFlag(FLAGS_max_session_pinned_bytes);
-  core_options.max_total_pinned_bytes =
-      absl::GetFlag(FLAGS_max_total_pinned_bytes);
-  core_options.max_session_registrations =
-      absl::GetFlag(FLAGS_max_session_registrations);
-  core_options.max_total_registrations =
-      absl::GetFlag(FLAGS_max_total_registrations);
-  core_options.warm_pin_bytes_per_session =
-      absl::GetFlag(FLAGS_warm_pin_bytes_per_session);
-  core_options.warm_pin_bytes_total = absl::GetFlag(FLAGS_warm_pin_bytes_total);
-  core_options.fd_budget = fd_budget->get();
-  if (!(*device)->Attributes().shares_pins &&
-      core_options.warm_pin_bytes_total != 0) {
-    // Measured (docs/PERFORMANCE.md): on a device that pins per registration
-    // a warm pin is one more registration and makes re-registering slower.
-    LogInfo("device ", (*device)->Attributes().name,
-            " pins per registration: warm pins are off");
-    core_options.warm_pin_bytes_per_session = 0;
-    core_options.warm_pin_bytes_total = 0;
-  }
-  core_options.max_total_buffers = absl::GetFlag(FLAGS_max_total_buffers);
-  core_options.max_total_lams = absl::GetFlag(FLAGS_max_total_lams);
-  core_options.max_total_mrs = absl::GetFlag(FLAGS_max_total_mrs);
-  {
-    // Tenants: quotas are shares of these totals unless the file names them.
-    core::TenantTableOptions tenant_options;
-    tenant_options.default_percent =
-        absl::GetFlag(FLAGS_tenant_default_percent);
-    auto total = [&](core::TenantResource r) -> uint64_t& {
-      return tenant_options.totals[static_cast<int>(r)];
-    };
-    total(core::TenantResource::kSessions) = core_options.max_sessions;
-    total(core::TenantResource::kBuffers) = core_options.max_total_buffers;
-    total(core::TenantResource::kRegistrations) =
-        core_options.max_total_registrations;
-    total(core::TenantResource::kPinnedBytes) =
-        core_options.max_total_pinned_bytes;
-    total(core::TenantResource::kLams) = core_options.max_total_lams;
-    total(core::TenantResource::kMrs) = core_options.max_total_mrs;
-    total(core::TenantResource::kPeerConnections) =
-        absl::GetFlag(FLAGS_peer_max_connections);
-    std::string text;
-    const std::string path = absl::GetFlag(FLAGS_tenants_file);
-    if (!path.empty()) {
-      absl::StatusOr<std::string> read = ReadSmallFile(path);
-      if (!read.ok()) {
-        LogError("--tenants_file=", path, ": ", read.status().message());
-        return 1;
-      }
-      text = std::move(*read);
-    }
-    absl::StatusOr<std::unique_ptr<core::TenantTable>> tenants =
-        core::TenantTable::Create(tenant_options, text);
-    if (!tenants.ok()) {
-      LogError("--tenants_file=", path, ": ", tenants.status().message());
-      return 1;
-    }
-    core_options.tenants = std::move(*tenants);
-  }
-  // Who can reach the gRPC socket is who an anonymous lease session may be:
-  // ImportFile opens for it only what such a caller could open itself.
-  if (!debug_tcp.empty() || (socket_mode & S_IWOTH) != 0) {
-    core_options.anonymous_reach = core::CoreOptions::Reach::kAnyone;
-  } else if ((socket_mode & S_IWGRP) != 0) {
-    core_options.anonymous_reach = core::CoreOptions::Reach::kGroupMember;
-    core_options.anonymous_id = getegid();
-  } else {
-    core_options.anonymous_reach = core::CoreOptions::Reach::kUser;
-    core_options.anonymous_id = geteuid();
-  }
-  WarnIfMemlockTooLow(core_options.max_total_pinned_bytes);
-  core::Core core(device->get(), RealClock::Get(), core_options);
-  if (absl::Status s = core.Start(); !s.ok()) {
-    LogError("core: ", s.ToString());
-    return 1;
-  }
-
-  // The fd socket.
-  fd_socket::FdServerOptions fd_options;
-  fd_options.path = fd_socket;
-  fd_options.mode = socket_mode;
-  fd_options.allowed_uids = *uids;
-  fd_options.allowed_gids = *gids;
-  fd_options.fd_budget = fd_budget->get();
-  absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> fd_server =
-      fd_socket::FdServer::Start(fd_options, &core);
-  if (!fd_server.ok()) {
-    LogError("fd socket: ", fd_server.status().ToString());
-    return 1;
-  }
-  fd_socket::FdServer* fd_server_ptr = fd_server->get();
-  core.SetFdHangup([fd_server_ptr](const std::string& token) {
-    fd_server_ptr->Hangup(token);
-  });
-
-  // Metrics.
-  // mrd accepts on its gRPC socket itself and hands each connection to gRPC
-  // (server/service/grpc_acceptor.h): connections are capped, in total and
-  // per uid, and running out of fds never stops the server accepting. Made
-  // before the metrics, which read it until they are destroyed.
-  service::GrpcAcceptorOptions acceptor_options;
-  acceptor_options.socket_path = grpc_socket;
-  acceptor_options.socket_mode = socket_mode;
-  acceptor_options.max_connections = absl::GetFlag(FLAGS_grpc_max_connections);
-  if (acceptor_options.max_connections == 0) {
-    acceptor_options.max_connections =
-        std::max<uint64_t>(1, (*fd_budget)->Stats().reserve / 2);
-  }
-  acceptor_options.max_connections_per_uid =
-      absl::GetFlag(FLAGS_grpc_max_connections_per_uid);
-  if (acceptor_options.max_connections_per_uid == 0) {
-    acceptor_options.max_connections_per_uid = std::max<uint64_t>(
-        1, acceptor_options.max_connections *
-               std::min<uint32_t>(100,
-                                  absl::GetFlag(FLAGS_tenant_default_percent)) /
-               100);
-  }
-  absl::StatusOr<std::unique_ptr<service::GrpcAcceptor>> acceptor =
-      service::GrpcAcceptor::Listen(acceptor_options);
-  if (!acceptor.ok()) {
-    LogError("gRPC socket: ", acceptor.status().ToString());
-    return 1;
-  }
-  // Readiness's view of the device (the health watch below keeps it; the
-  // metrics read it, so it outlives them).
-  std::atomic<bool> device_healthy{true};
-  metrics::Metrics metrics(&core, fd_budget->get());
-  if (software_device != nullptr) {
-    metrics.SetPeerPathSource([software_device] {
-      const device::SoftwareDevice::PeerPathStats s =
-          software_device->PeerStats();
-      metrics::PeerPathGauges g;
-      g.connections = s.listener.connections;
-      g.unauthenticated = s.listener.unauthenticated;
-      g.buffered_bytes = s.listener.buffered_bytes;
-      g.threads = s.listener.threads;
-      g.accepted_total = s.listener.accepted;
-      g.refused_total = s.listener.refused;
-      g.shed_total = s.listener.shed;
-      g.hello_timeouts_total = s.listener.hello_timeouts;
-      g.stall_timeouts_total = s.listener.stall_timeouts;
-      g.session_limit_refusals_total = s.session_limit_refusals;
-      g.max_connections = s.listener.max_connections;
-      g.max_unauthenticated = s.listener.max_unauthenticated;
-      g.max_buffer_bytes = s.listener.max_buffer_bytes;
-      g.max_session_connections = s.max_session_connections;
-      return g;
-    });
-  }
-  metrics.SetGrpcConnectionsSource(
-      [a = acceptor->get()] { return a->Stats(); });
-  metrics::ServerInfo server_info;
-  server_info.version = MRD_VERSION;
-  server_info.revision = MRD_REVISION;
-  server_info.device = use_verbs ? "verbs" : "software";
-  server_info.device_fallback = device_fallback;
-  metrics.SetServerInfo(server_info);
-  metrics.SetDeviceHealthSource([&device_healthy] {
-    return device_healthy.load(std::memory_order_relaxed);
-  });
-  {
-    auto d = [](uint64_t v) { return static_cast<double>(v); };
-    metrics.SetLimits({
-        {"max_sessions", d(core_options.max_sessions)},
-        {"max_buffer_size", d(core_options.max_buffer_size)},
-        {"max_session_pinned_bytes", d(core_options.max_session_pinned_bytes)},
-        {"max_total_pinned_bytes", d(core_options.max_total_pinned_bytes)},
-        {"max_session_registrations",
-         d(core_options.max_session_registrations)},
-        {"max_total_registrations", d(core_options.max_total_registrations)},
-        {"max_total_buffers", d(core_options.max_total_buffers)},
-        {"max_total_lams", d(core_options.max_total_lams)},
-        {"max_total_mrs", d(core_options.max_total_mrs)},
-        {"warm_pin_bytes_per_session",
-         d(core_options.warm_pin_bytes_per_session)},
-        {"warm_pin_bytes_total", d(core_options.warm_pin_bytes_total)},
-        {"max_lease_ttl_seconds",
-         absl::ToDoubleSeconds(core_options.max_lease_ttl)},
-    });
-  }
-  const std::string metrics_address = absl::GetFlag(FLAGS_metrics_address);
-  if (!metrics_address.empty()) {
-    if (absl::Status s = metrics.Serve(metrics_address); !s.ok()) {
-      LogError("metrics: ", s.ToString());
-      return 1;
-    }
-    LogInfo("metrics at http://", metrics_address, "/metrics");
-  }
-
-  // gRPC.
-  ThreadPool pool;
-  if (absl::Status s = pool.Start(absl::GetFlag(FLAGS_worker_threads));
-      !s.ok()) {
-    LogError("--worker_threads: ", s.ToString());
-    return 1;
-  }
-  service::MrdService service(&core, &pool, &metrics);
-  grpc::EnableDefaultHealthCheckService(true);
-  // gRPC's health service does not link the descriptors of its messages;
-  // referring to one puts health.proto in the generated pool, so reflection
-  // (grpcurl) can describe and call grpc.health.v1.Health.
-  (void)grpc::health::v1::HealthCheckRequest::descriptor();
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  int debug_port = 0;
-  if (!debug_tcp.empty()) {
-    builder.AddListeningPort(debug_tcp, grpc::InsecureServerCredentials(),
-                             &debug_port);
-  }
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    LogError("cannot start the gRPC server", debug_tcp.empty() ? "" : " on ",
-             debug_tcp);
-    return 1;
-  }
-  if (absl::Status started = (*acceptor)->Start(server.get()); !started.ok()) {
-    LogError("gRPC acceptor: ", started.ToString());
-    server->Shutdown();
-    return 1;
-  }
-  LogInfo("gRPC connections: at most ", acceptor_options.max_connections, ", ",
-          acceptor_options.max_connections_per_uid, " per uid");
-  grpc::HealthCheckServiceInterface* health = server->GetHealthCheckService();
-  // "" (the server) and mrd's service name: Kubernetes gRPC probes and
-  // grpc_health_probe ask for a service by name.
-  health->SetServingStatus(true);
-  health->SetServingStatus(kServiceName, true);
-  LogInfo("mrd serving: grpc unix:", grpc_socket, ", fd socket ", fd_socket,
-          debug_tcp.empty() ? ""
-                            : absl::StrCat(", debug tcp ", debug_tcp, " (port ",
-                                           debug_port, ")"));
-
-  // Liveness is "" (the server): SERVING from here until shutdown, whatever
-  // the device does, so that a port flap never gets mrd restarted (which
-  // would end every session on the node). Readiness is kServiceName: it
-  // follows the device, NOT_SERVING while the device reports itself
-  // unhealthy (device lost, port down), SERVING again when it recovers.
-  // GetDeviceInfo carries the device's own message.
-  // The same thread samples the open fds once a second (loud log when the
-  // fd reserve is being eaten).
-  absl::Notification stop_health;
-  FdBudget* const budget = fd_budget->get();
-  absl::StatusOr<Thread> health_watch = Thread::Start("mrd-health", [&] {
-    bool serving = true;
-    while (
-        !stop_health.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
-      budget->Sample(absl::Seconds(1));
-      device::DeviceHealth now = (*device)->Health();
-      if (now.healthy != serving) {
-        serving = now.healthy;
-        health->SetServingStatus(kServiceName, serving);
-        device_healthy.store(serving, std::memory_order_relaxed);
-        if (serving) {
-          LogInfo("device healthy again: readiness SERVING");
-        } else {
-          LogError("device unhealthy (", now.message,
-                   "): readiness NOT_SERVING (liveness stays SERVING)");
-        }
-      }
-    }
-  });
-  if (!health_watch.ok()) {
-    LogError("health watch: ", health_watch.status().ToString());
-    (*acceptor)->Shutdown();
-    server->Shutdown();
-    (*fd_server)->Shutdown();
-    core.Shutdown();
-    (*device)->Shutdown();
-    return 1;
-  }
-
-  int sig = 0;
-  sigwait(&signals, &sig);
-  LogInfo("signal ", sig, ": shutting down");
-  stop_health.Notify();
-  health_watch->Join();
-  health->SetServingStatus(false);
-  health->SetServingStatus(kServiceName, false);
-  (*acceptor)->Shutdown();
-  (*fd_server)->Shutdown();
-  core.Shutdown();
-  // Every session is released by now; what remains are idle client channels
-  // and open streams, which gRPC would otherwise wait on until the deadline.
-  server->Shutdown(std::chrono::system_clock::now() +
-                   std::chrono::milliseconds(500));
-  (*device)->Shutdown();
-  unlink(grpc_socket.c_str());
-  LogInfo("mrd stopped; device pinned bytes: ", (*device)->PinnedBytes());
+  daemon.ServeUntil(signals);
   return 0;
 }
 
