@@ -35,18 +35,24 @@
 
 namespace mrd::testing {
 
-int PickFreePort() {
+absl::StatusOr<int> PickFreePort() {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::ErrnoToStatus(errno, "socket");
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   addr.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  int port = ntohs(addr.sin_port);
+  // Unchecked, a failed bind reads back port 0, which mrd would take as "any
+  // port" and the test could not find.
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    absl::Status error = absl::ErrnoToStatus(errno, "bind 127.0.0.1:0");
+    close(fd);
+    return error;
+  }
   close(fd);
-  return port;
+  return ntohs(addr.sin_port);
 }
 
 absl::Status WriteShmFile(const std::string& dir, const std::string& name,
@@ -388,7 +394,9 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
   for (std::string& a : mrd_args) args.push_back(std::move(a));
   for (std::string& flag : DeviceFlags()) args.push_back(std::move(flag));
   if (options.metrics) {
-    p->metrics_address_ = absl::StrCat("127.0.0.1:", PickFreePort());
+    absl::StatusOr<int> metrics_port = PickFreePort();
+    if (!metrics_port.ok()) return metrics_port.status();
+    p->metrics_address_ = absl::StrCat("127.0.0.1:", *metrics_port);
     args.push_back("--metrics_address=" + p->metrics_address_);
   } else {
     args.push_back("--metrics_address=");

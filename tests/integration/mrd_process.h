@@ -136,8 +136,9 @@ bool MrdHasSanitizerAllocator();
 // an error.
 absl::Status CheckSanitizerLog(const std::string& log, int* library_only);
 
-// A free TCP port on 127.0.0.1 (bound and released; good enough for tests).
-int PickFreePort();
+// A free TCP port on 127.0.0.1 (bound and released; good enough for tests),
+// or the error of the socket call that failed.
+absl::StatusOr<int> PickFreePort();
 
 // Writes `size` bytes (content repeated) to a new file under `dir`, mode
 // 0600, owned by the caller.

@@ -110,8 +110,9 @@ void FakeDevice::DeviceThread() {
   while (true) {
     {
       absl::MutexLock lock(&mu_);
+      // Await calls the condition with mu_ held.
       mu_.Await(absl::Condition(
-          +[](FakeDevice* d) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+          +[](FakeDevice* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(d->mu_) {
             return d->stopping_ || !d->work_.empty();
           },
           this));
