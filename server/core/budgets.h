@@ -43,6 +43,15 @@ struct BudgetTotals {
   uint64_t mrs = 0;
 };
 
+// The bytes the pages under [address, address + length) count for: what
+// pinning them costs against the limits. `length` > 0.
+inline uint64_t PageRound(uint64_t page_size, uint64_t address,
+                          uint64_t length) {
+  const uint64_t first = address / page_size;
+  const uint64_t last = (address + length - 1) / page_size;
+  return (last - first + 1) * page_size;
+}
+
 class Budgets {
  public:
   explicit Budgets(const BudgetLimits& limits) : limits_(limits) {}

@@ -3,6 +3,12 @@
 // connections, completion queues), validates every seed rule that does not
 // depend on the device, enforces limits, and drives the device.
 //
+// Core itself keeps the sessions (session_table.h) and their buffers, and
+// hands each request to the part that owns its resource: registrations
+// and the cache to Registrations (registrations.h), LAMs, MR objects and
+// fast registration to FastRegistration (fast_registration.h), limits and
+// quotas to Budgets (budgets.h).
+//
 // The gRPC service layer (server/service) is a thin adapter over these
 // methods; the fd socket (server/fd_socket/FdServer) calls the FdSessionHandler
 // methods. Each RPC-shaped method takes the request message and fills the
@@ -41,6 +47,8 @@
 #include "server/common/fd_budget.h"
 #include "server/common/thread.h"
 #include "server/core/budgets.h"
+#include "server/core/fast_registration.h"
+#include "server/core/registrations.h"
 #include "server/core/session.h"
 #include "server/core/session_table.h"
 #include "server/core/tenants.h"
@@ -205,134 +213,20 @@ class Core final : public fd_socket::FdSessionHandler {
   void EndSession(const std::string& token, absl::string_view why);
   void TearDown(const std::shared_ptr<Session>& session);
 
-  // RegisterMr, in steps. What a registration needs once its request is
-  // checked: the buffer's mapping, the cache key, the PD, the span and the
-  // pinned bytes it counts for.
-  struct RegistrationPlan {
-    std::shared_ptr<fd_socket::MappedFile> file;
-    cache::CacheKey key;
-    device::PdId pd = 0;
-    device::MemorySpan span;
-    uint64_t pin_bytes = 0;
-  };
-  // The request alone: request id length, flags (R3/W6), descriptor space
-  // (W2).
-  absl::Status CheckRegisterRequest(const v1::RegisterMrRequest& req,
-                                    uint32_t* access) const;
-  // A retried request id: fills `out` with the first answer.
-  bool ReplayLocked(Session& session, const v1::RegisterMrRequest& req,
-                    v1::RegisterMrResponse* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
-  // The buffer and MR object the request names, and the access they allow.
-  absl::Status CheckTargetsLocked(Session& session,
-                                  const v1::RegisterMrRequest& req,
-                                  uint32_t access, RegistrationPlan* plan)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
-  // The span (R2), the base address (R8) and the cache key.
-  absl::Status PlanRegistration(Session& session,
-                                const v1::RegisterMrRequest& req,
-                                uint32_t access, RegistrationPlan* plan);
-  // A cache miss: limits, then the device (through a warm pin of the same
-  // pages when there is one).
-  absl::StatusOr<cache::CachedRegistration> RegisterOnDevice(
-      const std::shared_ptr<Session>& session, const RegistrationPlan& plan);
-  // After a warm hit: the warm pin's LAM is no longer needed.
-  void ReleaseWarmAfterHit(const std::shared_ptr<Session>& session,
-                           cache::WarmPin warm);
-  // Records the registration in the session and fills `out`; an error when
-  // the session, buffer or MR object went meanwhile.
-  absl::Status CommitRegistrationLocked(Session& session,
-                                        const v1::RegisterMrRequest& req,
-                                        const RegistrationPlan& plan,
-                                        const cache::AcquireResult& acquired,
-                                        v1::RegisterMrResponse* out)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
-
-  // ReleaseBuffer, in steps: what goes with the buffer (W11), taken out of
-  // the session under its lock, then released outside it.
-  struct DetachedBuffer {
-    std::shared_ptr<fd_socket::MappedFile> file;  // kept until the end
-    std::vector<uint64_t> entries;                // cache entries
-    std::vector<LamRecord> lams;
-    // Fast-registered MR objects mapping those LAMs: (MR, device MR).
-    std::vector<std::pair<uint64_t, device::MrId>> fr_to_reset;
-  };
-  absl::Status DetachBufferLocked(Session& session, uint64_t buffer,
-                                  DetachedBuffer* detached)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
-  // Gives the MR object a new device MR object (the old key dies at once)
-  // in the free state.
-  void ResetFastRegistration(Session& session, uint64_t id,
-                             device::MrId device_mr);
-
-  // DeregisterMr, in steps: one reference taken out of the session (and
-  // the record, when it was the last), put back if the device refused.
-  struct TakenReference {
-    uint64_t entry = 0;
-    uint64_t mr_object = 0;  // the MR object it was taken through, or 0
-    bool erased = false;     // the record left the session: `record`
-    RegistrationRecord record;
-  };
-  absl::Status TakeReferenceLocked(Session& session,
-                                   const v1::DeregisterMrRequest& req,
-                                   TakenReference* taken)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
-  void PutReferenceBack(Session& session, const TakenReference& taken);
-  // The record leaves the session when no reference is left: `taken` keeps
-  // it, to put back.
-  void EraseIfUnreferencedLocked(
-      Session& session, std::map<uint64_t, RegistrationRecord>::iterator r,
-      TakenReference* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
-
   absl::StatusOr<v1::BufferInfo> AddBuffer(
       const std::shared_ptr<Session>& session,
       std::shared_ptr<fd_socket::MappedFile> file);
-  // Accounting of pinned bytes against the session and total limits. A
-  // reservation that would exceed a limit first evicts warm pins (the
-  // session's own for its limit, anyone's for the total), least recently
-  // kept first, and is refused only when none is left to evict.
-  absl::Status ReservePinned(Session& session, uint64_t bytes);
-  // A device error of a call for `session`, or WSAENOTCONN when the session
-  // ended meanwhile (the device then names a PD that no longer exists).
-  absl::Status SessionAwareError(Session& session, absl::Status status,
-                                 absl::string_view call);
-  // Drops one cache reference; deregisters on the last (keeping the pages
-  // as a warm pin when it can). Returns refs left.
-  absl::StatusOr<uint32_t> DropReference(
-      const std::shared_ptr<Session>& session, uint64_t entry);
-  void DeregisterCached(Session& session, const cache::CachedRegistration& reg);
-  // Pins the pages of a registration about to be deregistered as a warm
-  // pin; nullopt when warm pins are off, the pin would not fit, the buffer
-  // or session is going, or the device refused.
-  std::optional<cache::WarmPin> MakeWarmPin(
-      const std::shared_ptr<Session>& session, const cache::CacheKey& key,
-      uint64_t pinned_bytes);
-  // Puts a warm pin in the set (its bytes stay reserved), or releases it
-  // when its buffer or session went meanwhile; releases what the set evicts.
-  void KeepWarm(const std::shared_ptr<Session>& session, cache::WarmPin pin);
-  // Keeps `memory` (a mapping an MR or LAM of the session pointed into)
-  // until the session's PD is gone, when the device's release of that MR or
-  // LAM found the PD dying: DeallocatePd unpins it later, and the pages must
-  // still be mapped then. Drops it at once otherwise.
-  void KeepUntilPdGone(Session& session, std::shared_ptr<const void> memory);
-  // Releases warm pins: their LAMs on the device, then their reservations.
-  void ReleaseWarm(std::vector<cache::WarmPin> pins);
-  // Evicts the least recently kept warm pin of anyone (for a device that
-  // ran out of pinnable memory or keys). False if there was none.
-  bool EvictWarmForDevice();
-  uint64_t PageRound(uint64_t address, uint64_t length) const;
 
   device::Device* const device_;
   const Clock* const clock_;
   const CoreOptions options_;
-  const uint64_t page_size_;
   SessionTable sessions_;  // open sessions, max_sessions
   Budgets budgets_;        // limits and tenant quotas of what sessions hold
-  cache::RegistrationCache cache_;
-  cache::WarmPinSet warm_;
+  std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
+  Registrations registrations_;           // with the cache and warm pins
+  FastRegistration fast_;                 // LAMs and MR objects
   std::shared_ptr<TenantTable> tenants_;
   int shm_dir_fd_ = -1;
-  std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
   std::function<void(const std::string&)> fd_hangup_;  // fixed after Start
 
   absl::Mutex reaper_mu_;

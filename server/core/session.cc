@@ -110,28 +110,126 @@ void Session::OnPeerDisconnected(device::ConnectionId connection) {
   Push(std::move(c));
 }
 
+void Session::KeepUntilPdGone(std::shared_ptr<const void> memory) {
+  if (memory == nullptr) return;
+  absl::MutexLock lock(&mu);
+  // Once the PD is gone nothing of it points into the memory any more.
+  if (pd_gone_) return;
+  memory_until_pd_gone_.push_back(std::move(memory));
+}
+
+std::vector<std::shared_ptr<const void>> Session::MarkPdGone() {
+  std::vector<std::shared_ptr<const void>> parked;
+  absl::MutexLock lock(&mu);
+  pd_gone_ = true;
+  parked.swap(memory_until_pd_gone_);
+  return parked;
+}
+
+void Session::RememberRequestLocked(const std::string& request_id,
+                                    const v1::RegisterMrResponse& response,
+                                    size_t memory) {
+  request_ids_[request_id] = response;
+  request_id_order_.push_back(request_id);
+  if (request_id_order_.size() > memory) {
+    request_ids_.erase(request_id_order_.front());
+    request_id_order_.pop_front();
+  }
+}
+
+void Session::StartLeaseLocked(absl::Duration ttl, absl::Time now) {
+  ttl_ = ttl;
+  expires_ = now + ttl;
+}
+
+bool Session::LeaseExpiredLocked(absl::Time now) const {
+  return now >= expires_;
+}
+
+void Session::RenewLeaseLocked(absl::Time now) { expires_ = now + ttl_; }
+
+void Session::SetPeerLocked(uint32_t uid, uint32_t pid) {
+  peer_uid_ = uid;
+  peer_pid_ = pid;
+}
+
+void Session::FillInfoLocked(v1::SessionInfo* out) const {
+  out->set_session(token_);
+  out->set_kind(kind_ == SessionKind::kFd ? "fd" : "lease");
+  if (kind_ == SessionKind::kLease) {
+    out->set_ttl_seconds(static_cast<uint32_t>(absl::ToInt64Seconds(ttl_)));
+    out->set_expires_unix_ms(absl::ToUnixMillis(expires_));
+  }
+  out->set_peer_uid(peer_uid_);
+  out->set_peer_pid(peer_pid_);
+  out->set_pinned_bytes(pinned_bytes);
+  out->set_registrations(static_cast<uint32_t>(registrations.size()));
+  out->set_tenant(tenant_->name());
+  out->set_verified(identity_.verified);
+}
+
+uint64_t Session::NextBufferAddressLocked(uint64_t size) {
+  constexpr uint64_t kAlign = uint64_t{2} << 20;
+  const uint64_t address = next_buffer_address_;
+  next_buffer_address_ += (size + kAlign - 1) / kAlign * kAlign + kAlign;
+  return address;
+}
+
+void Session::SetPeerTicketLocked(const std::string& ticket) {
+  if (peer_ticket_.empty()) peer_ticket_ = ticket;
+}
+
+const v1::RegisterMrResponse* Session::FindRequestLocked(
+    const std::string& request_id) {
+  auto seen = request_ids_.find(request_id);
+  if (seen == request_ids_.end()) return nullptr;
+  if (!registrations.contains(seen->second.registration())) {
+    request_ids_.erase(seen);  // released since: register anew
+    return nullptr;
+  }
+  return &seen->second;
+}
+
+absl::Status Session::Subscribe(std::function<void()> notify) {
+  absl::MutexLock lock(&mu);
+  if (subscribed_) {
+    return MrdError(absl::StatusCode::kFailedPrecondition,
+                    "STREAM_ALREADY_OPEN",
+                    "this session already has an open completion stream");
+  }
+  subscribed_ = true;
+  notify_ = std::move(notify);
+  return absl::OkStatus();
+}
+
+void Session::Unsubscribe() {
+  absl::MutexLock lock(&mu);
+  subscribed_ = false;
+  notify_ = nullptr;
+}
+
 void Session::Push(v1::Completion completion) {
   std::function<void()> to_notify;
   {
     absl::MutexLock lock(&mu);
     if (ended_) return;
-    if (completions.size() >= completion_depth_) {
+    if (completions_.size() >= completion_depth_) {
       // A full completion queue drops the oldest entry and counts it; a
       // stuck reader must not grow the server without bound.
-      completions.pop_front();
-      ++completions_dropped;
+      completions_.pop_front();
+      ++completions_dropped_;
     }
-    completions.push_back(std::move(completion));
-    to_notify = notify;
+    completions_.push_back(std::move(completion));
+    to_notify = notify_;
   }
   if (to_notify) to_notify();
 }
 
 std::optional<v1::Completion> Session::PopCompletion() {
   absl::MutexLock lock(&mu);
-  if (completions.empty()) return std::nullopt;
-  v1::Completion c = std::move(completions.front());
-  completions.pop_front();
+  if (completions_.empty()) return std::nullopt;
+  v1::Completion c = std::move(completions_.front());
+  completions_.pop_front();
   return c;
 }
 
@@ -145,7 +243,7 @@ void Session::MarkEndedAndNotify() {
   {
     absl::MutexLock lock(&mu);
     ended_ = true;
-    to_notify = notify;
+    to_notify = notify_;
   }
   if (to_notify) to_notify();
 }
@@ -154,7 +252,7 @@ void Session::Notify() {
   std::function<void()> to_notify;
   {
     absl::MutexLock lock(&mu);
-    to_notify = notify;
+    to_notify = notify_;
   }
   if (to_notify) to_notify();
 }

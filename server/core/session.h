@@ -119,34 +119,81 @@ class Session final : public device::PdEventSink {
   // their disconnects will not come).
   void ReleasePeerConnections();
 
+  // Keeps `memory` (a mapping an MR or LAM of the session pointed into)
+  // until the session's PD is gone, when the device's release of that MR or
+  // LAM found the PD dying: DeallocatePd unpins it later, and the pages must
+  // still be mapped then. Drops it at once when the PD is already gone.
+  void KeepUntilPdGone(std::shared_ptr<const void> memory)
+      ABSL_LOCKS_EXCLUDED(mu);
+  // The PD is gone: returns what KeepUntilPdGone kept, for the caller to
+  // drop (outside the lock: dropping a mapping unmaps it).
+  std::vector<std::shared_ptr<const void>> MarkPdGone() ABSL_LOCKS_EXCLUDED(mu);
+
   // Completion stream plumbing.
   std::optional<v1::Completion> PopCompletion() ABSL_LOCKS_EXCLUDED(mu);
   bool ended() const ABSL_LOCKS_EXCLUDED(mu);
   void MarkEndedAndNotify() ABSL_LOCKS_EXCLUDED(mu);
   void Notify() ABSL_LOCKS_EXCLUDED(mu);
 
+  // --- lease sessions ---
+  void StartLeaseLocked(absl::Duration ttl, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  bool LeaseExpiredLocked(absl::Time now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Every call renews the lease by its ttl.
+  void RenewLeaseLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Who the session's process is (SO_PEERCRED, or the vouching session's).
+  void SetPeerLocked(uint32_t uid, uint32_t pid)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  uint32_t peer_pid_locked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return peer_pid_;
+  }
+  // GetSession's answer.
+  void FillInfoLocked(v1::SessionInfo* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // A new buffer's default base address: from a per-session space that says
+  // nothing about mrd's own address layout, 2 MiB-aligned, with a gap, so
+  // that buffers never look adjacent.
+  uint64_t NextBufferAddressLocked(uint64_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // The session's peer ticket, once made (empty before).
+  const std::string& peer_ticket_locked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return peer_ticket_;
+  }
+  // Keeps the first ticket made; later ones are dropped.
+  void SetPeerTicketLocked(const std::string& ticket)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Idempotency: the first answer to `request_id` (null if none is
+  // remembered), forgetting one whose registration is gone.
+  const v1::RegisterMrResponse* FindRequestLocked(const std::string& request_id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Remembers the first answer to `request_id`, forgetting the oldest
+  // beyond `memory` of them.
+  void RememberRequestLocked(const std::string& request_id,
+                             const v1::RegisterMrResponse& response,
+                             size_t memory) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // The completion stream: one subscriber at a time (FAILED_PRECONDITION
+  // "STREAM_ALREADY_OPEN" otherwise).
+  absl::Status Subscribe(std::function<void()> notify) ABSL_LOCKS_EXCLUDED(mu);
+  void Unsubscribe() ABSL_LOCKS_EXCLUDED(mu);
+  uint64_t completions_dropped_locked() const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return completions_dropped_;
+  }
+
   mutable absl::Mutex mu;
   bool closing ABSL_GUARDED_BY(mu) = false;
-  bool ended_ ABSL_GUARDED_BY(mu) = false;
   device::PdId pd ABSL_GUARDED_BY(mu) = 0;
-  uint32_t peer_uid ABSL_GUARDED_BY(mu) = 0;
-  uint32_t peer_pid ABSL_GUARDED_BY(mu) = 0;
-  absl::Duration ttl ABSL_GUARDED_BY(mu) = absl::ZeroDuration();
-  absl::Time expires ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
   uint64_t pinned_bytes ABSL_GUARDED_BY(mu) = 0;
   // Registrations made on the device for this session and not yet
   // deregistered (what the registration limit counts; cache hits are not).
   uint64_t device_registrations ABSL_GUARDED_BY(mu) = 0;
-  // Memory the device may still point into until DeallocatePd returns: an MR
-  // or LAM whose own release found the PD already being torn down (NOT_FOUND)
-  // leaves its mapping here, and TearDown drops it once the PD is gone.
-  std::vector<std::shared_ptr<const void>> memory_until_pd_gone
-      ABSL_GUARDED_BY(mu);
-  bool pd_gone ABSL_GUARDED_BY(mu) = false;
-  std::string peer_ticket ABSL_GUARDED_BY(mu);
-  // Buffers get default base addresses from a per-session space that says
-  // nothing about mrd's own address layout.
-  uint64_t next_buffer_address ABSL_GUARDED_BY(mu) = uint64_t{1} << 32;
   // Logical page address -> LAM id, for FastRegister page checks.
   std::map<uint64_t, uint64_t> page_to_lam ABSL_GUARDED_BY(mu);
 
@@ -155,17 +202,33 @@ class Session final : public device::PdEventSink {
   std::map<uint64_t, MrObject> mrs ABSL_GUARDED_BY(mu);
   std::map<uint64_t, LamRecord> lams ABSL_GUARDED_BY(mu);
   std::map<device::ConnectionId, std::string> connections ABSL_GUARDED_BY(mu);
-  // Idempotency: request_id -> the response first returned.
-  std::map<std::string, v1::RegisterMrResponse> request_ids ABSL_GUARDED_BY(mu);
-  std::deque<std::string> request_id_order ABSL_GUARDED_BY(mu);
-
-  std::deque<v1::Completion> completions ABSL_GUARDED_BY(mu);
-  uint64_t completions_dropped ABSL_GUARDED_BY(mu) = 0;
-  std::function<void()> notify ABSL_GUARDED_BY(mu);
-  bool subscribed ABSL_GUARDED_BY(mu) = false;
 
  private:
   void Push(v1::Completion completion) ABSL_LOCKS_EXCLUDED(mu);
+
+  bool ended_ ABSL_GUARDED_BY(mu) = false;
+  uint32_t peer_uid_ ABSL_GUARDED_BY(mu) = 0;
+  uint32_t peer_pid_ ABSL_GUARDED_BY(mu) = 0;
+  absl::Duration ttl_ ABSL_GUARDED_BY(mu) = absl::ZeroDuration();
+  absl::Time expires_ ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
+  // Memory the device may still point into until DeallocatePd returns: an MR
+  // or LAM whose own release found the PD already being torn down (NOT_FOUND)
+  // leaves its mapping here, and the session's end drops it once the PD is
+  // gone.
+  std::vector<std::shared_ptr<const void>> memory_until_pd_gone_
+      ABSL_GUARDED_BY(mu);
+  bool pd_gone_ ABSL_GUARDED_BY(mu) = false;
+  std::string peer_ticket_ ABSL_GUARDED_BY(mu);
+  uint64_t next_buffer_address_ ABSL_GUARDED_BY(mu) = uint64_t{1} << 32;
+  // Idempotency: request_id -> the response first returned.
+  std::map<std::string, v1::RegisterMrResponse> request_ids_
+      ABSL_GUARDED_BY(mu);
+  std::deque<std::string> request_id_order_ ABSL_GUARDED_BY(mu);
+
+  std::deque<v1::Completion> completions_ ABSL_GUARDED_BY(mu);
+  uint64_t completions_dropped_ ABSL_GUARDED_BY(mu) = 0;
+  std::function<void()> notify_ ABSL_GUARDED_BY(mu);
+  bool subscribed_ ABSL_GUARDED_BY(mu) = false;
 
   const uint64_t id_;
   const std::string token_;

@@ -823,14 +823,14 @@ absl::StatusOr<uint64_t> DeviceModel::PostFastRegister(
                                         work.base_address));
   MRD_RETURN_IF_ERROR(ResolvePagesLocked(mr->pd, work.pages).status());
   MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "work.post"));
-  Work queued;
-  queued.kind = WorkCompletion::Kind::kFastRegister;
-  queued.connection = connection_id;
-  queued.pd = mr->pd;
-  queued.mr = work.mr;
-  queued.flags = work.flags;
-  queued.request_context = work.request_context;
-  queued.fast_register = work;
+  Work queued{WorkCompletion::Kind::kFastRegister,
+              /*id=*/0,
+              connection_id,
+              mr->pd,
+              work.mr,
+              work.flags,
+              work.request_context,
+              work};
   return EnqueueLocked(*connection, std::move(queued));
 }
 
@@ -850,13 +850,14 @@ absl::StatusOr<uint64_t> DeviceModel::PostInvalidate(
   MRD_ASSIGN_OR_RETURN(Connection * connection,
                        FindPostConnectionLocked(connection_id, mr->pd));
   MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "work.post"));
-  Work queued;
-  queued.kind = WorkCompletion::Kind::kInvalidate;
-  queued.connection = connection_id;
-  queued.pd = mr->pd;
-  queued.mr = work.mr;
-  queued.flags = work.flags;
-  queued.request_context = work.request_context;
+  Work queued{WorkCompletion::Kind::kInvalidate,
+              /*id=*/0,
+              connection_id,
+              mr->pd,
+              work.mr,
+              work.flags,
+              work.request_context,
+              {}};
   return EnqueueLocked(*connection, std::move(queued));
 }
 

@@ -17,6 +17,8 @@ ROW_RULE = re.compile(r"^\|\s*([CRLFW]\d+)\b", re.M)
 PATH = re.compile(r"`((?:server|client|proto|tests|docs|deploy|bench)/[\w./-]+)`")
 TEST_NAME = re.compile(
     r"`(?:[a-z_]+\.)?(?:\w+/)?(\w+Test)\.(\w+|\*)`")
+# `Class::Method` cited as the code of a rule (namespaces left out).
+CITED_CODE = re.compile(r"`(?:\w+::)*([A-Z]\w*)::([A-Z]\w*)`")
 DEFINED = re.compile(r"^\s*TEST(?:_F|_P)?\(\s*(\w+)\s*,\s*(\w+)\s*\)", re.M)
 
 
@@ -28,6 +30,31 @@ def defined_tests(root):
                 with open(os.path.join(dirpath, name), encoding="utf-8") as f:
                     tests.update(DEFINED.findall(f.read()))
     return tests
+
+
+def defined_methods(root):
+    """(class, method) of every out-of-line member function in server/ and
+    client/ (`Class::Method(` at the start of a definition), and the methods
+    declared in a class body (`  Type Method(`) of every header, by class."""
+    found = set()
+    definition = re.compile(r"\b([A-Z]\w*)::([A-Z]\w*)\(")
+    for top in ("server", "client", "proto"):
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            for name in files:
+                if not name.endswith((".cc", ".h")):
+                    continue
+                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
+                    text = f.read()
+                found.update(definition.findall(text))
+                if name.endswith(".h"):
+                    # Declared in a class body (e.g. an interface's pure
+                    # virtual methods): each chunk after `class Name`.
+                    chunks = re.split(r"^class (\w+)\b", text, flags=re.M)
+                    for i in range(1, len(chunks) - 1, 2):
+                        for method in re.findall(r"\b([A-Z]\w*)\(",
+                                                 chunks[i + 1]):
+                            found.add((chunks[i], method))
+    return found
 
 
 def main():
@@ -55,9 +82,15 @@ def main():
                 failures.append(f"CONFORMANCE.md names {suite}.*, no such suite")
         elif (suite, name) not in tests:
             failures.append(f"CONFORMANCE.md names {suite}.{name}, no such test")
+    methods = defined_methods(root)
+    cited = set(CITED_CODE.findall(trace))
+    for cls, method in sorted(cited):
+        if (cls, method) not in methods:
+            failures.append(f"CONFORMANCE.md cites {cls}::{method}, which is "
+                            "not defined in server/, client/ or proto/")
     for f in failures:
         print("FAIL:", f)
-    print(f"{len(rules)} rules, {len(named)} test names checked, "
+    print(f"{len(rules)} rules, {len(named)} test names and {len(cited)} functions checked, "
           f"{len(failures)} problem(s)")
     return 1 if failures else 0
 

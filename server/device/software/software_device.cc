@@ -249,16 +249,8 @@ absl::Status SoftwareDevice::ProviderStart() {
 void SoftwareDevice::ProviderStop() { listener_->Stop(); }
 
 SoftwareDevice::ResourceCounts SoftwareDevice::CountResources() const {
-  const ModelCounts model = CountModel();
   ResourceCounts counts;
-  counts.pds = model.pds;
-  counts.mrs = model.mrs;
-  counts.valid_mrs = model.valid_mrs;
-  counts.lams = model.lams;
-  counts.iova_ranges = model.iova_ranges;
-  counts.tickets = model.tickets;
-  counts.lam_fast_register_refs = model.lam_fast_register_refs;
-  counts.pd_objects = model.pd_objects;
+  static_cast<ModelCounts&>(counts) = CountModel();
   absl::MutexLock lock(&keys_mu_);
   counts.keys = keys_.in_use();
   counts.key_slots_grown = keys_.grown_slots();

@@ -151,17 +151,10 @@ class SoftwareDevice final : public DeviceModel {
   uint64_t PinnedBytes() const override;
 
   // What the device holds right now, for leak checks in tests.
-  struct ResourceCounts {
-    size_t pds = 0;
-    size_t mrs = 0;        // registered MRs and fast-register MR objects
-    size_t valid_mrs = 0;  // registered or fast-registered: peers may use
-    size_t lams = 0;
+  // The model's counts, and the key table's.
+  struct ResourceCounts : ModelCounts {
     size_t keys = 0;             // key-table slots in use (MRs and LAMs)
     size_t key_slots_grown = 0;  // key-table slots allocated (lazily)
-    size_t iova_ranges = 0;      // logical address ranges mapped
-    size_t tickets = 0;
-    size_t lam_fast_register_refs = 0;  // sum of the LAMs' fast-reg users
-    size_t pd_objects = 0;              // sum over PDs of their MR and LAM sets
   };
   ResourceCounts CountResources() const;
 

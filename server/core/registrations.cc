@@ -1,0 +1,644 @@
+#include "server/core/registrations.h"
+
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "mrd/status.h"
+#include "server/common/log.h"
+#include "server/core/errors.h"
+#include "server/core/flags.h"
+
+namespace mrd::core {
+namespace {
+
+// Longest RegisterMr request_id (idempotency key) a session may use.
+constexpr size_t kMaxRequestIdBytes = 128;
+
+constexpr uint32_t kDescriptorSize = 24;  // rkey(4) pad(4) base(8) length(8)
+
+// W2: a buffer outside the caller's memory. No required size: the caller's
+// descriptor length is left as it gave it.
+absl::Status OutsideCallerMemory(absl::string_view why) {
+  return SeedError(
+      WSAEFAULT, "BUFFER_OUTSIDE_CALLER_MEMORY",
+      absl::StrCat("the buffer is not within the caller's memory: ", why));
+}
+
+// Little-endian `bytes` bytes of `value` at `at`.
+void PutLe(char* at, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) {
+    at[i] = static_cast<char>((value >> (8 * i)) & 0xff);
+  }
+}
+
+std::string EncodeDescriptor(uint32_t rkey, uint64_t base, uint64_t length) {
+  char d[kDescriptorSize] = {};
+  PutLe(d, rkey, 4);  // then 4 bytes of padding, zero
+  PutLe(d + 8, base, 8);
+  PutLe(d + 16, length, 8);
+  return std::string(d, sizeof(d));
+}
+
+// The request alone: request id length, flags (R3/W6), descriptor space
+// (W2).
+absl::Status CheckRequest(const v1::RegisterMrRequest& req, uint32_t* access) {
+  // Idempotency keys are remembered per session (request_id_memory of them):
+  // their length is bounded so that remembering costs bounded memory.
+  if (req.request_id().size() > kMaxRequestIdBytes) {
+    return SeedError(
+        STATUS_INVALID_PARAMETER, "REQUEST_ID_TOO_LONG",
+        absl::StrCat("request_id is ", req.request_id().size(),
+                     " bytes; at most ", kMaxRequestIdBytes, " are allowed"));
+  }
+  MRD_ASSIGN_OR_RETURN(*access,
+                       RegistrationAccess(req.flags(), req.mem_flags()));
+  // W2: check the caller's space before doing anything.
+  if (req.descriptor_capacity() != 0 &&
+      req.descriptor_capacity() < kDescriptorSize) {
+    return SeedError(
+        WSAEFAULT, "DESCRIPTOR_SPACE_TOO_SMALL",
+        absl::StrCat("descriptor_capacity ", req.descriptor_capacity(),
+                     " is too small: the descriptor needs ", kDescriptorSize,
+                     " bytes"),
+        kDescriptorSize);
+  }
+  return absl::OkStatus();
+}
+
+// What a warm pin keeps alive besides its pages: the mapping of the buffer
+// it was made on, and a way back to its session for the accounting.
+struct WarmOwner {
+  std::weak_ptr<Session> session;
+  std::shared_ptr<fd_socket::MappedFile> file;
+};
+
+cache::WarmKey WarmKeyOf(const cache::CacheKey& key) {
+  return cache::WarmKey{key.session,    key.buffer, key.file_device,
+                        key.file_inode, key.offset, key.length};
+}
+
+}  // namespace
+
+Registrations::Registrations(device::Device* device, Budgets* budgets,
+                             const RegistrationOptions& options)
+    : device_(device),
+      budgets_(budgets),
+      options_(options),
+      page_size_(device->Attributes().page_size),
+      warm_(options.warm) {}
+
+// --- RegisterMr --------------------------------------------------------------
+
+absl::Status Registrations::Register(const std::shared_ptr<Session>& session,
+                                     const v1::RegisterMrRequest& req,
+                                     v1::RegisterMrResponse* out) {
+  uint32_t access = 0;
+  MRD_RETURN_IF_ERROR(CheckRequest(req, &access));
+  Plan plan;
+  {
+    absl::MutexLock lock(&session->mu);
+    // A retried request with the same id gets the first answer (no second
+    // reference).
+    if (ReplayLocked(*session, req, out)) return absl::OkStatus();
+    MRD_RETURN_IF_ERROR(CheckTargetsLocked(*session, req, access, &plan));
+  }
+  MRD_RETURN_IF_ERROR(PlanRegistration(*session, req, access, &plan));
+  absl::StatusOr<cache::AcquireResult> acquired =
+      cache_.Acquire(plan.key, [&] { return RegisterOnDevice(session, plan); });
+  if (!acquired.ok()) {
+    absl::MutexLock lock(&session->mu);
+    if (session->closing) {
+      return NotConnected("the session closed during the registration");
+    }
+    return acquired.status();
+  }
+  // Commit to the session, or undo: either the registration exists and is
+  // owned by the session, or nothing of it does.
+  absl::Status commit;
+  {
+    absl::MutexLock lock(&session->mu);
+    commit = CommitLocked(*session, req, plan, *acquired, out);
+  }
+  if (!commit.ok()) (void)DropReference(session, acquired->entry);
+  return commit;
+}
+
+bool Registrations::ReplayLocked(Session& session,
+                                 const v1::RegisterMrRequest& req,
+                                 v1::RegisterMrResponse* out) {
+  if (req.request_id().empty()) return false;
+  const v1::RegisterMrResponse* first =
+      session.FindRequestLocked(req.request_id());
+  if (first == nullptr) return false;
+  *out = *first;
+  out->set_references(cache_.References(first->registration()));
+  return true;
+}
+
+absl::Status Registrations::CheckTargetsLocked(Session& session,
+                                               const v1::RegisterMrRequest& req,
+                                               uint32_t access, Plan* plan) {
+  // The Winsock form of the call (WSPRegisterRdmaMemory: MEM_* flags) speaks
+  // Winsock errors: memory that is not the caller's is WSAEFAULT (W2).
+  const bool winsock = req.mem_flags() != 0;
+  auto b = session.buffers.find(req.buffer());
+  if (b == session.buffers.end()) {
+    if (winsock) {
+      return OutsideCallerMemory(
+          absl::StrCat("this session has no buffer ", req.buffer()));
+    }
+    return UnknownHandle("buffer", req.buffer());
+  }
+  if (req.mr() != 0) {
+    auto m = session.mrs.find(req.mr());
+    if (m == session.mrs.end()) return UnknownHandle("mr", req.mr());
+    if (m->second.fast_register) {
+      return SeedError(STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
+                       absl::StrCat("MR ", req.mr(),
+                                    " was created for fast registration; "
+                                    "RegisterMr needs fast_register=false "
+                                    "(R4)"));
+    }
+    if (m->second.registration != 0) {
+      return MrdError(
+          absl::StatusCode::kFailedPrecondition, "MR_ALREADY_REGISTERED",
+          absl::StrCat("MR ", req.mr(),
+                       " already holds "
+                       "registration ",
+                       m->second.registration, "; deregister it first"));
+    }
+  }
+  plan->file = b->second.file;
+  if ((access & (device::kAccessLocalWrite | device::kAccessRemoteWrite)) &&
+      !plan->file->writable()) {
+    return SeedError(STATUS_INVALID_PARAMETER, "BUFFER_READ_ONLY",
+                     absl::StrCat("buffer ", req.buffer(),
+                                  " was imported read-only; write access "
+                                  "cannot be granted on it (W6)"));
+  }
+  plan->pd = session.pd;
+  plan->key.base_address = b->second.address + req.offset();
+  return absl::OkStatus();
+}
+
+absl::Status Registrations::PlanRegistration(Session& session,
+                                             const v1::RegisterMrRequest& req,
+                                             uint32_t access,
+                                             Plan* plan) const {
+  absl::StatusOr<device::MemorySpan> span =
+      plan->file->Span(req.offset(), req.length());
+  if (!span.ok()) {
+    if (req.mem_flags() != 0)
+      return OutsideCallerMemory(span.status().message());
+    return span.status();
+  }
+  plan->span = *span;
+  cache::CacheKey& key = plan->key;
+  if (req.has_base_address()) {
+    if (req.base_address() == 0) {
+      return SeedError(STATUS_INVALID_PARAMETER, "ZERO_BASED_ADDRESS",
+                       "base_address 0: zero-based virtual addressing is not "
+                       "supported (R8)");
+    }
+    key.base_address = req.base_address();
+  }
+  if (key.base_address > std::numeric_limits<uint64_t>::max() - req.length()) {
+    return SeedError(
+        STATUS_INVALID_PARAMETER, "BASE_ADDRESS_OVERFLOW",
+        absl::StrCat("base_address ", key.base_address, " + length ",
+                     req.length(), " overflows the address space"));
+  }
+  key.session = session.id();
+  key.file_device = plan->file->device();
+  key.file_inode = plan->file->inode();
+  key.offset = req.offset();
+  key.length = req.length();
+  key.access = access;
+  key.buffer = req.buffer();
+  plan->pin_bytes = PageRound(
+      page_size_, reinterpret_cast<uintptr_t>(plan->span.host_address),
+      plan->span.length);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
+    const std::shared_ptr<Session>& session, const Plan& plan) {
+  MRD_RETURN_IF_ERROR(budgets_->ReserveRegistration(*session));
+  // A warm pin of exactly these pages: its reservation becomes this
+  // registration's, and the device pins nothing anew.
+  std::optional<cache::WarmPin> warm = warm_.Take(WarmKeyOf(plan.key));
+  if (!warm.has_value()) {
+    if (absl::Status s = ReservePinned(*session, plan.pin_bytes); !s.ok()) {
+      budgets_->UnreserveRegistration(*session);
+      return s;
+    }
+  }
+  absl::StatusOr<device::MrKeys> keys;
+  do {
+    keys = device_->RegisterMr(plan.pd, plan.span, plan.key.base_address,
+                               plan.key.access);
+  } while (!keys.ok() &&
+           keys.status().code() == absl::StatusCode::kResourceExhausted &&
+           EvictWarmForDevice());
+  if (!keys.ok()) {
+    if (warm.has_value()) {
+      std::vector<cache::WarmPin> pins;
+      pins.push_back(std::move(*warm));
+      ReleaseWarm(std::move(pins));  // and its reservation
+    } else {
+      budgets_->UnreservePinned(*session, plan.pin_bytes);
+    }
+    budgets_->UnreserveRegistration(*session);
+    return keys.status();
+  }
+  if (warm.has_value()) ReleaseWarmAfterHit(session, std::move(*warm));
+  cache::CachedRegistration reg;
+  reg.device_mr = keys->mr;
+  reg.lkey = keys->lkey;
+  reg.rkey = keys->rkey;
+  reg.buffer = plan.key.buffer;
+  reg.pinned_bytes = plan.pin_bytes;
+  reg.memory = plan.file;  // unmapped only after the MR is deregistered
+  return reg;
+}
+
+absl::Status Registrations::CommitLocked(Session& session,
+                                         const v1::RegisterMrRequest& req,
+                                         const Plan& plan,
+                                         const cache::AcquireResult& acquired,
+                                         v1::RegisterMrResponse* out) {
+  if (session.closing) {
+    return NotConnected("the session closed during the registration");
+  }
+  if (!session.buffers.contains(req.buffer())) {
+    return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_BUFFER",
+                    absl::StrCat("buffer ", req.buffer(),
+                                 " was released during the registration"));
+  }
+  if (req.mr() != 0 && (!session.mrs.contains(req.mr()) ||
+                        session.mrs[req.mr()].registration != 0)) {
+    return MrdError(absl::StatusCode::kFailedPrecondition,
+                    "MR_ALREADY_REGISTERED",
+                    absl::StrCat("MR ", req.mr(),
+                                 " was closed or registered concurrently"));
+  }
+  const uint64_t base = plan.key.base_address;
+  RegistrationRecord& rec = session.registrations[acquired.entry];
+  rec.entry = acquired.entry;
+  rec.buffer = req.buffer();
+  rec.offset = req.offset();
+  rec.length = req.length();
+  rec.flags = req.flags() != 0 ? req.flags() : FlagsFromAccess(plan.key.access);
+  rec.base_address = base;
+  rec.lkey = acquired.registration.lkey;
+  rec.rkey = acquired.registration.rkey;
+  if (req.mr() != 0) {
+    ++rec.mr_refs;
+    session.mrs[req.mr()].registration = acquired.entry;
+  } else {
+    ++rec.implicit_refs;
+  }
+  out->set_registration(acquired.entry);
+  out->set_lkey(acquired.registration.lkey);
+  out->set_rkey(acquired.registration.rkey);
+  out->set_base_address(base);
+  out->set_length(req.length());
+  out->set_references(acquired.references);
+  out->set_cache_hit(acquired.hit);
+  out->set_rdma_descriptor(
+      EncodeDescriptor(acquired.registration.rkey, base, req.length()));
+  out->set_mr(req.mr());
+  if (!req.request_id().empty()) {
+    session.RememberRequestLocked(req.request_id(), *out,
+                                  options_.request_id_memory);
+  }
+  return absl::OkStatus();
+}
+
+// --- DeregisterMr ------------------------------------------------------------
+
+absl::Status Registrations::Deregister(const std::shared_ptr<Session>& session,
+                                       const v1::DeregisterMrRequest& req,
+                                       v1::DeregisterMrResponse* out) {
+  // What this call takes from the session, to put back if the device cannot
+  // deregister (then nothing changed and the caller may retry).
+  TakenReference taken;
+  {
+    absl::MutexLock lock(&session->mu);
+    MRD_RETURN_IF_ERROR(TakeReferenceLocked(*session, req, &taken));
+  }
+  absl::StatusOr<uint32_t> left = DropReference(session, taken.entry);
+  if (!left.ok()) {
+    if (GetErrorDetail(left.status()).reason() == "DEREGISTER_FAILED") {
+      PutReferenceBack(*session, taken);
+    }
+    return left.status();
+  }
+  out->set_references(*left);
+  return absl::OkStatus();
+}
+
+void Registrations::EraseIfUnreferencedLocked(
+    Session& session, std::map<uint64_t, RegistrationRecord>::iterator r,
+    TakenReference* taken) {
+  if (r->second.implicit_refs + r->second.mr_refs != 0) return;
+  taken->record = r->second;
+  taken->erased = true;
+  session.registrations.erase(r);
+}
+
+absl::Status Registrations::TakeReferenceLocked(
+    Session& session, const v1::DeregisterMrRequest& req,
+    TakenReference* taken) {
+  if (req.has_mr()) {
+    auto m = session.mrs.find(req.mr());
+    if (m == session.mrs.end()) return UnknownHandle("mr", req.mr());
+    if (m->second.fast_register) {
+      return SeedError(STATUS_INVALID_PARAMETER, "MR_IS_FAST_REGISTER",
+                       absl::StrCat("MR ", req.mr(),
+                                    " is for fast registration: use "
+                                    "InvalidateMr"));
+    }
+    if (m->second.registration == 0) {
+      return MrdError(absl::StatusCode::kFailedPrecondition,
+                      "MR_NOT_REGISTERED",
+                      absl::StrCat("MR ", req.mr(), " holds no registration"));
+    }
+    taken->entry = m->second.registration;
+    m->second.registration = 0;
+    taken->mr_object = req.mr();
+    auto r = session.registrations.find(taken->entry);
+    if (r != session.registrations.end()) {
+      --r->second.mr_refs;
+      EraseIfUnreferencedLocked(session, r, taken);
+    }
+    return absl::OkStatus();
+  }
+  if (!req.has_registration()) {
+    return SeedError(STATUS_INVALID_PARAMETER, "NO_TARGET",
+                     "DeregisterMr needs a registration or an mr");
+  }
+  auto r = session.registrations.find(req.registration());
+  if (r == session.registrations.end()) {
+    return UnknownHandle("registration", req.registration());
+  }
+  if (r->second.implicit_refs == 0) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "HELD_BY_MR_OBJECT",
+                    absl::StrCat("registration ", req.registration(),
+                                 " is held only by MR objects; "
+                                 "deregister it through its MR"));
+  }
+  taken->entry = r->first;
+  --r->second.implicit_refs;
+  EraseIfUnreferencedLocked(session, r, taken);
+  return absl::OkStatus();
+}
+
+void Registrations::PutReferenceBack(Session& session,
+                                     const TakenReference& taken) {
+  absl::MutexLock lock(&session.mu);
+  if (session.closing) {
+    // The session's end takes the PD, and the MR with it.
+    (void)cache_.Invalidate(taken.entry);
+    return;
+  }
+  RegistrationRecord& rec = session.registrations[taken.entry];
+  if (taken.erased) rec = taken.record;
+  if (taken.mr_object != 0) {
+    ++rec.mr_refs;
+    auto m = session.mrs.find(taken.mr_object);
+    if (m != session.mrs.end()) m->second.registration = taken.entry;
+  } else {
+    ++rec.implicit_refs;
+  }
+}
+
+absl::StatusOr<uint32_t> Registrations::DropReference(
+    const std::shared_ptr<Session>& session, uint64_t entry) {
+  MRD_ASSIGN_OR_RETURN(cache::ReleaseResult result, cache_.Release(entry));
+  if (result.released.has_value()) {
+    const cache::CachedRegistration& reg = *result.released;
+    // The warm pin takes the pages before the MR lets go of them, so that
+    // they are never unpinned in between; the key dies either way.
+    std::optional<cache::WarmPin> warm =
+        MakeWarmPin(session, result.key, reg.pinned_bytes);
+    absl::Status s = device_->DeregisterMr(reg.device_mr);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+      if (warm.has_value()) {
+        // The MR still holds the reservation; only the LAM goes.
+        if (!device_->ReleaseLam(warm->device_lam).ok()) {
+          session->KeepUntilPdGone(warm->owner);
+        }
+      }
+      // The registration still exists (its key may still work): it goes
+      // back, with the reference, so the caller's retry can release it.
+      absl::Status restored = cache_.Restore(entry, result.key, reg);
+      if (!restored.ok()) {
+        LogError(
+            "deregistration of MR ", reg.device_mr,
+            " failed and its entry cannot be restored: ", restored.ToString());
+      }
+      return MrdError(
+          absl::StatusCode::kUnavailable, "DEREGISTER_FAILED",
+          absl::StrCat("the device could not deregister it (", s.message(),
+                       "); the registration is unchanged: retry"));
+    }
+    // NOT_FOUND: the PD is being torn down and unpins the MR itself.
+    if (!s.ok()) session->KeepUntilPdGone(reg.memory);
+    budgets_->UnreserveRegistration(*session);
+    if (warm.has_value()) {
+      KeepWarm(session, std::move(*warm));  // the reservation moves to it
+    } else {
+      budgets_->UnreservePinned(*session, reg.pinned_bytes);
+    }
+  }
+  return result.references;
+}
+
+// --- invalidation (W11, session end) ----------------------------------------
+
+std::vector<uint64_t> Registrations::DetachLocked(Session& session,
+                                                  uint64_t buffer) {
+  std::vector<uint64_t> entries;
+  for (auto r = session.registrations.begin();
+       r != session.registrations.end();) {
+    if (buffer == 0 || r->second.buffer == buffer) {
+      entries.push_back(r->first);
+      r = session.registrations.erase(r);
+    } else {
+      ++r;
+    }
+  }
+  // MR objects that held them hold nothing now.
+  for (auto& [id, mr] : session.mrs) {
+    if (mr.fast_register || mr.registration == 0) continue;
+    for (uint64_t e : entries) {
+      if (mr.registration == e) mr.registration = 0;
+    }
+  }
+  return entries;
+}
+
+uint32_t Registrations::Invalidate(Session& session,
+                                   const std::vector<uint64_t>& entries) {
+  uint32_t invalidated = 0;
+  for (uint64_t entry : entries) {
+    absl::StatusOr<cache::CachedRegistration> reg = cache_.Invalidate(entry);
+    if (!reg.ok()) continue;
+    DeregisterCached(session, *reg);
+    ++invalidated;
+  }
+  return invalidated;
+}
+
+void Registrations::DeregisterCached(Session& session,
+                                     const cache::CachedRegistration& reg) {
+  absl::Status s = device_->DeregisterMr(reg.device_mr);
+  // Not deregistered (NOT_FOUND: the PD is being torn down): the pages stay
+  // pinned until the PD goes, so the mapping stays too.
+  if (!s.ok()) session.KeepUntilPdGone(reg.memory);
+  if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+    LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
+  }
+  budgets_->UnreserveRegistration(session);
+  budgets_->UnreservePinned(session, reg.pinned_bytes);
+}
+
+// --- pinned bytes and warm pins ---------------------------------------------
+
+absl::Status Registrations::ReservePinned(Session& session, uint64_t bytes) {
+  for (;;) {
+    Budgets::PinLimit hit;
+    uint64_t over;
+    absl::Status status =
+        budgets_->TryReservePinned(session, bytes, &hit, &over);
+    if (hit == Budgets::PinLimit::kNone) return status;
+    // Warm pins give way before anything is refused: for the session's
+    // limit its own, least recently kept first; for the total, anyone's.
+    // None is evicted in vain: if all of them would not make room, refuse.
+    const std::optional<uint64_t> whose =
+        hit == Budgets::PinLimit::kSession
+            ? std::optional<uint64_t>(session.id())
+            : std::nullopt;
+    const uint64_t evictable =
+        whose.has_value() ? warm_.SessionBytes(*whose) : warm_.Stats().bytes;
+    if (evictable < over) return status;
+    std::optional<cache::WarmPin> victim = warm_.EvictOldest(whose);
+    if (!victim.has_value()) return status;
+    std::vector<cache::WarmPin> victims;
+    victims.push_back(std::move(*victim));
+    ReleaseWarm(std::move(victims));
+  }
+}
+
+bool Registrations::EvictWarmForDevice() {
+  std::optional<cache::WarmPin> victim = warm_.EvictOldest(std::nullopt);
+  if (!victim.has_value()) return false;
+  std::vector<cache::WarmPin> victims;
+  victims.push_back(std::move(*victim));
+  ReleaseWarm(std::move(victims));
+  return true;
+}
+
+void Registrations::DropWarm(uint64_t session, uint64_t buffer) {
+  ReleaseWarm(buffer == 0 ? warm_.DropSession(session)
+                          : warm_.DropBuffer(session, buffer));
+}
+
+std::optional<cache::WarmPin> Registrations::MakeWarmPin(
+    const std::shared_ptr<Session>& session, const cache::CacheKey& key,
+    uint64_t pinned_bytes) {
+  if (!warm_.Admissible(pinned_bytes)) return std::nullopt;
+  std::shared_ptr<fd_socket::MappedFile> file;
+  device::PdId pd;
+  {
+    absl::MutexLock lock(&session->mu);
+    if (session->closing) return std::nullopt;
+    auto b = session->buffers.find(key.buffer);
+    if (b == session->buffers.end()) return std::nullopt;
+    file = b->second.file;
+    pd = session->pd;
+  }
+  absl::StatusOr<device::MemorySpan> span = file->Span(key.offset, key.length);
+  if (!span.ok()) return std::nullopt;
+  // A LAM pins the pages and exposes nothing: no peer can use it unless it
+  // is fast-registered, and only the core knows of this one.
+  absl::StatusOr<device::LogicalMapping> lam = device_->BuildLam(pd, *span);
+  if (!lam.ok()) {
+    LogDebug("no warm pin for session ", session->id(), " buffer ", key.buffer,
+             ": ", lam.status().ToString());
+    return std::nullopt;
+  }
+  cache::WarmPin pin;
+  pin.key = WarmKeyOf(key);
+  pin.device_lam = lam->lam;
+  pin.pinned_bytes = pinned_bytes;
+  pin.owner = std::make_shared<WarmOwner>(WarmOwner{session, std::move(file)});
+  return pin;
+}
+
+void Registrations::KeepWarm(const std::shared_ptr<Session>& session,
+                             cache::WarmPin pin) {
+  std::vector<cache::WarmPin> release;
+  {
+    // Under the session's lock, so that ReleaseBuffer and the session's
+    // end (which drop warm pins after taking the buffer out / setting
+    // `closing` under this lock) cannot miss a pin put here.
+    absl::MutexLock lock(&session->mu);
+    if (session->closing || !session->buffers.contains(pin.key.buffer)) {
+      warm_.CountDrop();
+      release.push_back(std::move(pin));
+    } else {
+      release = warm_.Put(std::move(pin));
+    }
+  }
+  ReleaseWarm(std::move(release));
+}
+
+void Registrations::ReleaseWarmAfterHit(const std::shared_ptr<Session>& session,
+                                        cache::WarmPin warm) {
+  absl::Status s = device_->ReleaseLam(warm.device_lam);
+  if (s.code() == absl::StatusCode::kNotFound) {
+    // The PD is being torn down and unpins the LAM itself.
+    session->KeepUntilPdGone(warm.owner);
+  } else if (!s.ok()) {
+    // The registration stands; the LAM still pins its pages, so it stays a
+    // warm pin with its bytes accounted (over the limit if need be: they
+    // are pinned) and is released again on eviction or at the session's
+    // end.
+    LogWarning("release warm pin (LAM ", warm.device_lam,
+               ") after a warm hit: ", s.ToString(),
+               "; keeping it as a warm pin");
+    budgets_->ForceReservePinned(*session, warm.pinned_bytes);
+    KeepWarm(session, std::move(warm));
+  }
+}
+
+void Registrations::ReleaseWarm(std::vector<cache::WarmPin> pins) {
+  for (cache::WarmPin& pin : pins) {
+    absl::Status s = device_->ReleaseLam(pin.device_lam);
+    auto* owner = static_cast<WarmOwner*>(pin.owner.get());
+    std::shared_ptr<Session> session =
+        owner == nullptr ? nullptr : owner->session.lock();
+    // Not released (NOT_FOUND: the PD is being torn down and unpins the LAM
+    // itself; anything else: it stays pinned until the PD goes): the pages
+    // must stay mapped until then.
+    if (!s.ok() && session != nullptr) session->KeepUntilPdGone(pin.owner);
+    if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
+      // Its pages stay pinned until the PD goes at the session's end: so
+      // do its bytes in the books (the session's end settles them).
+      LogWarning("release warm pin (LAM ", pin.device_lam, "): ", s.ToString(),
+                 "; its pages stay accounted until the session ends");
+      continue;
+    }
+    if (session != nullptr) {
+      budgets_->UnreservePinned(*session, pin.pinned_bytes);
+    }
+    // A session that is gone settled its whole reservation when it ended.
+  }
+}
+
+}  // namespace mrd::core

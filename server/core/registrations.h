@@ -1,0 +1,171 @@
+// Registrations: RegisterMr and DeregisterMr of sessions' buffers, through
+// the reference-counted registration cache (W5) and the warm pins, with the
+// pinned-bytes and registration budgets charged on every miss.
+//
+// It owns the cache and the warm pins, and so also the one way pinned bytes
+// are reserved: warm pins give way before a pinned-bytes limit refuses
+// anything (ReservePinned), for LAMs (fast_registration.h) as well as for
+// registrations.
+//
+// Thread safety: thread-safe. Lock order: a session's `mu`, then the
+// cache's or the warm set's own lock (never held across a device call),
+// then the budgets' lock. No lock is held while calling the device.
+#ifndef MRD_SERVER_CORE_REGISTRATIONS_H_
+#define MRD_SERVER_CORE_REGISTRATIONS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "mrd/v1/mrd.pb.h"
+#include "server/cache/registration_cache.h"
+#include "server/cache/warm_pins.h"
+#include "server/core/budgets.h"
+#include "server/core/session.h"
+#include "server/device/device.h"
+#include "server/fd_socket/memory_file.h"
+
+namespace mrd::core {
+
+struct RegistrationOptions {
+  size_t request_id_memory = 4096;  // idempotency keys remembered per session
+  cache::WarmPinLimits warm;        // 0 in either field: no warm pins
+};
+
+class Registrations {
+ public:
+  // `device` and `budgets` must outlive this.
+  Registrations(device::Device* device, Budgets* budgets,
+                const RegistrationOptions& options);
+  Registrations(const Registrations&) = delete;
+  Registrations& operator=(const Registrations&) = delete;
+
+  // RegisterMr for a live session: a cache hit takes one more reference; a
+  // miss reserves budgets and registers on the device. Either the
+  // registration exists and the session owns it, or nothing of it does.
+  absl::Status Register(const std::shared_ptr<Session>& session,
+                        const v1::RegisterMrRequest& req,
+                        v1::RegisterMrResponse* out);
+  // DeregisterMr: one reference (the caller's own or the MR object's) goes;
+  // the last one deregisters (its pages may stay as a warm pin). A device
+  // that cannot deregister leaves everything as it was.
+  absl::Status Deregister(const std::shared_ptr<Session>& session,
+                          const v1::DeregisterMrRequest& req,
+                          v1::DeregisterMrResponse* out);
+  // Drops one cache reference (an MR object that held it was closed);
+  // deregisters on the last. Returns the references left.
+  absl::StatusOr<uint32_t> DropReference(
+      const std::shared_ptr<Session>& session, uint64_t entry);
+
+  // W11 / session end: the session's records of registrations on `buffer`
+  // (every buffer when `buffer` is 0) leave it; returns their entries, to
+  // pass to Invalidate once the session's lock is released.
+  std::vector<uint64_t> DetachLocked(Session& session, uint64_t buffer)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  // Deregisters these entries whatever their references. Returns how many
+  // were still registered.
+  uint32_t Invalidate(Session& session, const std::vector<uint64_t>& entries);
+  // Releases the warm pins of a buffer that left its session, or of every
+  // buffer of a session (buffer = 0) that is closing.
+  void DropWarm(uint64_t session, uint64_t buffer);
+
+  // Pinned bytes for `session`, against its limit, the total and its
+  // tenant's quota. A reservation that would exceed one first evicts warm
+  // pins (the session's own for its limit, anyone's for the total), least
+  // recently kept first, and is refused only when evicting all of them
+  // would not make room.
+  absl::Status ReservePinned(Session& session, uint64_t bytes);
+  // Evicts the least recently kept warm pin of anyone, for a device that
+  // ran out of pinnable memory or keys. False if there was none.
+  bool EvictWarmForDevice();
+
+  cache::CacheStats CacheStats() const { return cache_.Stats(); }
+  cache::WarmPinStats WarmStats() const { return warm_.Stats(); }
+
+ private:
+  // What a registration needs once its request is checked: the buffer's
+  // mapping, the cache key, the PD, the span and the pinned bytes it counts
+  // for.
+  struct Plan {
+    std::shared_ptr<fd_socket::MappedFile> file;
+    cache::CacheKey key;
+    device::PdId pd = 0;
+    device::MemorySpan span;
+    uint64_t pin_bytes = 0;
+  };
+  // A retried request id: fills `out` with the first answer.
+  bool ReplayLocked(Session& session, const v1::RegisterMrRequest& req,
+                    v1::RegisterMrResponse* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  // The buffer and MR object the request names, and the access they allow.
+  absl::Status CheckTargetsLocked(Session& session,
+                                  const v1::RegisterMrRequest& req,
+                                  uint32_t access, Plan* plan)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  // The span (R2), the base address (R8) and the cache key.
+  absl::Status PlanRegistration(Session& session,
+                                const v1::RegisterMrRequest& req,
+                                uint32_t access, Plan* plan) const;
+  // A cache miss: limits, then the device (through a warm pin of the same
+  // pages when there is one).
+  absl::StatusOr<cache::CachedRegistration> RegisterOnDevice(
+      const std::shared_ptr<Session>& session, const Plan& plan);
+  // Records the registration in the session and fills `out`; an error when
+  // the session, buffer or MR object went meanwhile.
+  absl::Status CommitLocked(Session& session, const v1::RegisterMrRequest& req,
+                            const Plan& plan,
+                            const cache::AcquireResult& acquired,
+                            v1::RegisterMrResponse* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+
+  // DeregisterMr, in steps: one reference taken out of the session (and
+  // the record, when it was the last), put back if the device refused.
+  struct TakenReference {
+    uint64_t entry = 0;
+    uint64_t mr_object = 0;  // the MR object it was taken through, or 0
+    bool erased = false;     // the record left the session: `record`
+    RegistrationRecord record;
+  };
+  absl::Status TakeReferenceLocked(Session& session,
+                                   const v1::DeregisterMrRequest& req,
+                                   TakenReference* taken)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  void PutReferenceBack(Session& session, const TakenReference& taken);
+  // The record leaves the session when no reference is left: `taken` keeps
+  // it, to put back.
+  void EraseIfUnreferencedLocked(
+      Session& session, std::map<uint64_t, RegistrationRecord>::iterator r,
+      TakenReference* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+
+  void DeregisterCached(Session& session, const cache::CachedRegistration& reg);
+  // Pins the pages of a registration about to be deregistered as a warm
+  // pin; nullopt when warm pins are off, the pin would not fit, the buffer
+  // or session is going, or the device refused.
+  std::optional<cache::WarmPin> MakeWarmPin(
+      const std::shared_ptr<Session>& session, const cache::CacheKey& key,
+      uint64_t pinned_bytes);
+  // Puts a warm pin in the set (its bytes stay reserved), or releases it
+  // when its buffer or session went meanwhile; releases what the set evicts.
+  void KeepWarm(const std::shared_ptr<Session>& session, cache::WarmPin pin);
+  // After a warm hit: the warm pin's LAM is no longer needed.
+  void ReleaseWarmAfterHit(const std::shared_ptr<Session>& session,
+                           cache::WarmPin warm);
+  // Releases warm pins: their LAMs on the device, then their reservations.
+  void ReleaseWarm(std::vector<cache::WarmPin> pins);
+
+  device::Device* const device_;
+  Budgets* const budgets_;
+  const RegistrationOptions options_;
+  const uint64_t page_size_;
+  cache::RegistrationCache cache_;
+  cache::WarmPinSet warm_;
+};
+
+}  // namespace mrd::core
+
+#endif  // MRD_SERVER_CORE_REGISTRATIONS_H_
