@@ -1,9 +1,7 @@
 #include "server/device/verbs/verbs_device.h"
 
-#include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
-#include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -19,6 +17,7 @@
 #include "mrd/net.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
+#include "server/device/verbs/verbs_internal.h"
 
 namespace mrd::device {
 namespace {
@@ -29,9 +28,6 @@ constexpr int kWriteAccess = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
 constexpr uint64_t kIovaFloorPages = uint64_t{1} << 20;
 constexpr uint64_t kIovaSpreadPages = uint64_t{1} << 24;
 constexpr uint64_t kIovaLimit = uint64_t{1} << 56;
-// RC connect private data (CM REQ) has room for 56 bytes after rdma_cm's
-// own header.
-constexpr size_t kMaxConnectPrivateData = 56;
 constexpr int kListenBacklog = 64;
 // A fast registration that keeps drawing the MR's previous rkey is retried
 // this many times before it fails.
@@ -145,26 +141,6 @@ absl::Status ReadOnlyNotPinnable(absl::string_view what, uint64_t length,
                    "): import it writable, or use a newer kernel"));
 }
 
-std::string FormatSockaddr(const sockaddr* addr) {
-  if (addr == nullptr) return "unknown";
-  char host[INET6_ADDRSTRLEN] = {};
-  if (addr->sa_family == AF_INET) {
-    const auto* in = reinterpret_cast<const sockaddr_in*>(addr);
-    inet_ntop(AF_INET, &in->sin_addr, host, sizeof(host));
-    return absl::StrCat(host, ":", ntohs(in->sin_port));
-  }
-  if (addr->sa_family == AF_INET6) {
-    const auto* in6 = reinterpret_cast<const sockaddr_in6*>(addr);
-    inet_ntop(AF_INET6, &in6->sin6_addr, host, sizeof(host));
-    return absl::StrCat("[", host, "]:", ntohs(in6->sin6_port));
-  }
-  return absl::StrCat("address family ", addr->sa_family);
-}
-
-void PutLe64(uint8_t* out, uint64_t value) {
-  for (int i = 0; i < 8; ++i) out[i] = static_cast<uint8_t>(value >> (8 * i));
-}
-
 absl::Status SetNonBlocking(int fd, absl::string_view what) {
   int flags = fcntl(fd, F_GETFL);
   if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0) {
@@ -172,27 +148,6 @@ absl::Status SetNonBlocking(int fd, absl::string_view what) {
                       "VERBS_SETUP_FAILED");
   }
   return absl::OkStatus();
-}
-
-void Wake(int fd) {
-  uint64_t one = 1;
-  // An eventfd write fails only when the counter would overflow, in which
-  // case the reader is woken anyway.
-  while (::write(fd, &one, sizeof(one)) < 0 && errno == EINTR) {
-  }
-}
-
-void DrainWake(int fd) {
-  uint64_t value = 0;
-  while (::read(fd, &value, sizeof(value)) > 0) {
-  }
-}
-
-// Waits until `fd` (or `wake`) is readable. `fd` < 0 waits on `wake` only.
-void WaitReadable(int fd, int wake) {
-  pollfd fds[2] = {{fd, POLLIN, 0}, {wake, POLLIN, 0}};
-  while (::poll(fds, 2, -1) < 0 && errno == EINTR) {
-  }
 }
 
 }  // namespace
@@ -206,54 +161,6 @@ std::vector<std::string> ListVerbsDevices() {
   ibv_free_device_list(list);
   return names;
 }
-
-// The opened device. Owned by the VerbsDevice; the cm thread destroys
-// listen_id on its way out, ReleaseDevice after a loss, or the destructor
-// when the device never started.
-struct VerbsDevice::Adapter {
-  ~Adapter() {
-    if (listen_id != nullptr) rdma_destroy_id(listen_id);
-    if (channel != nullptr) rdma_destroy_event_channel(channel);
-  }
-  // librdmacm's context of the device (listen_id->verbs); closed by
-  // librdmacm once every id on it is gone (and, after a loss, the device is
-  // noticed to be gone).
-  ibv_context* context = nullptr;
-  rdma_event_channel* channel = nullptr;
-  rdma_cm_id* listen_id = nullptr;
-  DeviceAttributes attributes;
-  uint64_t max_mr_size = 0;
-  uint32_t max_page_list_length = 0;
-  uint64_t max_message_size = 0;
-  uint32_t max_responder_resources = 0;  // device max_qp_rd_atom
-  uint32_t max_initiator_depth = 0;      // device max_qp_init_rd_atom
-  uint8_t port_num = 1;
-  std::string port_problem;  // non-empty: the port was not active
-};
-
-struct VerbsDevice::VerbsPd final : ProviderState {
-  explicit VerbsPd(ibv_pd* p) : pd(p) {}
-  ibv_pd* pd;
-};
-
-// One verbs registration: the MR, and the view of the file mrd mapped for
-// it when it did not register the caller's mapping (fast-registration
-// remaps, writable views of read-only memory).
-struct VerbsDevice::Memory final : ProviderState {
-  ibv_mr* mr = nullptr;
-  void* view = nullptr;
-  uint64_t view_length = 0;
-  uint64_t pinned = 0;  // page-rounded bytes the registration pins
-};
-
-struct VerbsDevice::CmEvent {
-  rdma_cm_event_type type = RDMA_CM_EVENT_ADDR_ERROR;
-  rdma_cm_id* id = nullptr;
-  int status = 0;
-  std::string private_data;
-  uint8_t responder_resources = 0;
-  uint8_t initiator_depth = 0;
-};
 
 // ---------------------------------------------------------------------------
 // Creation, lifecycle.
@@ -440,7 +347,7 @@ absl::Status VerbsDevice::QueryAdapter(const VerbsDeviceOptions& options,
   adapter->attributes.supports_memory_windows =
       (attr.device_cap_flags & IBV_DEVICE_MEM_WINDOW) != 0 || attr.max_mw > 0;
   adapter->attributes.peer_address =
-      FormatSockaddr(rdma_get_local_addr(adapter->listen_id));
+      verbs_internal::FormatSockaddr(rdma_get_local_addr(adapter->listen_id));
   adapter->max_message_size =
       port.max_msg_sz != 0 ? port.max_msg_sz : uint64_t{1} << 30;
   adapter->max_responder_resources = static_cast<uint32_t>(attr.max_qp_rd_atom);
@@ -523,7 +430,7 @@ void VerbsDevice::ProviderStop() {
   }
   // The cm thread closes every connection (the model queues flushes and
   // disconnects for its worker) and destroys the listener on its way out.
-  Wake(cm_wake_.get());
+  verbs_internal::Wake(cm_wake_.get());
   cm_thread.Join();
   Thread async_thread;
   {
@@ -531,7 +438,7 @@ void VerbsDevice::ProviderStop() {
     async_stop_ = true;  // after a device release in progress
     async_thread = std::move(async_thread_);
   }
-  Wake(async_wake_.get());
+  verbs_internal::Wake(async_wake_.get());
   async_thread.Join();
 }
 
@@ -789,516 +696,6 @@ absl::StatusOr<DeviceModel::Registration> VerbsDevice::ProviderFastRegister(
   Registration registration{memory->mr->lkey, memory->mr->rkey, nullptr};
   registration.state = std::move(memory);
   return registration;
-}
-
-// ---------------------------------------------------------------------------
-// Connection manager.
-
-void VerbsDevice::ProviderCloseConnectionsLocked(
-    const std::vector<ConnectionId>& connections) {
-  absl::MutexLock lock(&verbs_mu_);
-  CmCommand command;
-  for (ConnectionId id : connections) {
-    if (auto it = links_.find(id); it != links_.end()) {
-      command.ids.push_back(it->second.id);
-    }
-  }
-  // Without links there is nothing to close (and no cm thread may be
-  // running to do it).
-  if (!command.ids.empty()) CommandCmLocked(std::move(command));
-}
-
-void VerbsDevice::CommandCmLocked(CmCommand command) {
-  cm_commands_.push_back(std::move(command));
-  Wake(cm_wake_.get());
-}
-
-void VerbsDevice::CmLoop() {
-  while (true) {
-    RunCmCommands();
-    {
-      absl::MutexLock lock(&verbs_mu_);
-      if (cm_stop_) break;
-    }
-    while (true) {
-      rdma_cm_event* event = nullptr;
-      if (rdma_get_cm_event(adapter_->channel, &event) != 0) {
-        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          LogError("verbs device: rdma_get_cm_event: ", std::strerror(errno));
-        }
-        break;
-      }
-      CmEvent copy;
-      copy.type = event->event;
-      copy.id = event->id;
-      copy.status = event->status;
-      if (event->event == RDMA_CM_EVENT_CONNECT_REQUEST) {
-        const rdma_conn_param& param = event->param.conn;
-        if (param.private_data != nullptr) {
-          copy.private_data.assign(static_cast<const char*>(param.private_data),
-                                   param.private_data_len);
-        }
-        copy.responder_resources = param.responder_resources;
-        copy.initiator_depth = param.initiator_depth;
-      }
-      // Acknowledged before handling: destroying an id waits for its
-      // events to be acknowledged.
-      rdma_ack_cm_event(event);
-      HandleCmEvent(copy);
-    }
-    WaitReadable(adapter_->channel->fd, cm_wake_.get());
-    DrainWake(cm_wake_.get());
-  }
-  // Stopping: every connection closes (sinks hear of it through the
-  // worker), then the listener goes, unless a device release owns it now.
-  bool released = false;
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    released = cm_released_;
-  }
-  CloseAllCmIds(/*listener=*/!released);
-  absl::MutexLock lock(&verbs_mu_);
-  cm_running_ = false;
-}
-
-void VerbsDevice::CloseAllCmIds(bool listener) {
-  std::vector<rdma_cm_id*> ids;
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    for (const auto& [id, connection] : by_cm_id_) ids.push_back(id);
-  }
-  for (rdma_cm_id* id : ids) CloseCmId(id);
-  if (listener && adapter_->listen_id != nullptr) {
-    rdma_destroy_id(adapter_->listen_id);
-    adapter_->listen_id = nullptr;
-  }
-}
-
-void VerbsDevice::RunCmCommands() {
-  std::deque<CmCommand> commands;
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    commands.swap(cm_commands_);
-  }
-  for (const CmCommand& command : commands) {
-    if (command.kind == CmCommand::Kind::kReleaseAll) {
-      // The listener stays: its reference keeps librdmacm's context open
-      // until ReleaseDevice has let go of everything else (another user of
-      // librdmacm in this process could otherwise make it close the context
-      // under our MRs), and ReleaseDevice destroys it.
-      CloseAllCmIds(/*listener=*/false);
-      absl::MutexLock lock(&verbs_mu_);
-      cm_released_ = true;
-      continue;
-    }
-    for (rdma_cm_id* id : command.ids) {
-      bool known = false;
-      {
-        absl::MutexLock lock(&verbs_mu_);
-        known = by_cm_id_.contains(id);
-      }
-      if (known) CloseCmId(id);  // not closed meanwhile
-    }
-  }
-}
-
-void VerbsDevice::HandleCmEvent(const CmEvent& event) {
-  switch (event.type) {
-    case RDMA_CM_EVENT_CONNECT_REQUEST:
-      HandleConnectRequest(event);
-      return;
-    case RDMA_CM_EVENT_ESTABLISHED: {
-      ConnectionId connection = 0;
-      {
-        absl::MutexLock lock(&verbs_mu_);
-        auto it = by_cm_id_.find(event.id);
-        if (it == by_cm_id_.end()) return;
-        connection = it->second;
-      }
-      ConnectionEstablished(connection);
-      return;
-    }
-    case RDMA_CM_EVENT_DISCONNECTED:
-    case RDMA_CM_EVENT_CONNECT_ERROR:
-    case RDMA_CM_EVENT_UNREACHABLE:
-    case RDMA_CM_EVENT_REJECTED:
-      LogDebug("verbs device: ", rdma_event_str(event.type), " (status ",
-               event.status, ")");
-      CloseCmId(event.id);
-      return;
-    case RDMA_CM_EVENT_DEVICE_REMOVAL:
-      // Every id on the device gets one; the release closes them all.
-      LoseDevice("the RDMA device is being removed (rdma_cm DEVICE_REMOVAL)");
-      return;
-    default:
-      LogDebug("verbs device: rdma_cm event ", rdma_event_str(event.type));
-      return;
-  }
-}
-
-namespace {
-
-// A connect request refused: the rejection's private data is the reason.
-absl::Status Refused(absl::string_view data, absl::string_view why) {
-  return MrdError(absl::StatusCode::kUnavailable, data, why);
-}
-
-}  // namespace
-
-void VerbsDevice::HandleConnectRequest(const CmEvent& event) {
-  rdma_cm_id* id = event.id;
-  const std::string remote = FormatSockaddr(rdma_get_peer_addr(id));
-  absl::StatusOr<Admitted> admitted = AdmitConnectRequest(event, remote);
-  absl::Status status = admitted.status();
-  if (status.ok()) status = CreateQueuePair(id, *admitted);
-  if (!status.ok()) {
-    const std::string data = GetErrorDetail(status).reason();
-    LogInfo("verbs device: connect request from ", remote,
-            " rejected: ", status.message());
-    rdma_reject(id, data.data(), static_cast<uint8_t>(data.size()));
-    rdma_destroy_id(id);
-    return;
-  }
-  uint8_t reply[kAcceptPrivateDataBytes];
-  PutLe64(reply, admitted->connection);
-  PutLe64(reply + 8, adapter_->max_message_size);
-  rdma_conn_param param{};
-  param.private_data = reply;
-  param.private_data_len = sizeof(reply);
-  param.responder_resources = static_cast<uint8_t>(std::min<uint32_t>(
-      event.responder_resources, adapter_->max_responder_resources));
-  param.initiator_depth = static_cast<uint8_t>(
-      std::min<uint32_t>(event.initiator_depth, adapter_->max_initiator_depth));
-  param.rnr_retry_count = 7;
-  if (rdma_accept(id, &param) != 0) {
-    LogWarning("verbs device: rdma_accept for ", remote, ": ",
-               std::strerror(errno));
-    CloseCmId(id);
-    return;
-  }
-  LogDebug("verbs device: accepted connection ", admitted->connection, " from ",
-           remote, " (PD ", admitted->bound.pd, ", QP ", id->qp->qp_num, ")");
-}
-
-absl::StatusOr<VerbsDevice::Admitted> VerbsDevice::AdmitConnectRequest(
-    const CmEvent& event, const std::string& remote) {
-  if (event.id->verbs != adapter_->context) {
-    return Refused("WRONG_DEVICE", "it arrived on another RDMA device");
-  }
-  size_t ticket_length =
-      std::min(event.private_data.size(), kMaxConnectPrivateData);
-  ticket_length = strnlen(event.private_data.data(), ticket_length);
-  const std::string ticket = event.private_data.substr(0, ticket_length);
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    if (!lost_reason_.empty()) {
-      return Refused("UNAVAILABLE", "the device is lost");
-    }
-    if (links_.size() >= options_.max_connections) {
-      return Refused("TOO_MANY_CONNECTIONS",
-                     absl::StrCat("the device has its maximum of ",
-                                  options_.max_connections, " connections"));
-    }
-  }
-  std::optional<ConnectionId> connection = NewConnection(remote);
-  if (!connection.has_value()) {
-    return Refused("UNAVAILABLE", "the device is shutting down");
-  }
-  absl::StatusOr<BindResult> bound =
-      BindConnection(*connection, ticket, /*ready=*/false);
-  if (!bound.ok()) {
-    ConnectionClosed(*connection);
-    return Refused(bound.status().code() == absl::StatusCode::kNotFound
-                       ? kBadTicketRejectData
-                       : "TOO_MANY_CONNECTIONS",
-                   bound.status().message());
-  }
-  // Before the QP exists: a PD that dies meanwhile finds the connection
-  // here and has the cm thread (this one, next) close it.
-  absl::MutexLock lock(&verbs_mu_);
-  links_[*connection].id = event.id;
-  by_cm_id_.emplace(event.id, *connection);
-  return Admitted{*connection, *bound};
-}
-
-absl::Status VerbsDevice::CreateQueuePair(rdma_cm_id* id,
-                                          const Admitted& admitted) {
-  // A small RC QP with its own CQ: mrd never posts on it; the adapter
-  // answers the peer's READ/WRITE from the PD's MRs. The PD's state stays
-  // until the connection is reported closed.
-  ibv_cq* cq = ibv_create_cq(adapter_->context, 2, nullptr, nullptr, 0);
-  bool created = false;
-  if (cq != nullptr) {
-    ibv_qp_init_attr init{};
-    init.send_cq = cq;
-    init.recv_cq = cq;
-    init.qp_type = IBV_QPT_RC;
-    init.cap.max_send_wr = 1;
-    init.cap.max_recv_wr = 1;
-    init.cap.max_send_sge = 1;
-    init.cap.max_recv_sge = 1;
-    ibv_pd* pd = static_cast<VerbsPd*>(admitted.bound.pd_state)->pd;
-    created = rdma_create_qp(id, pd, &init) == 0;
-  }
-  if (!created) {
-    const int err = errno;
-    if (cq != nullptr) ibv_destroy_cq(cq);
-    {
-      absl::MutexLock lock(&verbs_mu_);
-      links_.erase(admitted.connection);
-      by_cm_id_.erase(id);
-    }
-    ConnectionClosed(admitted.connection);
-    return Refused("NO_RESOURCES", absl::StrCat("creating the queue pair: ",
-                                                std::strerror(err)));
-  }
-  absl::MutexLock lock(&verbs_mu_);
-  Link& link = links_[admitted.connection];
-  link.cq = cq;
-  link.qp_num = id->qp->qp_num;
-  by_qp_num_.emplace(link.qp_num, admitted.connection);
-  return absl::OkStatus();
-}
-
-void VerbsDevice::CloseCmId(rdma_cm_id* id) {
-  ConnectionId connection = 0;
-  Link link;
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    auto by_id = by_cm_id_.find(id);
-    if (by_id != by_cm_id_.end()) {
-      connection = by_id->second;
-      by_cm_id_.erase(by_id);
-      auto it = links_.find(connection);
-      link = it->second;
-      links_.erase(it);
-      if (link.cq != nullptr) by_qp_num_.erase(link.qp_num);
-    }
-  }
-  if (link.cq != nullptr) {
-    rdma_disconnect(id);  // harmless when the peer already disconnected
-    rdma_destroy_qp(id);
-    ibv_destroy_cq(link.cq);
-  }
-  rdma_destroy_id(id);
-  // After the QP is gone: the PD may be deallocated once the model hears
-  // this.
-  if (connection != 0) {
-    ConnectionClosed(connection);
-    LogDebug("verbs device: connection ", connection, " closed");
-  }
-}
-
-// ---------------------------------------------------------------------------
-// Device loss.
-
-void VerbsDevice::LoseDevice(const std::string& reason) {
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    if (!lost_reason_.empty()) return;
-    lost_reason_ = reason;  // from here ProviderUsable fails
-    LogError("verbs device ", Attributes().name, " lost: ", reason,
-             "; releasing everything on it");
-    CmCommand command;
-    command.kind = CmCommand::Kind::kReleaseAll;
-    CommandCmLocked(std::move(command));
-    Wake(async_wake_.get());
-  }
-  MarkAllConnectionsError();
-}
-
-void VerbsDevice::ReleaseDevice() {
-  {
-    // Every id is closed (so every QP and CQ is gone) before the PDs go.
-    absl::MutexLock lock(&verbs_mu_);
-    verbs_mu_.Await(absl::Condition(
-        +[](VerbsDevice* d) ABSL_EXCLUSIVE_LOCKS_REQUIRED(d->verbs_mu_) {
-          return d->cm_released_ || !d->cm_running_;
-        },
-        this));
-  }
-  // Then no verbs call on a PD's objects is in progress; new ones are
-  // refused (DEVICE_LOST).
-  Taken taken = TakeAllProviderState();
-  uint64_t unpinned = 0;
-  for (const std::unique_ptr<ProviderState>& state : taken.memory) {
-    const Memory& memory = *static_cast<Memory*>(state.get());
-    if (ReleaseMemory(memory).ok()) unpinned += memory.pinned;
-  }
-  for (const std::unique_ptr<ProviderState>& state : taken.pds) {
-    if (int rc = ibv_dealloc_pd(static_cast<VerbsPd*>(state.get())->pd);
-        rc != 0) {
-      LogError("verbs device: ibv_dealloc_pd after device loss: ",
-               std::strerror(rc));
-    }
-  }
-  // The listener last (see kReleaseAll): then nothing of ours is left on
-  // the device. librdmacm closes its context once it notices the device is
-  // gone, which a device list sync does. The cm thread no longer touches
-  // the listener once cm_released_ is set.
-  if (adapter_->listen_id != nullptr) {
-    rdma_destroy_id(adapter_->listen_id);
-    adapter_->listen_id = nullptr;
-  }
-  int count = 0;
-  if (ibv_context** list = rdma_get_devices(&count); list != nullptr) {
-    rdma_free_devices(list);
-  }
-  absl::MutexLock lock(&verbs_mu_);
-  pinned_bytes_ -= unpinned;
-  released_ = true;
-  LogInfo("verbs device ", Attributes().name, ": released after the loss (",
-          taken.memory.size(), " registrations, ", taken.pds.size(), " PDs)");
-}
-
-// ---------------------------------------------------------------------------
-// Async events.
-
-void VerbsDevice::FailLinks(const std::vector<ConnectionId>& connections,
-                            const std::string& why) {
-  std::vector<ConnectionId> failed;
-  {
-    absl::MutexLock lock(&verbs_mu_);
-    CmCommand command;
-    for (ConnectionId connection : connections) {
-      auto it = links_.find(connection);
-      if (it == links_.end() || it->second.error) continue;
-      it->second.error = true;
-      LogInfo("verbs device: connection ", connection, " in error: ", why);
-      command.ids.push_back(it->second.id);
-      failed.push_back(connection);
-    }
-    if (!command.ids.empty()) CommandCmLocked(std::move(command));
-  }
-  for (ConnectionId connection : failed) ConnectionError(connection);
-}
-
-void VerbsDevice::AsyncLoop() {
-  bool readable = true;  // false once the device is lost
-  while (true) {
-    bool release = false;
-    {
-      absl::MutexLock lock(&verbs_mu_);
-      if (!lost_reason_.empty() && !released_) {
-        release = true;
-      } else if (async_stop_) {
-        return;
-      }
-    }
-    if (release) {
-      // The context closes during the release: never touch it again.
-      readable = false;
-      ReleaseDevice();
-      continue;
-    }
-    while (readable) {
-      ibv_async_event event{};
-      if (ibv_get_async_event(adapter_->context, &event) != 0) {
-        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) {
-          int err = errno;
-          readable = false;
-          LoseDevice(absl::StrCat("reading async events failed: ",
-                                  std::strerror(err)));
-        }
-        break;
-      }
-      // Copied and acknowledged first: destroying a QP waits for its
-      // events to be acknowledged, and the QP may be gone afterwards.
-      AsyncEvent copy;
-      copy.type = event.event_type;
-      switch (event.event_type) {
-        case IBV_EVENT_QP_FATAL:
-        case IBV_EVENT_QP_REQ_ERR:
-        case IBV_EVENT_QP_ACCESS_ERR:
-        case IBV_EVENT_PATH_MIG_ERR:
-        case IBV_EVENT_COMM_EST:
-        case IBV_EVENT_SQ_DRAINED:
-        case IBV_EVENT_QP_LAST_WQE_REACHED:
-          copy.qp_num = event.element.qp->qp_num;
-          break;
-        case IBV_EVENT_CQ_ERR:
-          copy.cq = event.element.cq;
-          break;
-        case IBV_EVENT_PORT_ERR:
-        case IBV_EVENT_PORT_ACTIVE:
-        case IBV_EVENT_LID_CHANGE:
-        case IBV_EVENT_GID_CHANGE:
-        case IBV_EVENT_PKEY_CHANGE:
-        case IBV_EVENT_SM_CHANGE:
-        case IBV_EVENT_CLIENT_REREGISTER:
-          copy.port_num = event.element.port_num;
-          break;
-        default:
-          break;
-      }
-      ibv_ack_async_event(&event);
-      HandleAsyncEvent(copy);
-      if (copy.type == IBV_EVENT_DEVICE_FATAL) break;
-    }
-    WaitReadable(readable ? adapter_->context->async_fd : -1,
-                 async_wake_.get());
-    DrainWake(async_wake_.get());
-  }
-}
-
-void VerbsDevice::HandleAsyncEvent(const AsyncEvent& event) {
-  const char* name = ibv_event_type_str(event.type);
-  switch (event.type) {
-    case IBV_EVENT_QP_FATAL:
-    case IBV_EVENT_QP_REQ_ERR:
-    case IBV_EVENT_QP_ACCESS_ERR:
-    case IBV_EVENT_PATH_MIG_ERR: {
-      std::vector<ConnectionId> failed;
-      {
-        absl::MutexLock lock(&verbs_mu_);
-        auto it = by_qp_num_.find(event.qp_num);
-        if (it == by_qp_num_.end()) return;
-        failed.push_back(it->second);
-      }
-      FailLinks(failed, name);
-      return;
-    }
-    case IBV_EVENT_CQ_ERR: {
-      std::vector<ConnectionId> failed;
-      {
-        absl::MutexLock lock(&verbs_mu_);
-        for (const auto& [connection, link] : links_) {
-          if (link.cq == event.cq) failed.push_back(connection);
-        }
-      }
-      FailLinks(failed, name);
-      return;
-    }
-    case IBV_EVENT_DEVICE_FATAL:
-      LoseDevice("fatal device error (IBV_EVENT_DEVICE_FATAL)");
-      return;
-    case IBV_EVENT_PORT_ERR:
-      if (event.port_num == adapter_->port_num) {
-        absl::MutexLock lock(&verbs_mu_);
-        port_problem_ =
-            absl::StrCat("port ", event.port_num, " is down (", name, ")");
-        LogWarning("verbs device ", Attributes().name, ": ", port_problem_);
-      }
-      return;
-    case IBV_EVENT_PORT_ACTIVE:
-      if (event.port_num == adapter_->port_num) {
-        absl::MutexLock lock(&verbs_mu_);
-        if (!port_problem_.empty()) {
-          LogInfo("verbs device ", Attributes().name, ": port ", event.port_num,
-                  " is active again");
-        }
-        port_problem_.clear();
-      }
-      return;
-    case IBV_EVENT_COMM_EST:
-    case IBV_EVENT_SQ_DRAINED:
-    case IBV_EVENT_QP_LAST_WQE_REACHED:
-      LogDebug("verbs device: async event ", name, " on QP ", event.qp_num);
-      return;
-    default:
-      LogInfo("verbs device ", Attributes().name, ": async event ", name);
-      return;
-  }
 }
 
 }  // namespace mrd::device
