@@ -164,6 +164,8 @@ ABSL_FLAG(uint64_t, max_total_lams, 262144,
 ABSL_FLAG(uint64_t, max_total_mrs, 262144,
           "MR objects all sessions together may hold (each holds a device "
           "key).");
+ABSL_FLAG(uint64_t, max_batch_items, 4096,
+          "Items one RegisterMrBatch or DeregisterMrBatch may carry.");
 ABSL_FLAG(std::string, tenants_file, "",
           "Named tenants and their quotas, one per line: tenant <name> "
           "uids=<uid>[,...] [sessions=N] [buffers=N] [registrations=N] "
@@ -609,6 +611,7 @@ void Daemon::SetCoreLimits() {
   o.max_total_buffers = absl::GetFlag(FLAGS_max_total_buffers);
   o.max_total_lams = absl::GetFlag(FLAGS_max_total_lams);
   o.max_total_mrs = absl::GetFlag(FLAGS_max_total_mrs);
+  o.max_batch_items = absl::GetFlag(FLAGS_max_batch_items);
 }
 
 // Tenants: quotas are shares of the totals unless the file names them.
@@ -732,6 +735,7 @@ absl::Status Daemon::StartMetrics() {
       {"max_total_buffers", d(o.max_total_buffers)},
       {"max_total_lams", d(o.max_total_lams)},
       {"max_total_mrs", d(o.max_total_mrs)},
+      {"max_batch_items", d(o.max_batch_items)},
       {"warm_pin_bytes_per_session", d(o.warm_pin_bytes_per_session)},
       {"warm_pin_bytes_total", d(o.warm_pin_bytes_total)},
       {"max_lease_ttl_seconds", absl::ToDoubleSeconds(o.max_lease_ttl)},

@@ -236,6 +236,14 @@ absl::StatusOr<v1::DeregisterMrResponse> Client::DeregisterMr(
     const v1::DeregisterMrRequest& request) const {
   return CallUnary(*core_, &Stub::DeregisterMr, request);
 }
+absl::StatusOr<v1::RegisterMrBatchResponse> Client::RegisterMrBatch(
+    const v1::RegisterMrBatchRequest& request) const {
+  return CallUnary(*core_, &Stub::RegisterMrBatch, request);
+}
+absl::StatusOr<v1::DeregisterMrBatchResponse> Client::DeregisterMrBatch(
+    const v1::DeregisterMrBatchRequest& request) const {
+  return CallUnary(*core_, &Stub::DeregisterMrBatch, request);
+}
 absl::StatusOr<v1::BuildLamResponse> Client::BuildLam(
     const v1::BuildLamRequest& request) const {
   return CallUnary(*core_, &Stub::BuildLam, request);

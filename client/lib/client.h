@@ -87,6 +87,10 @@ class Client {
       const v1::RegisterMrRequest& request) const;
   absl::StatusOr<v1::DeregisterMrResponse> DeregisterMr(
       const v1::DeregisterMrRequest& request) const;
+  absl::StatusOr<v1::RegisterMrBatchResponse> RegisterMrBatch(
+      const v1::RegisterMrBatchRequest& request) const;
+  absl::StatusOr<v1::DeregisterMrBatchResponse> DeregisterMrBatch(
+      const v1::DeregisterMrBatchRequest& request) const;
   absl::StatusOr<v1::BuildLamResponse> BuildLam(
       const v1::BuildLamRequest& request) const;
   absl::StatusOr<v1::ReleaseLamResponse> ReleaseLam(

@@ -2,8 +2,10 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "client/lib/session_core.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 
 namespace mrd::client {
 
@@ -133,6 +135,100 @@ absl::StatusOr<uint32_t> Registration::Deregister() {
     return response.status();
   }
   return response->references();
+}
+
+absl::StatusOr<std::vector<absl::StatusOr<Registration>>>
+Registration::RegisterBatch(const Session& session,
+                            const std::vector<RegisterOptions>& options) {
+  if (session.core() == nullptr) {
+    return absl::FailedPreconditionError("use of a moved-from Session");
+  }
+  v1::RegisterMrBatchRequest request;
+  request.set_session(session.token());
+  for (const RegisterOptions& o : options) {
+    *request.add_items() = ToRequest(/*session=*/"", o);
+  }
+  MRD_ASSIGN_OR_RETURN(v1::RegisterMrBatchResponse response,
+                       session.client().RegisterMrBatch(request));
+  if (response.items_size() != static_cast<int>(options.size())) {
+    return absl::InternalError(absl::StrCat("RegisterMrBatch answered ",
+                                            response.items_size(),
+                                            " items for ", options.size()));
+  }
+  std::vector<absl::StatusOr<Registration>> results;
+  results.reserve(options.size());
+  for (int i = 0; i < response.items_size(); ++i) {
+    v1::RegisterMrBatchResult* item = response.mutable_items(i);
+    absl::Status status = ItemStatusFromProto(item->status());
+    if (!status.ok()) {
+      results.push_back(std::move(status));
+      continue;
+    }
+    results.push_back(Registration(session.core(),
+                                   std::move(*item->mutable_registration()),
+                                   options[i].mr));
+  }
+  return results;
+}
+
+absl::StatusOr<std::vector<absl::StatusOr<uint32_t>>>
+Registration::DeregisterBatch(std::vector<Registration>& registrations) {
+  std::shared_ptr<internal::SessionCore> core;
+  for (const Registration& r : registrations) {
+    if (!r.valid()) continue;
+    if (core == nullptr) core = r.core_;
+    if (r.core_ != core) {
+      return absl::InvalidArgumentError(
+          "DeregisterBatch: the registrations belong to different sessions");
+    }
+  }
+  std::vector<absl::StatusOr<uint32_t>> results(
+      registrations.size(),
+      absl::FailedPreconditionError("registration already deregistered"));
+  if (core == nullptr) return results;
+  v1::DeregisterMrBatchRequest request;
+  request.set_session(core->token);
+  std::vector<size_t> sent;  // index in `registrations` of each item
+  for (size_t i = 0; i < registrations.size(); ++i) {
+    Registration& r = registrations[i];
+    if (!r.valid()) continue;
+    v1::DeregisterMrRequest* item = request.add_items();
+    if (r.mr_object_ != 0) {
+      item->set_mr(r.mr_object_);
+    } else {
+      item->set_registration(r.response_.registration());
+    }
+    r.core_.reset();
+    sent.push_back(i);
+  }
+  if (core->Ended()) {
+    for (size_t i : sent) results[i] = 0u;
+    return results;
+  }
+  absl::StatusOr<v1::DeregisterMrBatchResponse> response =
+      core->client.DeregisterMrBatch(request);
+  if (!response.ok()) {
+    if (!internal::EndedElsewhere(*core, response.status())) {
+      return response.status();
+    }
+    for (size_t i : sent) results[i] = 0u;
+    return results;
+  }
+  if (response->items_size() != static_cast<int>(sent.size())) {
+    return absl::InternalError(absl::StrCat("DeregisterMrBatch answered ",
+                                            response->items_size(),
+                                            " items for ", sent.size()));
+  }
+  for (size_t k = 0; k < sent.size(); ++k) {
+    const v1::DeregisterMrBatchResult& item = response->items(k);
+    absl::Status status = ItemStatusFromProto(item.status());
+    if (status.ok()) {
+      results[sent[k]] = item.references();
+    } else {
+      results[sent[k]] = std::move(status);
+    }
+  }
+  return results;
 }
 
 v1::RegisterMrResponse Registration::Detach() {

@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
@@ -61,6 +62,22 @@ class Registration {
   // RegisterAsync with a future (get() blocks until mrd answers).
   static std::future<absl::StatusOr<Registration>> RegisterFuture(
       const Session& session, RegisterOptions options);
+  // Many registrations in one round trip (RegisterMrBatch): one result per
+  // option, in order, each what Register would have returned for it. The
+  // outer status is the call's: WSAENOTCONN, INVALID_ARGUMENT
+  // "BATCH_TOO_LARGE" (more than the server's --max_batch_items), or a
+  // transport error (then none of the items is known to be registered:
+  // ListRegistrations tells).
+  static absl::StatusOr<std::vector<absl::StatusOr<Registration>>>
+  RegisterBatch(const Session& session,
+                const std::vector<RegisterOptions>& options);
+  // Deregisters many in one round trip (DeregisterMrBatch): one result per
+  // registration, in order, as Deregister() would return it. Every
+  // registration given is invalid afterwards (as after Deregister()); they
+  // must all belong to one session. Invalid ones get FAILED_PRECONDITION.
+  static absl::StatusOr<std::vector<absl::StatusOr<uint32_t>>> DeregisterBatch(
+      std::vector<Registration>& registrations);
+
   // Takes ownership of one reference already held in `session`; with
   // `via_mr` it is the registration of MR object response.mr().
   static Registration Adopt(const Session& session,

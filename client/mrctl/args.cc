@@ -115,6 +115,35 @@ std::vector<CommandSpec> BuildCommands() {
         {"mr", "ID", "register through this MR object (create-mr)"},
         {"capacity", "N", "descriptor space in bytes (W2; default no limit)"},
         {"request-id", "KEY", "idempotency key for retries"}}});
+  c.push_back(
+      {"register-batch",
+       "",
+       0,
+       true,
+       "Register COUNT ranges of a buffer in one call (RegisterMrBatch).",
+       "Ranges of --length bytes at --offset, --offset + --stride, ... Each\n"
+       "range is registered as by `register` and gets its own result; one\n"
+       "that fails leaves nothing behind and does not stop the others; the\n"
+       "exit status is then that of the first failure (as from `register`).",
+       {{"buffer", "ID", "the buffer (required)"},
+        {"offset", "SIZE", "start of the first range (default 0)"},
+        {"length", "SIZE", "bytes of each range (required)"},
+        {"count", "N", "how many ranges (required)"},
+        {"stride", "SIZE",
+         "from one range's start to the next (default: length)"},
+        {"flags", "FLAGS", kMrFlagsHelp},
+        {"mem", "read|write|readwrite",
+         "MEM_* access instead of --flags (WSPRegisterRdmaMemory form)"}}});
+  c.push_back({"deregister-batch",
+               "",
+               0,
+               true,
+               "Drop one reference of each of many registrations in one call "
+               "(DeregisterMrBatch).",
+               "Each gets its own result, as from `deregister`; the exit "
+               "status is that of the first failure.",
+               {{"registrations", "ID,ID,...",
+                 "implicit registrations, joined by ',' (required)"}}});
   c.push_back({"deregister",
                "",
                0,

@@ -16,6 +16,7 @@
 #include "client/lib/mrd_client.h"
 #include "client/mrctl/output.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 
 namespace mrd::mrctl {
 namespace {
@@ -267,6 +268,70 @@ absl::Status Deregister(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(v1::DeregisterMrResponse response,
                        c.DeregisterMr(request));
   return Emit(ctx, response);
+}
+
+// The first failed item of a batch, as the command's status (its output
+// has every item's result already).
+absl::Status FirstItemFailure(
+    const google::protobuf::RepeatedPtrField<v1::ItemStatus>& items) {
+  for (int i = 0; i < items.size(); ++i) {
+    absl::Status status = ItemStatusFromProto(items[i]);
+    if (!status.ok()) {
+      absl::Status out(status.code(),
+                       absl::StrCat("item ", i, ": ", status.message()));
+      SetErrorDetail(&out, GetErrorDetail(status));
+      return out;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RegisterBatch(Context& ctx) {
+  client::RegisterOptions options;
+  MRD_ASSIGN_OR_RETURN(options.buffer, ctx.flags.Uint64("buffer"));
+  MRD_ASSIGN_OR_RETURN(uint64_t offset, ctx.flags.SizeOr("offset", 0));
+  MRD_ASSIGN_OR_RETURN(options.length, ctx.flags.Size("length"));
+  MRD_ASSIGN_OR_RETURN(uint64_t count, ctx.flags.Uint64("count"));
+  MRD_ASSIGN_OR_RETURN(uint64_t stride,
+                       ctx.flags.SizeOr("stride", options.length));
+  MRD_ASSIGN_OR_RETURN(options.flags, MrFlagsOf(ctx.flags));
+  MRD_ASSIGN_OR_RETURN(options.mem_flags, MemFlagsOf(ctx.flags));
+  // The server refuses more than its --max_batch_items; this bound only
+  // keeps mrctl from building a request it could never send.
+  constexpr uint64_t kMaxCount = uint64_t{1} << 20;
+  if (count == 0 || count > kMaxCount) {
+    return UsageError(absl::StrCat("--count must be 1 to ", kMaxCount));
+  }
+  v1::RegisterMrBatchRequest request;
+  request.set_session(ctx.token());
+  for (uint64_t i = 0; i < count; ++i) {
+    options.offset = offset + i * stride;
+    *request.add_items() = client::ToRequest("", options);
+  }
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::RegisterMrBatchResponse response,
+                       c.RegisterMrBatch(request));
+  MRD_RETURN_IF_ERROR(Emit(ctx, response));
+  google::protobuf::RepeatedPtrField<v1::ItemStatus> statuses;
+  for (const auto& item : response.items()) *statuses.Add() = item.status();
+  return FirstItemFailure(statuses);
+}
+
+absl::Status DeregisterBatch(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(std::string text,
+                       ctx.flags.RequiredString("registrations"));
+  absl::StatusOr<std::vector<uint64_t>> ids = ParseUint64List(text);
+  if (!ids.ok()) return FlagError("registrations", ids.status());
+  v1::DeregisterMrBatchRequest request;
+  request.set_session(ctx.token());
+  for (uint64_t id : *ids) request.add_items()->set_registration(id);
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::DeregisterMrBatchResponse response,
+                       c.DeregisterMrBatch(request));
+  MRD_RETURN_IF_ERROR(Emit(ctx, response));
+  google::protobuf::RepeatedPtrField<v1::ItemStatus> statuses;
+  for (const auto& item : response.items()) *statuses.Add() = item.status();
+  return FirstItemFailure(statuses);
 }
 
 absl::Status BuildLam(Context& ctx) {
@@ -561,6 +626,8 @@ const std::map<std::string, Handler>& Handlers() {
       {"close-mr", CloseMr},
       {"register", Register},
       {"deregister", Deregister},
+      {"register-batch", RegisterBatch},
+      {"deregister-batch", DeregisterBatch},
       {"build-lam", BuildLam},
       {"release-lam", ReleaseLam},
       {"fast-register", FastRegister},

@@ -1,5 +1,8 @@
 #include "mrd/status_proto.h"
 
+#include <cstdint>
+#include <string>
+
 namespace mrd {
 namespace {
 
@@ -49,6 +52,28 @@ ErrorDetail ErrorDetailFromProto(const v1::ErrorDetail& proto) {
   detail.set_reason(proto.reason());
   detail.set_required_size(proto.required_size());
   return detail;
+}
+
+v1::ItemStatus ItemStatusToProto(const absl::Status& status) {
+  v1::ItemStatus item;
+  item.set_code(static_cast<int32_t>(status.code()));
+  if (status.ok()) return item;
+  item.set_message(std::string(status.message()));
+  *item.mutable_detail() = ErrorDetailToProto(GetErrorDetail(status));
+  return item;
+}
+
+absl::Status ItemStatusFromProto(const v1::ItemStatus& item) {
+  if (item.code() == 0) return absl::OkStatus();
+  // absl's codes are gRPC's, 1 to 16.
+  const absl::StatusCode code = item.code() > 0 && item.code() <= 16
+                                    ? static_cast<absl::StatusCode>(item.code())
+                                    : absl::StatusCode::kUnknown;
+  absl::Status status(code, item.message());
+  if (item.has_detail()) {
+    SetErrorDetail(&status, ErrorDetailFromProto(item.detail()));
+  }
+  return status;
 }
 
 }  // namespace mrd

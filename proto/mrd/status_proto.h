@@ -19,6 +19,11 @@ SeedStatus SeedStatusFromProto(v1::SeedStatus seed);
 v1::ErrorDetail ErrorDetailToProto(const ErrorDetail& detail);
 ErrorDetail ErrorDetailFromProto(const v1::ErrorDetail& detail);
 
+// One item of a batch call: its status, code, message and detail.
+v1::ItemStatus ItemStatusToProto(const absl::Status& status);
+// The inverse; a code outside absl's becomes UNKNOWN.
+absl::Status ItemStatusFromProto(const v1::ItemStatus& item);
+
 }  // namespace mrd
 
 #endif  // MRD_PROTO_MRD_STATUS_PROTO_H_

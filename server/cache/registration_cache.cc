@@ -83,6 +83,28 @@ absl::StatusOr<ReleaseResult> RegistrationCache::Release(uint64_t entry_id) {
   return result;
 }
 
+std::optional<AcquireResult> RegistrationCache::TryAcquireReady(
+    const CacheKey& key) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_key_.find(key);
+  if (it == by_key_.end() || it->second->state != State::kReady) {
+    return std::nullopt;
+  }
+  Entry& found = *it->second;
+  ++found.references;
+  ++stats_.hits;
+  return AcquireResult{found.id, found.registration, found.references,
+                       /*hit=*/true};
+}
+
+bool RegistrationCache::ReleaseIfNotLast(uint64_t entry_id, uint32_t* left) {
+  absl::MutexLock lock(&mu_);
+  auto it = by_id_.find(entry_id);
+  if (it == by_id_.end() || it->second->references < 2) return false;
+  *left = --it->second->references;
+  return true;
+}
+
 void RegistrationCache::EraseKeyOf(const Entry& entry) {
   // A restored entry is out of the key map, and its key may name a newer
   // entry by now: only an entry's own mapping is erased.

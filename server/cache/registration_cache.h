@@ -120,6 +120,14 @@ class RegistrationCache {
   // Takes one reference of `entry` away. NOT_FOUND if unknown.
   absl::StatusOr<ReleaseResult> Release(uint64_t entry);
 
+  // The two that never wait, for callers that must not block (a gRPC
+  // thread): a hit on a ready entry for `key` (nullopt when there is none,
+  // or it is still being created: then Acquire), and the release of a
+  // reference that is not the last (false when it would be, or `entry` is
+  // unknown: then Release, whose last reference the caller deregisters).
+  std::optional<AcquireResult> TryAcquireReady(const CacheKey& key);
+  bool ReleaseIfNotLast(uint64_t entry, uint32_t* left);
+
   // Puts back a released entry whose deregistration failed, with one
   // reference, reachable by id only (never handed out by key again), so the
   // caller can retry its release. FAILED_PRECONDITION if the id is in use.

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 #include "server/common/log.h"
 #include "server/core/errors.h"
 
@@ -503,11 +504,72 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
   return registrations_.Register(session, req, out);
 }
 
+std::optional<absl::Status> Core::TryRegisterMrHit(
+    const v1::RegisterMrRequest& req, v1::RegisterMrResponse* out) {
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
+  if (!session.ok()) return session.status();
+  return registrations_.TryRegisterHit(*session, req, out);
+}
+
+std::optional<absl::Status> Core::TryDeregisterMrNotLast(
+    const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out) {
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
+  if (!session.ok()) return session.status();
+  return registrations_.TryDeregisterNotLast(*session, req, out);
+}
+
 absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
                                 v1::DeregisterMrResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
   return registrations_.Deregister(session, req, out);
+}
+
+absl::StatusOr<std::shared_ptr<Session>> Core::FindBatchSession(
+    const std::string& token, size_t items) {
+  if (items > options_.max_batch_items) {
+    return SeedError(STATUS_INVALID_PARAMETER, "BATCH_TOO_LARGE",
+                     absl::StrCat("the batch has ", items,
+                                  " items; this server takes at most ",
+                                  options_.max_batch_items, " in one call"));
+  }
+  return FindSession(token);
+}
+
+absl::Status Core::RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
+                                   v1::RegisterMrBatchResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindBatchSession(req.session(), req.items_size()));
+  for (const v1::RegisterMrRequest& item : req.items()) {
+    v1::RegisterMrBatchResult* result = out->add_items();
+    absl::Status status =
+        item.session().empty() || item.session() == req.session()
+            ? registrations_.Register(session, item,
+                                      result->mutable_registration())
+            : SeedError(STATUS_INVALID_PARAMETER, "ITEM_SESSION_MISMATCH",
+                        "an item names another session than its batch");
+    if (!status.ok()) result->clear_registration();
+    *result->mutable_status() = ItemStatusToProto(status);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
+                                     v1::DeregisterMrBatchResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindBatchSession(req.session(), req.items_size()));
+  for (const v1::DeregisterMrRequest& item : req.items()) {
+    v1::DeregisterMrBatchResult* result = out->add_items();
+    v1::DeregisterMrResponse response;
+    absl::Status status =
+        item.session().empty() || item.session() == req.session()
+            ? registrations_.Deregister(session, item, &response)
+            : SeedError(STATUS_INVALID_PARAMETER, "ITEM_SESSION_MISMATCH",
+                        "an item names another session than its batch");
+    result->set_references(status.ok() ? response.references() : 0);
+    *result->mutable_status() = ItemStatusToProto(status);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {

@@ -98,6 +98,8 @@ struct CoreOptions {
   uint64_t warm_pin_bytes_total = 0;
   size_t completion_queue_depth = 65536;
   size_t request_id_memory = 4096;  // idempotency keys remembered per session
+  // Items in one RegisterMrBatch or DeregisterMrBatch.
+  size_t max_batch_items = 4096;
   // fd budget (docs/RELIABILITY.md, "File descriptors"): each imported
   // buffer's fd is charged to its session here. Not owned; null = none.
   FdBudget* fd_budget = nullptr;
@@ -166,6 +168,18 @@ class Core final : public fd_socket::FdSessionHandler {
                           v1::RegisterMrResponse* out);
   absl::Status DeregisterMr(const v1::DeregisterMrRequest& req,
                             v1::DeregisterMrResponse* out);
+  // RegisterMr / DeregisterMr when they can be answered without blocking
+  // (a cache hit; a deregistration that leaves references; an error found
+  // before anything is pinned): nullopt when they cannot, and the caller
+  // must call RegisterMr / DeregisterMr on a thread that may block.
+  std::optional<absl::Status> TryRegisterMrHit(const v1::RegisterMrRequest& req,
+                                               v1::RegisterMrResponse* out);
+  std::optional<absl::Status> TryDeregisterMrNotLast(
+      const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out);
+  absl::Status RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
+                               v1::RegisterMrBatchResponse* out);
+  absl::Status DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
+                                 v1::DeregisterMrBatchResponse* out);
   absl::Status BuildLam(const v1::BuildLamRequest& req,
                         v1::BuildLamResponse* out);
   absl::Status ReleaseLam(const v1::ReleaseLamRequest& req);
@@ -213,6 +227,9 @@ class Core final : public fd_socket::FdSessionHandler {
   void EndSession(const std::string& token, absl::string_view why);
   void TearDown(const std::shared_ptr<Session>& session);
 
+  // A batch's session, after checking its size against max_batch_items.
+  absl::StatusOr<std::shared_ptr<Session>> FindBatchSession(
+      const std::string& token, size_t items);
   absl::StatusOr<v1::BufferInfo> AddBuffer(
       const std::shared_ptr<Session>& session,
       std::shared_ptr<fd_socket::MappedFile> file);

@@ -126,6 +126,52 @@ absl::Status Registrations::Register(const std::shared_ptr<Session>& session,
   return commit;
 }
 
+std::optional<absl::Status> Registrations::TryRegisterHit(
+    const std::shared_ptr<Session>& session, const v1::RegisterMrRequest& req,
+    v1::RegisterMrResponse* out) {
+  uint32_t access = 0;
+  MRD_RETURN_IF_ERROR(CheckRequest(req, &access));
+  // One hold of the session's lock from the checks to the commit: nothing
+  // the commit checks can change in between, so a hit is never undone.
+  absl::MutexLock lock(&session->mu);
+  if (ReplayLocked(*session, req, out)) return absl::OkStatus();
+  Plan plan;
+  MRD_RETURN_IF_ERROR(CheckTargetsLocked(*session, req, access, &plan));
+  MRD_RETURN_IF_ERROR(PlanRegistration(*session, req, access, &plan));
+  std::optional<cache::AcquireResult> hit = cache_.TryAcquireReady(plan.key);
+  if (!hit.has_value()) return std::nullopt;
+  absl::Status commit = CommitLocked(*session, req, plan, *hit, out);
+  if (!commit.ok()) {
+    // Not expected (the lock was held throughout); give the reference back
+    // without blocking when it is not the last, on a worker otherwise.
+    uint32_t left = 0;
+    if (!cache_.ReleaseIfNotLast(hit->entry, &left)) {
+      out->Clear();
+      return std::nullopt;
+    }
+    return commit;
+  }
+  return absl::OkStatus();
+}
+
+std::optional<absl::Status> Registrations::TryDeregisterNotLast(
+    const std::shared_ptr<Session>& session, const v1::DeregisterMrRequest& req,
+    v1::DeregisterMrResponse* out) {
+  // Through an MR object the reference is the object's: the worker path.
+  if (!req.has_registration()) return std::nullopt;
+  absl::MutexLock lock(&session->mu);
+  auto r = session->registrations.find(req.registration());
+  if (r == session->registrations.end() || r->second.implicit_refs == 0 ||
+      r->second.implicit_refs + r->second.mr_refs < 2) {
+    return std::nullopt;  // an error, or the last reference: the worker's
+  }
+  uint32_t left = 0;
+  if (!cache_.ReleaseIfNotLast(r->first, &left)) return std::nullopt;
+  --r->second.implicit_refs;
+  out->set_references(left);
+  return absl::OkStatus();
+}
+
 bool Registrations::ReplayLocked(Session& session,
                                  const v1::RegisterMrRequest& req,
                                  v1::RegisterMrResponse* out) {

@@ -57,6 +57,19 @@ class Registrations {
   absl::Status Deregister(const std::shared_ptr<Session>& session,
                           const v1::DeregisterMrRequest& req,
                           v1::DeregisterMrResponse* out);
+  // The forms that never block, for a caller on a thread that must not (a
+  // gRPC thread): Register when the answer is a cache hit (or the replay of
+  // a request id, or an error found before anything is pinned), and
+  // Deregister of a reference that is not the registration's last. nullopt
+  // when the call would pin, register, wait for a registration being made,
+  // or deregister: then Register / Deregister must run (on a worker).
+  std::optional<absl::Status> TryRegisterHit(
+      const std::shared_ptr<Session>& session, const v1::RegisterMrRequest& req,
+      v1::RegisterMrResponse* out);
+  std::optional<absl::Status> TryDeregisterNotLast(
+      const std::shared_ptr<Session>& session,
+      const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out);
+
   // Drops one cache reference (an MR object that held it was closed);
   // deregisters on the last. Returns the references left.
   absl::StatusOr<uint32_t> DropReference(

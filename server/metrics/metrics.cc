@@ -602,7 +602,8 @@ Metrics::Metrics(const core::Core* core, FdBudget* fd_budget)
                     .Name("mrd_registration_size_bytes")
                     .Help("Bytes of each successful registration, by method.")
                     .Register(*registry_);
-  for (const char* method : {"RegisterMr", "BuildLam", "FastRegister"}) {
+  for (const char* method :
+       {"RegisterMr", "RegisterMrBatch", "BuildLam", "FastRegister"}) {
     sizes_.emplace(method, &sizes.Add({{"method", method}}, SizeBuckets()));
   }
 }

@@ -168,6 +168,28 @@ grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
   return reactor;
 }
 
+template <typename Quick, typename Fn>
+grpc::ServerUnaryReactor* MrdService::RunQuickOrPool(
+    grpc::CallbackServerContext* ctx, absl::string_view method, Quick quick,
+    Fn fn) {
+  grpc::ServerUnaryReactor* reactor = UnaryReactor::Create(ctx);
+  const absl::Time start = absl::Now();
+  if (observer_ != nullptr) observer_->OnRpcStart(method);
+  auto finish = [this, ctx, reactor, method, start](absl::Status result) {
+    grpc::Status status = ToGrpcStatus(result, ctx);
+    if (observer_ != nullptr) {
+      observer_->OnRpcDone(method, status.error_code(), absl::Now() - start);
+    }
+    reactor->Finish(status);
+  };
+  if (std::optional<absl::Status> answered = quick(); answered.has_value()) {
+    finish(*std::move(answered));
+  } else {
+    pool_->Schedule([finish, fn = std::move(fn)]() { finish(fn()); });
+  }
+  return reactor;
+}
+
 absl::Status MrdService::Registered(absl::string_view method, uint64_t bytes,
                                     absl::Status status) {
   if (status.ok() && observer_ != nullptr) {
@@ -235,17 +257,50 @@ grpc::ServerUnaryReactor* MrdService::CloseMr(grpc::CallbackServerContext* ctx,
 grpc::ServerUnaryReactor* MrdService::RegisterMr(
     grpc::CallbackServerContext* ctx, const v1::RegisterMrRequest* req,
     v1::RegisterMrResponse* resp) {
-  return Run(ctx, "RegisterMr", Where::kPool, [this, req, resp] {
-    return Registered("RegisterMr", req->length(),
-                      core_->RegisterMr(*req, resp));
-  });
+  return RunQuickOrPool(
+      ctx, "RegisterMr",
+      [this, req, resp]() -> std::optional<absl::Status> {
+        std::optional<absl::Status> hit = core_->TryRegisterMrHit(*req, resp);
+        if (!hit.has_value()) return std::nullopt;
+        return Registered("RegisterMr", req->length(), *std::move(hit));
+      },
+      [this, req, resp] {
+        return Registered("RegisterMr", req->length(),
+                          core_->RegisterMr(*req, resp));
+      });
 }
 
 grpc::ServerUnaryReactor* MrdService::DeregisterMr(
     grpc::CallbackServerContext* ctx, const v1::DeregisterMrRequest* req,
     v1::DeregisterMrResponse* resp) {
-  return Run(ctx, "DeregisterMr", Where::kPool,
-             [this, req, resp] { return core_->DeregisterMr(*req, resp); });
+  return RunQuickOrPool(
+      ctx, "DeregisterMr",
+      [this, req, resp] { return core_->TryDeregisterMrNotLast(*req, resp); },
+      [this, req, resp] { return core_->DeregisterMr(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::RegisterMrBatch(
+    grpc::CallbackServerContext* ctx, const v1::RegisterMrBatchRequest* req,
+    v1::RegisterMrBatchResponse* resp) {
+  return Run(ctx, "RegisterMrBatch", Where::kPool, [this, req, resp] {
+    absl::Status status = core_->RegisterMrBatch(*req, resp);
+    // Each registration made counts as one of its size.
+    for (int i = 0; i < resp->items_size(); ++i) {
+      if (resp->items(i).status().code() == 0) {
+        (void)Registered("RegisterMrBatch", req->items(i).length(),
+                         absl::OkStatus());
+      }
+    }
+    return status;
+  });
+}
+
+grpc::ServerUnaryReactor* MrdService::DeregisterMrBatch(
+    grpc::CallbackServerContext* ctx, const v1::DeregisterMrBatchRequest* req,
+    v1::DeregisterMrBatchResponse* resp) {
+  return Run(ctx, "DeregisterMrBatch", Where::kPool, [this, req, resp] {
+    return core_->DeregisterMrBatch(*req, resp);
+  });
 }
 
 grpc::ServerUnaryReactor* MrdService::BuildLam(grpc::CallbackServerContext* ctx,

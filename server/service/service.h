@@ -1,7 +1,9 @@
 // MrdService: the gRPC edge. A thin adapter over core::Core: decode, hand to
 // the core, convert the status once (ToGrpcStatus), finish. Work that can take
 // long (pinning, registration, teardown) runs on the worker pool, never on a
-// gRPC thread; quick reads run inline.
+// gRPC thread; quick reads run inline, and so do a RegisterMr that is a cache
+// hit and a DeregisterMr that leaves references (the core's Try* forms say
+// when a call can be answered without blocking).
 //
 // Thread safety: gRPC calls the handlers concurrently; the service holds no
 // state of its own besides pointers fixed at construction.
@@ -57,6 +59,12 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   grpc::ServerUnaryReactor* DeregisterMr(
       grpc::CallbackServerContext* ctx, const v1::DeregisterMrRequest* req,
       v1::DeregisterMrResponse* resp) override;
+  grpc::ServerUnaryReactor* RegisterMrBatch(
+      grpc::CallbackServerContext* ctx, const v1::RegisterMrBatchRequest* req,
+      v1::RegisterMrBatchResponse* resp) override;
+  grpc::ServerUnaryReactor* DeregisterMrBatch(
+      grpc::CallbackServerContext* ctx, const v1::DeregisterMrBatchRequest* req,
+      v1::DeregisterMrBatchResponse* resp) override;
   grpc::ServerUnaryReactor* BuildLam(grpc::CallbackServerContext* ctx,
                                      const v1::BuildLamRequest* req,
                                      v1::BuildLamResponse* resp) override;
@@ -84,6 +92,12 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   template <typename Fn>
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
                                 absl::string_view method, Where where, Fn fn);
+  // `quick` first, on the gRPC thread: it answers what never blocks and
+  // returns nullopt for the rest, which `fn` then answers on the pool.
+  template <typename Quick, typename Fn>
+  grpc::ServerUnaryReactor* RunQuickOrPool(grpc::CallbackServerContext* ctx,
+                                           absl::string_view method,
+                                           Quick quick, Fn fn);
   // Tells the observer about a successful registration; returns `status`.
   absl::Status Registered(absl::string_view method, uint64_t bytes,
                           absl::Status status);

@@ -13,13 +13,16 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <future>
+#include <iostream>
 #include <map>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -1108,6 +1111,176 @@ TEST_F(RestrictedFdSocketTest, FdRefusalIsReported) {
       << session.status();
   EXPECT_EQ(client::ReasonOf(session.status()), "PEER_NOT_ALLOWED");
   EXPECT_EQ(Gauge("mrd_sessions"), 0);
+}
+
+// RegisterMrBatch and DeregisterMrBatch through the library, against the
+// real mrd: every token of a batch works on the wire, a failed item is only
+// that item's, another session's registrations are untouched, and the
+// batch's deregistration kills each token before it returns.
+TEST_F(ClientLibTest, BatchesRegisterAndDeregisterManyInOneCall) {
+  Session bystander = OpenFdSession();
+  absl::StatusOr<Buffer> other = Buffer::Create(bystander, 4096, "bystander");
+  ASSERT_TRUE(other.ok()) << other.status();
+  absl::StatusOr<Registration> kept =
+      Registration::Register(bystander, Range(*other, 0, 4096, kRemoteRead));
+  ASSERT_TRUE(kept.ok()) << kept.status();
+
+  Session session = OpenFdSession();
+  constexpr int kItems = 64;
+  absl::StatusOr<Buffer> buffer =
+      Buffer::Create(session, kItems * 4096, "batch");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::vector<RegisterOptions> options;
+  for (int i = 0; i < kItems; ++i) {
+    std::snprintf(static_cast<char*>(buffer->data()) + i * 4096, 16, "page %d",
+                  i);
+    options.push_back(Range(*buffer, i * 4096, 4096, kRemoteRead));
+  }
+  options.push_back(Range(*buffer, kItems * 4096, 4096, kRemoteRead));  // past
+  absl::StatusOr<std::vector<absl::StatusOr<Registration>>> regs =
+      Registration::RegisterBatch(session, options);
+  ASSERT_TRUE(regs.ok()) << regs.status();
+  ASSERT_EQ(regs->size(), options.size());
+  EXPECT_EQ(regs->back().status().code(), absl::StatusCode::kInvalidArgument)
+      << regs->back().status();
+  auto peer = ConnectPeer(session);
+  ASSERT_NE(peer, nullptr);
+  for (int i = 0; i < kItems; ++i) {
+    ASSERT_TRUE((*regs)[i].ok()) << i << " " << (*regs)[i].status();
+    absl::StatusOr<std::string> read =
+        peer->Read((*regs)[i]->rkey(), (*regs)[i]->base_address(), 16);
+    ASSERT_TRUE(read.ok()) << read.status();
+    EXPECT_EQ(std::string(read->c_str()), absl::StrCat("page ", i));
+  }
+  EXPECT_EQ(List(session).registrations_size(), kItems);
+  EXPECT_EQ(PinnedBytes(), (kItems + 1) * 4096u);
+
+  std::vector<Registration> owned;
+  std::vector<std::pair<uint32_t, uint64_t>> tokens;
+  for (int i = 0; i < kItems; ++i) {
+    tokens.emplace_back((*regs)[i]->rkey(), (*regs)[i]->base_address());
+    owned.push_back(*std::move((*regs)[i]));
+  }
+  absl::StatusOr<std::vector<absl::StatusOr<uint32_t>>> left =
+      Registration::DeregisterBatch(owned);
+  ASSERT_TRUE(left.ok()) << left.status();
+  ASSERT_EQ(left->size(), owned.size());
+  for (const auto& l : *left) {
+    ASSERT_TRUE(l.ok()) << l.status();
+    EXPECT_EQ(*l, 0u);
+  }
+  for (const Registration& r : owned) EXPECT_FALSE(r.valid());
+  // A refused access ends the peer's connection (as an RC queue pair goes
+  // to error): one fresh peer per dead token.
+  for (const auto& [rkey, base] : tokens) {
+    auto fresh = ConnectPeer(session);
+    ASSERT_NE(fresh, nullptr);
+    ExpectRemoteAccessError(fresh->Read(rkey, base, 1).status());
+  }
+  EXPECT_EQ(List(session).registrations_size(), 0);
+  // The bystander's registration is as it was.
+  auto bystander_peer = ConnectPeer(bystander);
+  ASSERT_NE(bystander_peer, nullptr);
+  EXPECT_TRUE(bystander_peer->Read(kept->rkey(), kept->base_address(), 1).ok());
+  EXPECT_EQ(PinnedBytes(), 4096u);
+}
+
+class BatchLimitTest : public ClientLibTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions o = ClientLibTest::ServerOptions();
+    o.extra_flags.push_back("--max_batch_items=4");
+    return o;
+  }
+};
+
+TEST_F(BatchLimitTest, ABatchOverTheLimitIsRefusedWholeNamingIt) {
+  Session session = OpenFdSession();
+  absl::StatusOr<Buffer> buffer = Buffer::Create(session, 8 * 4096, "limit");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::vector<RegisterOptions> options;
+  for (int i = 0; i < 5; ++i) {
+    options.push_back(Range(*buffer, i * 4096, 4096, kRemoteRead));
+  }
+  absl::StatusOr<std::vector<absl::StatusOr<Registration>>> regs =
+      Registration::RegisterBatch(session, options);
+  EXPECT_EQ(regs.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(client::ReasonOf(regs.status()), "BATCH_TOO_LARGE");
+  EXPECT_TRUE(absl::StrContains(regs.status().message(), "at most 4"))
+      << regs.status();
+  EXPECT_EQ(List(session).registrations_size(), 0);
+  options.pop_back();
+  regs = Registration::RegisterBatch(session, options);
+  ASSERT_TRUE(regs.ok()) << regs.status();
+  for (const auto& r : *regs) EXPECT_TRUE(r.ok()) << r.status();
+}
+
+// A RegisterMr that is a cache hit, and a DeregisterMr that leaves
+// references, are answered on the gRPC thread: with one worker busy with a
+// queue of cold registrations, they return long before the queue drains
+// (hopped to the worker they would come after all of it, in order).
+class QuickPathTest : public ClientLibTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions o = ClientLibTest::ServerOptions();
+    o.extra_flags.push_back("--worker_threads=1");
+    o.extra_flags.push_back("--warm_pin_bytes_total=0");
+    return o;
+  }
+};
+
+TEST_F(QuickPathTest, HitsAndNonLastDeregistrationsDoNotWaitForTheWorkers) {
+  Session session = OpenFdSession();
+  constexpr uint64_t kChunk = uint64_t{16} << 20;
+  constexpr int kQueued = 12;
+  absl::StatusOr<Buffer> big =
+      Buffer::Create(session, kQueued * kChunk + 4096, "queue");
+  ASSERT_TRUE(big.ok()) << big.status();
+  for (uint64_t i = 0; i < kQueued * kChunk; i += 4096) {
+    static_cast<char*>(big->data())[i] = 1;
+  }
+  absl::StatusOr<Registration> first = Registration::Register(
+      session, Range(*big, kQueued * kChunk, 4096, kRemoteRead));
+  ASSERT_TRUE(first.ok()) << first.status();
+
+  std::atomic<int> done{0};
+  std::vector<std::future<absl::StatusOr<Registration>>> queued;
+  for (int i = 0; i < kQueued; ++i) {
+    queued.push_back(Registration::RegisterFuture(
+        session, Range(*big, i * kChunk, kChunk, kRemoteRead)));
+  }
+  std::thread watcher([&] {
+    for (auto& f : queued) {
+      f.wait();
+      done.fetch_add(1);
+    }
+  });
+  // The same range again: a hit, answered while the worker pins.
+  absl::StatusOr<Registration> hit = Registration::Register(
+      session, Range(*big, kQueued * kChunk, 4096, kRemoteRead));
+  const int done_at_hit = done.load();
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_TRUE(hit->cache_hit());
+  EXPECT_EQ(hit->references(), 2u);
+  // Its deregistration leaves the first's reference: no device call either.
+  absl::StatusOr<uint32_t> left = hit->Deregister();
+  const int done_at_deregister = done.load();
+  ASSERT_TRUE(left.ok()) << left.status();
+  EXPECT_EQ(*left, 1u);
+  watcher.join();
+  EXPECT_LT(done_at_hit, kQueued);
+  EXPECT_LT(done_at_deregister, kQueued);
+  std::cerr << done_at_hit << " and " << done_at_deregister << " of " << kQueued
+            << " queued registrations were done when the hit and "
+            << "its deregistration returned\n";
+  for (auto& f : queued) {
+    absl::StatusOr<Registration> r = f.get();
+    EXPECT_TRUE(r.ok()) << r.status();
+  }
+  // The token of the remaining reference still works.
+  auto peer = ConnectPeer(session);
+  ASSERT_NE(peer, nullptr);
+  EXPECT_TRUE(peer->Read(first->rkey(), first->base_address(), 1).ok());
 }
 
 }  // namespace

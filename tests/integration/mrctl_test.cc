@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
@@ -573,6 +574,54 @@ TEST_F(MrctlTest, LeaseImportRegisterListDeregisterRelease) {
   EXPECT_EQ(released_json.out,
             "{\"invalidatedRegistrations\":0,\"releasedLams\":0}\n");
   CloseLease();
+}
+
+TEST_F(MrctlTest, RegisterBatchAndDeregisterBatch) {
+  OpenLease();
+  ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "batch", "b", 8 * 4096).ok());
+  Result imported = Mrctl({"import-file", "batch"});
+  ASSERT_EQ(imported.code, kExitOk) << imported;
+  const std::string buffer = Fields(imported.out)["buffer"];
+
+  Result reg =
+      Mrctl({"register-batch", "--json", "--buffer=" + buffer, "--length=4K",
+             "--count=4", "--stride=8K", "--flags=remote_read"});
+  ASSERT_EQ(reg.code, kExitOk) << reg;
+  v1::RegisterMrBatchResponse batch =
+      FromJson<v1::RegisterMrBatchResponse>(reg.out);
+  ASSERT_EQ(batch.items_size(), 4);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(batch.items(i).status().code(), 0);
+    EXPECT_EQ(batch.items(i).registration().length(), 4096u);
+    ids.push_back(absl::StrCat(batch.items(i).registration().registration()));
+  }
+  EXPECT_EQ(ListOf(session_).registrations_size(), 4);
+  EXPECT_EQ(PinnedBytes(), 4 * 4096u);
+
+  // The fourth range runs past the buffer: its item fails, the exit status
+  // is that failure's, and the three before it are registered.
+  Result partly = Mrctl({"register-batch", "--buffer=" + buffer, "--offset=4K",
+                         "--length=8K", "--count=4", "--stride=8K"});
+  EXPECT_EQ(partly.code, kExitFailed) << partly;
+  EXPECT_TRUE(absl::StrContains(partly.err, "item 3:")) << partly;
+  EXPECT_EQ(ListOf(session_).registrations_size(), 7);
+
+  Result dereg =
+      Mrctl({"deregister-batch", "--json",
+             "--registrations=" + absl::StrJoin(ids, ",") + ",999999"});
+  EXPECT_EQ(dereg.code, kExitNotFound) << dereg;
+  v1::DeregisterMrBatchResponse left =
+      FromJson<v1::DeregisterMrBatchResponse>(dereg.out);
+  ASSERT_EQ(left.items_size(), 5);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(left.items(i).status().code(), 0);
+    EXPECT_EQ(left.items(i).references(), 0u);
+  }
+  EXPECT_EQ(left.items(4).status().detail().reason(), "UNKNOWN_REGISTRATION");
+  EXPECT_EQ(ListOf(session_).registrations_size(), 3);
+  CloseLease();
+  EXPECT_EQ(PinnedBytes(), 0u);
 }
 
 TEST_F(MrctlTest, SizesTakeUnits) {

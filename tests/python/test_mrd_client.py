@@ -180,3 +180,36 @@ def test_the_fd_socket_takes_requests_up_to_its_documented_size(client):
         assert e.value.reason == "MESSAGE_TOO_LARGE"
         with session.create_buffer(4096) as buffer:
             assert buffer.id
+
+
+def test_batches_register_and_deregister_many_in_one_call(client):
+    with client.open_fd_session() as session:
+        with session.create_buffer(8 * 4096, name="py-batch") as buffer:
+            for i in range(8):
+                buffer.memory[i * 4096:i * 4096 + 6] = b"page %d" % i
+            items = [dict(buffer=buffer, offset=i * 4096, length=4096,
+                          flags=mrd_client.REMOTE_READ) for i in range(8)]
+            items.append(dict(buffer=buffer, offset=8 * 4096, length=4096))
+            results = session.register_batch(items)
+            assert len(results) == 9
+            error = results[-1]
+            assert isinstance(error, MrdError)
+            assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+            regs = results[:-1]
+            assert all(isinstance(r, mrd_client.Registration) for r in regs)
+            assert pinned(client) == 8 * 4096
+            ticket = session.peer_ticket()
+            with SoftwarePeer.connect(ticket) as peer:
+                for i, reg in enumerate(regs):
+                    assert peer.read(reg.rkey, reg.base_address, 6) == \
+                        b"page %d" % i
+                tokens = [(r.rkey, r.base_address) for r in regs]
+            left = session.deregister_batch(regs)
+            assert left == [0] * 8
+            # A refused access ends the peer's connection: one peer each.
+            for rkey, address in tokens:
+                with SoftwarePeer.connect(ticket) as peer:
+                    with pytest.raises(PeerError):
+                        peer.read(rkey, address, 1)
+            assert pinned(client) == 0
+            assert all(r.deregister() is None for r in regs)

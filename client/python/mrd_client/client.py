@@ -133,6 +133,16 @@ class Session:
                  mem_flags=0, base_address=None, mr=None,
                  descriptor_capacity=0, request_id=""):
         """RegisterMr on a Buffer (or a buffer id): the Registration."""
+        request = self._register_request(
+            buffer, length=length, offset=offset, flags=flags,
+            mem_flags=mem_flags, base_address=base_address, mr=mr,
+            descriptor_capacity=descriptor_capacity, request_id=request_id)
+        return Registration(self, self._call("RegisterMr", request))
+
+    @staticmethod
+    def _register_request(buffer, length=None, offset=0, flags=LOCAL_READ,
+                          mem_flags=0, base_address=None, mr=None,
+                          descriptor_capacity=0, request_id=""):
         buffer_id = buffer.id if isinstance(buffer, Buffer) else buffer
         if length is None:
             length = buffer.size - offset
@@ -142,7 +152,41 @@ class Session:
             request_id=request_id, mr=mr.id if isinstance(mr, Mr) else (mr or 0))
         if base_address is not None:
             request.base_address = base_address
-        return Registration(self, self._call("RegisterMr", request))
+        return request
+
+    def register_batch(self, items):
+        """RegisterMrBatch: many registrations in one round trip. `items` are
+        dicts of register()'s keyword arguments. Returns one entry per item,
+        in order: its Registration, or the MrdError it got (a failed item
+        leaves nothing behind and does not stop the others). The call itself
+        raises MrdError only when the batch could not be tried at all
+        (session, BATCH_TOO_LARGE)."""
+        request = mrd_pb2.RegisterMrBatchRequest()
+        for item in items:
+            request.items.append(self._register_request(**item))
+        reply = self._call("RegisterMrBatch", request)
+        results = []
+        for result in reply.items:
+            error = errors.from_item_status(result.status)
+            results.append(error if error is not None
+                           else Registration(self, result.registration))
+        return results
+
+    def deregister_batch(self, registrations):
+        """DeregisterMrBatch: gives one reference of each Registration back in
+        one round trip. Returns, per registration in order, the references
+        left or the MrdError it got; each is deregistered afterwards (as after
+        deregister())."""
+        request = mrd_pb2.DeregisterMrBatchRequest()
+        for registration in registrations:
+            request.items.add(registration=registration.id)
+            registration.id = 0
+        reply = self._call("DeregisterMrBatch", request)
+        results = []
+        for result in reply.items:
+            error = errors.from_item_status(result.status)
+            results.append(error if error is not None else result.references)
+        return results
 
     def build_lam(self, buffer, length, offset=0, lam_capacity=0):
         """BuildLam: pins the range and returns its page list (a Lam)."""

@@ -56,6 +56,14 @@ def from_rpc_error(error):
     return _from_detail(code, message, detail)
 
 
+def from_item_status(status):
+    """None for an item of a batch that succeeded; its MrdError otherwise."""
+    if status.code == 0:
+        return None
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    return _from_detail(code, status.message, status.detail)
+
+
 def from_fd_error(fd_error):
     """The MrdError of the fd socket's FdError."""
     code = _CODES.get(fd_error.code, grpc.StatusCode.UNKNOWN)

@@ -252,6 +252,50 @@ TEST(RegistrationCacheTest, FailedCreateLeavesNoEntryAndIsRetriedNextTime) {
   ASSERT_TRUE(cache.Release(retried->entry).ok());
 }
 
+TEST(RegistrationCacheTest, TryAcquireReadyHitsOnlyAReadyEntry) {
+  RegistrationCache cache;
+  EXPECT_FALSE(cache.TryAcquireReady(Key()).has_value());
+  // An entry being created is not waited for.
+  std::optional<AcquireResult> during;
+  absl::StatusOr<AcquireResult> first =
+      cache.Acquire(Key(), [&]() -> absl::StatusOr<CachedRegistration> {
+        during = cache.TryAcquireReady(Key());
+        return Reg(5);
+      });
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(during.has_value());
+  std::optional<AcquireResult> hit = cache.TryAcquireReady(Key());
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_TRUE(hit->hit);
+  EXPECT_EQ(hit->entry, first->entry);
+  EXPECT_EQ(hit->references, 2u);
+  EXPECT_EQ(hit->registration.device_mr, 5u);
+  EXPECT_EQ(cache.Stats().hits, 1u);
+  EXPECT_FALSE(cache.TryAcquireReady(Key(4096)).has_value());
+  ASSERT_TRUE(cache.Release(first->entry).ok());
+  ASSERT_TRUE(cache.Release(first->entry).ok());
+}
+
+TEST(RegistrationCacheTest, ReleaseIfNotLastNeverReleasesTheLast) {
+  RegistrationCache cache;
+  Creator create;
+  absl::StatusOr<AcquireResult> first = cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(first.ok());
+  uint32_t left = 99;
+  EXPECT_FALSE(cache.ReleaseIfNotLast(first->entry, &left));
+  EXPECT_EQ(left, 99u);
+  EXPECT_EQ(cache.References(first->entry), 1u);
+  ASSERT_TRUE(cache.Acquire(Key(), std::ref(create)).ok());
+  EXPECT_TRUE(cache.ReleaseIfNotLast(first->entry, &left));
+  EXPECT_EQ(left, 1u);
+  EXPECT_FALSE(cache.ReleaseIfNotLast(first->entry, &left));
+  EXPECT_FALSE(cache.ReleaseIfNotLast(first->entry + 1000, &left));
+  absl::StatusOr<ReleaseResult> last = cache.Release(first->entry);
+  ASSERT_TRUE(last.ok());
+  EXPECT_TRUE(last->released.has_value());
+  EXPECT_EQ(cache.Stats().entries, 0u);
+}
+
 TEST(RegistrationCacheTest, CreateRunsWithoutTheCacheLock) {
   RegistrationCache cache;
   Creator inner;

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 
 #include "gtest/gtest.h"
@@ -66,6 +67,66 @@ TEST_F(RegistrationTest, SecondRegisterOfSameRangeReturnsSameDescriptor) {
   EXPECT_EQ(fake_->LiveRegisteredMrCount(), 1u);
   EXPECT_EQ(core_->Stats().cache.hits, 1u);
   ExpectAccountingMatchesDevice();
+}
+
+// --- the forms that never block (answered on a gRPC thread) -----------------
+
+TEST_F(RegistrationTest, TryRegisterHitAnswersOnlyHits) {
+  v1::RegisterMrRequest req =
+      RegisterRequest(session_, buffer_.buffer(), 0, 2 * page_, kMrRemoteRead);
+  v1::RegisterMrResponse out;
+  // A miss would pin: not answered, and nothing was done.
+  EXPECT_FALSE(core_->TryRegisterMrHit(req, &out).has_value());
+  EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 0u);
+  EXPECT_EQ(core_->Stats().registrations, 0u);
+  absl::StatusOr<v1::RegisterMrResponse> first = Register(req);
+  ASSERT_OK(first.status());
+  std::optional<absl::Status> hit = core_->TryRegisterMrHit(req, &out);
+  ASSERT_TRUE(hit.has_value());
+  ASSERT_OK(*hit);
+  EXPECT_TRUE(out.cache_hit());
+  EXPECT_EQ(out.references(), 2u);
+  EXPECT_EQ(out.registration(), first->registration());
+  EXPECT_EQ(out.rdma_descriptor(), first->rdma_descriptor());
+  EXPECT_EQ(fake_->Calls(FakeDevice::Op::kRegisterMr), 1u);
+  // An error found before anything is pinned is answered too.
+  v1::RegisterMrRequest bad = req;
+  bad.set_buffer(987654);
+  std::optional<absl::Status> refused = core_->TryRegisterMrHit(bad, &out);
+  ASSERT_TRUE(refused.has_value());
+  EXPECT_TRUE(
+      IsMrdError(*refused, absl::StatusCode::kNotFound, "UNKNOWN_BUFFER"));
+  ExpectAccountingMatchesDevice();
+}
+
+TEST_F(RegistrationTest, TryDeregisterAnswersOnlyWhatLeavesReferences) {
+  absl::StatusOr<v1::RegisterMrResponse> first = Reg(0, page_);
+  ASSERT_OK(first.status());
+  v1::DeregisterMrRequest req;
+  req.set_session(session_);
+  req.set_registration(first->registration());
+  v1::DeregisterMrResponse out;
+  // The last reference deregisters on the device: not answered here, and
+  // the registration is untouched.
+  EXPECT_FALSE(core_->TryDeregisterMrNotLast(req, &out).has_value());
+  EXPECT_EQ(fake_->LiveRegisteredMrCount(), 1u);
+  ASSERT_OK(Reg(0, page_).status());  // a second reference
+  std::optional<absl::Status> dropped =
+      core_->TryDeregisterMrNotLast(req, &out);
+  ASSERT_TRUE(dropped.has_value());
+  ASSERT_OK(*dropped);
+  EXPECT_EQ(out.references(), 1u);
+  EXPECT_EQ(fake_->Calls(FakeDevice::Op::kDeregisterMr), 0u);
+  absl::StatusOr<v1::ListRegistrationsResponse> list = List(session_);
+  ASSERT_OK(list.status());
+  ASSERT_EQ(list->registrations_size(), 1);
+  EXPECT_EQ(list->registrations(0).references(), 1u);
+  // Now the last one again: the worker path, which deregisters.
+  EXPECT_FALSE(core_->TryDeregisterMrNotLast(req, &out).has_value());
+  absl::StatusOr<uint32_t> left = Deregister(session_, first->registration());
+  ASSERT_OK(left.status());
+  EXPECT_EQ(*left, 0u);
+  EXPECT_EQ(fake_->LiveRegisteredMrCount(), 0u);
 }
 
 TEST_F(RegistrationTest, OnlyTheLastDeregisterRevokesTheKey) {
