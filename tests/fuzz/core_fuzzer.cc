@@ -9,7 +9,9 @@
 // connections) into it, so the fuzzer gets past "unknown session" and
 // reaches deep: limits, the registration cache, warm pins, fast
 // registration, invalidation, leases expiring on a fake clock, sessions
-// ending with everything in them. Limits are small in half of the runs, so
+// ending with everything in them. RegisterMr and DeregisterMr go in by each
+// of their three ways: the worker's call, the quick form the gRPC thread
+// tries first, and a batch. Limits are small in half of the runs, so
 // that every limit is hit.
 //
 // Invariants, after every input: once every session is closed (fd sessions
@@ -33,6 +35,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,6 +45,7 @@
 #include "absl/time/time.h"
 #include "mrd/peer_frame.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 #include "mrd/unique_fd.h"
 #include "mrd/v1/mrd.pb.h"
 #include "mrd/v1/peer.pb.h"
@@ -410,8 +414,32 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
               {0x1, 0x3, 0x5, 0x7, 0xf, 0x2, 0x13, 0x10}));
           req.clear_mem_flags();
         }
+        // The three ways in: the worker's call, the gRPC thread's quick
+        // form (then the worker's when it declines, as the service does),
+        // and a batch of this item and a copy of it.
+        const int via = in.ConsumeIntegralInRange<int>(0, 2);
+        if (via == 2) {
+          v1::RegisterMrBatchRequest batch;
+          batch.set_session(req.session());
+          if (in.ConsumeBool()) req.clear_session();
+          *batch.add_items() = req;
+          if (in.ConsumeBool()) *batch.add_items() = req;
+          v1::RegisterMrBatchResponse out;
+          status = core.RegisterMrBatch(batch, &out);
+          for (const v1::RegisterMrBatchResult& item : out.items()) {
+            absl::Status item_status = ItemStatusFromProto(item.status());
+            CheckStatus(item_status);
+            if (!item_status.ok()) continue;
+            live.registrations.push_back(item.registration().registration());
+            live.registration_owner[item.registration().registration()] =
+                batch.session();
+          }
+          break;
+        }
         v1::RegisterMrResponse out;
-        status = core.RegisterMr(req, &out);
+        std::optional<absl::Status> quick;
+        if (via == 1) quick = core.TryRegisterMrHit(req, &out);
+        status = quick.has_value() ? *quick : core.RegisterMr(req, &out);
         if (status.ok()) {
           live.registrations.push_back(out.registration());
           live.registration_owner[out.registration()] = req.session();
@@ -436,8 +464,24 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
             }
           }
         }
+        const int via = in.ConsumeIntegralInRange<int>(0, 2);
+        if (via == 2) {
+          v1::DeregisterMrBatchRequest batch;
+          batch.set_session(req.session());
+          if (in.ConsumeBool()) req.clear_session();
+          *batch.add_items() = req;
+          if (in.ConsumeBool()) *batch.add_items() = req;
+          v1::DeregisterMrBatchResponse out;
+          status = core.DeregisterMrBatch(batch, &out);
+          for (const v1::DeregisterMrBatchResult& item : out.items()) {
+            CheckStatus(ItemStatusFromProto(item.status()));
+          }
+          break;
+        }
         v1::DeregisterMrResponse out;
-        status = core.DeregisterMr(req, &out);
+        std::optional<absl::Status> quick;
+        if (via == 1) quick = core.TryDeregisterMrNotLast(req, &out);
+        status = quick.has_value() ? *quick : core.DeregisterMr(req, &out);
         break;
       }
       case 9:
