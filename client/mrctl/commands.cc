@@ -270,12 +270,12 @@ absl::Status Deregister(Context& ctx) {
   return Emit(ctx, response);
 }
 
-// The first failed item of a batch, as the command's status (its output
-// has every item's result already).
-absl::Status FirstItemFailure(
-    const google::protobuf::RepeatedPtrField<v1::ItemStatus>& items) {
+// The first failed item of a batch (anything with a status()), as the
+// command's status: its output has every item's result already.
+template <typename Items>
+absl::Status FirstItemFailure(const Items& items) {
   for (int i = 0; i < items.size(); ++i) {
-    absl::Status status = ItemStatusFromProto(items[i]);
+    absl::Status status = ItemStatusFromProto(items[i].status());
     if (!status.ok()) {
       absl::Status out(status.code(),
                        absl::StrCat("item ", i, ": ", status.message()));
@@ -312,9 +312,7 @@ absl::Status RegisterBatch(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(v1::RegisterMrBatchResponse response,
                        c.RegisterMrBatch(request));
   MRD_RETURN_IF_ERROR(Emit(ctx, response));
-  google::protobuf::RepeatedPtrField<v1::ItemStatus> statuses;
-  for (const auto& item : response.items()) *statuses.Add() = item.status();
-  return FirstItemFailure(statuses);
+  return FirstItemFailure(response.items());
 }
 
 absl::Status DeregisterBatch(Context& ctx) {
@@ -329,9 +327,7 @@ absl::Status DeregisterBatch(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(v1::DeregisterMrBatchResponse response,
                        c.DeregisterMrBatch(request));
   MRD_RETURN_IF_ERROR(Emit(ctx, response));
-  google::protobuf::RepeatedPtrField<v1::ItemStatus> statuses;
-  for (const auto& item : response.items()) *statuses.Add() = item.status();
-  return FirstItemFailure(statuses);
+  return FirstItemFailure(response.items());
 }
 
 absl::Status BuildLam(Context& ctx) {

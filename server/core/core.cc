@@ -20,6 +20,14 @@
 namespace mrd::core {
 namespace {
 
+// An item of a batch names no session, or the batch's.
+absl::Status CheckItemSession(const std::string& item,
+                              const std::string& batch) {
+  if (item.empty() || item == batch) return absl::OkStatus();
+  return SeedError(STATUS_INVALID_PARAMETER, "ITEM_SESSION_MISMATCH",
+                   "an item names another session than its batch");
+}
+
 std::string RandomToken() {
   unsigned char bytes[16];
   size_t got = 0;
@@ -542,12 +550,11 @@ absl::Status Core::RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
                        FindBatchSession(req.session(), req.items_size()));
   for (const v1::RegisterMrRequest& item : req.items()) {
     v1::RegisterMrBatchResult* result = out->add_items();
-    absl::Status status =
-        item.session().empty() || item.session() == req.session()
-            ? registrations_.Register(session, item,
-                                      result->mutable_registration())
-            : SeedError(STATUS_INVALID_PARAMETER, "ITEM_SESSION_MISMATCH",
-                        "an item names another session than its batch");
+    absl::Status status = CheckItemSession(item.session(), req.session());
+    if (status.ok()) {
+      status = registrations_.Register(session, item,
+                                       result->mutable_registration());
+    }
     if (!status.ok()) result->clear_registration();
     *result->mutable_status() = ItemStatusToProto(status);
   }
@@ -561,11 +568,9 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
   for (const v1::DeregisterMrRequest& item : req.items()) {
     v1::DeregisterMrBatchResult* result = out->add_items();
     v1::DeregisterMrResponse response;
-    absl::Status status =
-        item.session().empty() || item.session() == req.session()
-            ? registrations_.Deregister(session, item, &response)
-            : SeedError(STATUS_INVALID_PARAMETER, "ITEM_SESSION_MISMATCH",
-                        "an item names another session than its batch");
+    absl::Status status = CheckItemSession(item.session(), req.session());
+    if (status.ok())
+      status = registrations_.Deregister(session, item, &response);
     result->set_references(status.ok() ? response.references() : 0);
     *result->mutable_status() = ItemStatusToProto(status);
   }

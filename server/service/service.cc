@@ -146,48 +146,55 @@ class CompletionWriter final
 
 }  // namespace
 
+// The end of every unary call: the status converted once, the observer
+// told, the reactor finished.
+struct CallEnd {
+  grpc::CallbackServerContext* ctx;
+  grpc::ServerUnaryReactor* reactor;
+  RpcObserver* observer;
+  absl::string_view method;
+  absl::Time start;
+
+  void operator()(const absl::Status& result) const {
+    grpc::Status status = ToGrpcStatus(result, ctx);
+    if (observer != nullptr) {
+      observer->OnRpcDone(method, status.error_code(), absl::Now() - start);
+    }
+    reactor->Finish(status);
+  }
+};
+
+CallEnd MrdService::Begin(grpc::CallbackServerContext* ctx,
+                          absl::string_view method) {
+  if (observer_ != nullptr) observer_->OnRpcStart(method);
+  return CallEnd{ctx, UnaryReactor::Create(ctx), observer_, method,
+                 absl::Now()};
+}
+
 template <typename Fn>
 grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
                                           absl::string_view method, Where where,
                                           Fn fn) {
-  grpc::ServerUnaryReactor* reactor = UnaryReactor::Create(ctx);
-  const absl::Time start = absl::Now();
-  if (observer_ != nullptr) observer_->OnRpcStart(method);
-  auto work = [this, ctx, reactor, method, start, fn = std::move(fn)]() {
-    grpc::Status status = ToGrpcStatus(fn(), ctx);
-    if (observer_ != nullptr) {
-      observer_->OnRpcDone(method, status.error_code(), absl::Now() - start);
-    }
-    reactor->Finish(status);
-  };
+  const CallEnd end = Begin(ctx, method);
   if (where == Where::kPool) {
-    pool_->Schedule(std::move(work));
+    pool_->Schedule([end, fn = std::move(fn)]() { end(fn()); });
   } else {
-    work();
+    end(fn());
   }
-  return reactor;
+  return end.reactor;
 }
 
 template <typename Quick, typename Fn>
 grpc::ServerUnaryReactor* MrdService::RunQuickOrPool(
     grpc::CallbackServerContext* ctx, absl::string_view method, Quick quick,
     Fn fn) {
-  grpc::ServerUnaryReactor* reactor = UnaryReactor::Create(ctx);
-  const absl::Time start = absl::Now();
-  if (observer_ != nullptr) observer_->OnRpcStart(method);
-  auto finish = [this, ctx, reactor, method, start](absl::Status result) {
-    grpc::Status status = ToGrpcStatus(result, ctx);
-    if (observer_ != nullptr) {
-      observer_->OnRpcDone(method, status.error_code(), absl::Now() - start);
-    }
-    reactor->Finish(status);
-  };
+  const CallEnd end = Begin(ctx, method);
   if (std::optional<absl::Status> answered = quick(); answered.has_value()) {
-    finish(*std::move(answered));
+    end(*answered);
   } else {
-    pool_->Schedule([finish, fn = std::move(fn)]() { finish(fn()); });
+    pool_->Schedule([end, fn = std::move(fn)]() { end(fn()); });
   }
-  return reactor;
+  return end.reactor;
 }
 
 absl::Status MrdService::Registered(absl::string_view method, uint64_t bytes,

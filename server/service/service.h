@@ -23,6 +23,8 @@ namespace mrd::service {
 
 using metrics::RpcObserver;
 
+struct CallEnd;  // service.cc
+
 class MrdService final : public v1::MemoryRegistration::CallbackService {
  public:
   // All pointers must outlive the service; `observer` may be null.
@@ -88,6 +90,9 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
       v1::ListRegistrationsResponse* resp) override;
 
  private:
+  // Starts a unary call: the observer told, the reactor made; the returned
+  // CallEnd finishes it.
+  CallEnd Begin(grpc::CallbackServerContext* ctx, absl::string_view method);
   enum class Where { kInline, kPool };
   template <typename Fn>
   grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
