@@ -31,13 +31,12 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "client/lib/mrd_client.h"
 #include "tests/integration/mrd_process.h"
 
-namespace mrd {
+namespace mrd::bench {
 namespace {
-
-constexpr uint64_t kPage = 4096;
 
 struct Fixture {
   std::unique_ptr<testing::MrdProcess> mrd;
@@ -81,17 +80,7 @@ bool Start(uint64_t count, Fixture* f) {
 }
 
 client::RegisterOptions Range(const Fixture& f, uint64_t i) {
-  client::RegisterOptions o;
-  o.buffer = f.buffer->id();
-  o.offset = i * kPage;
-  o.length = kPage;
-  o.flags = 0x2;  // remote read
-  return o;
-}
-
-using Clock = std::chrono::steady_clock;
-double Seconds(Clock::time_point since) {
-  return std::chrono::duration<double>(Clock::now() - since).count();
+  return PageOf(f.buffer->id(), i);
 }
 
 // Register and deregister `count` ranges one call each; seconds, or < 0.
@@ -152,11 +141,6 @@ double Batches(const Fixture& f, uint64_t count, uint64_t batch) {
   return Seconds(start);
 }
 
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * static_cast<double>(v.size() - 1))];
-}
-
 // Section 1: microseconds of each hit pair and of each pair of empty calls,
 // interleaved so that both see the same machine; false on any failure.
 bool HitPairs(const Fixture& f, uint64_t pairs, std::vector<double>* hit_us,
@@ -184,22 +168,10 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-uint64_t Flag(int argc, char** argv, const char* name, uint64_t fallback) {
-  const size_t n = std::strlen(name);
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], name, n) == 0 && argv[i][n] == '=') {
-      return std::strtoull(argv[i] + n + 1, nullptr, 10);
-    }
-  }
-  return fallback;
-}
-
 int Main(int argc, char** argv) {
   const uint64_t count = Flag(argc, argv, "--count", 10000);
-  const uint64_t rounds =
-      std::max<uint64_t>(1, Flag(argc, argv, "--rounds", 3));
-  const uint64_t pairs =
-      std::max<uint64_t>(1, Flag(argc, argv, "--pairs", 5000));
+  const uint64_t rounds = Flag(argc, argv, "--rounds", 3, 1);
+  const uint64_t pairs = Flag(argc, argv, "--pairs", 5000, 1);
   Fixture f;
   if (!Start(count, &f)) return 1;
   std::vector<double> hit_us;
@@ -242,6 +214,6 @@ int Main(int argc, char** argv) {
 }
 
 }  // namespace
-}  // namespace mrd
+}  // namespace mrd::bench
 
-int main(int argc, char** argv) { return mrd::Main(argc, argv); }
+int main(int argc, char** argv) { return mrd::bench::Main(argc, argv); }

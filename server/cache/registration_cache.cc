@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
+#include "server/common/memory.h"
 
 namespace mrd::cache {
 
@@ -14,7 +15,7 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
     absl::MutexLock lock(&mu_);
     for (auto it = by_key_.find(key); it != by_key_.end();
          it = by_key_.find(key)) {
-      Entry* found = it->second.get();
+      Entry* found = *it;
       if (found->state == State::kReady) {
         // The hit: a ready entry in by_key_ is never being torn down.
         ++found->references;
@@ -23,7 +24,7 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
                              /*hit=*/true};
       }
       // Being created: wait for it, holding it alive meanwhile.
-      entry = it->second;
+      entry = by_id_.find(found->id)->second;
       ++entry->waiters;
       mu_.Await(absl::Condition(
           +[](Entry* e) { return e->state != State::kCreating; }, entry.get()));
@@ -40,7 +41,9 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
     entry = std::make_shared<Entry>();
     entry->id = next_id_++;
     entry->key = key;
-    by_key_.emplace(key, entry);
+    by_id_.emplace(entry->id, entry);
+    by_key_.insert(entry.get());
+    ++creating_;
     ++stats_.misses;
   }
 
@@ -48,37 +51,49 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
   absl::StatusOr<CachedRegistration> created = create();
 
   absl::MutexLock lock(&mu_);
+  --creating_;
   if (!created.ok()) {
     entry->state = State::kFailed;
-    entry->removed = true;
     entry->failure = created.status();
-    by_key_.erase(key);
+    EraseKeyOf(*entry);
+    entry->removed = true;
+    EraseIdLocked(entry->id);
     return created.status();
   }
   entry->state = State::kReady;
   entry->registration = *created;
   entry->references = 1;
-  by_id_.emplace(entry->id, entry);
   return AcquireResult{entry->id, entry->registration, 1, /*hit=*/false};
+}
+
+RegistrationCache::Entry* RegistrationCache::FindReadyLocked(
+    uint64_t entry_id) const {
+  auto it = by_id_.find(entry_id);
+  if (it == by_id_.end() || it->second->state != State::kReady) return nullptr;
+  return it->second.get();
+}
+
+void RegistrationCache::EraseIdLocked(uint64_t entry_id) {
+  by_id_.erase(entry_id);
+  ShrinkIfSparse(by_id_);
 }
 
 absl::StatusOr<ReleaseResult> RegistrationCache::Release(uint64_t entry_id) {
   absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(entry_id);
-  if (it == by_id_.end()) {
+  Entry* entry = FindReadyLocked(entry_id);
+  if (entry == nullptr) {
     return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_REGISTRATION",
                     absl::StrCat("registration ", entry_id, " does not exist"));
   }
-  Entry& entry = *it->second;
   ReleaseResult result;
-  result.key = entry.key;
-  result.references = --entry.references;
-  if (entry.references == 0) {
-    result.released = entry.registration;
-    EraseKeyOf(entry);
-    entry.removed = true;
+  result.key = entry->key;
+  result.references = --entry->references;
+  if (entry->references == 0) {
+    result.released = entry->registration;
+    EraseKeyOf(*entry);
+    entry->removed = true;
     ++stats_.releases;
-    by_id_.erase(it);  // may destroy the entry: last
+    EraseIdLocked(entry_id);  // may destroy the entry: last
   }
   return result;
 }
@@ -87,10 +102,10 @@ std::optional<AcquireResult> RegistrationCache::TryAcquireReady(
     const CacheKey& key) {
   absl::MutexLock lock(&mu_);
   auto it = by_key_.find(key);
-  if (it == by_key_.end() || it->second->state != State::kReady) {
+  if (it == by_key_.end() || (*it)->state != State::kReady) {
     return std::nullopt;
   }
-  Entry& found = *it->second;
+  Entry& found = **it;
   ++found.references;
   ++stats_.hits;
   return AcquireResult{found.id, found.registration, found.references,
@@ -99,18 +114,21 @@ std::optional<AcquireResult> RegistrationCache::TryAcquireReady(
 
 bool RegistrationCache::ReleaseIfNotLast(uint64_t entry_id, uint32_t* left) {
   absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(entry_id);
-  if (it == by_id_.end() || it->second->references < 2) return false;
-  *left = --it->second->references;
+  Entry* entry = FindReadyLocked(entry_id);
+  if (entry == nullptr || entry->references < 2) return false;
+  *left = --entry->references;
   return true;
 }
 
 void RegistrationCache::EraseKeyOf(const Entry& entry) {
-  // A restored entry is out of the key map, and its key may name a newer
-  // entry by now: only an entry's own mapping is erased.
+  // A restored entry is out of the key set, and its key may name a newer
+  // entry by now: only the entry itself is erased.
   if (entry.removed) return;
   auto it = by_key_.find(entry.key);
-  if (it != by_key_.end() && it->second.get() == &entry) by_key_.erase(it);
+  if (it != by_key_.end() && *it == &entry) {
+    by_key_.erase(it);
+    ShrinkIfSparse(by_key_);
+  }
 }
 
 absl::Status RegistrationCache::Restore(
@@ -136,37 +154,37 @@ absl::Status RegistrationCache::Restore(
 absl::StatusOr<CachedRegistration> RegistrationCache::Invalidate(
     uint64_t entry_id) {
   absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(entry_id);
-  if (it == by_id_.end()) {
+  Entry* entry = FindReadyLocked(entry_id);
+  if (entry == nullptr) {
     return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_REGISTRATION",
                     absl::StrCat("registration ", entry_id, " does not exist"));
   }
-  std::shared_ptr<Entry> entry = it->second;
-  by_id_.erase(it);
+  CachedRegistration registration = entry->registration;
   EraseKeyOf(*entry);
   entry->references = 0;
   entry->removed = true;
   ++stats_.invalidations;
-  return entry->registration;
+  EraseIdLocked(entry_id);
+  return registration;
 }
 
 uint32_t RegistrationCache::References(uint64_t entry_id) const {
   absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(entry_id);
-  return it == by_id_.end() ? 0 : it->second->references;
+  const Entry* entry = FindReadyLocked(entry_id);
+  return entry == nullptr ? 0 : entry->references;
 }
 
 std::optional<CacheKey> RegistrationCache::KeyOf(uint64_t entry_id) const {
   absl::MutexLock lock(&mu_);
-  auto it = by_id_.find(entry_id);
-  if (it == by_id_.end()) return std::nullopt;
-  return it->second->key;
+  const Entry* entry = FindReadyLocked(entry_id);
+  if (entry == nullptr) return std::nullopt;
+  return entry->key;
 }
 
 CacheStats RegistrationCache::Stats() const {
   absl::MutexLock lock(&mu_);
   CacheStats stats = stats_;
-  stats.entries = by_id_.size();
+  stats.entries = by_id_.size() - creating_;
   return stats;
 }
 

@@ -41,7 +41,9 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
+#include "absl/hash/hash.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -157,16 +159,42 @@ class RegistrationCache {
     bool removed = false;  // out of the maps: never hand it out again
   };
 
+  // by_key_ holds pointers to the entries by_id_ owns, hashed and compared
+  // by their key; a CacheKey finds them too (heterogeneous lookup).
+  struct KeyHash {
+    using is_transparent = void;
+    size_t operator()(const CacheKey& key) const {
+      return absl::Hash<CacheKey>{}(key);
+    }
+    size_t operator()(const Entry* entry) const { return (*this)(entry->key); }
+  };
+  struct KeyEq {
+    using is_transparent = void;
+    static const CacheKey& Key(const CacheKey& key) { return key; }
+    static const CacheKey& Key(const Entry* entry) { return entry->key; }
+    template <typename A, typename B>
+    bool operator()(const A& a, const B& b) const {
+      return Key(a) == Key(b);
+    }
+  };
+
   void EraseKeyOf(const Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The ready entry `entry_id`, or nullptr (unknown, or being created).
+  Entry* FindReadyLocked(uint64_t entry_id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `entry_id` from by_id_ (which may destroy it).
+  void EraseIdLocked(uint64_t entry_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  // Entries being created and ready ones; an entry leaves by_key_ under the
-  // lock the moment it is released or invalidated.
-  absl::flat_hash_map<CacheKey, std::shared_ptr<Entry>> by_key_
-      ABSL_GUARDED_BY(mu_);
+  // Every entry being created, ready, or restored, by id: the owner. An
+  // entry leaves both maps under the lock the moment it is released or
+  // invalidated (a waiter's copy of the pointer may outlive that).
   absl::flat_hash_map<uint64_t, std::shared_ptr<Entry>> by_id_
-      ABSL_GUARDED_BY(mu_);  // ready entries
+      ABSL_GUARDED_BY(mu_);
+  // The entries being created and the ready ones a key may still hand out.
+  absl::flat_hash_set<Entry*, KeyHash, KeyEq> by_key_ ABSL_GUARDED_BY(mu_);
+  uint64_t creating_ ABSL_GUARDED_BY(mu_) = 0;  // entries in kCreating
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

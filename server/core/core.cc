@@ -237,6 +237,11 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   session->ReleasePeerConnections();
   session->tenant()->Release(TenantResource::kSessions, 1);
   session->MarkEndedAndNotify();
+  const uint64_t objects =
+      entries.size() + mrs.size() + lams.size() + buffers_held;
+  mrs.clear();
+  lams.clear();
+  freed_.Add(objects);
 }
 
 void Core::ReapExpiredLeases() {
@@ -500,6 +505,9 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
   registrations_.DropWarm(session->id(), req.buffer());
   out->set_invalidated_registrations(invalidated);
   out->set_released_lams(static_cast<uint32_t>(detached.lams.size()));
+  file.reset();
+  detached = {};
+  freed_.Add(1 + entries.size() + lam_records.size());
   return absl::OkStatus();
 }
 
@@ -530,7 +538,9 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
                                 v1::DeregisterMrResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  return registrations_.Deregister(session, req, out);
+  MRD_RETURN_IF_ERROR(registrations_.Deregister(session, req, out));
+  if (out->references() == 0) freed_.Add(1);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::shared_ptr<Session>> Core::FindBatchSession(
@@ -565,15 +575,18 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
                                      v1::DeregisterMrBatchResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindBatchSession(req.session(), req.items_size()));
+  uint64_t released = 0;
   for (const v1::DeregisterMrRequest& item : req.items()) {
     v1::DeregisterMrBatchResult* result = out->add_items();
     v1::DeregisterMrResponse response;
     absl::Status status = CheckItemSession(item.session(), req.session());
     if (status.ok())
       status = registrations_.Deregister(session, item, &response);
+    if (status.ok() && response.references() == 0) ++released;
     result->set_references(status.ok() ? response.references() : 0);
     *result->mutable_status() = ItemStatusToProto(status);
   }
+  freed_.Add(released);
   return absl::OkStatus();
 }
 

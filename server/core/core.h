@@ -45,6 +45,7 @@
 #include "server/cache/warm_pins.h"
 #include "server/common/clock.h"
 #include "server/common/fd_budget.h"
+#include "server/common/memory.h"
 #include "server/common/thread.h"
 #include "server/core/budgets.h"
 #include "server/core/fast_registration.h"
@@ -234,6 +235,9 @@ class Core final : public fd_socket::FdSessionHandler {
       const std::shared_ptr<Session>& session,
       std::shared_ptr<fd_socket::MappedFile> file);
 
+  // Freed objects between two ReturnFreedMemory calls.
+  static constexpr uint64_t kReturnMemoryEvery = 4096;
+
   device::Device* const device_;
   const Clock* const clock_;
   const CoreOptions options_;
@@ -242,6 +246,8 @@ class Core final : public fd_socket::FdSessionHandler {
   std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
   Registrations registrations_;           // with the cache and warm pins
   FastRegistration fast_;                 // LAMs and MR objects
+  // Objects freed, for giving the allocator's free pages back now and then.
+  FreedObjects freed_{kReturnMemoryEvery};
   std::shared_ptr<TenantTable> tenants_;
   int shm_dir_fd_ = -1;
   std::function<void(const std::string&)> fd_hangup_;  // fixed after Start

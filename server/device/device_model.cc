@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
+#include "server/common/memory.h"
 #include "server/device/fast_register_rules.h"
 
 namespace mrd::device {
@@ -84,29 +85,35 @@ struct DeviceModel::Pd {
   std::vector<std::string> tickets;
 };
 
-struct DeviceModel::Mr {
-  MrId id = 0;                // immutable
-  PdId pd = 0;                // immutable
-  bool fast = false;          // immutable: a fast-register MR object (C1)
-  bool allow_remote = false;  // immutable, fast only (F4)
-  uint32_t max_pages = 0;     // immutable, fast only
-  uint32_t lkey = 0;
-  uint32_t rkey = 0;
-  bool revoking = false;   // being destroyed: treat as gone
-  bool valid = false;      // registered / fast-registered: peers may use it
-  bool executing = false;  // the worker is fast-registering it now
-  uint64_t base = 0;
-  uint64_t length = 0;
-  uint32_t access = 0;
-  MemorySpan span;  // normal MRs: the registered memory
-  // The registration (normal MRs) or the MR object's keys (fast).
-  std::unique_ptr<ProviderState> object;
+// What only a fast-register MR object has (C1, F4): a normal MR carries none
+// of it, so a million registrations do not pay for it.
+struct FastRegisterState {
+  bool allow_remote = false;  // immutable (F4)
+  uint32_t max_pages = 0;     // immutable
   // Fast-registered: the mapping.
   uint32_t fbo = 0;
   std::vector<PageRef> pages;
   std::vector<LamId> lams;  // distinct LAMs the mapping holds a ref on
   std::unique_ptr<ProviderState> mapping;
+};
+
+struct DeviceModel::Mr {
+  MrId id = 0;             // immutable
+  PdId pd = 0;             // immutable
+  bool fast = false;       // immutable: a fast-register MR object (C1)
+  bool revoking = false;   // being destroyed: treat as gone
+  bool valid = false;      // registered / fast-registered: peers may use it
+  bool executing = false;  // the worker is fast-registering it now
+  uint32_t lkey = 0;
+  uint32_t rkey = 0;
+  uint32_t access = 0;
   int inflight = 0;  // peer operations inside the memory now
+  uint64_t base = 0;
+  uint64_t length = 0;
+  MemorySpan span;  // normal MRs: the registered memory
+  // The registration (normal MRs) or the MR object's keys (fast).
+  std::unique_ptr<ProviderState> object;
+  std::unique_ptr<FastRegisterState> fr;  // fast MRs only
 };
 
 struct DeviceModel::Lam {
@@ -457,10 +464,11 @@ std::unique_ptr<ProviderState> DeviceModel::UnmapLocked(
   mu_.Await(absl::Condition(
       +[](const Mr* m) { return m->inflight == 0; },
       static_cast<const Mr*>(mr.get())));
-  DropLamRefsLocked(mr->lams);
-  mr->lams.clear();
-  mr->pages.clear();
-  return std::move(mr->mapping);
+  if (mr->fr == nullptr) return nullptr;
+  DropLamRefsLocked(mr->fr->lams);
+  mr->fr->lams.clear();
+  mr->fr->pages.clear();
+  return std::move(mr->fr->mapping);
 }
 
 void DeviceModel::DropLamRefsLocked(const std::vector<LamId>& lams) {
@@ -489,8 +497,12 @@ void DeviceModel::DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released) {
   if (mr->object != nullptr) released->states.push_back(std::move(mr->object));
   if (!mr->fast) released->unpin.push_back(mr->span);
   auto pd = pds_.find(mr->pd);
-  if (pd != pds_.end()) pd->second->mrs.erase(id);
+  if (pd != pds_.end()) {
+    pd->second->mrs.erase(id);
+    ShrinkIfSparse(pd->second->mrs);
+  }
   mrs_.erase(id);
+  ShrinkIfSparse(mrs_);
 }
 
 absl::Status DeviceModel::Release(Released released) {
@@ -688,8 +700,9 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
     mr->id = id;
     mr->pd = pd_id;
     mr->fast = true;
-    mr->allow_remote = allow_remote;
-    mr->max_pages = max_pages;
+    mr->fr = std::make_unique<FastRegisterState>();
+    mr->fr->allow_remote = allow_remote;
+    mr->fr->max_pages = max_pages;
     mr->lkey = registration->lkey;
     mr->rkey = registration->rkey;
     mr->object = std::move(registration->state);
@@ -808,7 +821,7 @@ absl::StatusOr<uint64_t> DeviceModel::PostFastRegister(
   }
   MRD_ASSIGN_OR_RETURN(Connection * connection,
                        FindPostConnectionLocked(connection_id, mr->pd));
-  if ((work.access & kRemoteAccess) != 0 && !mr->allow_remote) {
+  if ((work.access & kRemoteAccess) != 0 && !mr->fr->allow_remote) {
     return SeedError(
         STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
         absl::StrCat("MR ", work.mr,
@@ -818,8 +831,8 @@ absl::StatusOr<uint64_t> DeviceModel::PostFastRegister(
   }
   // F2/F6, the same rules the core applied, against this MR's own
   // max_pages.
-  MRD_RETURN_IF_ERROR(ValidatePageArray(page_size(), mr->max_pages, work.pages,
-                                        work.fbo, work.length,
+  MRD_RETURN_IF_ERROR(ValidatePageArray(page_size(), mr->fr->max_pages,
+                                        work.pages, work.fbo, work.length,
                                         work.base_address));
   MRD_RETURN_IF_ERROR(ResolvePagesLocked(mr->pd, work.pages).status());
   MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "work.post"));
@@ -1019,13 +1032,13 @@ absl::Status DeviceModel::ExecuteFastRegister(const Work& work,
   // mapping down right after.
   mr->lkey = registration->lkey;
   mr->rkey = registration->rkey;
-  mr->mapping = std::move(registration->state);
+  mr->fr->mapping = std::move(registration->state);
   mr->base = fr.base_address;
   mr->length = fr.length;
   mr->access = fr.access;
-  mr->fbo = fr.fbo;
-  mr->pages = std::move(resolved.pages);
-  mr->lams = std::move(resolved.lams);
+  mr->fr->fbo = fr.fbo;
+  mr->fr->pages = std::move(resolved.pages);
+  mr->fr->lams = std::move(resolved.lams);
   mr->valid = true;
   *rkey = mr->rkey;
   return absl::OkStatus();
@@ -1156,9 +1169,13 @@ DeviceModel::Taken DeviceModel::TakeAllProviderState() {
   mu_.Await(absl::Condition(this, &DeviceModel::NoPdBusy));
   for (auto& [id, mr] : mrs_) {
     mr->valid = false;
-    mr->lams.clear();  // the fast registrations go with the adapter
-    mr->pages.clear();
-    if (mr->mapping != nullptr) taken.memory.push_back(std::move(mr->mapping));
+    if (mr->fr != nullptr) {
+      mr->fr->lams.clear();  // the fast registrations go with the adapter
+      mr->fr->pages.clear();
+      if (mr->fr->mapping != nullptr) {
+        taken.memory.push_back(std::move(mr->fr->mapping));
+      }
+    }
     if (mr->object != nullptr) taken.memory.push_back(std::move(mr->object));
   }
   for (auto& [id, lam] : lams_) {
@@ -1242,10 +1259,10 @@ absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
         IoSegment{mr->span.fd, mr->span.file_offset + offset, length});
   } else {
     // VA -> position in the page array -> logical page -> file page.
-    uint64_t position = mr->fbo + offset;
+    uint64_t position = mr->fr->fbo + offset;
     uint64_t left = length;
     while (left > 0) {
-      const PageRef& page = mr->pages[position / page_size()];
+      const PageRef& page = mr->fr->pages[position / page_size()];
       const uint64_t within = position % page_size();
       const uint64_t chunk = std::min(left, page_size() - within);
       IoSegment segment{page.fd, page.file_offset + within, chunk};
