@@ -18,7 +18,18 @@
 //                           memfd passed with SCM_RIGHTS once at set-up);
 //                           every iteration a cold registration (mrd keeps
 //                           no warm pins on a device that pins per
-//                           registration, as verbs does)
+//                           registration, as verbs does), after one untimed
+//                           registration that filled mrd's page tables
+// and, at 1 GiB only,
+//   BM_Core_RegisterDeregister
+//                           the same through mrd's core in this process on
+//                           the verbs device (no gRPC, no second process)
+// and the first registration of a mapping:
+//   BM_Floor_FreshMapping   ibv_reg_mr + ibv_dereg_mr of a new mapping of
+//                           the written memfd (its page tables empty)
+//   BM_Mrd_FirstRegistration
+//                           RegisterMr + DeregisterMr of a buffer just
+//                           imported (mrd's new mapping of the same memfd)
 
 #include <benchmark/benchmark.h>
 #include <fcntl.h>
@@ -34,6 +45,10 @@
 #include <vector>
 
 #include "client/lib/mrd_client.h"
+#include "mrd/unique_fd.h"
+#include "server/common/clock.h"
+#include "server/core/core.h"
+#include "server/device/verbs/verbs_device.h"
 #include "tests/integration/mrd_process.h"
 
 namespace mrd {
@@ -90,7 +105,14 @@ struct Memory {
   }
 };
 
-void BM_Floor_IbvRegDereg(benchmark::State& state) {
+// ibv_reg_mr + ibv_dereg_mr of a written memfd in this process: through the
+// mapping the writes went through (BM_Floor_IbvRegDereg), or through a new
+// mapping of it each time (BM_Floor_FreshMapping): the memfd's pages exist,
+// but that mapping's page tables are empty, so ibv_reg_mr faults every page
+// in. The second is what mrd meets on the first registration of an imported
+// buffer: it maps the file itself, and the client's writes filled only the
+// client's page tables.
+void FloorRegDereg(benchmark::State& state, bool fresh_mapping) {
   const uint64_t size = static_cast<uint64_t>(state.range(0));
   Verbs& verbs = Verbs::Get();
   if (verbs.pd == nullptr) {
@@ -105,14 +127,36 @@ void BM_Floor_IbvRegDereg(benchmark::State& state) {
   const int access =
       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_WRITE;
   for (auto _ : state) {
-    ibv_mr* mr = ibv_reg_mr(verbs.pd, memory.address, size, access);
+    void* view = memory.address;
+    if (fresh_mapping) {
+      state.PauseTiming();
+      view =
+          mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, memory.fd, 0);
+      state.ResumeTiming();
+      if (view == MAP_FAILED) {
+        state.SkipWithError("mmap");
+        return;
+      }
+    }
+    ibv_mr* mr = ibv_reg_mr(verbs.pd, view, size, access);
     if (mr == nullptr) {
       state.SkipWithError("ibv_reg_mr failed");
       return;
     }
     ibv_dereg_mr(mr);
+    if (fresh_mapping) {
+      state.PauseTiming();
+      munmap(view, size);
+      state.ResumeTiming();
+    }
   }
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(size));
+}
+void BM_Floor_IbvRegDereg(benchmark::State& state) {
+  FloorRegDereg(state, false);
+}
+void BM_Floor_FreshMapping(benchmark::State& state) {
+  FloorRegDereg(state, true);
 }
 
 // A real mrd, a client session and one buffer of `size` bytes.
@@ -153,6 +197,27 @@ struct MrdFixture {
   }
 };
 
+// RegisterMr + DeregisterMr of all of `buffer` (local write, remote read and
+// write) through mrd; false, with the benchmark skipped, on a failure.
+bool MrdRegDereg(benchmark::State& state, const client::Session& session,
+                 uint64_t buffer, uint64_t size) {
+  client::RegisterOptions o;
+  o.buffer = buffer;
+  o.length = size;
+  o.flags = 0x1 | 0x2 | 0x5;
+  auto r = client::Registration::Register(session, o);
+  if (!r.ok()) {
+    state.SkipWithError(r.status().ToString().c_str());
+    return false;
+  }
+  auto left = r->Deregister();
+  if (!left.ok() || *left != 0) {
+    state.SkipWithError("DeregisterMr failed");
+    return false;
+  }
+  return true;
+}
+
 void BM_Mrd_RegisterDeregister(benchmark::State& state) {
   const uint64_t size = static_cast<uint64_t>(state.range(0));
   MrdFixture f;
@@ -160,23 +225,107 @@ void BM_Mrd_RegisterDeregister(benchmark::State& state) {
     state.SkipWithError("could not start mrd or open a session");
     return;
   }
-  client::RegisterOptions o;
-  o.buffer = f.buffer->id();
-  o.length = size;
-  o.flags = 0x1 | 0x2 | 0x5;  // local write, remote read, remote write
   auto info = f.client->GetDeviceInfo();
   if (info.ok()) state.SetLabel(info->kind() + ":" + info->name());
+  // One registration before timing: it fills the page tables of mrd's
+  // mapping of the buffer, as the floor's own writes filled its mapping's
+  // (the first registration of a buffer is BM_Mrd_FirstRegistration's).
+  if (!MrdRegDereg(state, *f.session, f.buffer->id(), size)) return;
   for (auto _ : state) {
-    auto r = client::Registration::Register(*f.session, o);
-    if (!r.ok()) {
-      state.SkipWithError(r.status().ToString().c_str());
+    if (!MrdRegDereg(state, *f.session, f.buffer->id(), size)) return;
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(size));
+}
+
+// mrd's core in this process on the verbs device (no gRPC, no second
+// process): RegisterMr + DeregisterMr of an imported buffer, after one
+// untimed registration, as BM_Mrd_RegisterDeregister. Splits the service
+// path from the core and the device.
+void BM_Core_RegisterDeregister(benchmark::State& state) {
+  const uint64_t size = static_cast<uint64_t>(state.range(0));
+  const char* name = std::getenv("MRD_VERBS_DEVICE");
+  const char* address = std::getenv("MRD_VERBS_ADDRESS");
+  if (address == nullptr) {
+    state.SkipWithError("MRD_VERBS_ADDRESS unset (run inside the VM)");
+    return;
+  }
+  device::VerbsDeviceOptions options;
+  options.device_name = name == nullptr ? "" : name;
+  options.peer_address = std::string(address) + ":0";
+  auto device = device::VerbsDevice::Create(options);
+  if (!device.ok() || !(*device)->Start().ok()) {
+    state.SkipWithError("verbs device");
+    return;
+  }
+  core::CoreOptions core_options;
+  core_options.max_session_pinned_bytes = 4 * kMaxSize;
+  core_options.max_total_pinned_bytes = 4 * kMaxSize;
+  core::Core core(device->get(), RealClock::Get(), core_options);
+  Memory memory;  // written through this mapping; the core maps its own
+  auto token = core.OnConnect({getpid(), getuid(), getgid()});
+  if (!memory.Init(size) || !token.ok() ||
+      fcntl(memory.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
+    state.SkipWithError("session or memfd");
+    return;
+  }
+  v1::ImportMemfd import;
+  import.set_writable(true);
+  auto info = core.OnImport(*token, UniqueFd(dup(memory.fd)), import);
+  if (!info.ok()) {
+    state.SkipWithError(info.status().ToString().c_str());
+    return;
+  }
+  v1::RegisterMrRequest req;
+  req.set_session(*token);
+  req.set_buffer(info->buffer());
+  req.set_length(size);
+  req.set_flags(0x1 | 0x2 | 0x5);  // local write, remote read, remote write
+  auto once = [&]() {
+    v1::RegisterMrResponse resp;
+    if (!core.RegisterMr(req, &resp).ok()) return false;
+    v1::DeregisterMrRequest dereg;
+    dereg.set_session(*token);
+    dereg.set_registration(resp.registration());
+    v1::DeregisterMrResponse left;
+    return core.DeregisterMr(dereg, &left).ok();
+  };
+  if (!once()) {
+    state.SkipWithError("first registration failed");
+    return;
+  }
+  for (auto _ : state) {
+    if (!once()) {
+      state.SkipWithError("RegisterMr or DeregisterMr failed");
+      break;
+    }
+  }
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(size));
+  core.Shutdown();
+  (*device)->Shutdown();
+}
+
+// The same through mrd: every iteration imports the (written) memfd anew,
+// so mrd's mapping of it is fresh, and times the first RegisterMr +
+// DeregisterMr of the new buffer.
+void BM_Mrd_FirstRegistration(benchmark::State& state) {
+  const uint64_t size = static_cast<uint64_t>(state.range(0));
+  MrdFixture f;
+  if (!f.Init(size)) {
+    state.SkipWithError("could not start mrd or open a session");
+    return;
+  }
+  for (auto _ : state) {
+    state.PauseTiming();
+    auto buffer = f.session->ImportMemfd(f.buffer->fd(), true, size);
+    state.ResumeTiming();
+    if (!buffer.ok()) {
+      state.SkipWithError(buffer.status().ToString().c_str());
       return;
     }
-    auto left = r->Deregister();
-    if (!left.ok() || *left != 0) {
-      state.SkipWithError("DeregisterMr failed");
-      return;
-    }
+    if (!MrdRegDereg(state, *f.session, buffer->id(), size)) return;
+    state.PauseTiming();
+    (void)buffer->Release();
+    state.ResumeTiming();
   }
   state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(size));
 }
@@ -194,6 +343,9 @@ BENCHMARK(BM_Floor_IbvRegDereg)->Apply(Sizes);
 BENCHMARK(BM_Mrd_RegisterDeregister)->Apply(Sizes);
 BENCHMARK(BM_Floor_IbvRegDereg)->Apply(HugeSize);
 BENCHMARK(BM_Mrd_RegisterDeregister)->Apply(HugeSize);
+BENCHMARK(BM_Core_RegisterDeregister)->Apply(HugeSize);
+BENCHMARK(BM_Floor_FreshMapping)->Apply(HugeSize);
+BENCHMARK(BM_Mrd_FirstRegistration)->Apply(HugeSize);
 
 }  // namespace
 }  // namespace mrd
