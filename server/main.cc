@@ -50,6 +50,7 @@
 #include "server/common/fd_budget.h"
 #include "server/common/log.h"
 #include "server/common/path_trust.h"
+#include "server/common/prefault.h"
 #include "server/common/thread.h"
 #include "server/common/thread_pool.h"
 #include "server/core/core.h"
@@ -188,6 +189,10 @@ ABSL_FLAG(absl::Duration, max_lease_ttl, absl::Hours(24),
           "Longest lease TTL a client may ask for.");
 ABSL_FLAG(int, worker_threads, 4,
           "Threads that run registration work off the gRPC threads.");
+ABSL_FLAG(uint32_t, prefault_threads, mrd::kDefaultPrefaultThreads,
+          "Threads (at most the online CPUs) that fill mrd's page tables "
+          "before a registration or LAM of 32 MiB or more is pinned; 0 = "
+          "off (the pin faults the pages in itself).");
 ABSL_FLAG(bool, verbose, false, "Log debug lines.");
 
 namespace mrd {
@@ -364,6 +369,7 @@ absl::Status Daemon::Start() {
   MRD_RETURN_IF_ERROR(PrepareFdBudget());
   MRD_RETURN_IF_ERROR(PreparePaths());
   MRD_RETURN_IF_ERROR(PreparePeers());
+  ConfigurePrefault(absl::GetFlag(FLAGS_prefault_threads));
   MRD_RETURN_IF_ERROR(OpenDevice());
   MRD_RETURN_IF_ERROR(StartCore());
   MRD_RETURN_IF_ERROR(StartFdSocket());

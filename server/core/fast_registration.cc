@@ -207,6 +207,7 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
                      lam_size);
   }
   MRD_RETURN_IF_ERROR(registrations_->ReservePinned(*session, pin_bytes));
+  file->Prefault(req.offset(), req.length());
   absl::StatusOr<device::LogicalMapping> mapping;
   do {
     mapping = device_->BuildLam(pd, span);

@@ -282,6 +282,9 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
       return s;
     }
   }
+  // The pin would fault mrd's mapping in page by page: filled by several
+  // threads first, it walks the page tables instead (prefault.h).
+  if (!warm.has_value()) plan.file->Prefault(plan.key.offset, plan.key.length);
   absl::StatusOr<device::MrKeys> keys;
   do {
     keys = device_->RegisterMr(plan.pd, plan.span, plan.key.base_address,

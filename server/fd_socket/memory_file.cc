@@ -19,6 +19,7 @@
 #include "absl/strings/str_split.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
+#include "server/common/prefault.h"
 
 namespace mrd::fd_socket {
 namespace {
@@ -125,6 +126,8 @@ absl::Status CheckRelativePath(absl::string_view path) {
   return absl::OkStatus();
 }
 
+constexpr uint64_t kPrefaultChunk = uint64_t{2} << 20;
+
 }  // namespace
 
 MappedFile::MappedFile(UniqueFd fd, void* address, uint64_t size, bool writable,
@@ -135,7 +138,9 @@ MappedFile::MappedFile(UniqueFd fd, void* address, uint64_t size, bool writable,
       writable_(writable),
       device_(device),
       inode_(inode),
-      source_(std::move(source)) {}
+      source_(std::move(source)),
+      prefaulted_(
+          new std::atomic<uint64_t>[(size / kPrefaultChunk + 64) / 64]()) {}
 
 MappedFile::~MappedFile() {
   if (::munmap(address_, size_) != 0) {
@@ -144,6 +149,32 @@ MappedFile::~MappedFile() {
     LogError("munmap of ", size_, " bytes at 0x",
              absl::Hex(reinterpret_cast<uintptr_t>(address_)),
              " failed: ", std::strerror(err));
+  }
+}
+
+void MappedFile::Prefault(uint64_t offset, uint64_t length) const {
+  if (length < kPrefaultMinBytes) return;
+  const uint64_t first = offset / kPrefaultChunk;
+  const uint64_t last = (offset + length - 1) / kPrefaultChunk;
+  auto marked = [this](uint64_t chunk) {
+    return (prefaulted_[chunk / 64].load(std::memory_order_relaxed) &
+            (uint64_t{1} << (chunk % 64))) != 0;
+  };
+  bool all = true;
+  for (uint64_t c = first; c <= last && all; ++c) all = marked(c);
+  if (all) return;
+  if (mrd::Prefault(static_cast<char*>(address_) + offset, length) == 0) {
+    return;  // prefaulting is off
+  }
+  // Chunks only partly in the range stay unmarked: their other part may
+  // still be unfilled.
+  const uint64_t full_first = (offset + kPrefaultChunk - 1) / kPrefaultChunk;
+  const uint64_t end = offset + length;
+  const uint64_t full_end =
+      end == size_ ? last + 1 : end / kPrefaultChunk;  // the file's tail counts
+  for (uint64_t c = full_first; c < full_end; ++c) {
+    prefaulted_[c / 64].fetch_or(uint64_t{1} << (c % 64),
+                                 std::memory_order_relaxed);
   }
 }
 

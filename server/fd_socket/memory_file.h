@@ -28,6 +28,7 @@
 #ifndef MRD_SERVER_FD_SOCKET_MEMORY_FILE_H_
 #define MRD_SERVER_FD_SOCKET_MEMORY_FILE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -135,6 +136,13 @@ class MappedFile final {
   absl::StatusOr<device::MemorySpan> Span(uint64_t offset,
                                           uint64_t length) const;
 
+  // Fills this mapping's page tables for [offset, offset + length) (a range
+  // Span accepted) before it is pinned (server/common/prefault.h), unless
+  // earlier calls filled all of it: the mapping remembers the 2 MiB chunks
+  // it prefaulted, so registering the same memory again costs no second
+  // walk of its pages. Thread-safe.
+  void Prefault(uint64_t offset, uint64_t length) const;
+
  private:
   friend absl::StatusOr<std::unique_ptr<MappedFile>> MapMemfd(
       UniqueFd fd, const MemfdImportOptions& options);
@@ -157,6 +165,8 @@ class MappedFile final {
   uint64_t device_;
   uint64_t inode_;
   std::string source_;
+  // One bit per 2 MiB chunk of the mapping that Prefault filled.
+  std::unique_ptr<std::atomic<uint64_t>[]> prefaulted_;
 };
 
 }  // namespace mrd::fd_socket

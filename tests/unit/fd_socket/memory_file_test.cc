@@ -21,6 +21,8 @@
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
 #include "mrd/status.h"
+#include "server/common/prefault.h"
+#include "tests/support/mapped_pages.h"
 #include "tests/unit/fd_socket/fd_socket_test_util.h"
 
 namespace mrd::fd_socket {
@@ -600,6 +602,43 @@ TEST_F(SharedFileTest, NoFdLeaksOnAnyPath) {
   EXPECT_FALSE(Open("missing").ok());
   EXPECT_FALSE(Open("../x").ok());
   EXPECT_EQ(CountOpenFds(), before);
+}
+
+// MappedFile::Prefault fills the mapping's page tables once: a second call
+// on chunks it filled walks nothing (shown by dropping the page tables in
+// between: they stay empty), and a range it did not cover is filled anew.
+TEST(MappedFilePrefaultTest, FillsTheRangeOnceAndRemembersIt) {
+  constexpr uint64_t kSize = uint64_t{80} << 20;
+  ConfigurePrefault(kDefaultPrefaultThreads);
+  auto file = MapMemfd(MakeSealedMemfd(kSize), Writable());
+  ASSERT_TRUE(file.ok()) << file.status();
+  char* base = static_cast<char*>((*file)->address());
+  ASSERT_EQ(test_support::MappedBytes(base), 0u);
+
+  (*file)->Prefault(0, kSize / 2);
+  EXPECT_EQ(test_support::MappedBytes(base), kSize / 2);
+  ASSERT_EQ(madvise(base, kSize, MADV_DONTNEED), 0);  // page tables dropped
+  (*file)->Prefault(uint64_t{4} << 20, uint64_t{32} << 20);  // all filled once
+  EXPECT_EQ(test_support::MappedBytes(base), 0u);
+
+  (*file)->Prefault(0, kSize);  // the second half was never filled
+  EXPECT_EQ(test_support::MappedBytes(base), kSize);
+}
+
+TEST(MappedFilePrefaultTest, SmallRangesAndPrefaultingOffAreLeftToThePin) {
+  constexpr uint64_t kSize = uint64_t{64} << 20;
+  auto file = MapMemfd(MakeSealedMemfd(kSize), Writable());
+  ASSERT_TRUE(file.ok()) << file.status();
+  char* base = static_cast<char*>((*file)->address());
+  ConfigurePrefault(kDefaultPrefaultThreads);
+  (*file)->Prefault(0, kPrefaultMinBytes - 4096);
+  EXPECT_EQ(test_support::MappedBytes(base), 0u);
+  ConfigurePrefault(0);
+  (*file)->Prefault(0, kSize);
+  EXPECT_EQ(test_support::MappedBytes(base), 0u);
+  ConfigurePrefault(kDefaultPrefaultThreads);
+  (*file)->Prefault(0, kSize);  // off did not mark anything as filled
+  EXPECT_EQ(test_support::MappedBytes(base), kSize);
 }
 
 }  // namespace
