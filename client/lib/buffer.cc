@@ -14,11 +14,13 @@ Buffer::Buffer(std::shared_ptr<internal::SessionCore> core, v1::BufferInfo info,
       memfd_(std::move(memfd)) {}
 
 absl::StatusOr<Buffer> Buffer::Create(const Session& session, uint64_t size,
-                                      absl::string_view name, bool writable) {
+                                      absl::string_view name, bool writable,
+                                      bool huge_pages) {
   if (session.core() == nullptr) {
     return absl::FailedPreconditionError("use of a moved-from Session");
   }
-  MRD_ASSIGN_OR_RETURN(MappedMemfd memfd, MappedMemfd::Create(size, name));
+  MRD_ASSIGN_OR_RETURN(MappedMemfd memfd,
+                       MappedMemfd::Create(size, name, huge_pages));
   MRD_ASSIGN_OR_RETURN(Buffer buffer,
                        session.ImportMemfd(memfd.fd(), writable, size));
   buffer.memfd_ = std::move(memfd);

@@ -23,12 +23,14 @@ namespace mrd::client {
 class Buffer {
  public:
   // A new memfd of `size` bytes (MappedMemfd::Create: MFD_CLOEXEC |
-  // MFD_ALLOW_SEALING, sealed F_SEAL_SHRINK | F_SEAL_GROW, mapped here),
-  // imported over the fd socket with expected_size = size. Fd sessions only.
-  // Errors: those of MappedMemfd::Create and Session::ImportMemfd.
+  // MFD_ALLOW_SEALING, sealed F_SEAL_SHRINK | F_SEAL_GROW, mapped here; with
+  // `huge_pages`, on hugetlbfs in 2 MiB pages), imported over the fd socket
+  // with expected_size = size. Fd sessions only. Errors: those of
+  // MappedMemfd::Create and Session::ImportMemfd.
   static absl::StatusOr<Buffer> Create(const Session& session, uint64_t size,
                                        absl::string_view name = "mrd-buffer",
-                                       bool writable = true);
+                                       bool writable = true,
+                                       bool huge_pages = false);
   // ImportFile (lease path): `relative_path` under the server's shared-memory
   // directory. No local mapping (data() is null). Errors: INVALID_ARGUMENT,
   // NOT_FOUND, PERMISSION_DENIED, RESOURCE_EXHAUSTED, FAILED_PRECONDITION

@@ -17,6 +17,9 @@
 
 namespace mrd::client {
 
+// The page size of huge-page memfds (MappedMemfd::Create's huge_pages).
+inline constexpr uint64_t kHugePageSize = uint64_t{2} << 20;
+
 // The seals Create() sets.
 inline constexpr int kBufferSeals =
     0x0002 | 0x0004;  // F_SEAL_SHRINK|F_SEAL_GROW
@@ -25,10 +28,16 @@ class MappedMemfd {
  public:
   // memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING), ftruncate(size),
   // F_ADD_SEALS(kBufferSeals), mmap(PROT_READ|PROT_WRITE, MAP_SHARED).
-  // INVALID_ARGUMENT for size 0; RESOURCE_EXHAUSTED when memory or fds run
-  // out; the errno's code otherwise.
+  // With `huge_pages` the memfd is on hugetlbfs (MFD_HUGETLB |
+  // MFD_HUGE_2MB): its memory comes from the kernel's pool of 2 MiB pages
+  // (vm.nr_hugepages), reserved whole at the mmap. INVALID_ARGUMENT for
+  // size 0 and, with `huge_pages`, for a size that is not a multiple of
+  // 2 MiB (HUGE_PAGE_MULTIPLE); RESOURCE_EXHAUSTED when memory or fds run
+  // out, and NO_HUGE_PAGES when the pool has too few free pages; the
+  // errno's code otherwise.
   static absl::StatusOr<MappedMemfd> Create(uint64_t size,
-                                            absl::string_view name);
+                                            absl::string_view name,
+                                            bool huge_pages = false);
 
   MappedMemfd() = default;
   MappedMemfd(MappedMemfd&& other) noexcept;

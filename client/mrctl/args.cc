@@ -269,6 +269,9 @@ std::vector<CommandSpec> BuildCommands() {
         {"fill", "STRING", "write STRING at the start of the buffer"},
         {"repeat", "", "with --fill: repeat STRING over the whole buffer"},
         {"name", "NAME", "memfd name (default mrctl-hold)"},
+        {"huge-pages", "",
+         "a hugetlbfs memfd in 2 MiB pages (vm.nr_hugepages; --size a "
+         "multiple of 2 MiB)"},
         {"writable", "",
          "import writable (default: when the flags need write access)"},
         {"offset", "SIZE", "registered range start (default 0)"},

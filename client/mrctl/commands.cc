@@ -534,8 +534,10 @@ absl::Status Hold(Context& ctx) {
   InstallStopHandlers();
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
   MRD_ASSIGN_OR_RETURN(client::Session session, client::Session::OpenFd(c));
-  MRD_ASSIGN_OR_RETURN(client::Buffer buffer,
-                       client::Buffer::Create(session, size, name, writable));
+  MRD_ASSIGN_OR_RETURN(bool huge_pages, f.Bool("huge-pages"));
+  MRD_ASSIGN_OR_RETURN(
+      client::Buffer buffer,
+      client::Buffer::Create(session, size, name, writable, huge_pages));
   if (!fill.empty()) {
     char* data = static_cast<char*>(buffer.data());
     uint64_t pos = 0;

@@ -61,16 +61,6 @@ bool WaitFor(const std::function<bool()>& condition,
   return condition();
 }
 
-RegisterOptions Range(const Buffer& buffer, uint64_t offset, uint64_t length,
-                      uint32_t flags = 0) {
-  RegisterOptions o;
-  o.buffer = buffer.id();
-  o.offset = offset;
-  o.length = length;
-  o.flags = flags;
-  return o;
-}
-
 // MrdTest with mrd's metrics on, so that each test can also check mrd's own
 // count of sessions, buffers, registrations, LAMs and MR objects: each test
 // is a leak test of the library.
@@ -144,12 +134,6 @@ class ClientLibTest : public MrdTest {
     absl::StatusOr<std::string> text = ScrapeMetrics(mrd_->metrics_address());
     EXPECT_TRUE(text.ok()) << text.status();
     return text.ok() ? *text : "";
-  }
-
-  uint64_t PinnedBytes() {
-    absl::StatusOr<v1::DeviceInfo> info = client_->GetDeviceInfo();
-    EXPECT_TRUE(info.ok()) << info.status();
-    return info.ok() ? info->pinned_bytes() : ~uint64_t{0};
   }
 
   v1::ListRegistrationsResponse List(const Session& session) {

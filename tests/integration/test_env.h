@@ -27,6 +27,18 @@ inline constexpr uint32_t kOpSilentSuccess = 0x1;
 inline constexpr uint32_t kOpRemoteRead = 0x8;
 inline constexpr uint32_t kOpRemoteWrite = 0x30;
 
+// RegisterMr options for [offset, offset + length) of `buffer`.
+inline client::RegisterOptions Range(const client::Buffer& buffer,
+                                     uint64_t offset, uint64_t length,
+                                     uint32_t flags = 0) {
+  client::RegisterOptions o;
+  o.buffer = buffer.id();
+  o.offset = offset;
+  o.length = length;
+  o.flags = flags;
+  return o;
+}
+
 class MrdTest : public ::testing::Test {
  protected:
   virtual MrdProcessOptions ServerOptions() { return {}; }
@@ -58,6 +70,13 @@ class MrdTest : public ::testing::Test {
     auto s = client::Session::OpenFd(*client_);
     EXPECT_TRUE(s.ok()) << s.status();
     return std::move(*s);
+  }
+
+  // What mrd has pinned now (GetDeviceInfo).
+  uint64_t PinnedBytes() {
+    absl::StatusOr<v1::DeviceInfo> info = client_->GetDeviceInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->pinned_bytes() : ~uint64_t{0};
   }
 
   client::Buffer NewBuffer(const client::Session& session, uint64_t size,

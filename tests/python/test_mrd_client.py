@@ -213,3 +213,46 @@ def test_batches_register_and_deregister_many_in_one_call(client):
                         peer.read(rkey, address, 1)
             assert pinned(client) == 0
             assert all(r.deregister() is None for r in regs)
+
+
+def _raise_huge_pages(pages):
+    """Raises vm.nr_hugepages by `pages` (root only); the old value, or None
+    when it cannot."""
+    path = "/proc/sys/vm/nr_hugepages"
+    try:
+        with open(path) as f:
+            before = int(f.read())
+        with open(path, "w") as f:
+            f.write(str(before + pages))
+        with open(path) as f:
+            if int(f.read()) == before + pages:
+                return before
+        with open(path, "w") as f:
+            f.write(str(before))
+    except OSError:
+        pass
+    return None
+
+
+def test_a_huge_page_buffer_is_registered_and_read_by_a_peer(client):
+    with client.open_fd_session() as session:
+        with pytest.raises(ValueError):
+            session.create_buffer(mrd_client.HUGE_PAGE_SIZE + 4096,
+                                  huge_pages=True)
+        before = _raise_huge_pages(1)
+        if before is None:
+            pytest.skip("cannot raise vm.nr_hugepages (not root)")
+        try:
+            with session.create_buffer(mrd_client.HUGE_PAGE_SIZE,
+                                       huge_pages=True) as buffer:
+                buffer.memory[4096:4100] = b"huge"
+                with session.register(buffer,
+                                      flags=mrd_client.REMOTE_READ) as reg:
+                    assert pinned(client) == mrd_client.HUGE_PAGE_SIZE
+                    with SoftwarePeer.connect(session.peer_ticket()) as peer:
+                        assert peer.read(reg.rkey, reg.base_address + 4096,
+                                         4) == b"huge"
+            assert pinned(client) == 0
+        finally:
+            with open("/proc/sys/vm/nr_hugepages", "w") as f:
+                f.write(str(before))

@@ -14,8 +14,9 @@ Errors are MrdError (code, seed_status, reason, required_size). The
 software device's peer side is mrd_client.SoftwarePeer.
 """
 
-from .client import (FD_MAX_REPLY_BYTES, FD_MAX_REQUEST_BYTES, LOCAL_READ,
-                     LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE, Buffer, Client,
+from .client import (FD_MAX_REPLY_BYTES, FD_MAX_REQUEST_BYTES, HUGE_PAGE_SIZE,
+                     LOCAL_READ, LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE,
+                     Buffer, Client,
                      FdSession, Lam, LeaseSession, MemfdBuffer, Mr,
                      Registration, Session, default_runtime_dir)
 from .errors import MrdError
@@ -25,7 +26,7 @@ from .peer import PeerError, SoftwarePeer
 
 __all__ = [
     "Buffer", "Client", "FdSession", "FD_MAX_REPLY_BYTES",
-    "FD_MAX_REQUEST_BYTES", "Lam", "LeaseSession", "LOCAL_READ",
+    "FD_MAX_REQUEST_BYTES", "HUGE_PAGE_SIZE", "Lam", "LeaseSession", "LOCAL_READ",
     "LOCAL_WRITE", "MemfdBuffer", "Mr", "MrdError", "PeerError",
     "REMOTE_READ", "REMOTE_WRITE", "Registration", "Session", "SoftwarePeer",
     "default_runtime_dir",

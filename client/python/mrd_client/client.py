@@ -276,10 +276,13 @@ class FdSession(Session):
             socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
         return self._reply(self._sequence).buffer
 
-    def create_buffer(self, size, name="mrd-buffer", writable=True):
+    def create_buffer(self, size, name="mrd-buffer", writable=True,
+                      huge_pages=False):
         """A new memfd of `size` bytes, sealed, mapped here and imported: a
-        MemfdBuffer whose `memory` this process reads and writes."""
-        return MemfdBuffer(self, size, name, writable)
+        MemfdBuffer whose `memory` this process reads and writes. With
+        `huge_pages` the memfd is on hugetlbfs (2 MiB pages from
+        vm.nr_hugepages; `size` a multiple of 2 MiB)."""
+        return MemfdBuffer(self, size, name, writable, huge_pages)
 
     def close(self):
         if self._sock.fileno() >= 0:
@@ -338,12 +341,22 @@ class Buffer:
         self.release()
 
 
+# The page size of huge-page buffers (create_buffer(huge_pages=True)).
+HUGE_PAGE_SIZE = 2 << 20
+
+
 class MemfdBuffer(Buffer):
     """A memfd made here (memfd_create, F_SEAL_SHRINK|F_SEAL_GROW), mapped
     here (`memory`, an mmap) and imported into an fd session."""
 
-    def __init__(self, session, size, name, writable):
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    def __init__(self, session, size, name, writable, huge_pages=False):
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        if huge_pages:
+            if size % HUGE_PAGE_SIZE:
+                raise ValueError("a huge-page buffer's size must be a multiple "
+                                 f"of 2 MiB; {size} is not")
+            flags |= os.MFD_HUGETLB | os.MFD_HUGE_2MB
+        fd = os.memfd_create(name, flags)
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, _F_ADD_SEALS, _F_SEAL_SHRINK | _F_SEAL_GROW)

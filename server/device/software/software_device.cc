@@ -1,5 +1,6 @@
 #include "server/device/software/software_device.h"
 
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -84,6 +85,23 @@ absl::Status ReadSegments(const std::vector<Segment>& plan, char* out) {
   return absl::OkStatus();
 }
 
+// Copies `length` bytes from `in` to `fd`'s file at `offset` through a
+// shared mapping of the whole `page`-aligned pages they touch (`page`: the
+// file's page size, st_blksize: 2 MiB on hugetlbfs, whose mappings must be
+// aligned to it).
+absl::Status WriteThroughMapping(int fd, uint64_t offset, const char* in,
+                                 uint64_t length, uint64_t page) {
+  if (page == 0) page = 4096;
+  const uint64_t start = offset - offset % page;
+  const uint64_t span = (offset + length - start + page - 1) / page * page;
+  void* view = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_SHARED, fd,
+                      static_cast<off_t>(start));
+  if (view == MAP_FAILED) return IoError("mmap", errno, offset);
+  std::memcpy(static_cast<char*>(view) + (offset - start), in, length);
+  ::munmap(view, span);
+  return absl::OkStatus();
+}
+
 template <typename Segment>
 absl::Status WriteSegments(const std::vector<Segment>& plan, const char* in) {
   for (const Segment& segment : plan) {
@@ -105,6 +123,14 @@ absl::Status WriteSegments(const std::vector<Segment>& plan, const char* in) {
       uint64_t offset = segment.offset + done;
       ssize_t n = ::pwrite(segment.fd, in, segment.length - done,
                            static_cast<off_t>(offset));
+      if (n < 0 && errno == EINVAL) {
+        // hugetlbfs has no write(2): through a mapping of the file instead.
+        MRD_RETURN_IF_ERROR(
+            WriteThroughMapping(segment.fd, offset, in, segment.length - done,
+                                static_cast<uint64_t>(st.st_blksize)));
+        in += segment.length - done;
+        break;
+      }
       if (n < 0) {
         int err = errno;
         if (err == EINTR) continue;
