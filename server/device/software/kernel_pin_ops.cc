@@ -270,6 +270,14 @@ int KernelPinOps::LockMlockLocked(uint64_t start, uint64_t end) {
 }
 
 int KernelPinOps::Lock(uint64_t address, uint64_t length) {
+  return LockAny(address, length, /*huge_pages=*/false);
+}
+
+int KernelPinOps::LockHugePages(uint64_t address, uint64_t length) {
+  return LockAny(address, length, /*huge_pages=*/true);
+}
+
+int KernelPinOps::LockAny(uint64_t address, uint64_t length, bool huge_pages) {
   if (length == 0 || address + length < address) return EINVAL;
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (address + length + page_size_ - 1) & ~(page_size_ - 1);
@@ -280,12 +288,17 @@ int KernelPinOps::Lock(uint64_t address, uint64_t length) {
       (it != pieces_.begin() && std::prev(it)->second.end > start)) {
     return EEXIST;
   }
+  if (huge_pages && options_.method != PinMethod::kIoUring) {
+    const int err = LockMlockLocked(start, end);
+    if (err == 0 || !io_uring_ok_) return err;
+  }
   if (io_uring_ok_) {
     const int err = LockIoUringLocked(start, end);
     if (err == 0 || options_.method == PinMethod::kIoUring) return err;
     // EFAULT: a read-only mapping (io_uring pins for writing) or a hole;
     // EOPNOTSUPP: memory io_uring does not pin long-term; EMFILE: no fd for
     // another ring. mlock tells a hole from the rest.
+    if (huge_pages) return err;  // mlock was refused already
   }
   return LockMlockLocked(start, end);
 }

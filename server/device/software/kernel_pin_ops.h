@@ -82,6 +82,12 @@ class KernelPinOps final : public PinOps {
   KernelPinOps& operator=(const KernelPinOps&) = delete;
 
   int Lock(uint64_t address, uint64_t length) override;
+  // mlock first (io_uring when mlock is refused, or with --pin_method=
+  // io_uring): io_uring's accounting of compound pages walks every slot of
+  // the ring for each huge page, while hugetlbfs pages never leave memory
+  // anyway (the kernel neither swaps nor reclaims them, and so counts no
+  // VmLck for an mlock of them: it only faults them in).
+  int LockHugePages(uint64_t address, uint64_t length) override;
   int Unlock(uint64_t address, uint64_t length) override;
 
   // What the object uses: "io_uring", "mlock", or "io_uring+mlock" (auto)
@@ -131,6 +137,8 @@ class KernelPinOps final : public PinOps {
   int LockMlockLocked(uint64_t start, uint64_t end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unpins [from, to) of the piece at `it`, keeping the rest pinned.
+  int LockAny(uint64_t address, uint64_t length, bool huge_pages)
+      ABSL_LOCKS_EXCLUDED(mu_);
   int UnlockPieceLocked(std::map<uint64_t, Piece>::iterator it, uint64_t from,
                         uint64_t to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Number of maximal mlocked runs that [start, end) touches or adjoins.

@@ -69,7 +69,8 @@ void PinTracker::CoalesceLocked(uint64_t from, uint64_t to) {
   }
 }
 
-absl::Status PinTracker::Pin(uint64_t address, uint64_t length) {
+absl::Status PinTracker::Pin(uint64_t address, uint64_t length,
+                             bool huge_pages) {
   uint64_t last = 0;
   if (length == 0 || __builtin_add_overflow(address, length - 1, &last) ||
       last > UINT64_MAX - page_size_) {
@@ -94,7 +95,8 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length) {
 
   for (size_t i = 0; i < gaps.size(); ++i) {
     const auto [gap_start, gap_end] = gaps[i];
-    int err = ops_->Lock(gap_start, gap_end - gap_start);
+    int err = huge_pages ? ops_->LockHugePages(gap_start, gap_end - gap_start)
+                         : ops_->Lock(gap_start, gap_end - gap_start);
     // An injected failure comes after the kernel locked the run, like a
     // real mlock that locks up to a hole and then fails.
     absl::Status injected =

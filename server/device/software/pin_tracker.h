@@ -41,6 +41,11 @@ class PinOps {
   // Pins [address, address + length) (pages no one pins yet): 0 or the
   // errno (kErrMapBudget: see above). On error nothing stays pinned.
   virtual int Lock(uint64_t address, uint64_t length) = 0;
+  // Lock for memory in huge pages (hugetlbfs), which the kernel never swaps
+  // or moves on its own: an implementation may pin it a cheaper way.
+  virtual int LockHugePages(uint64_t address, uint64_t length) {
+    return Lock(address, length);
+  }
   // Unpins [address, address + length), all or a part of earlier Locks:
   // 0 or the errno.
   virtual int Unlock(uint64_t address, uint64_t length) = 0;
@@ -73,8 +78,9 @@ class PinTracker {
   // (ENOMEM: RLIMIT_MEMLOCK or an unmapped page; EPERM; EAGAIN), or
   // "LIMIT_MEMORY_MAPS" when pinning would cost more memory maps than the
   // budget (kErrMapBudget). On error no page's
-  // count or lock state has changed.
-  absl::Status Pin(uint64_t address, uint64_t length);
+  // count or lock state has changed. `huge_pages`: the memory is in huge
+  // pages (hugetlbfs); new runs are pinned with PinOps::LockHugePages.
+  absl::Status Pin(uint64_t address, uint64_t length, bool huge_pages = false);
   // Drops the references a successful Pin of the same range took. Unpinning
   // a page that is not pinned is a caller bug and aborts.
   void Unpin(uint64_t address, uint64_t length);

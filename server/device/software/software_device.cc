@@ -1,8 +1,10 @@
 #include "server/device/software/software_device.h"
 
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -295,7 +297,13 @@ SoftwareDevice::PeerPathStats SoftwareDevice::PeerStats() const {
 // Pins and keys.
 
 absl::Status SoftwareDevice::ProviderPin(const MemorySpan& span) {
-  return pins_.Pin(reinterpret_cast<uint64_t>(span.host_address), span.length);
+  // hugetlbfs memory is pinned the way that suits huge pages
+  // (KernelPinOps::LockHugePages).
+  struct statfs fs {};
+  const bool huge = span.fd >= 0 && ::fstatfs(span.fd, &fs) == 0 &&
+                    static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
+  return pins_.Pin(reinterpret_cast<uint64_t>(span.host_address), span.length,
+                   huge);
 }
 
 void SoftwareDevice::ProviderUnpin(const MemorySpan& span) {

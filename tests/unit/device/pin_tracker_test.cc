@@ -31,10 +31,21 @@ class FakePinOps final : public PinOps {
     locks_.emplace_back(address, length);
     return address == fail_lock_at_ ? ENOMEM : 0;
   }
+  int LockHugePages(uint64_t address, uint64_t length) override {
+    {
+      absl::MutexLock lock(&mu_);
+      ++huge_locks_;
+    }
+    return Lock(address, length);
+  }
   int Unlock(uint64_t address, uint64_t length) override {
     absl::MutexLock lock(&mu_);
     unlocks_.emplace_back(address, length);
     return 0;
+  }
+  int huge_locks() {
+    absl::MutexLock lock(&mu_);
+    return huge_locks_;
   }
   void FailLockAt(uint64_t address) {
     absl::MutexLock lock(&mu_);
@@ -52,6 +63,7 @@ class FakePinOps final : public PinOps {
  private:
   absl::Mutex mu_;
   uint64_t fail_lock_at_ ABSL_GUARDED_BY(mu_) = 0;
+  int huge_locks_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::pair<uint64_t, uint64_t>> locks_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, uint64_t>> unlocks_ ABSL_GUARDED_BY(mu_);
 };
@@ -80,6 +92,17 @@ TEST_F(PinTrackerTest, FirstPinLocksAndLastUnpinUnlocks) {
   EXPECT_EQ(tracker_.PinnedBytes(), 2 * PageSize());
   tracker_.Unpin(P(0), 2 * PageSize());
   EXPECT_THAT(ops_.TakeUnlocks(), ElementsAre(Pair(P(0), 2 * PageSize())));
+}
+
+TEST_F(PinTrackerTest, HugePageMemoryIsLockedThroughLockHugePages) {
+  ASSERT_TRUE(tracker_.Pin(P(0), 2 * PageSize(), /*huge_pages=*/true).ok());
+  EXPECT_EQ(ops_.huge_locks(), 1);
+  ASSERT_TRUE(tracker_.Pin(P(4), PageSize()).ok());
+  EXPECT_EQ(ops_.huge_locks(), 1);  // not for ordinary memory
+  EXPECT_THAT(ops_.TakeLocks(),
+              ElementsAre(Pair(P(0), 2 * PageSize()), Pair(P(4), PageSize())));
+  tracker_.Unpin(P(0), 2 * PageSize());
+  tracker_.Unpin(P(4), PageSize());
 }
 
 TEST_F(PinTrackerTest, OverlapLocksOnlyNewPagesAndUnlocksOnlyReleasedOnes) {
