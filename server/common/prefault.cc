@@ -74,15 +74,16 @@ uint32_t Prefault(const void* address, uint64_t length, uint32_t max_threads) {
       std::min<uint64_t>(configured, length / (kPrefaultMinBytes / 2)));
   if (max_threads != 0) want = std::min(want, max_threads);
   const uint32_t helpers = want > 1 ? TakeHelpers(want - 1) : 0;
-  // Chunk boundaries on 2 MiB so that no two threads fault one huge page.
   const uint32_t parts = helpers + 1;
-  const uint64_t chunk =
-      ((end - start) / parts + kChunkAlign - 1) & ~(kChunkAlign - 1);
+  const uint64_t chunk = (end - start) / parts;
   std::vector<Thread> threads;
   threads.reserve(helpers);
   uint64_t at = start;
   for (uint32_t i = 0; i < helpers && at < end; ++i) {
-    const uint64_t to = std::min(end, at + chunk);
+    // Boundaries on 2 MiB addresses, so that no two threads fault one huge
+    // page.
+    const uint64_t to =
+        std::min(end, (at + chunk + kChunkAlign - 1) & ~(kChunkAlign - 1));
     absl::StatusOr<Thread> t =
         Thread::Start("mrd-prefault", [at, to] { Populate(at, to); });
     if (!t.ok()) break;  // out of threads: the caller does the rest
