@@ -28,7 +28,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -37,27 +36,19 @@
 #include "bench/bench_util.h"
 #include "client/lib/mrd_client.h"
 #include "tests/integration/mrd_process.h"
+#include "tests/support/kernel_pins.h"
 
 namespace mrd::bench {
 namespace {
 
 constexpr uint64_t kBatch = 4096;
 
-// A "<field>: <n> kB" line of /proc/<pid>/status in bytes; 0 if unreadable.
-uint64_t Status(pid_t pid, const std::string& field) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field + ":", 0) == 0) {
-      return std::strtoull(line.c_str() + field.size() + 1, nullptr, 10) * 1024;
-    }
-  }
-  return 0;
+uint64_t RssAnon(pid_t pid) {
+  return test_support::ProcStatusBytes("RssAnon", std::to_string(pid));
 }
-uint64_t RssAnon(pid_t pid) { return Status(pid, "RssAnon"); }
 // What mrd has pinned (mlock and io_uring's pins).
 uint64_t Pinned(pid_t pid) {
-  return Status(pid, "VmLck") + Status(pid, "VmPin");
+  return test_support::KernelPinnedBytes(std::to_string(pid));
 }
 
 struct Tenant {

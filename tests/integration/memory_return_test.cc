@@ -8,12 +8,12 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "tests/integration/test_env.h"
+#include "tests/support/kernel_pins.h"
 
 namespace mrd::testing {
 namespace {
@@ -22,15 +22,8 @@ constexpr uint64_t kPage = 4096;
 constexpr uint64_t kSessions = 4;
 constexpr uint64_t kPerSession = 16384;  // 65,536 registrations in all
 
-uint64_t StatusBytes(pid_t pid, const std::string& field) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field + ":", 0) == 0) {
-      return std::stoull(line.substr(field.size() + 1)) * 1024;
-    }
-  }
-  return 0;
+uint64_t RssAnon(pid_t pid) {
+  return test_support::ProcStatusBytes("RssAnon", std::to_string(pid));
 }
 
 class MemoryReturnTest : public MrdTest {
@@ -58,7 +51,7 @@ TEST_F(MemoryReturnTest, MemoryOfManyRegistrationsGoesBackWhenTheyEnd) {
     sessions.push_back(OpenFdSession());
     buffers.push_back(NewBuffer(sessions.back(), kPerSession * kPage, "x"));
   }
-  const uint64_t base = StatusBytes(pid, "RssAnon");
+  const uint64_t base = RssAnon(pid);
   for (uint64_t s = 0; s < kSessions; ++s) {
     for (uint64_t first = 0; first < kPerSession; first += 4096) {
       std::vector<client::RegisterOptions> items;
@@ -78,7 +71,7 @@ TEST_F(MemoryReturnTest, MemoryOfManyRegistrationsGoesBackWhenTheyEnd) {
       }
     }
   }
-  const uint64_t peak = StatusBytes(pid, "RssAnon");
+  const uint64_t peak = RssAnon(pid);
   // Enough that what comes back is not noise: well over 100 bytes each.
   ASSERT_GT(peak - base, kSessions * kPerSession * 100)
       << "base " << base << " peak " << peak;
@@ -93,16 +86,13 @@ TEST_F(MemoryReturnTest, MemoryOfManyRegistrationsGoesBackWhenTheyEnd) {
     ASSERT_TRUE(sessions[s].Close().ok());
   }
   // Wait until mrd pins nothing, then for its memory to settle.
-  for (int i = 0;
-       i < 300 && StatusBytes(pid, "VmPin") + StatusBytes(pid, "VmLck") != 0;
-       ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_EQ(StatusBytes(pid, "VmPin") + StatusBytes(pid, "VmLck"), 0u);
-  uint64_t after = StatusBytes(pid, "RssAnon");
+  ASSERT_EQ(test_support::KernelPinnedBytesSettled(0, std::to_string(pid),
+                                                   absl::Seconds(30)),
+            0u);
+  uint64_t after = RssAnon(pid);
   for (int i = 0; i < 50; ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    const uint64_t now = StatusBytes(pid, "RssAnon");
+    const uint64_t now = RssAnon(pid);
     if (now == after) break;
     after = now;
   }

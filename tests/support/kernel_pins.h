@@ -48,6 +48,23 @@ inline uint64_t KernelPinnedBytes(const std::string& pid = "self") {
   return found == 2 ? total : ~uint64_t{0};
 }
 
+// A "<field>: <n> kB" line of /proc/<pid>/status (e.g. "RssAnon") in
+// bytes; 0 if it cannot be read.
+inline uint64_t ProcStatusBytes(const std::string& field,
+                                const std::string& pid = "self") {
+  std::ifstream status("/proc/" + pid + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) != 0) continue;
+    std::vector<std::string> parts =
+        absl::StrSplit(line, ' ', absl::SkipEmpty());
+    uint64_t kib = 0;
+    if (parts.size() < 2 || !absl::SimpleAtoi(parts[1], &kib)) return 0;
+    return kib * 1024;
+  }
+  return 0;
+}
+
 // KernelPinnedBytes(pid) once it equals `expected`, or the last reading
 // when `timeout` passes first (then the caller's comparison fails).
 inline uint64_t KernelPinnedBytesSettled(
