@@ -20,6 +20,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -36,6 +37,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -92,14 +94,59 @@ std::vector<std::string> FdTargets(pid_t pid) {
 // The fds mrd holds, without the ones its own periodic scans open for a
 // moment (the fd budget's and the gRPC acceptor's reads of /proc/self/fd,
 // once a second) and without entries that closed while being listed ("?"):
-// a baseline taken during a scan would otherwise be one or two too high.
-size_t CountFds(pid_t pid) {
-  size_t n = 0;
-  for (const std::string& target : FdTargets(pid)) {
-    if (target != "?" && !absl::StartsWith(target, "/proc/")) ++n;
+// a snapshot taken during a scan would otherwise hold one or two more.
+std::vector<std::string> HeldFds(pid_t pid) {
+  std::vector<std::string> held;
+  for (std::string& target : FdTargets(pid)) {
+    if (target != "?" && !absl::StartsWith(target, "/proc/")) {
+      held.push_back(std::move(target));
+    }
   }
-  return n;
+  std::sort(held.begin(), held.end());
+  return held;
 }
+
+// What mrd holds now against a snapshot, as sorted lists of fd targets:
+// the fds opened since (`Added`) and those closed since (`Removed`). A leak
+// shows up in Added. One of mrd's own fds that closes meanwhile (a gRPC or
+// peer connection ending, a poller's eventfd) shows up only in Removed, so
+// a snapshot taken at a busy moment cannot fail a check by itself.
+class FdsSince {
+ public:
+  explicit FdsSince(pid_t pid) : pid_(pid), before_(HeldFds(pid)) {}
+
+  std::vector<std::string> Added() const {
+    return Difference(HeldFds(pid_), before_);
+  }
+  std::vector<std::string> Removed() const {
+    return Difference(before_, HeldFds(pid_));
+  }
+  // Removed entries that are sockets: connections mrd closed since.
+  size_t SocketsRemoved() const {
+    size_t n = 0;
+    for (const std::string& target : Removed()) {
+      if (absl::StartsWith(target, "socket:")) ++n;
+    }
+    return n;
+  }
+  std::string Describe() const {
+    return absl::StrCat("opened since: [", absl::StrJoin(Added(), ", "),
+                        "], closed since: [", absl::StrJoin(Removed(), ", "),
+                        "]");
+  }
+
+ private:
+  static std::vector<std::string> Difference(
+      const std::vector<std::string>& a, const std::vector<std::string>& b) {
+    std::vector<std::string> out;
+    std::set_difference(a.begin(), a.end(), b.begin(), b.end(),
+                        std::back_inserter(out));
+    return out;
+  }
+
+  pid_t pid_;
+  std::vector<std::string> before_;
+};
 
 std::string ReadWholeFile(const std::string& path) {
   std::ifstream in(path);
@@ -1235,14 +1282,14 @@ TEST_F(BadInputTest, RegularDiskFileIsNotShmem) {
   ASSERT_EQ(fcntl(file.get(), F_GETFL) & O_ACCMODE, O_RDWR);
 
   Session session = OpenFdSession();
-  const size_t fds_before = CountFds(mrd_->pid());
+  const FdsSince fds(mrd_->pid());
   for (bool writable : {true, false}) {
     ExpectError(session.ImportMemfd(file.get(), writable, 0).status(),
                 absl::StatusCode::kInvalidArgument,
                 ::mrd::STATUS_INVALID_PARAMETER, "NOT_SHMEM");
   }
-  EXPECT_TRUE(Eventually([&] { return CountFds(mrd_->pid()) == fds_before; }))
-      << "mrd kept a refused fd";
+  EXPECT_TRUE(Eventually([&] { return fds.Added().empty(); }))
+      << "mrd kept a refused fd: " << fds.Describe();
   ExpectSessionStillWorks(session);
 }
 
@@ -1252,14 +1299,14 @@ TEST_F(BadInputTest, PipeIsNotARegularFile) {
   UniqueFd read_end(p[0]);
   UniqueFd write_end(p[1]);
   Session session = OpenFdSession();
-  const size_t fds_before = CountFds(mrd_->pid());
+  const FdsSince fds(mrd_->pid());
   for (int fd : {read_end.get(), write_end.get()}) {
     ExpectError(session.ImportMemfd(fd, false, 0).status(),
                 absl::StatusCode::kInvalidArgument,
                 ::mrd::STATUS_INVALID_PARAMETER, "NOT_REGULAR_FILE");
   }
-  EXPECT_TRUE(Eventually([&] { return CountFds(mrd_->pid()) == fds_before; }))
-      << "mrd kept a refused fd";
+  EXPECT_TRUE(Eventually([&] { return fds.Added().empty(); }))
+      << "mrd kept a refused fd: " << fds.Describe();
   ExpectSessionStillWorks(session);
 }
 
@@ -1269,7 +1316,7 @@ TEST_F(BadInputTest, SocketIsNotARegularFile) {
   UniqueFd a(sv[0]);
   UniqueFd b(sv[1]);
   Session session = OpenFdSession();
-  const size_t fds_before = CountFds(mrd_->pid());
+  const FdsSince fds(mrd_->pid());
   ExpectError(session.ImportMemfd(a.get(), true, 0).status(),
               absl::StatusCode::kInvalidArgument,
               ::mrd::STATUS_INVALID_PARAMETER, "NOT_REGULAR_FILE");
@@ -1277,8 +1324,8 @@ TEST_F(BadInputTest, SocketIsNotARegularFile) {
   ExpectError(session.ImportMemfd(session.fd_socket(), false, 0).status(),
               absl::StatusCode::kInvalidArgument,
               ::mrd::STATUS_INVALID_PARAMETER, "NOT_REGULAR_FILE");
-  EXPECT_TRUE(Eventually([&] { return CountFds(mrd_->pid()) == fds_before; }))
-      << "mrd kept a refused fd";
+  EXPECT_TRUE(Eventually([&] { return fds.Added().empty(); }))
+      << "mrd kept a refused fd: " << fds.Describe();
   ExpectSessionStillWorks(session);
 }
 
@@ -1342,7 +1389,7 @@ TEST_F(BadInputTest, GarbageDatagramsOnTheFdSocketGetAnErrorAndNoFdLeaks) {
   ASSERT_TRUE(welcome.has_value() && welcome->has_welcome());
   const std::string token = welcome->welcome().session();
   const pid_t pid = mrd_->pid();
-  const size_t baseline = CountFds(pid);
+  const FdsSince fds(pid);
 
   {
     SCOPED_TRACE("not a protobuf (field number 0)");
@@ -1393,8 +1440,8 @@ TEST_F(BadInputTest, GarbageDatagramsOnTheFdSocketGetAnErrorAndNoFdLeaks) {
                   ::mrd::SEED_STATUS_UNSPECIFIED, "UNEXPECTED_FD");
   }
   // Every fd that came in was closed: mrd holds what it held before.
-  EXPECT_TRUE(Eventually([&] { return CountFds(pid) == baseline; }))
-      << CountFds(pid) << " fds, " << baseline << " before";
+  EXPECT_TRUE(Eventually([&] { return fds.Added().empty(); }))
+      << fds.Describe();
   EXPECT_FALSE(HoldsMemfd(pid, name));
 
   // The connection is still usable: a proper import works, and registers.
@@ -1406,7 +1453,11 @@ TEST_F(BadInputTest, GarbageDatagramsOnTheFdSocketGetAnErrorAndNoFdLeaks) {
   ASSERT_TRUE(imported->has_buffer()) << imported->DebugString();
   EXPECT_EQ(imported->sequence(), 7u);
   EXPECT_EQ(imported->buffer().size(), page_);
-  EXPECT_EQ(CountFds(pid), baseline + 1);  // the buffer's own fd
+  // The buffer's own fd, and nothing else.
+  EXPECT_TRUE(Eventually([&] {
+    const std::vector<std::string> added = fds.Added();
+    return added.size() == 1 && absl::StartsWith(added[0], "/memfd:" + good);
+  })) << fds.Describe();
   {
     Session attached = Session::Attach(*client_, token);
     v1::RegisterMrRequest req = RegisterRequest(
@@ -1422,8 +1473,9 @@ TEST_F(BadInputTest, GarbageDatagramsOnTheFdSocketGetAnErrorAndNoFdLeaks) {
   // nothing of it stays pinned.
   raw.Close();
   memfd.Reset();
-  EXPECT_TRUE(Eventually([&] { return CountFds(pid) == baseline - 1; }))
-      << CountFds(pid) << " fds, " << baseline << " with the session";
+  EXPECT_TRUE(Eventually([&] {
+    return fds.Added().empty() && fds.SocketsRemoved() >= 1;
+  })) << fds.Describe();
   EXPECT_TRUE(Eventually([&] { return DevicePinned() == baseline_pinned_; }));
   EXPECT_FALSE(HoldsMemfd(pid, good));
 }
@@ -1434,18 +1486,18 @@ TEST_F(BadInputTest, TruncatedControlMessageGetsAnErrorAndEveryFdIsClosed) {
   std::optional<v1::FdReply> welcome = raw.Receive();
   ASSERT_TRUE(welcome.has_value() && welcome->has_welcome());
   const pid_t pid = mrd_->pid();
-  const size_t baseline = CountFds(pid);
+  const FdsSince fds(pid);
   const std::string prefix = absl::StrCat("mrd-ctrunc-", getpid(), "-");
 
   {
     SCOPED_TRACE("ten fds in one SCM_RIGHTS message");
     std::vector<UniqueFd> memfds;
-    std::vector<int> fds;
+    std::vector<int> sent;
     for (int i = 0; i < 10; ++i) {
       memfds.push_back(MakeMemfd(absl::StrCat(prefix, i), page_));
-      fds.push_back(memfds.back().get());
+      sent.push_back(memfds.back().get());
     }
-    ASSERT_TRUE(raw.Send(ImportRequestBytes(5, false, page_), fds));
+    ASSERT_TRUE(raw.Send(ImportRequestBytes(5, false, page_), sent));
     ExpectFdError(raw.Receive(), 5, absl::StatusCode::kInvalidArgument,
                   ::mrd::SEED_STATUS_UNSPECIFIED, "CONTROL_TRUNCATED");
   }
@@ -1458,8 +1510,8 @@ TEST_F(BadInputTest, TruncatedControlMessageGetsAnErrorAndEveryFdIsClosed) {
     ExpectFdError(raw.Receive(), 6, absl::StatusCode::kInvalidArgument,
                   ::mrd::SEED_STATUS_UNSPECIFIED, "TOO_MANY_FDS");
   }
-  EXPECT_TRUE(Eventually([&] { return CountFds(pid) == baseline; }))
-      << CountFds(pid) << " fds, " << baseline << " before";
+  EXPECT_TRUE(Eventually([&] { return fds.Added().empty(); }))
+      << fds.Describe();
   EXPECT_FALSE(HoldsMemfd(pid, prefix));
 
   // The connection still imports.
@@ -1470,10 +1522,15 @@ TEST_F(BadInputTest, TruncatedControlMessageGetsAnErrorAndEveryFdIsClosed) {
   ASSERT_TRUE(imported->has_buffer()) << imported->DebugString();
   EXPECT_EQ(imported->sequence(), 8u);
   EXPECT_TRUE(imported->buffer().writable());
-  EXPECT_EQ(CountFds(pid), baseline + 1);
+  EXPECT_TRUE(Eventually([&] {
+    const std::vector<std::string> added = fds.Added();
+    return added.size() == 1 &&
+           absl::StartsWith(added[0], "/memfd:" + prefix + "good");
+  })) << fds.Describe();
   raw.Close();
-  EXPECT_TRUE(Eventually([&] { return CountFds(pid) == baseline - 1; }))
-      << CountFds(pid) << " fds, " << baseline << " with the session";
+  EXPECT_TRUE(Eventually([&] {
+    return fds.Added().empty() && fds.SocketsRemoved() >= 1;
+  })) << fds.Describe();
   EXPECT_FALSE(HoldsMemfd(pid, prefix));
 }
 
@@ -1481,7 +1538,7 @@ TEST_F(BadInputTest, TruncatedControlMessageGetsAnErrorAndEveryFdIsClosed) {
 
 TEST_F(BadInputTest, FdClientThatHangsUpRightAfterAnImportLeavesNothing) {
   const pid_t pid = mrd_->pid();
-  const size_t baseline = CountFds(pid);
+  const FdsSince fds(pid);
   const std::string name = absl::StrCat("mrd-abandoned-", getpid());
   std::string token;
   {
@@ -1496,8 +1553,8 @@ TEST_F(BadInputTest, FdClientThatHangsUpRightAfterAnImportLeavesNothing) {
   }
   EXPECT_TRUE(Eventually([&] { return !HoldsMemfd(pid, name); }))
       << "mrd still holds the abandoned memfd";
-  EXPECT_TRUE(Eventually([&] { return CountFds(pid) == baseline; }))
-      << CountFds(pid) << " fds, " << baseline << " before";
+  EXPECT_TRUE(Eventually([&] { return fds.Added().empty(); }))
+      << fds.Describe();
   EXPECT_TRUE(Eventually([&] {
     v1::GetSessionRequest req;
     req.set_session(token);
