@@ -193,6 +193,12 @@ ABSL_FLAG(uint32_t, prefault_threads, mrd::kDefaultPrefaultThreads,
           "Threads (at most the online CPUs) that fill mrd's page tables "
           "before a registration or LAM of 32 MiB or more is pinned; 0 = "
           "off (the pin faults the pages in itself).");
+ABSL_FLAG(absl::Duration, progress_after, absl::Seconds(1),
+          "A registration of 32 MiB or more still pinning after this long "
+          "reports its progress (REGISTRATION_PROGRESS) on its session's "
+          "completion stream...");
+ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
+          "...and again every this long until it answers (at least 1ms).");
 ABSL_FLAG(bool, verbose, false, "Log debug lines.");
 
 namespace mrd {
@@ -618,6 +624,8 @@ void Daemon::SetCoreLimits() {
   o.max_total_lams = absl::GetFlag(FLAGS_max_total_lams);
   o.max_total_mrs = absl::GetFlag(FLAGS_max_total_mrs);
   o.max_batch_items = absl::GetFlag(FLAGS_max_batch_items);
+  o.progress.after = absl::GetFlag(FLAGS_progress_after);
+  o.progress.interval = absl::GetFlag(FLAGS_progress_interval);
 }
 
 // Tenants: quotas are shares of the totals unless the file names them.

@@ -1,8 +1,12 @@
 // mrd::client::CompletionStream: the session's StreamCompletions stream
-// (completions of FastRegister/InvalidateMr with their request_context, and
-// peer connection events), read with a timeout. Runs on gRPC's callback API;
-// completions are buffered here (up to 4096, then reading pauses until Next()
-// makes room). The destructor cancels the stream and waits for it to end.
+// (completions of FastRegister/InvalidateMr with their request_context, peer
+// connection events, and REGISTRATION_PROGRESS reports of registrations of
+// 32 MiB or more still pinning: request_id, buffer, offset and length name
+// the call), read with a timeout. A registration is cancelled, leaving
+// nothing pinned, when its deadline (ClientOptions::rpc_timeout) passes
+// while mrd pins. Runs on gRPC's callback API; completions are buffered here
+// (up to 4096, then reading pauses until Next() makes room). The destructor
+// cancels the stream and waits for it to end.
 //
 // Movable, not copyable. Next() and Cancel() may be called from different
 // threads; one reader at a time.

@@ -25,6 +25,11 @@ const char kOpFlagsHelp[] =
     "NDK_OP_FLAG_* bits: a number or names joined by ',': silent_success, "
     "read_fence, remote_read, local_write, remote_write, read_sink, defer";
 
+const char kProgressHelp[] =
+    "while mrd pins (ranges of 32 MiB or more, after a second), print its "
+    "progress reports to stderr (reads the session's completion stream); "
+    "--timeout or Ctrl-C cancels the registration, leaving nothing pinned";
+
 std::vector<CommandSpec> BuildCommands() {
   std::vector<CommandSpec> c;
   c.push_back(
@@ -114,7 +119,8 @@ std::vector<CommandSpec> BuildCommands() {
         {"base", "ADDR", "base address on the wire (default: mrd's mapping)"},
         {"mr", "ID", "register through this MR object (create-mr)"},
         {"capacity", "N", "descriptor space in bytes (W2; default no limit)"},
-        {"request-id", "KEY", "idempotency key for retries"}}});
+        {"request-id", "KEY", "idempotency key for retries"},
+        {"progress", "", kProgressHelp}}});
   c.push_back(
       {"register-batch",
        "",
@@ -279,6 +285,7 @@ std::vector<CommandSpec> BuildCommands() {
         {"flags", "FLAGS", kMrFlagsHelp},
         {"mem", "read|write|readwrite", "MEM_* access instead of --flags"},
         {"base", "ADDR", "base address on the wire (default: mrd's mapping)"},
+        {"progress", "", kProgressHelp},
         {"duration", "DURATION", "hold at most this long"},
         {"until-written", "STRING",
          "release once the registered range starts with STRING (a peer "

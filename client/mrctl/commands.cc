@@ -4,14 +4,17 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <map>
 #include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/lib/mrd_client.h"
 #include "client/mrctl/output.h"
@@ -231,6 +234,43 @@ absl::Status CloseMr(Context& ctx) {
   return ctx.json() ? Emit(ctx, response) : absl::OkStatus();
 }
 
+// One line for a REGISTRATION_PROGRESS report.
+std::string ProgressLine(const v1::Completion& c) {
+  auto mib = [](uint64_t bytes) {
+    return absl::StrFormat("%.1f MiB", static_cast<double>(bytes) / (1 << 20));
+  };
+  return absl::StrCat("mrctl: buffer ", c.buffer(), " +", c.offset(), ": ",
+                      mib(c.bytes_pinned()), " of ", mib(c.length()),
+                      " pinned, ", mib(c.bytes_populated()), " prefaulted, ",
+                      absl::FormatDuration(absl::Milliseconds(c.elapsed_ms())));
+}
+
+// --progress: reads the session's completion stream until `answered`
+// is ready, printing its progress reports (and any other completion, so
+// that none read here is lost) to stderr.
+template <typename Future>
+void ShowProgressUntil(Context& ctx, const client::Session& session,
+                       Future& answered) {
+  client::CompletionStream stream = client::CompletionStream::Open(session);
+  while (answered.wait_for(std::chrono::seconds(0)) !=
+         std::future_status::ready) {
+    absl::StatusOr<v1::Completion> c = stream.Next(absl::Milliseconds(50));
+    if (absl::IsDeadlineExceeded(c.status())) continue;
+    if (!c.ok()) {
+      std::fprintf(ctx.err, "mrctl: no progress shown: %s\n",
+                   ErrorLine(c.status()).c_str());
+      break;
+    }
+    std::string line =
+        c->kind() == v1::Completion::REGISTRATION_PROGRESS
+            ? ProgressLine(*c)
+            : absl::StrCat("mrctl: completion: ", c->ShortDebugString());
+    std::fprintf(ctx.err, "%s\n", line.c_str());
+    std::fflush(ctx.err);
+  }
+  answered.wait();
+}
+
 absl::Status Register(Context& ctx) {
   client::RegisterOptions options;
   MRD_ASSIGN_OR_RETURN(options.buffer, ctx.flags.Uint64("buffer"));
@@ -243,9 +283,23 @@ absl::Status Register(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(options.descriptor_capacity,
                        ctx.flags.Uint32Or("capacity", 0));
   options.request_id = ctx.flags.String("request-id").value_or("");
+  MRD_ASSIGN_OR_RETURN(bool progress, ctx.flags.Bool("progress"));
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
-  MRD_ASSIGN_OR_RETURN(v1::RegisterMrResponse response,
-                       c.RegisterMr(client::ToRequest(ctx.token(), options)));
+  if (!progress) {
+    MRD_ASSIGN_OR_RETURN(v1::RegisterMrResponse response,
+                         c.RegisterMr(client::ToRequest(ctx.token(), options)));
+    return Emit(ctx, response);
+  }
+  std::promise<absl::StatusOr<v1::RegisterMrResponse>> promise;
+  std::future<absl::StatusOr<v1::RegisterMrResponse>> answered =
+      promise.get_future();
+  c.RegisterMrAsync(
+      client::ToRequest(ctx.token(), options),
+      [&promise](absl::StatusOr<v1::RegisterMrResponse> response) {
+        promise.set_value(std::move(response));
+      });
+  ShowProgressUntil(ctx, client::Session::Attach(c, ctx.token()), answered);
+  MRD_ASSIGN_OR_RETURN(v1::RegisterMrResponse response, answered.get());
   return Emit(ctx, response);
 }
 
@@ -548,8 +602,11 @@ absl::Status Hold(Context& ctx) {
     } while (repeat && pos < size);
   }
   options.buffer = buffer.id();
-  MRD_ASSIGN_OR_RETURN(client::Registration registration,
-                       client::Registration::Register(session, options));
+  MRD_ASSIGN_OR_RETURN(bool progress, f.Bool("progress"));
+  std::future<absl::StatusOr<client::Registration>> answered =
+      client::Registration::RegisterFuture(session, options);
+  if (progress) ShowProgressUntil(ctx, session, answered);
+  MRD_ASSIGN_OR_RETURN(client::Registration registration, answered.get());
   MRD_ASSIGN_OR_RETURN(v1::SessionInfo info, session.Info());
 
   if (ctx.json()) {

@@ -29,9 +29,14 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
       mu_.Await(absl::Condition(
           +[](Entry* e) { return e->state != State::kCreating; }, entry.get()));
       --entry->waiters;
-      if (entry->state == State::kFailed) return entry->failure;
-      // Released (or invalidated) while we waited: look again, so that a
-      // registration being torn down is never handed out.
+      // Its maker's caller gave up: that says nothing about this call,
+      // which makes the registration itself.
+      if (entry->state == State::kFailed &&
+          entry->failure.code() != absl::StatusCode::kCancelled) {
+        return entry->failure;
+      }
+      // Failed, released (or invalidated) while we waited: look again, so
+      // that a registration being torn down is never handed out.
       if (entry->removed) continue;
       ++entry->references;
       ++stats_.hits;

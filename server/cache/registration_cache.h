@@ -7,10 +7,11 @@
 // The cache never calls the device: the caller passes a `create` function that
 // performs the registration. Creation runs WITHOUT the cache lock held; a
 // concurrent Acquire of the same key waits for that creation and then shares
-// its result (or its failure). An entry whose last reference is gone is
-// removed from the key map before Release returns, so no later Acquire can
-// ever be handed a registration that is being torn down: it gets a fresh one,
-// with fresh keys.
+// its result (or its failure; but a creation that failed with CANCELLED, its
+// caller having given up, is made again by a waiter). An entry whose last
+// reference is gone is removed from the key map before Release returns, so
+// no later Acquire can ever be handed a registration that is being torn
+// down: it gets a fresh one, with fresh keys.
 //
 // What is shared, and what is not. A remote token is shared only between
 // requests with the same key: session, buffer, file, offset, length, access

@@ -46,11 +46,19 @@ uint32_t TakeHelpers(uint32_t want) {
   return 0;
 }
 
-void Populate(uint64_t start, uint64_t end) {
-  if (start >= end) return;
-  // Errors are the pin's to report (see the header).
-  (void)::madvise(reinterpret_cast<void*>(start), end - start,
-                  MADV_POPULATE_READ);
+// Steps of one thread's part: between them it reports progress and stops
+// if the caller gave up.
+constexpr uint64_t kStep = uint64_t{16} << 20;
+
+void Populate(uint64_t start, uint64_t end, WorkProgress* progress) {
+  for (uint64_t at = start; at < end;) {
+    if (Cancelled(progress)) return;
+    const uint64_t to = std::min(end, (at & ~(kStep - 1)) + kStep);
+    // Errors are the pin's to report (see the header).
+    (void)::madvise(reinterpret_cast<void*>(at), to - at, MADV_POPULATE_READ);
+    if (progress != nullptr) progress->AddPopulated(to - at);
+    at = to;
+  }
 }
 
 }  // namespace
@@ -64,7 +72,8 @@ void ConfigurePrefault(uint32_t threads) {
   g_configured.store(true, std::memory_order_release);
 }
 
-uint32_t Prefault(const void* address, uint64_t length, uint32_t max_threads) {
+uint32_t Prefault(const void* address, uint64_t length, uint32_t max_threads,
+                  WorkProgress* progress) {
   const uint32_t configured = Threads();
   if (length < kPrefaultMinBytes || configured == 0) return 0;
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -84,15 +93,15 @@ uint32_t Prefault(const void* address, uint64_t length, uint32_t max_threads) {
     // page.
     const uint64_t to =
         std::min(end, (at + chunk + kChunkAlign - 1) & ~(kChunkAlign - 1));
-    absl::StatusOr<Thread> t =
-        Thread::Start("mrd-prefault", [at, to] { Populate(at, to); });
+    absl::StatusOr<Thread> t = Thread::Start(
+        "mrd-prefault", [at, to, progress] { Populate(at, to, progress); });
     if (!t.ok()) break;  // out of threads: the caller does the rest
     threads.push_back(*std::move(t));
     at = to;
   }
   const uint32_t started = static_cast<uint32_t>(threads.size());
   Allowance().fetch_add(helpers - started, std::memory_order_relaxed);
-  Populate(at, end);
+  Populate(at, end, progress);
   for (Thread& t : threads) t.Join();
   Allowance().fetch_add(started, std::memory_order_relaxed);
   return started + 1;

@@ -25,6 +25,8 @@
 
 #include <cstdint>
 
+#include "server/common/progress.h"
+
 namespace mrd {
 
 // Ranges shorter than this are left to the pin: below it, starting a thread
@@ -41,9 +43,11 @@ void ConfigurePrefault(uint32_t threads);
 // Fills the page tables of [address, address + length) with read faults,
 // on up to `max_threads` threads in all (the caller's included; 0 = as many
 // as the allowance gives). Returns the number of threads that worked on it
-// (0 when the range is below kPrefaultMinBytes).
+// (0 when the range is below kPrefaultMinBytes). With `progress`, every
+// thread adds the bytes it filled, 16 MiB at a time, and stops early once
+// progress->Cancelled() (then part of the range is left unfilled).
 uint32_t Prefault(const void* address, uint64_t length,
-                  uint32_t max_threads = 0);
+                  uint32_t max_threads = 0, WorkProgress* progress = nullptr);
 
 }  // namespace mrd
 

@@ -65,12 +65,14 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
           options_.max_session_registrations, options_.max_total_registrations,
           options_.max_total_buffers, options_.max_total_lams,
           options_.max_total_mrs}),
+      progress_(options_.progress),
       registrations_(
           device, &budgets_,
           RegistrationOptions{
               options_.request_id_memory,
               cache::WarmPinLimits{options_.warm_pin_bytes_per_session,
-                                   options_.warm_pin_bytes_total}}),
+                                   options_.warm_pin_bytes_total},
+              &progress_}),
       fast_(device, &budgets_, &registrations_, &next_handle_,
             FastRegistrationLimits{options_.max_session_lams,
                                    options_.max_session_mrs}),
@@ -103,6 +105,7 @@ Core::~Core() {
 }
 
 absl::Status Core::Start() {
+  MRD_RETURN_IF_ERROR(progress_.Start());
   MRD_ASSIGN_OR_RETURN(reaper_, Thread::Start("mrd-reaper", [this] {
                          absl::MutexLock lock(&reaper_mu_);
                          while (!reaper_stop_) {
@@ -124,6 +127,7 @@ void Core::Shutdown() {
     reaper_stop_ = true;
   }
   reaper_.Join();
+  progress_.Stop();
   for (const std::shared_ptr<Session>& session : sessions_.Close()) {
     LogInfo("session ", session->id(), " released: server shutting down");
     TearDown(session);
@@ -514,10 +518,11 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
 // --- registrations, LAMs and MR objects: registrations.h, fast_registration.h
 
 absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
-                              v1::RegisterMrResponse* out) {
+                              v1::RegisterMrResponse* out,
+                              const CancelCheck& cancelled) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  return registrations_.Register(session, req, out);
+  return registrations_.Register(session, req, out, cancelled);
 }
 
 std::optional<absl::Status> Core::TryRegisterMrHit(
@@ -555,15 +560,24 @@ absl::StatusOr<std::shared_ptr<Session>> Core::FindBatchSession(
 }
 
 absl::Status Core::RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
-                                   v1::RegisterMrBatchResponse* out) {
+                                   v1::RegisterMrBatchResponse* out,
+                                   const CancelCheck& cancelled) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindBatchSession(req.session(), req.items_size()));
   for (const v1::RegisterMrRequest& item : req.items()) {
+    // The caller gave up: the items after this are not tried (those done
+    // stay, for a retry with the same request ids to get back).
+    if (cancelled && cancelled()) {
+      out->Clear();
+      return absl::CancelledError(
+          absl::StrCat("RegisterMrBatch was cancelled after ",
+                       out->items_size(), " of ", req.items_size(), " items"));
+    }
     v1::RegisterMrBatchResult* result = out->add_items();
     absl::Status status = CheckItemSession(item.session(), req.session());
     if (status.ok()) {
-      status = registrations_.Register(session, item,
-                                       result->mutable_registration());
+      status = registrations_.Register(
+          session, item, result->mutable_registration(), cancelled);
     }
     if (!status.ok()) result->clear_registration();
     *result->mutable_status() = ItemStatusToProto(status);

@@ -49,6 +49,7 @@
 #include "server/common/thread.h"
 #include "server/core/budgets.h"
 #include "server/core/fast_registration.h"
+#include "server/core/progress_reporter.h"
 #include "server/core/registrations.h"
 #include "server/core/session.h"
 #include "server/core/session_table.h"
@@ -101,6 +102,8 @@ struct CoreOptions {
   size_t request_id_memory = 4096;  // idempotency keys remembered per session
   // Items in one RegisterMrBatch or DeregisterMrBatch.
   size_t max_batch_items = 4096;
+  // When long registrations report their progress (progress_reporter.h).
+  ProgressOptions progress;
   // fd budget (docs/RELIABILITY.md, "File descriptors"): each imported
   // buffer's fd is charged to its session here. Not owned; null = none.
   FdBudget* fd_budget = nullptr;
@@ -139,7 +142,8 @@ class Core final : public fd_socket::FdSessionHandler {
     fd_hangup_ = std::move(hangup);
   }
 
-  // Starts the lease reaper thread. Errors: THREAD_FAILED.
+  // Starts the lease reaper and progress reporter threads. Errors:
+  // THREAD_FAILED.
   absl::Status Start();
   // Ends every session (releasing everything) and refuses new ones. Idempotent.
   void Shutdown();
@@ -165,8 +169,11 @@ class Core final : public fd_socket::FdSessionHandler {
                              v1::ReleaseBufferResponse* out);
   absl::Status CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out);
   absl::Status CloseMr(const v1::CloseMrRequest& req);
+  // `cancelled` (optional): the call's caller gave up (Registrations::
+  // Register); RegisterMrBatch then stops before its next item.
   absl::Status RegisterMr(const v1::RegisterMrRequest& req,
-                          v1::RegisterMrResponse* out);
+                          v1::RegisterMrResponse* out,
+                          const CancelCheck& cancelled = nullptr);
   absl::Status DeregisterMr(const v1::DeregisterMrRequest& req,
                             v1::DeregisterMrResponse* out);
   // RegisterMr / DeregisterMr when they can be answered without blocking
@@ -178,7 +185,8 @@ class Core final : public fd_socket::FdSessionHandler {
   std::optional<absl::Status> TryDeregisterMrNotLast(
       const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out);
   absl::Status RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
-                               v1::RegisterMrBatchResponse* out);
+                               v1::RegisterMrBatchResponse* out,
+                               const CancelCheck& cancelled = nullptr);
   absl::Status DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
                                  v1::DeregisterMrBatchResponse* out);
   absl::Status BuildLam(const v1::BuildLamRequest& req,
@@ -244,8 +252,9 @@ class Core final : public fd_socket::FdSessionHandler {
   SessionTable sessions_;  // open sessions, max_sessions
   Budgets budgets_;        // limits and tenant quotas of what sessions hold
   std::atomic<uint64_t> next_handle_{1};  // buffers, MR objects, LAMs
-  Registrations registrations_;           // with the cache and warm pins
-  FastRegistration fast_;                 // LAMs and MR objects
+  ProgressReporter progress_;    // started by Start, stopped by Shutdown
+  Registrations registrations_;  // with the cache and warm pins
+  FastRegistration fast_;        // LAMs and MR objects
   // Objects freed, for giving the allocator's free pages back now and then.
   FreedObjects freed_{kReturnMemoryEvery};
   std::shared_ptr<TenantTable> tenants_;

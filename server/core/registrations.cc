@@ -1,6 +1,7 @@
 #include "server/core/registrations.h"
 
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -94,7 +95,13 @@ Registrations::Registrations(device::Device* device, Budgets* budgets,
 
 absl::Status Registrations::Register(const std::shared_ptr<Session>& session,
                                      const v1::RegisterMrRequest& req,
-                                     v1::RegisterMrResponse* out) {
+                                     v1::RegisterMrResponse* out,
+                                     const CancelCheck& cancelled) {
+  if (cancelled && cancelled()) {  // gave up while the call waited its turn
+    return absl::CancelledError(absl::StrCat("RegisterMr of ", req.length(),
+                                             " bytes of buffer ", req.buffer(),
+                                             " was cancelled before it began"));
+  }
   uint32_t access = 0;
   MRD_RETURN_IF_ERROR(CheckRequest(req, &access));
   Plan plan;
@@ -106,14 +113,22 @@ absl::Status Registrations::Register(const std::shared_ptr<Session>& session,
     MRD_RETURN_IF_ERROR(CheckTargetsLocked(*session, req, access, &plan));
   }
   MRD_RETURN_IF_ERROR(PlanRegistration(*session, req, access, &plan));
-  absl::StatusOr<cache::AcquireResult> acquired =
-      cache_.Acquire(plan.key, [&] { return RegisterOnDevice(session, plan); });
+  plan.cancelled = cancelled;
+  absl::StatusOr<cache::AcquireResult> acquired = cache_.Acquire(
+      plan.key, [&] { return RegisterOnDevice(session, plan, req); });
   if (!acquired.ok()) {
     absl::MutexLock lock(&session->mu);
     if (session->closing) {
       return NotConnected("the session closed during the registration");
     }
     return acquired.status();
+  }
+  // The caller is gone: no one would learn of this reference.
+  if (cancelled && cancelled()) {
+    (void)DropReference(session, acquired->entry);
+    return absl::CancelledError(absl::StrCat("RegisterMr of ", req.length(),
+                                             " bytes of buffer ", req.buffer(),
+                                             " was cancelled; it was undone"));
   }
   // Commit to the session, or undo: either the registration exists and is
   // owned by the session, or nothing of it does.
@@ -271,7 +286,25 @@ absl::Status Registrations::PlanRegistration(Session& session,
 }
 
 absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
-    const std::shared_ptr<Session>& session, const Plan& plan) {
+    const std::shared_ptr<Session>& session, const Plan& plan,
+    const v1::RegisterMrRequest& req) {
+  // A long pin: watched (its progress reported on the session's stream) and
+  // cancellable between steps.
+  device::MemorySpan span = plan.span;
+  std::optional<WorkProgress> progress;
+  std::optional<ProgressReporter::Watch> watch;
+  if (span.length >= kProgressMinBytes) {
+    progress.emplace(span.length, plan.cancelled);
+    span.progress = &*progress;
+    if (options_.progress != nullptr) {
+      v1::Completion call;
+      call.set_request_id(req.request_id());
+      call.set_buffer(req.buffer());
+      call.set_offset(req.offset());
+      call.set_length(req.length());
+      watch.emplace(options_.progress->Begin(session, span.progress, call));
+    }
+  }
   MRD_RETURN_IF_ERROR(budgets_->ReserveRegistration(*session));
   // A warm pin of exactly these pages: its reservation becomes this
   // registration's, and the device pins nothing anew.
@@ -284,10 +317,12 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   }
   // The pin would fault mrd's mapping in page by page: filled by several
   // threads first, it walks the page tables instead (prefault.h).
-  if (!warm.has_value()) plan.file->Prefault(plan.key.offset, plan.key.length);
+  if (!warm.has_value()) {
+    plan.file->Prefault(plan.key.offset, plan.key.length, span.progress);
+  }
   absl::StatusOr<device::MrKeys> keys;
   do {
-    keys = device_->RegisterMr(plan.pd, plan.span, plan.key.base_address,
+    keys = device_->RegisterMr(plan.pd, span, plan.key.base_address,
                                plan.key.access);
   } while (!keys.ok() &&
            keys.status().code() == absl::StatusCode::kResourceExhausted &&

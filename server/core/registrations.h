@@ -25,7 +25,9 @@
 #include "mrd/v1/mrd.pb.h"
 #include "server/cache/registration_cache.h"
 #include "server/cache/warm_pins.h"
+#include "server/common/progress.h"
 #include "server/core/budgets.h"
+#include "server/core/progress_reporter.h"
 #include "server/core/session.h"
 #include "server/device/device.h"
 #include "server/fd_socket/memory_file.h"
@@ -35,6 +37,8 @@ namespace mrd::core {
 struct RegistrationOptions {
   size_t request_id_memory = 4096;  // idempotency keys remembered per session
   cache::WarmPinLimits warm;        // 0 in either field: no warm pins
+  // Reports the progress of long registrations (not owned; null: none).
+  ProgressReporter* progress = nullptr;
 };
 
 class Registrations {
@@ -48,9 +52,15 @@ class Registrations {
   // RegisterMr for a live session: a cache hit takes one more reference; a
   // miss reserves budgets and registers on the device. Either the
   // registration exists and the session owns it, or nothing of it does.
+  // `cancelled` (optional): the caller gave up. Checked while pinning (a
+  // registration of kProgressMinBytes or more stops between steps and is
+  // undone) and once more before the answer, when a registration made or
+  // shared meanwhile is given back: CANCELLED, and the session holds
+  // nothing of it.
   absl::Status Register(const std::shared_ptr<Session>& session,
                         const v1::RegisterMrRequest& req,
-                        v1::RegisterMrResponse* out);
+                        v1::RegisterMrResponse* out,
+                        const CancelCheck& cancelled = nullptr);
   // DeregisterMr: one reference (the caller's own or the MR object's) goes;
   // the last one deregisters (its pages may stay as a warm pin). A device
   // that cannot deregister leaves everything as it was.
@@ -110,6 +120,7 @@ class Registrations {
     device::PdId pd = 0;
     device::MemorySpan span;
     uint64_t pin_bytes = 0;
+    CancelCheck cancelled;  // the caller's, may be empty
   };
   // A retried request id: fills `out` with the first answer.
   bool ReplayLocked(Session& session, const v1::RegisterMrRequest& req,
@@ -127,7 +138,8 @@ class Registrations {
   // A cache miss: limits, then the device (through a warm pin of the same
   // pages when there is one).
   absl::StatusOr<cache::CachedRegistration> RegisterOnDevice(
-      const std::shared_ptr<Session>& session, const Plan& plan);
+      const std::shared_ptr<Session>& session, const Plan& plan,
+      const v1::RegisterMrRequest& req);
   // Records the registration in the session and fills `out`; an error when
   // the session, buffer or MR object went meanwhile.
   absl::Status CommitLocked(Session& session, const v1::RegisterMrRequest& req,

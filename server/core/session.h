@@ -129,7 +129,10 @@ class Session final : public device::PdEventSink {
   // drop (outside the lock: dropping a mapping unmaps it).
   std::vector<std::shared_ptr<const void>> MarkPdGone() ABSL_LOCKS_EXCLUDED(mu);
 
-  // Completion stream plumbing.
+  // Completion stream plumbing. Push queues a completion (core-made ones:
+  // REGISTRATION_PROGRESS) and wakes the stream; a full queue drops its
+  // oldest entry.
+  void Push(v1::Completion completion) ABSL_LOCKS_EXCLUDED(mu);
   std::optional<v1::Completion> PopCompletion() ABSL_LOCKS_EXCLUDED(mu);
   bool ended() const ABSL_LOCKS_EXCLUDED(mu);
   void MarkEndedAndNotify() ABSL_LOCKS_EXCLUDED(mu);
@@ -204,8 +207,6 @@ class Session final : public device::PdEventSink {
   std::map<device::ConnectionId, std::string> connections ABSL_GUARDED_BY(mu);
 
  private:
-  void Push(v1::Completion completion) ABSL_LOCKS_EXCLUDED(mu);
-
   bool ended_ ABSL_GUARDED_BY(mu) = false;
   uint32_t peer_uid_ ABSL_GUARDED_BY(mu) = 0;
   uint32_t peer_pid_ ABSL_GUARDED_BY(mu) = 0;

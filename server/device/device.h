@@ -26,6 +26,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "server/common/progress.h"
 
 namespace mrd::device {
 
@@ -83,11 +84,16 @@ struct DeviceHealth {
 // device moves data through (fd, file_offset) so that a file truncated behind
 // its back gives an error, never SIGBUS. The device reads and writes through
 // `fd` until DeregisterMr / ReleaseLam / DeallocatePd returns: keep it open.
+//
+// `progress` (optional, owned by the caller, alive for the call): the device
+// adds the bytes it pinned as it goes, and checks progress->Cancelled()
+// between steps; cancelled, it undoes the pin and fails with CANCELLED.
 struct MemorySpan {
   void* host_address = nullptr;
   uint64_t length = 0;
   int fd = -1;
   uint64_t file_offset = 0;
+  WorkProgress* progress = nullptr;
 };
 
 struct MrKeys {
@@ -175,7 +181,8 @@ class Device {
 
   // Registers [span) at `base_address` (non-zero) with `access` (AccessBits).
   // Pins the pages. Errors: INVALID_ARGUMENT (zero base, bad span, length
-  // over max_mr_size), RESOURCE_EXHAUSTED (pinning or keys), NOT_FOUND (PD).
+  // over max_mr_size), RESOURCE_EXHAUSTED (pinning or keys), NOT_FOUND (PD),
+  // CANCELLED (span.progress said so; nothing stays pinned).
   virtual absl::StatusOr<MrKeys> RegisterMr(PdId pd, const MemorySpan& span,
                                             uint64_t base_address,
                                             uint32_t access) = 0;
@@ -184,7 +191,8 @@ class Device {
   virtual absl::Status DeregisterMr(MrId mr) = 0;
 
   // Pins [span) and maps its pages into the device's logical address space
-  // (L1-L5). On failure nothing stays pinned or mapped (L7).
+  // (L1-L5). On failure (CANCELLED included) nothing stays pinned or mapped
+  // (L7).
   virtual absl::StatusOr<LogicalMapping> BuildLam(PdId pd,
                                                   const MemorySpan& span) = 0;
   // Unmaps and unpins. FAILED_PRECONDITION while a fast-registered MR maps

@@ -13,6 +13,13 @@
 namespace mrd::device {
 namespace {
 
+// A caller that gave up before anything was pinned gets CANCELLED at once.
+absl::Status CheckNotCancelled(const MemorySpan& span, absl::string_view op) {
+  if (!Cancelled(span.progress)) return absl::OkStatus();
+  return absl::CancelledError(absl::StrCat(
+      op, " of ", span.length, " bytes was cancelled before pinning"));
+}
+
 constexpr uint32_t kKnownAccess = kAccessLocalWrite | kAccessRemoteRead |
                                   kAccessRemoteWrite | kAccessReadSink;
 constexpr uint32_t kRemoteAccess = kAccessRemoteRead | kAccessRemoteWrite;
@@ -403,6 +410,7 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
                                                    const MemorySpan& span,
                                                    uint64_t base_address,
                                                    uint32_t access) {
+  MRD_RETURN_IF_ERROR(CheckNotCancelled(span, "RegisterMr"));
   MRD_RETURN_IF_ERROR(ProviderPin(span));
   MrId id = 0;
   {
@@ -430,6 +438,7 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
     mr->length = span.length;
     mr->access = access;
     mr->span = span;
+    mr->span.progress = nullptr;  // the caller's, for this call only
     mr->object = std::move(registration->state);
     pd->mrs.insert(id);
     mrs_.emplace(id, mr);
@@ -443,6 +452,7 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
     undo.unpin.push_back(span);
     (void)Release(std::move(undo));
   }
+  if (keys.ok() && span.progress != nullptr) span.progress->SetAllPinned();
   return keys;
 }
 
@@ -576,6 +586,7 @@ absl::StatusOr<LogicalMapping> DeviceModel::MapPinned(PdId pd_id,
   const uint64_t page_count =
       (fbo + span.length + page_size() - 1) / page_size();
   // L7: on any failure below, nothing stays pinned or mapped.
+  MRD_RETURN_IF_ERROR(CheckNotCancelled(span, "BuildLam"));
   MRD_RETURN_IF_ERROR(ProviderPin(span));
   LamId id = 0;
   uint64_t iova = 0;
@@ -608,6 +619,7 @@ absl::StatusOr<LogicalMapping> DeviceModel::MapPinned(PdId pd_id,
     lam->id = id;
     lam->pd = pd_id;
     lam->span = span;
+    lam->span.progress = nullptr;  // the caller's, for this call only
     lam->fbo = fbo;
     lam->iova = iova;
     lam->page_count = page_count;
@@ -635,6 +647,7 @@ absl::StatusOr<LogicalMapping> DeviceModel::MapPinned(PdId pd_id,
     undo.unpin.push_back(span);
     (void)Release(std::move(undo));
   }
+  if (mapping.ok() && span.progress != nullptr) span.progress->SetAllPinned();
   return mapping;
 }
 

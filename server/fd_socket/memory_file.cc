@@ -152,7 +152,8 @@ MappedFile::~MappedFile() {
   }
 }
 
-void MappedFile::Prefault(uint64_t offset, uint64_t length) const {
+void MappedFile::Prefault(uint64_t offset, uint64_t length,
+                          WorkProgress* progress) const {
   if (length < kPrefaultMinBytes) return;
   const uint64_t first = offset / kPrefaultChunk;
   const uint64_t last = (offset + length - 1) / kPrefaultChunk;
@@ -162,10 +163,15 @@ void MappedFile::Prefault(uint64_t offset, uint64_t length) const {
   };
   bool all = true;
   for (uint64_t c = first; c <= last && all; ++c) all = marked(c);
-  if (all) return;
-  if (mrd::Prefault(static_cast<char*>(address_) + offset, length) == 0) {
+  if (all) {
+    if (progress != nullptr) progress->AddPopulated(length);
+    return;
+  }
+  if (mrd::Prefault(static_cast<char*>(address_) + offset, length,
+                    /*max_threads=*/0, progress) == 0) {
     return;  // prefaulting is off
   }
+  if (Cancelled(progress)) return;  // stopped part-way: nothing is marked
   // Chunks only partly in the range stay unmarked: their other part may
   // still be unfilled.
   const uint64_t full_first = (offset + kPrefaultChunk - 1) / kPrefaultChunk;

@@ -140,8 +140,11 @@ class MappedFile final {
   // Span accepted) before it is pinned (server/common/prefault.h), unless
   // earlier calls filled all of it: the mapping remembers the 2 MiB chunks
   // it prefaulted, so registering the same memory again costs no second
-  // walk of its pages. Thread-safe.
-  void Prefault(uint64_t offset, uint64_t length) const;
+  // walk of its pages. With `progress`: adds the bytes filled (all of them
+  // when they were filled before) and stops early once the caller gave up.
+  // Thread-safe.
+  void Prefault(uint64_t offset, uint64_t length,
+                WorkProgress* progress = nullptr) const;
 
  private:
   friend absl::StatusOr<std::unique_ptr<MappedFile>> MapMemfd(

@@ -271,9 +271,11 @@ grpc::ServerUnaryReactor* MrdService::RegisterMr(
         if (!hit.has_value()) return std::nullopt;
         return Registered("RegisterMr", req->length(), *std::move(hit));
       },
-      [this, req, resp] {
+      [this, ctx, req, resp] {
         return Registered("RegisterMr", req->length(),
-                          core_->RegisterMr(*req, resp));
+                          core_->RegisterMr(*req, resp, [ctx] {
+                            return ctx->IsCancelled();
+                          }));
       });
 }
 
@@ -289,8 +291,9 @@ grpc::ServerUnaryReactor* MrdService::DeregisterMr(
 grpc::ServerUnaryReactor* MrdService::RegisterMrBatch(
     grpc::CallbackServerContext* ctx, const v1::RegisterMrBatchRequest* req,
     v1::RegisterMrBatchResponse* resp) {
-  return Run(ctx, "RegisterMrBatch", Where::kPool, [this, req, resp] {
-    absl::Status status = core_->RegisterMrBatch(*req, resp);
+  return Run(ctx, "RegisterMrBatch", Where::kPool, [this, ctx, req, resp] {
+    absl::Status status = core_->RegisterMrBatch(
+        *req, resp, [ctx] { return ctx->IsCancelled(); });
     // Each registration made counts as one of its size.
     for (int i = 0; i < resp->items_size(); ++i) {
       if (resp->items(i).status().code() == 0) {

@@ -1099,6 +1099,41 @@ TEST_F(MrctlTest, HoldInKeyValueFormReleasesAfterItsDuration) {
   EXPECT_TRUE(WaitForPinned(0)) << PinnedBytes();
 }
 
+// --progress (issue 9, part 3): mrd reports early and often here, and one
+// thread prefaults, so a 1 GiB registration reports many times.
+class MrctlProgressTest : public MrctlTest {
+ protected:
+  MrdProcessOptions ServerOptions() override { return EagerProgressOptions(); }
+};
+
+TEST_F(MrctlProgressTest, RegisterShowsProgressOnStderr) {
+  OpenLease();
+  ASSERT_TRUE(
+      WriteShmFile(mrd_->shm_dir(), "big", "x", uint64_t{1} << 30).ok());
+  const std::string buffer =
+      Fields(Mrctl({"import-file", "big"}).out)["buffer"];
+  Result r = Mrctl({"register", "--buffer=" + buffer, "--length=1G",
+                    "--flags=remote_read", "--progress"});
+  ASSERT_EQ(r.code, kExitOk) << r;
+  EXPECT_EQ(Fields(r.out)["length"], "1073741824");
+  EXPECT_TRUE(
+      absl::StrContains(r.err, absl::StrCat("mrctl: buffer ", buffer, " +0: ")))
+      << r;
+  EXPECT_TRUE(absl::StrContains(r.err, " MiB of 1024.0 MiB pinned, ")) << r;
+  CloseLease();
+}
+
+// A deadline that passes while mrd pins cancels the registration: mrctl
+// fails with DEADLINE_EXCEEDED and nothing stays pinned.
+TEST_F(MrctlProgressTest, HoldWhoseDeadlinePassesWhilePinningLeavesNothing) {
+  Result r = Mrctl({"--timeout=300ms", "hold", "--size=1G",
+                    "--flags=remote_read", "--progress", "--duration=0s"});
+  EXPECT_NE(r.code, kExitOk) << r;
+  EXPECT_TRUE(absl::StrContains(r.err, "DEADLINE_EXCEEDED")) << r;
+  EXPECT_TRUE(absl::StrContains(r.err, " MiB of 1024.0 MiB pinned, ")) << r;
+  EXPECT_TRUE(WaitForPinned(0)) << PinnedBytes();
+}
+
 TEST_F(MrctlTest, HoldReleasesOnSigterm) {
   std::unique_ptr<Child> hold =
       Spawn({"hold", "--size=4096", "--flags=remote_read", "--json", "-q"});

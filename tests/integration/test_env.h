@@ -39,6 +39,16 @@ inline client::RegisterOptions Range(const client::Buffer& buffer,
   return o;
 }
 
+// mrd reporting the progress of long registrations early and often, with
+// one prefault thread so that a 1 GiB registration pins long enough to be
+// seen and cancelled (issue 9, part 3).
+inline MrdProcessOptions EagerProgressOptions() {
+  MrdProcessOptions o;
+  o.extra_flags = {"--progress_after=1ms", "--progress_interval=2ms",
+                   "--prefault_threads=1"};
+  return o;
+}
+
 class MrdTest : public ::testing::Test {
  protected:
   virtual MrdProcessOptions ServerOptions() { return {}; }

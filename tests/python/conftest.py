@@ -38,7 +38,11 @@ class Mrd:
             [os.environ["MRD_BINARY"]] + device_flags() +
             ["--runtime_dir=" + self.runtime_dir, "--shm_dir=" + self.shm_dir,
              "--metrics_address=",
-             "--warm_pin_bytes_per_session=0", "--warm_pin_bytes_total=0"],
+             "--warm_pin_bytes_per_session=0", "--warm_pin_bytes_total=0",
+             # Long registrations report early and often, and pin slowly
+             # enough to be cancelled (test_a_long_registration_...).
+             "--progress_after=1ms", "--progress_interval=5ms",
+             "--prefault_threads=1"],
             stdout=self.log, stderr=subprocess.STDOUT)
         for _ in range(200):
             if os.path.exists(self.socket_path) or self.process.poll() is not None:

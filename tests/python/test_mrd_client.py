@@ -4,6 +4,7 @@ completions, lease sessions, errors, and that what a session held is gone
 when it ends."""
 
 import os
+import time
 
 import grpc
 import pytest
@@ -213,6 +214,38 @@ def test_batches_register_and_deregister_many_in_one_call(client):
                         peer.read(rkey, address, 1)
             assert pinned(client) == 0
             assert all(r.deregister() is None for r in regs)
+
+
+def test_a_long_registration_reports_progress_and_a_timeout_cancels_it(
+        client):
+    size = 1 << 30
+    with client.open_fd_session() as session, \
+            session.create_buffer(size, name="big") as buffer:
+        seen = []
+        with session.register(buffer, flags=mrd_client.REMOTE_READ,
+                              request_id="big", on_progress=seen.append):
+            assert seen, "no progress reported"
+            for c in seen:
+                assert c.request_id == "big" and c.buffer == buffer.id
+                assert c.offset == 0 and c.length == size
+                assert c.bytes_pinned <= size and c.bytes_populated <= size
+            assert [c.elapsed_ms for c in seen] == \
+                sorted(c.elapsed_ms for c in seen)
+        assert pinned(client) == 0
+    # A timeout that passes while mrd pins (a new buffer, whose pages mrd
+    # allocates as it goes): cancelled, nothing pinned.
+    with client.open_fd_session() as session, \
+            session.create_buffer(size, name="big") as buffer:
+        with pytest.raises(MrdError) as e:
+            session.register(buffer, flags=mrd_client.REMOTE_READ,
+                             timeout=0.15)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(1000):
+            if pinned(client) == 0:
+                break
+            time.sleep(0.01)
+        assert pinned(client) == 0
+        assert len(session.list().registrations) == 0
 
 
 def _raise_huge_pages(pages):

@@ -8,6 +8,7 @@ import fcntl
 import mmap
 import os
 import socket
+import threading
 
 import grpc
 
@@ -112,9 +113,9 @@ class Session:
         self.client = client
         self.token = token
 
-    def _call(self, method, request):
+    def _call(self, method, request, timeout=None):
         request.session = self.token
-        return self.client.call(method, request)
+        return self.client.call(method, request, timeout=timeout)
 
     def info(self):
         return self._call("GetSession", mrd_pb2.GetSessionRequest())
@@ -131,13 +132,46 @@ class Session:
 
     def register(self, buffer, length=None, offset=0, flags=LOCAL_READ,
                  mem_flags=0, base_address=None, mr=None,
-                 descriptor_capacity=0, request_id=""):
-        """RegisterMr on a Buffer (or a buffer id): the Registration."""
+                 descriptor_capacity=0, request_id="", timeout=None,
+                 on_progress=None):
+        """RegisterMr on a Buffer (or a buffer id): the Registration.
+
+        timeout: seconds for this call (default: the client's). Passing it
+        while mrd pins cancels the registration: MrdError DEADLINE_EXCEEDED,
+        and nothing of it stays pinned.
+        on_progress: called (on another thread) with each
+        REGISTRATION_PROGRESS Completion of this call while mrd pins
+        (ranges of 32 MiB or more, after a second). It reads the session's
+        completion stream meanwhile, so no other reader may have it open."""
         request = self._register_request(
             buffer, length=length, offset=offset, flags=flags,
             mem_flags=mem_flags, base_address=base_address, mr=mr,
             descriptor_capacity=descriptor_capacity, request_id=request_id)
-        return Registration(self, self._call("RegisterMr", request))
+        if on_progress is None:
+            return Registration(
+                self, self._call("RegisterMr", request, timeout=timeout))
+        stream = self.client._stub.StreamCompletions(
+            mrd_pb2.StreamCompletionsRequest(session=self.token))
+
+        def watch():
+            try:
+                for c in stream:
+                    if (c.kind == mrd_pb2.Completion.REGISTRATION_PROGRESS
+                            and c.buffer == request.buffer
+                            and c.offset == request.offset
+                            and c.length == request.length):
+                        on_progress(c)
+            except grpc.RpcError:
+                pass  # cancelled below, or the session ended
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            return Registration(
+                self, self._call("RegisterMr", request, timeout=timeout))
+        finally:
+            stream.cancel()
+            watcher.join()
 
     @staticmethod
     def _register_request(buffer, length=None, offset=0, flags=LOCAL_READ,

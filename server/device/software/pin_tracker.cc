@@ -69,8 +69,8 @@ void PinTracker::CoalesceLocked(uint64_t from, uint64_t to) {
   }
 }
 
-absl::Status PinTracker::Pin(uint64_t address, uint64_t length,
-                             bool huge_pages) {
+absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
+                             WorkProgress* progress) {
   uint64_t last = 0;
   if (length == 0 || __builtin_add_overflow(address, length - 1, &last) ||
       last > UINT64_MAX - page_size_) {
@@ -92,6 +92,22 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length,
     cursor = std::max(cursor, it->second.end);
   }
   if (cursor < end) gaps.emplace_back(cursor, end);
+  // Long gaps are pinned a step at a time, so that progress can be seen and
+  // a cancellation takes effect between steps.
+  if (progress != nullptr) {
+    std::vector<std::pair<uint64_t, uint64_t>> steps;
+    uint64_t new_bytes = 0;
+    for (const auto& [from, to] : gaps) {
+      new_bytes += to - from;
+      for (uint64_t at = from; at < to;) {
+        const uint64_t next = std::min(to, (at & ~(kPinStep - 1)) + kPinStep);
+        steps.emplace_back(at, next);
+        at = next;
+      }
+    }
+    gaps = std::move(steps);
+    progress->AddPinned((end - start) - new_bytes);  // pinned by others
+  }
 
   for (size_t i = 0; i < gaps.size(); ++i) {
     const auto [gap_start, gap_end] = gaps[i];
@@ -101,6 +117,15 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length,
     // real mlock that locks up to a hole and then fails.
     absl::Status injected =
         err == 0 ? FaultPoint(faults_, "pin.mlock") : absl::OkStatus();
+    if (err == 0 && injected.ok() && progress != nullptr) {
+      progress->AddPinned(gap_end - gap_start);
+      if (i + 1 < gaps.size() && progress->Cancelled()) {
+        injected = absl::CancelledError(
+            absl::StrCat("pinning ", length, " bytes at ", Hex(address),
+                         " was cancelled after ", progress->pinned(),
+                         " bytes; they are unpinned again"));
+      }
+    }
     if (err == 0 && injected.ok()) continue;
     // mlock locks the mappings before a hole and then fails with ENOMEM
     // without undoing them, so the failed gap is unlocked too. Gaps were

@@ -25,9 +25,14 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "server/common/progress.h"
 #include "server/device/fault_points.h"
 
 namespace mrd::device {
+
+// A pin with progress is made in steps of at most this many bytes (whole
+// io_uring slots: kernel_pin_ops.h).
+inline constexpr uint64_t kPinStep = uint64_t{64} << 20;
 
 // Lock's error when pinning would cost more memory maps (VMAs) than the
 // pinning method's budget; the tracker refuses with LIMIT_MEMORY_MAPS.
@@ -80,7 +85,11 @@ class PinTracker {
   // budget (kErrMapBudget). On error no page's
   // count or lock state has changed. `huge_pages`: the memory is in huge
   // pages (hugetlbfs); new runs are pinned with PinOps::LockHugePages.
-  absl::Status Pin(uint64_t address, uint64_t length, bool huge_pages = false);
+  // With `progress`: pins kPinStep at a time, adding the bytes pinned
+  // (pages others pin count at once), and once progress->Cancelled() between
+  // steps unpins what it pinned and fails with CANCELLED.
+  absl::Status Pin(uint64_t address, uint64_t length, bool huge_pages = false,
+                   WorkProgress* progress = nullptr);
   // Drops the references a successful Pin of the same range took. Unpinning
   // a page that is not pinned is a caller bug and aborts.
   void Unpin(uint64_t address, uint64_t length);

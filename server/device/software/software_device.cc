@@ -303,7 +303,7 @@ absl::Status SoftwareDevice::ProviderPin(const MemorySpan& span) {
   const bool huge = span.fd >= 0 && ::fstatfs(span.fd, &fs) == 0 &&
                     static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
   return pins_.Pin(reinterpret_cast<uint64_t>(span.host_address), span.length,
-                   huge);
+                   huge, span.progress);
 }
 
 void SoftwareDevice::ProviderUnpin(const MemorySpan& span) {

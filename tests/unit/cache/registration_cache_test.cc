@@ -8,6 +8,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -61,6 +62,40 @@ bool IsUnknownRegistration(const absl::Status& s) {
   return s.code() == absl::StatusCode::kNotFound &&
          GetErrorDetail(s).reason() == "UNKNOWN_REGISTRATION";
 }
+
+// An Acquire(Key()) on a thread of its own whose creation waits until
+// Finish() and then returns `result`; constructed once the creation began.
+class BlockedCreate {
+ public:
+  BlockedCreate(RegistrationCache& cache,
+                absl::StatusOr<CachedRegistration> result)
+      : result_(std::move(result)) {
+    thread_ = std::thread([this, &cache] {
+      status_ = cache
+                    .Acquire(Key(),
+                             [this]() -> absl::StatusOr<CachedRegistration> {
+                               creating_.Notify();
+                               finish_.WaitForNotification();
+                               return result_;
+                             })
+                    .status();
+    });
+    creating_.WaitForNotification();
+  }
+  // Lets the creation return; the creator's Acquire status.
+  absl::Status Finish() {
+    finish_.Notify();
+    thread_.join();
+    return status_;
+  }
+
+ private:
+  const absl::StatusOr<CachedRegistration> result_;
+  absl::Notification creating_;
+  absl::Notification finish_;
+  absl::Status status_;
+  std::thread thread_;
+};
 
 TEST(RegistrationCacheTest, FirstAcquireMissesAndCreatesOnce) {
   RegistrationCache cache;
@@ -382,22 +417,8 @@ TEST(RegistrationCacheTest, ConcurrentLastReleasesReturnTheRegistrationOnce) {
 TEST(RegistrationCacheTest, FailedCreateIsReportedToConcurrentWaiters) {
   constexpr int kWaiters = 8;
   RegistrationCache cache;
-  absl::Notification creating;
-  absl::Notification fail_now;
-  absl::Status creator_result;
-  std::thread creator([&] {
-    creator_result =
-        cache
-            .Acquire(Key(),
-                     [&]() -> absl::StatusOr<CachedRegistration> {
-                       creating.Notify();
-                       fail_now.WaitForNotification();
-                       return SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES,
-                                        "DEVICE_FULL", "the device is full");
-                     })
-            .status();
-  });
-  creating.WaitForNotification();
+  BlockedCreate creator(cache, SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES,
+                                         "DEVICE_FULL", "the device is full"));
   std::atomic<int> waiter_creates{0};
   std::vector<absl::Status> waiter_results(kWaiters);
   std::vector<std::thread> waiters;
@@ -414,8 +435,7 @@ TEST(RegistrationCacheTest, FailedCreateIsReportedToConcurrentWaiters) {
     });
   }
   absl::SleepFor(absl::Milliseconds(200));  // the waiters are blocked now
-  fail_now.Notify();
-  creator.join();
+  const absl::Status creator_result = creator.Finish();
   for (auto& t : waiters) t.join();
 
   EXPECT_EQ(creator_result.code(), absl::StatusCode::kResourceExhausted);
@@ -433,6 +453,37 @@ TEST(RegistrationCacheTest, FailedCreateIsReportedToConcurrentWaiters) {
   ASSERT_TRUE(r.ok());
   EXPECT_FALSE(r->hit);
   ASSERT_TRUE(cache.Release(r->entry).ok());
+}
+
+// A creation its caller gave up on (CANCELLED) says nothing about the
+// waiters' calls: one of them creates the registration, the others share it.
+TEST(RegistrationCacheTest, WaitersOfACancelledCreateMakeItThemselves) {
+  constexpr int kWaiters = 4;
+  RegistrationCache cache;
+  BlockedCreate creator(cache, absl::CancelledError("the caller gave up"));
+  std::atomic<int> waiter_creates{0};
+  std::vector<absl::StatusOr<AcquireResult>> results(
+      kWaiters, absl::UnknownError("not run"));
+  std::vector<std::thread> waiters;
+  for (int i = 0; i < kWaiters; ++i) {
+    waiters.emplace_back([&, i] {
+      results[i] =
+          cache.Acquire(Key(), [&]() -> absl::StatusOr<CachedRegistration> {
+            ++waiter_creates;
+            return Reg(1000);
+          });
+    });
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // the waiters are blocked now
+  const absl::Status creator_result = creator.Finish();
+  for (auto& t : waiters) t.join();
+
+  EXPECT_EQ(creator_result.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(waiter_creates.load(), 1);
+  for (const auto& r : results) ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(cache.Stats().entries, 1u);
+  for (const auto& r : results) ASSERT_TRUE(cache.Release(r->entry).ok());
+  EXPECT_EQ(cache.Stats().entries, 0u);
 }
 
 // The header promises that no Acquire is ever handed a registration that is

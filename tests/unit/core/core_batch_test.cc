@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "mrd/status.h"
 #include "mrd/status_proto.h"
@@ -230,6 +231,52 @@ TEST_F(BatchTest, AnEmptyBatchIsAnEmptyAnswer) {
   absl::StatusOr<v1::RegisterMrBatchResponse> out = RegisterBatch({});
   ASSERT_OK(out.status());
   EXPECT_EQ(out->items_size(), 0);
+}
+
+// A batch whose caller gives up stops before its next item: CANCELLED; the
+// items done before stay (a retry with their request ids gets them back).
+TEST_F(BatchTest, ACancelledBatchStopsBeforeItsNextItem) {
+  v1::RegisterMrBatchRequest req;
+  req.set_session(session_);
+  for (uint64_t i = 0; i < 3; ++i) {
+    v1::RegisterMrRequest item = Item(i * page_, page_);
+    item.set_request_id(absl::StrCat("item-", i));
+    *req.add_items() = item;
+  }
+  // Asked at each item's start and once more before its answer: the
+  // caller gives up after the first item is answered.
+  int asked = 0;
+  v1::RegisterMrBatchResponse out;
+  absl::Status s =
+      core_->RegisterMrBatch(req, &out, [&asked] { return ++asked > 3; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_EQ(fake_->LiveRegisteredMrCount(), 1u);
+  // The retry gets the first item back without a second reference.
+  v1::RegisterMrBatchResponse retry;
+  ASSERT_OK(core_->RegisterMrBatch(req, &retry));
+  EXPECT_EQ(retry.items(0).registration().references(), 1u);
+  EXPECT_EQ(fake_->LiveRegisteredMrCount(), 3u);
+}
+
+// A RegisterMr whose caller gave up by the time the registration is made
+// gives it back: CANCELLED, and the session holds nothing of it.
+TEST_F(BatchTest, ARegistrationMadeForACallerWhoLeftIsGivenBack) {
+  int asked = 0;
+  v1::RegisterMrResponse out;
+  absl::Status s = core_->RegisterMr(
+      RegisterRequest(session_, buffer_.buffer(), 0, page_, kMrRemoteRead),
+      &out, [&asked] { return ++asked > 1; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_EQ(fake_->LiveRegisteredMrCount(), 0u);
+  absl::StatusOr<v1::ListRegistrationsResponse> held = List(session_);
+  ASSERT_OK(held.status());
+  EXPECT_EQ(held->registrations_size(), 0);
+  // Given up before it began: nothing is tried.
+  s = core_->RegisterMr(
+      RegisterRequest(session_, buffer_.buffer(), 0, page_, kMrRemoteRead),
+      &out, [] { return true; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_EQ(fake_->LiveRegisteredMrCount(), 0u);
 }
 
 }  // namespace

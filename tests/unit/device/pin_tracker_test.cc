@@ -268,5 +268,44 @@ TEST(PinTrackerSystemTest, PinPastEndOfFileLeavesNothingLocked) {
   EXPECT_EQ(tracker.PinnedBytes(), 0u);
 }
 
+// With progress, a long pin goes kPinStep at a time, counting pages others
+// pinned at once, and reports every byte by the end.
+TEST_F(PinTrackerTest, PinWithProgressGoesInStepsAndCountsEveryByte) {
+  const uint64_t pages_per_step = kPinStep / PageSize();
+  const uint64_t start = kBase;  // step-aligned (kBase is 1 TiB)
+  ASSERT_TRUE(tracker_.Pin(start, PageSize()).ok());  // pinned by another
+  ops_.TakeLocks();
+  const uint64_t length = 2 * kPinStep + 3 * PageSize();
+  WorkProgress progress(length);
+  ASSERT_TRUE(tracker_.Pin(start, length, false, &progress).ok());
+  EXPECT_THAT(ops_.TakeLocks(),
+              ElementsAre(Pair(P(1), kPinStep - PageSize()),
+                          Pair(P(pages_per_step), kPinStep),
+                          Pair(P(2 * pages_per_step), 3 * PageSize())));
+  EXPECT_EQ(progress.pinned(), length);
+  tracker_.Unpin(start, length);
+  tracker_.Unpin(start, PageSize());
+  ops_.TakeUnlocks();
+}
+
+// Cancelled between steps: CANCELLED, every step pinned is unpinned again,
+// and pages others pin keep their pins.
+TEST_F(PinTrackerTest, CancelledPinUndoesEveryStep) {
+  ASSERT_TRUE(tracker_.Pin(P(0), PageSize()).ok());
+  ops_.TakeLocks();
+  const uint64_t length = 3 * kPinStep;
+  int asked = 0;
+  WorkProgress progress(length, [&asked] { return ++asked >= 2; });
+  absl::Status s = tracker_.Pin(P(0), length, false, &progress);
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_EQ(ops_.TakeLocks().size(), 2u);  // two steps, then the answer
+  EXPECT_EQ(ops_.TakeUnlocks().size(), 2u);
+  EXPECT_EQ(tracker_.PinnedBytes(), PageSize());
+  EXPECT_EQ(tracker_.RefCount(P(0)), 1u);
+  EXPECT_EQ(tracker_.RefCount(P(1)), 0u);
+  tracker_.Unpin(P(0), PageSize());
+  ops_.TakeUnlocks();
+}
+
 }  // namespace
 }  // namespace mrd::device
