@@ -6,6 +6,8 @@
 # Both are incremental: a second run rebuilds only what changed.
 #   make fuzz  runs each libFuzzer target (tests/fuzz) for FUZZ_SECONDS
 #              (default 600) in build-fuzz (clang-14, ASan+UBSan)
+#   make bench runs bench/e2e_bench (the real mrd against a minimal gRPC
+#              server, a few minutes; not a test) and plots it into docs/img
 
 BUILD_DIR ?= build
 BUILD_TYPE ?= RelWithDebInfo
@@ -20,7 +22,7 @@ FUZZ_SECONDS ?= 600
 FUZZ_RUNS ?=
 FUZZ_JOBS ?=
 
-.PHONY: all deps build run test test-plain test-asan test-tsan fuzz image format clean
+.PHONY: all deps build run test test-plain test-asan test-tsan fuzz bench image format clean
 
 all: build
 
@@ -57,6 +59,14 @@ test-tsan: deps
 # also reads FUZZ_RUNS and FUZZ_JOBS from the environment).
 fuzz: deps
 	FUZZ_RUNS=$(FUZZ_RUNS) FUZZ_JOBS=$(FUZZ_JOBS) scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# The end-to-end benchmark (issue 9, part 6): mrd against a minimal gRPC
+# server in the same run; the ratio table on stdout, CSVs in
+# $(BUILD_DIR)/bench-out, the plots in docs/img (docs/PERFORMANCE.md).
+bench: deps $(BUILD_DIR)/build.ninja
+	cmake --build $(BUILD_DIR) -j $(JOBS) --target mrd e2e_bench
+	$(BUILD_DIR)/bench/e2e_bench --out=$(BUILD_DIR)/bench-out
+	/usr/bin/python3 bench/plot_bench.py $(BUILD_DIR)/bench-out docs/img
 
 # The container image from Debian packages, without a registry or a daemon
 # (root): localhost/mrd:<version> in $(BUILD_DIR)/image/storage and

@@ -98,18 +98,10 @@ bool Fill(std::vector<Tenant>& tenants, uint64_t count, size_t* turn) {
     options.reserve(n);
     for (uint64_t i = 0; i < n; ++i)
       options.push_back(Page(t, t.next_page + i));
-    auto results = client::Registration::RegisterBatch(*t.session, options);
-    if (!results.ok()) {
-      std::fprintf(stderr, "RegisterMrBatch: %s\n",
-                   results.status().ToString().c_str());
-      return false;
-    }
-    for (auto& r : *results) {
-      if (!r.ok()) {
-        std::fprintf(stderr, "item: %s\n", r.status().ToString().c_str());
-        return false;
-      }
-      r->Detach();  // mrd keeps it; the client forgets it
+    std::vector<client::Registration> regs;
+    if (!RegisterBatchInto(*t.session, options, &regs)) return false;
+    for (client::Registration& r : regs) {
+      r.Detach();  // mrd keeps it; the client forgets it
     }
     t.next_page += n;
     count -= n;
@@ -125,26 +117,12 @@ int Main(int argc, char** argv) {
   const uint64_t per_session = (total + sessions - 1) / sessions;
   const uint64_t first_sample = std::min<uint64_t>(10000, total);
 
-  testing::MrdProcessOptions options;
-  const std::string bytes =
-      std::to_string((per_session + spare) * sessions * kPage * 2);
-  options.extra_flags = {
-      "--max_session_pinned_bytes=" + bytes,
-      "--max_total_pinned_bytes=" + bytes,
-      "--max_session_registrations=" + std::to_string(per_session + spare),
-      "--max_batch_items=" + std::to_string(kBatch),
-      "--warm_pin_bytes_total=0",
-      "--tenant_default_percent=100",
-  };
-  auto mrd = testing::MrdProcess::Start(options);
-  if (!mrd.ok()) {
-    std::fprintf(stderr, "mrd: %s\n", mrd.status().ToString().c_str());
-    return 1;
-  }
-  client::ClientOptions client_options;
-  client_options.socket_path = (*mrd)->grpc_socket();
-  client_options.fd_socket_path = (*mrd)->fd_socket();
-  auto client = client::Client::Connect(client_options);
+  std::vector<std::string> flags = GenerousFlags(
+      (per_session + spare) * sessions * kPage * 2, per_session + spare);
+  flags.push_back("--max_batch_items=" + std::to_string(kBatch));
+  std::unique_ptr<testing::MrdProcess> mrd = StartMrd(std::move(flags));
+  if (mrd == nullptr) return 1;
+  auto client = ConnectTo(*mrd);
   if (!client.ok()) return 1;
   std::vector<Tenant> tenants(sessions);
   for (Tenant& t : tenants) {
@@ -162,11 +140,9 @@ int Main(int argc, char** argv) {
       return 1;
     }
     t.buffer = std::make_unique<client::Buffer>(*std::move(b));
-    for (uint64_t i = 0; i < (per_session + spare) * kPage; i += kPage) {
-      static_cast<char*>(t.buffer->data())[i] = 1;
-    }
+    TouchPages(*t.buffer);
   }
-  const pid_t pid = (*mrd)->pid();
+  const pid_t pid = mrd->pid();
   // Warm the paths (and the sample pages' first touch) before the baseline.
   if (Sample(tenants, std::min<uint64_t>(samples, 256), spare).empty()) {
     return 1;
@@ -256,7 +232,7 @@ int Main(int argc, char** argv) {
       (static_cast<double>(full) - static_cast<double>(base)) / 1048576.0,
       100.0 * (static_cast<double>(after) - static_cast<double>(base)) /
           std::max(1.0, static_cast<double>(full) - static_cast<double>(base)));
-  if (!(*mrd)->Stop().ok()) return 1;
+  if (!mrd->Stop().ok()) return 1;
   return 0;
 }
 

@@ -33,6 +33,8 @@ PACKAGES=(
   systemd util-linux iproute2
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
+  # `make bench`'s plots (bench/plot_bench.py, PNGs for docs/PERFORMANCE.md)
+  python3-matplotlib
   # the cache benchmark's comparison: UCX's registration cache (ucs_rcache)
   libucx-dev
   # the Soft-RoCE VM harness (tests/vm): qemu, a static busybox for the

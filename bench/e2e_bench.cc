@@ -1,0 +1,847 @@
+// One end-to-end benchmark (issue 9, part 6): the real mrd over its real
+// sockets (software device; C++ client, gRPC over the Unix socket, memfds
+// passed with SCM_RIGHTS) against a floor built in the same run: a minimal
+// gRPC server in this process, on a Unix socket of its own, whose
+// GetDeviceInfo, RegisterMr, DeregisterMr, RegisterMrBatch and
+// DeregisterMrBatch answer at once with a plausible reply of the same shape
+// and pin nothing. It runs twice: answering on gRPC's callback thread
+// ("inline") and handing each call to one of two worker threads first
+// ("hop"). The floor is what gRPC over a Unix socket costs for the same
+// messages through the same client library.
+//
+// a. Latency against size: RegisterMr + DeregisterMr of a whole memfd
+//    (Buffer::Create, every page written once) of 4 KiB ... 256 MiB (1 GiB
+//    too with --big), a new registration each time (it pins); the same
+//    request pair to the floors. p50 of each round, median of `--rounds`.
+// b. Throughput against clients: 1, 2, 4, 8 threads, each with its own fd
+//    session and 64 KiB memfd, doing RegisterMr + DeregisterMr pairs for
+//    `--seconds`; pairs/s, median of the rounds.
+// c. Throughput against batch size: `--count` 4 KiB registrations
+//    registered and deregistered in RegisterMrBatch / DeregisterMrBatch calls
+//    of 1, 8, 64, 512, 4096 items, against mrd's single calls and against
+//    the floors' batch calls of the same size; registrations/s.
+// d. Memory against live registrations: mrd's RssAnon and VmRSS
+//    (/proc/<pid>/status) at 0 ... `--max_live` live 4 KiB registrations
+//    (a fresh mrd; RegisterMrBatch of 4,096); bytes per live registration.
+// e. Cache hits: RegisterMr that hits the cache + its DeregisterMr against
+//    two GetDeviceInfo on the same channel (rpc_bench's case 1), p50 / p99.
+//
+// Ratios are mrd's cost over the floor's (time per operation): 1 is the
+// floor, 2 is twice as slow.
+//
+//   build/bench/e2e_bench [--out=bench-out] [--rounds=3] [--samples=200]
+//                         [--seconds=2] [--count=8192] [--max_live=250000]
+//                         [--pairs=5000] [--big]
+//
+// Prints the ratio table (markdown) and writes one CSV per figure into
+// --out; exits non-zero if anything failed. `make bench` runs it and plots
+// the CSVs (bench/plot_bench.py).
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "bench/bench_util.h"
+#include "client/lib/mrd_client.h"
+#include "grpcpp/grpcpp.h"
+#include "mrd/v1/mrd.grpc.pb.h"
+#include "tests/integration/mrd_process.h"
+#include "tests/support/kernel_pins.h"
+
+namespace mrd::bench {
+namespace {
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+constexpr uint64_t kBatchMax = 4096;
+constexpr int kFloorWorkers = 2;
+
+// ---------------------------------------------------------------------------
+// The floor: a gRPC server that answers mrd's messages at once.
+
+class FloorService final : public v1::MemoryRegistration::CallbackService {
+ public:
+  explicit FloorService(bool hop) {
+    if (!hop) return;
+    for (int i = 0; i < kFloorWorkers; ++i) {
+      workers_.emplace_back([this] { Work(); });
+    }
+  }
+  ~FloorService() override {
+    {
+      absl::MutexLock lock(&mu_);
+      stopping_ = true;
+    }
+    for (std::thread& t : workers_) t.join();
+  }
+
+  grpc::ServerUnaryReactor* GetDeviceInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetDeviceInfoRequest*,
+                                          v1::DeviceInfo* reply) override {
+    return Answer(context, [reply] {
+      reply->set_name("software");
+      reply->set_kind("software");
+      reply->set_page_size(kPage);
+      reply->set_max_mr_size(uint64_t{1} << 40);
+      reply->set_peer_address("127.0.0.1:40000");
+      reply->set_healthy(true);
+    });
+  }
+  grpc::ServerUnaryReactor* RegisterMr(grpc::CallbackServerContext* context,
+                                       const v1::RegisterMrRequest* request,
+                                       v1::RegisterMrResponse* reply) override {
+    return Answer(context, [this, request, reply] { Fill(*request, reply); });
+  }
+  grpc::ServerUnaryReactor* DeregisterMr(
+      grpc::CallbackServerContext* context, const v1::DeregisterMrRequest*,
+      v1::DeregisterMrResponse* reply) override {
+    return Answer(context, [reply] { reply->set_references(0); });
+  }
+  grpc::ServerUnaryReactor* RegisterMrBatch(
+      grpc::CallbackServerContext* context,
+      const v1::RegisterMrBatchRequest* request,
+      v1::RegisterMrBatchResponse* reply) override {
+    return Answer(context, [this, request, reply] {
+      for (const v1::RegisterMrRequest& item : request->items()) {
+        v1::RegisterMrBatchResult* result = reply->add_items();
+        result->mutable_status();
+        Fill(item, result->mutable_registration());
+      }
+    });
+  }
+  grpc::ServerUnaryReactor* DeregisterMrBatch(
+      grpc::CallbackServerContext* context,
+      const v1::DeregisterMrBatchRequest* request,
+      v1::DeregisterMrBatchResponse* reply) override {
+    return Answer(context, [request, reply] {
+      for (int i = 0; i < request->items_size(); ++i) {
+        reply->add_items()->set_references(0);
+      }
+    });
+  }
+
+ private:
+  struct Call {
+    absl::AnyInvocable<void() &&> fill;
+    grpc::ServerUnaryReactor* reactor;
+  };
+
+  // A reply of the shape mrd gives for a new registration.
+  void Fill(const v1::RegisterMrRequest& request,
+            v1::RegisterMrResponse* reply) {
+    const uint64_t id = next_id_.fetch_add(1, std::memory_order_relaxed);
+    const uint64_t base = request.has_base_address()
+                              ? request.base_address()
+                              : 0x7f0000000000 + request.offset();
+    reply->set_registration(id);
+    reply->set_lkey(static_cast<uint32_t>(id << 8));
+    reply->set_rkey(static_cast<uint32_t>(id << 8) | 0x80);
+    reply->set_base_address(base);
+    reply->set_length(request.length());
+    reply->set_references(1);
+    reply->set_cache_hit(false);
+    std::string descriptor(24, '\0');
+    std::memcpy(descriptor.data(), &id, sizeof(id));
+    std::memcpy(descriptor.data() + 8, &base, sizeof(base));
+    const uint64_t length = request.length();
+    std::memcpy(descriptor.data() + 16, &length, sizeof(length));
+    reply->set_rdma_descriptor(std::move(descriptor));
+  }
+
+  template <typename F>
+  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context,
+                                   F fill) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (workers_.empty()) {
+      fill();
+      reactor->Finish(grpc::Status::OK);
+      return reactor;
+    }
+    absl::MutexLock lock(&mu_);
+    queue_.push_back(Call{std::move(fill), reactor});
+    return reactor;
+  }
+
+  void Work() {
+    while (true) {
+      Call call;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &FloorService::Ready));
+        if (queue_.empty()) return;
+        call = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::move(call.fill)();
+      call.reactor->Finish(grpc::Status::OK);
+    }
+  }
+
+  bool Ready() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !queue_.empty();
+  }
+
+  std::atomic<uint64_t> next_id_{1};
+  std::vector<std::thread> workers_;
+  absl::Mutex mu_;
+  std::deque<Call> queue_ ABSL_GUARDED_BY(mu_);
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+class Floor {
+ public:
+  // The floor server on a Unix socket in a new temporary directory, and a
+  // client of it.
+  static absl::StatusOr<std::unique_ptr<Floor>> Start(bool hop) {
+    auto f = std::unique_ptr<Floor>(new Floor());
+    char dir[] = "/tmp/mrd-floor.XXXXXX";
+    if (mkdtemp(dir) == nullptr) return absl::InternalError("mkdtemp");
+    f->dir_ = dir;
+    f->service_ = std::make_unique<FloorService>(hop);
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("unix:" + f->socket(),
+                             grpc::InsecureServerCredentials());
+    builder.RegisterService(f->service_.get());
+    f->server_ = builder.BuildAndStart();
+    if (f->server_ == nullptr) {
+      return absl::InternalError("floor server did not start");
+    }
+    client::ClientOptions options;
+    options.socket_path = f->socket();
+    auto c = client::Client::Connect(options);
+    if (!c.ok()) return c.status();
+    f->client_ = std::make_unique<client::Client>(*std::move(c));
+    return f;
+  }
+  ~Floor() {
+    client_.reset();
+    if (server_ != nullptr) server_->Shutdown();
+    server_.reset();
+    service_.reset();
+    unlink(socket().c_str());
+    rmdir(dir_.c_str());
+  }
+
+  const client::Client& client() const { return *client_; }
+
+ private:
+  Floor() = default;
+  std::string socket() const { return dir_ + "/floor.sock"; }
+
+  std::string dir_;
+  std::unique_ptr<FloorService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<client::Client> client_;
+};
+
+// ---------------------------------------------------------------------------
+// The calls measured.
+
+// RegisterMr + DeregisterMr of `o` through mrd; false on failure or when the
+// registration was not a new one.
+bool MrdPair(const client::Session& session, const client::RegisterOptions& o) {
+  auto r = client::Registration::Register(session, o);
+  if (!r.ok()) {
+    std::fprintf(stderr, "RegisterMr: %s\n", r.status().ToString().c_str());
+    return false;
+  }
+  if (r->cache_hit()) {
+    std::fprintf(stderr, "RegisterMr hit the cache\n");
+    return false;
+  }
+  auto left = r->Deregister();
+  return left.ok() && *left == 0;
+}
+
+// The same request pair to a floor.
+bool FloorPair(const Floor& floor, const client::Session& session,
+               const client::RegisterOptions& o) {
+  auto r = floor.client().RegisterMr(client::ToRequest(session.token(), o));
+  if (!r.ok()) return false;
+  v1::DeregisterMrRequest d;
+  d.set_session(session.token());
+  d.set_registration(r->registration());
+  return floor.client().DeregisterMr(d).ok();
+}
+
+// Pages 0..count-1 of `buffer` registered and deregistered at a floor in
+// batch calls of `batch`; seconds, or < 0.
+double FloorBatches(const Floor& floor, const client::Session& session,
+                    uint64_t buffer, uint64_t count, uint64_t batch) {
+  const Clock::time_point start = Clock::now();
+  std::vector<uint64_t> ids;
+  ids.reserve(count);
+  for (uint64_t first = 0; first < count; first += batch) {
+    v1::RegisterMrBatchRequest request;
+    request.set_session(session.token());
+    for (uint64_t i = first; i < std::min(count, first + batch); ++i) {
+      *request.add_items() =
+          client::ToRequest(session.token(), PageOf(buffer, i));
+    }
+    auto reply = floor.client().RegisterMrBatch(request);
+    if (!reply.ok()) return -1;
+    for (const auto& item : reply->items()) {
+      ids.push_back(item.registration().registration());
+    }
+  }
+  for (uint64_t first = 0; first < count; first += batch) {
+    v1::DeregisterMrBatchRequest request;
+    request.set_session(session.token());
+    for (uint64_t i = first; i < std::min(count, first + batch); ++i) {
+      v1::DeregisterMrRequest* item = request.add_items();
+      item->set_session(session.token());
+      item->set_registration(ids[i]);
+    }
+    if (!floor.client().DeregisterMrBatch(request).ok()) return -1;
+  }
+  return Seconds(start);
+}
+
+double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
+
+// ---------------------------------------------------------------------------
+// Output.
+
+struct Row {
+  std::string figure;
+  std::string what;
+  std::string unit;
+  double mrd = 0;
+  double floor = 0;  // 0: none
+  double hop = 0;    // 0: none
+  bool higher_is_better = false;
+};
+
+std::string Number(double v) {
+  char text[64];
+  if (v >= 100) {
+    std::snprintf(text, sizeof(text), "%.0f", v);
+  } else if (v >= 10) {
+    std::snprintf(text, sizeof(text), "%.1f", v);
+  } else {
+    std::snprintf(text, sizeof(text), "%.2f", v);
+  }
+  return text;
+}
+
+// mrd's cost over the floor's, or "–".
+std::string Ratio(const Row& r, double floor) {
+  if (floor <= 0 || r.mrd <= 0) return "–";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f",
+                r.higher_is_better ? floor / r.mrd : r.mrd / floor);
+  return text;
+}
+
+void PrintTable(const std::vector<Row>& rows) {
+  std::printf(
+      "| figure | case | unit | mrd | floor (inline) | mrd ÷ floor | "
+      "floor (hop) | mrd ÷ hop floor |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  for (const Row& r : rows) {
+    std::printf(
+        "| %s | %s | %s | %s | %s | %s | %s | %s |\n", r.figure.c_str(),
+        r.what.c_str(), r.unit.c_str(), Number(r.mrd).c_str(),
+        r.floor > 0 ? Number(r.floor).c_str() : "–", Ratio(r, r.floor).c_str(),
+        r.hop > 0 ? Number(r.hop).c_str() : "–", Ratio(r, r.hop).c_str());
+  }
+  std::fflush(stdout);
+}
+
+// Writes `header` and `lines` to <out>/<name>; false on failure.
+bool WriteCsv(const std::string& out, const std::string& name,
+              const std::string& header,
+              const std::vector<std::string>& lines) {
+  const std::string path = out + "/" + name;
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) {
+    std::perror(path.c_str());
+    return false;
+  }
+  std::fprintf(f, "%s\n", header.c_str());
+  for (const std::string& line : lines) std::fprintf(f, "%s\n", line.c_str());
+  return std::fclose(f) == 0;
+}
+
+std::string Csv(std::initializer_list<double> values) {
+  std::string line;
+  for (double v : values) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.10g", v);
+    if (!line.empty()) line += ",";
+    line += text;
+  }
+  return line;
+}
+
+std::string SizeName(uint64_t bytes) {
+  if (bytes >= kGiB) return std::to_string(bytes / kGiB) + " GiB";
+  if (bytes >= kMiB) return std::to_string(bytes / kMiB) + " MiB";
+  return std::to_string(bytes / 1024) + " KiB";
+}
+
+// The value of `--<name>=TEXT`, or `fallback`.
+std::string StringFlag(int argc, char** argv, const char* name,
+                       const std::string& fallback) {
+  const size_t n = std::strlen(name);
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], name, n) == 0 && argv[i][n] == '=') {
+      return argv[i] + n + 1;
+    }
+  }
+  return fallback;
+}
+
+bool HasFlag(int argc, char** argv, const char* name) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], name) == 0) return true;
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------------------
+// The figures.
+
+struct Settings {
+  uint64_t rounds = 3;
+  uint64_t samples = 200;
+  double seconds = 2;
+  uint64_t count = 8192;
+  uint64_t max_live = 250000;
+  uint64_t pairs = 5000;
+  bool big = false;
+  std::string out;
+};
+
+struct Bench {
+  Settings settings;
+  std::unique_ptr<testing::MrdProcess> mrd;
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<Floor> inline_floor;
+  std::unique_ptr<Floor> hop_floor;
+  std::vector<Row> rows;
+};
+
+struct Tenant {
+  std::unique_ptr<client::Session> session;
+  std::unique_ptr<client::Buffer> buffer;
+};
+
+// A new fd session with a written memfd of `bytes`; false on failure.
+bool NewTenant(const client::Client& client, uint64_t bytes, Tenant* t) {
+  auto s = client::Session::OpenFd(client);
+  if (!s.ok()) {
+    std::fprintf(stderr, "OpenFd: %s\n", s.status().ToString().c_str());
+    return false;
+  }
+  t->session = std::make_unique<client::Session>(*std::move(s));
+  auto b = client::Buffer::Create(*t->session, bytes, "e2e-bench");
+  if (!b.ok()) {
+    std::fprintf(stderr, "buffer: %s\n", b.status().ToString().c_str());
+    return false;
+  }
+  t->buffer = std::make_unique<client::Buffer>(*std::move(b));
+  TouchPages(*t->buffer);
+  return true;
+}
+
+// Releases `t`'s buffer and closes its session; false on failure.
+bool Drop(Tenant& t) {
+  return t.buffer->Release().ok() && t.session->Close().ok();
+}
+
+client::RegisterOptions Whole(const client::Buffer& b) {
+  client::RegisterOptions o;
+  o.buffer = b.id();
+  o.length = b.size();
+  o.flags = 0x2;  // remote read
+  return o;
+}
+
+// a. Latency against size.
+bool LatencyAgainstSize(Bench& b, std::vector<std::string>* csv) {
+  std::vector<uint64_t> sizes = {4 * 1024, 64 * 1024, kMiB, 16 * kMiB,
+                                 256 * kMiB};
+  if (b.settings.big) sizes.push_back(kGiB);
+  for (uint64_t size : sizes) {
+    Tenant t;
+    if (!NewTenant(*b.client, size, &t)) return false;
+    const client::RegisterOptions o = Whole(*t.buffer);
+    // Fewer samples of the big sizes: about 2 GiB pinned per round at most.
+    const uint64_t n =
+        std::clamp<uint64_t>(2 * kGiB / size, 5, b.settings.samples);
+    if (!MrdPair(*t.session, o)) return false;  // warm the paths
+    std::vector<double> mrd50, mrd99, floor50, hop50;
+    for (uint64_t r = 0; r < b.settings.rounds; ++r) {
+      std::vector<double> mrd_us, floor_us, hop_us;
+      for (uint64_t i = 0; i < n; ++i) {
+        Clock::time_point start = Clock::now();
+        if (!MrdPair(*t.session, o)) return false;
+        mrd_us.push_back(Seconds(start) * 1e6);
+        start = Clock::now();
+        if (!FloorPair(*b.inline_floor, *t.session, o)) return false;
+        floor_us.push_back(Seconds(start) * 1e6);
+        start = Clock::now();
+        if (!FloorPair(*b.hop_floor, *t.session, o)) return false;
+        hop_us.push_back(Seconds(start) * 1e6);
+      }
+      mrd50.push_back(Percentile(mrd_us, 0.5));
+      mrd99.push_back(Percentile(mrd_us, 0.99));
+      floor50.push_back(Percentile(floor_us, 0.5));
+      hop50.push_back(Percentile(hop_us, 0.5));
+    }
+    const Row row{"a. latency",
+                  SizeName(size) + " register+deregister p50",
+                  "µs",
+                  Median(mrd50),
+                  Median(floor50),
+                  Median(hop50)};
+    b.rows.push_back(row);
+    csv->push_back(Csv({static_cast<double>(size), row.mrd, Median(mrd99),
+                        row.floor, row.hop}));
+    if (!Drop(t)) return false;
+  }
+  return true;
+}
+
+// `threads` threads, tenant i on thread i, each repeating `pair` for
+// `seconds`; pairs per second, or < 0 on failure.
+template <typename Pair>
+double PairsPerSecond(const std::vector<Tenant>& tenants, size_t threads,
+                      double seconds, Pair pair) {
+  std::atomic<bool> go{false};
+  std::atomic<bool> failed{false};
+  std::atomic<uint64_t> done{0};
+  std::vector<std::thread> workers;
+  Clock::time_point start;
+  for (size_t i = 0; i < threads; ++i) {
+    workers.emplace_back([&, i] {
+      const Tenant& t = tenants[i];
+      const client::RegisterOptions o = Whole(*t.buffer);
+      while (!go.load()) std::this_thread::yield();
+      uint64_t n = 0;
+      while (Seconds(start) < seconds) {
+        if (!pair(*t.session, o)) {
+          failed = true;
+          break;
+        }
+        ++n;
+      }
+      done += n;
+    });
+  }
+  start = Clock::now();
+  go = true;
+  for (std::thread& w : workers) w.join();
+  const double elapsed = Seconds(start);
+  if (failed) return -1;
+  return static_cast<double>(done.load()) / elapsed;
+}
+
+// b. Throughput against clients.
+bool ThroughputAgainstClients(Bench& b, std::vector<std::string>* csv) {
+  const std::vector<size_t> counts = {1, 2, 4, 8};
+  std::vector<Tenant> tenants(counts.back());
+  for (Tenant& t : tenants) {
+    if (!NewTenant(*b.client, 64 * 1024, &t)) return false;
+  }
+  for (size_t clients : counts) {
+    std::vector<double> mrd, floor, hop;
+    for (uint64_t r = 0; r < b.settings.rounds; ++r) {
+      mrd.push_back(
+          PairsPerSecond(tenants, clients, b.settings.seconds, MrdPair));
+      floor.push_back(PairsPerSecond(
+          tenants, clients, b.settings.seconds,
+          [&](const client::Session& s, const client::RegisterOptions& o) {
+            return FloorPair(*b.inline_floor, s, o);
+          }));
+      hop.push_back(PairsPerSecond(
+          tenants, clients, b.settings.seconds,
+          [&](const client::Session& s, const client::RegisterOptions& o) {
+            return FloorPair(*b.hop_floor, s, o);
+          }));
+    }
+    for (const auto* v : {&mrd, &floor, &hop}) {
+      if (*std::min_element(v->begin(), v->end()) < 0) return false;
+    }
+    Row row{"b. clients",  std::to_string(clients) + " client(s), 64 KiB pairs",
+            "pairs/s",     Median(mrd),
+            Median(floor), Median(hop)};
+    row.higher_is_better = true;
+    b.rows.push_back(row);
+    csv->push_back(
+        Csv({static_cast<double>(clients), row.mrd, row.floor, row.hop}));
+  }
+  for (Tenant& t : tenants) {
+    if (!Drop(t)) return false;
+  }
+  return true;
+}
+
+// Registrations per second of a timing function's seconds, median of the
+// rounds; < 0 on failure.
+template <typename Run>
+double Rate(uint64_t rounds, uint64_t count, Run run) {
+  std::vector<double> times;
+  for (uint64_t r = 0; r < rounds; ++r) {
+    const double t = run();
+    if (t < 0) return -1;
+    times.push_back(t);
+  }
+  return static_cast<double>(count) / Median(times);
+}
+
+// c. Throughput against batch size.
+bool ThroughputAgainstBatch(Bench& b, std::vector<std::string>* csv) {
+  const uint64_t count = b.settings.count;
+  const uint64_t rounds = b.settings.rounds;
+  Tenant t;
+  if (!NewTenant(*b.client, count * kPage, &t)) return false;
+  const client::Session& s = *t.session;
+  const uint64_t buffer = t.buffer->id();
+  const double single =
+      Rate(rounds, count, [&] { return Singles(s, buffer, count); });
+  if (single < 0) return false;
+  Row row{"c. batches", "single RegisterMr calls, 4 KiB", "registrations/s",
+          single};
+  row.higher_is_better = true;
+  b.rows.push_back(row);
+  for (uint64_t batch : {1, 8, 64, 512, 4096}) {
+    const double mrd =
+        Rate(rounds, count, [&] { return Batches(s, buffer, count, batch); });
+    const double floor = Rate(rounds, count, [&] {
+      return FloorBatches(*b.inline_floor, s, buffer, count, batch);
+    });
+    const double hop = Rate(rounds, count, [&] {
+      return FloorBatches(*b.hop_floor, s, buffer, count, batch);
+    });
+    if (mrd < 0 || floor < 0 || hop < 0) return false;
+    Row vs_floor{"c. batches",
+                 "batches of " + std::to_string(batch),
+                 "registrations/s",
+                 mrd,
+                 floor,
+                 hop};
+    vs_floor.higher_is_better = true;
+    b.rows.push_back(vs_floor);
+    Row vs_single{
+        "c. batches",
+        "batches of " + std::to_string(batch) + " (floor: mrd's single calls)",
+        "registrations/s", mrd, single};
+    vs_single.higher_is_better = true;
+    b.rows.push_back(vs_single);
+    csv->push_back(Csv({static_cast<double>(batch), mrd, floor, hop, single}));
+  }
+  if (!Drop(t)) return false;
+  return true;
+}
+
+// e. Cache hits against two GetDeviceInfo.
+bool CacheHits(Bench& b, std::vector<std::string>* csv) {
+  Tenant t;
+  if (!NewTenant(*b.client, kPage, &t)) return false;
+  std::vector<double> hit_us, empty_us;
+  if (!HitPairs(*t.session, PageOf(t.buffer->id(), 0), b.settings.pairs,
+                &hit_us, &empty_us)) {
+    std::fprintf(stderr, "hit pairs failed\n");
+    return false;
+  }
+  b.rows.push_back(Row{"e. cache hit",
+                       "hit pair p50 (floor: two GetDeviceInfo on mrd)", "µs",
+                       Percentile(hit_us, 0.5), Percentile(empty_us, 0.5)});
+  b.rows.push_back(Row{"e. cache hit",
+                       "hit pair p99 (floor: two GetDeviceInfo on mrd)", "µs",
+                       Percentile(hit_us, 0.99), Percentile(empty_us, 0.99)});
+  if (!Drop(t)) return false;
+  csv->push_back("hit_pair," +
+                 Csv({Percentile(hit_us, 0.5), Percentile(hit_us, 0.99)}));
+  csv->push_back("two_get_device_info," +
+                 Csv({Percentile(empty_us, 0.5), Percentile(empty_us, 0.99)}));
+  return true;
+}
+
+// Registers pages [first, last) of `t`'s buffer for good in batches; false
+// on failure.
+bool Fill(const Tenant& t, uint64_t first, uint64_t last) {
+  for (uint64_t page = first; page < last; page += kBatchMax) {
+    std::vector<client::RegisterOptions> options;
+    for (uint64_t i = page; i < std::min(last, page + kBatchMax); ++i) {
+      options.push_back(PageOf(t.buffer->id(), i));
+    }
+    std::vector<client::Registration> regs;
+    if (!RegisterBatchInto(*t.session, options, &regs)) return false;
+    for (client::Registration& r : regs) {
+      r.Detach();  // mrd keeps it; the session's end releases it
+    }
+  }
+  return true;
+}
+
+// d. Memory against live registrations, in an mrd of its own.
+bool MemoryAgainstRegistrations(Bench& b, std::vector<std::string>* csv) {
+  const uint64_t max_live = b.settings.max_live;
+  std::vector<std::string> flags =
+      GenerousFlags(2 * (max_live + 1) * kPage, max_live + 1);
+  flags.push_back("--max_batch_items=" + std::to_string(kBatchMax));
+  std::unique_ptr<testing::MrdProcess> mrd = StartMrd(std::move(flags));
+  if (mrd == nullptr) return false;
+  auto c = ConnectTo(*mrd);
+  if (!c.ok()) return false;
+  Tenant t;
+  if (!NewTenant(*c, (max_live + 1) * kPage, &t)) return false;
+  // Warm the paths (one registration made and dropped) before the baseline.
+  if (!MrdPair(*t.session, PageOf(t.buffer->id(), max_live))) return false;
+  const std::string pid = std::to_string(mrd->pid());
+  auto status = [&pid](const char* field) {
+    return static_cast<double>(test_support::ProcStatusBytes(field, pid));
+  };
+  const double anon0 = status("RssAnon");
+  const double rss0 = status("VmRSS");
+  csv->push_back(Csv({0, anon0, rss0, 0}));
+  std::vector<uint64_t> steps;
+  for (uint64_t s : {10000, 25000, 50000, 100000, 150000, 200000, 250000}) {
+    if (s < max_live) steps.push_back(s);
+  }
+  steps.push_back(max_live);
+  uint64_t live = 0;
+  for (uint64_t step : steps) {
+    const Clock::time_point start = Clock::now();
+    if (!Fill(t, live, step)) return false;
+    const double fill = Seconds(start);
+    live = step;
+    const double anon = status("RssAnon");
+    const double rss = status("VmRSS");
+    csv->push_back(Csv({static_cast<double>(live), anon, rss, fill}));
+    if (live == 10000 || live == 100000 || live == max_live) {
+      b.rows.push_back(Row{
+          "d. memory",
+          std::to_string(live) + " live 4 KiB: RssAnon growth per registration",
+          "bytes", (anon - anon0) / static_cast<double>(live)});
+      b.rows.push_back(Row{
+          "d. memory",
+          std::to_string(live) + " live 4 KiB: VmRSS growth per registration",
+          "bytes", (rss - rss0) / static_cast<double>(live)});
+    }
+  }
+  t.buffer.reset();
+  if (!t.session->Close().ok()) return false;
+  // mrd releases what the session held when it sees the socket close.
+  for (int i = 0; i < 600 && test_support::KernelPinnedBytes(pid) != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  const absl::Status stopped = mrd->Stop();
+  if (!stopped.ok()) {
+    std::fprintf(stderr, "mrd: %s\n", stopped.ToString().c_str());
+    return false;
+  }
+  return true;
+}
+
+int Main(int argc, char** argv) {
+  Bench b;
+  b.settings.rounds = Flag(argc, argv, "--rounds", 3, 1);
+  b.settings.samples = Flag(argc, argv, "--samples", 200, 5);
+  b.settings.seconds = static_cast<double>(Flag(argc, argv, "--seconds", 2, 1));
+  b.settings.count = Flag(argc, argv, "--count", 8192, 1);
+  b.settings.max_live = Flag(argc, argv, "--max_live", 250000, 1);
+  b.settings.pairs = Flag(argc, argv, "--pairs", 5000, 1);
+  b.settings.big = HasFlag(argc, argv, "--big");
+  b.settings.out = StringFlag(argc, argv, "--out", "bench-out");
+  std::error_code error;
+  std::filesystem::create_directories(b.settings.out, error);
+  if (error) {
+    std::fprintf(stderr, "%s: %s\n", b.settings.out.c_str(),
+                 error.message().c_str());
+    return 1;
+  }
+  const Clock::time_point start = Clock::now();
+
+  const uint64_t largest = b.settings.big ? kGiB : 256 * kMiB;
+  std::vector<std::string> flags =
+      GenerousFlags(4 * largest, 4 * (b.settings.count + 64));
+  flags.push_back("--max_batch_items=" + std::to_string(kBatchMax));
+  b.mrd = StartMrd(std::move(flags));
+  if (b.mrd == nullptr) return 1;
+  auto c = ConnectTo(*b.mrd);
+  if (!c.ok()) {
+    std::fprintf(stderr, "connect: %s\n", c.status().ToString().c_str());
+    return 1;
+  }
+  b.client = std::make_unique<client::Client>(*std::move(c));
+  for (bool hop : {false, true}) {
+    auto f = Floor::Start(hop);
+    if (!f.ok()) {
+      std::fprintf(stderr, "floor: %s\n", f.status().ToString().c_str());
+      return 1;
+    }
+    (hop ? b.hop_floor : b.inline_floor) = *std::move(f);
+  }
+
+  const struct {
+    const char* name;
+    bool (*run)(Bench&, std::vector<std::string>*);
+    const char* csv;
+    const char* header;
+  } figures[] = {
+      {"latency against size", LatencyAgainstSize, "latency_vs_size.csv",
+       "size_bytes,mrd_p50_us,mrd_p99_us,floor_p50_us,floor_hop_p50_us"},
+      {"throughput against clients", ThroughputAgainstClients,
+       "throughput_vs_clients.csv",
+       "clients,mrd_pairs_per_s,floor_pairs_per_s,floor_hop_pairs_per_s"},
+      {"throughput against batch size", ThroughputAgainstBatch,
+       "throughput_vs_batch.csv",
+       "batch,mrd_regs_per_s,floor_regs_per_s,floor_hop_regs_per_s,"
+       "mrd_single_regs_per_s"},
+      {"cache hits", CacheHits, "cache_hit.csv", "case,p50_us,p99_us"},
+      {"memory against live registrations", MemoryAgainstRegistrations,
+       "memory_vs_registrations.csv",
+       "live,rss_anon_bytes,vm_rss_bytes,fill_seconds"},
+  };
+  for (const auto& figure : figures) {
+    std::fprintf(stderr, "e2e_bench: %s (%.0f s so far)\n", figure.name,
+                 Seconds(start));
+    std::vector<std::string> csv;
+    if (!figure.run(b, &csv) ||
+        !WriteCsv(b.settings.out, figure.csv, figure.header, csv)) {
+      std::fprintf(stderr, "e2e_bench: %s failed\n", figure.name);
+      return 1;
+    }
+  }
+  const absl::Status stopped = b.mrd->Stop();
+  if (!stopped.ok()) {
+    std::fprintf(stderr, "mrd: %s\n", stopped.ToString().c_str());
+    return 1;
+  }
+  std::stable_sort(
+      b.rows.begin(), b.rows.end(),
+      [](const Row& x, const Row& y) { return x.figure < y.figure; });
+  PrintTable(b.rows);
+  std::printf("\n%.0f s in all; CSVs in %s\n", Seconds(start),
+              b.settings.out.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace mrd::bench
+
+int main(int argc, char** argv) { return mrd::bench::Main(argc, argv); }
