@@ -169,7 +169,8 @@ std::vector<CommandSpec> BuildCommands() {
                 {"length", "SIZE", "bytes (required)"},
                 {"capacity", "N",
                  "mapping space in bytes, 8 + 8*pages (L2; default no "
-                 "limit)"}}});
+                 "limit)"},
+                {"progress", "", kProgressHelp}}});
   c.push_back({"release-lam",
                "ID",
                1,

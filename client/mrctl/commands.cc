@@ -13,6 +13,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -271,6 +272,21 @@ void ShowProgressUntil(Context& ctx, const client::Session& session,
   answered.wait();
 }
 
+// --progress for a call of the session's: `start` begins it asynchronously
+// (`done` runs once with the answer); progress is shown until it answers.
+template <typename Response>
+absl::StatusOr<Response> CallShowingProgress(
+    Context& ctx, const client::Client& c,
+    absl::FunctionRef<void(client::ResponseCallback<Response>)> start) {
+  std::promise<absl::StatusOr<Response>> promise;
+  std::future<absl::StatusOr<Response>> answered = promise.get_future();
+  start([&promise](absl::StatusOr<Response> response) {
+    promise.set_value(std::move(response));
+  });
+  ShowProgressUntil(ctx, client::Session::Attach(c, ctx.token()), answered);
+  return answered.get();
+}
+
 absl::Status Register(Context& ctx) {
   client::RegisterOptions options;
   MRD_ASSIGN_OR_RETURN(options.buffer, ctx.flags.Uint64("buffer"));
@@ -290,16 +306,13 @@ absl::Status Register(Context& ctx) {
                          c.RegisterMr(client::ToRequest(ctx.token(), options)));
     return Emit(ctx, response);
   }
-  std::promise<absl::StatusOr<v1::RegisterMrResponse>> promise;
-  std::future<absl::StatusOr<v1::RegisterMrResponse>> answered =
-      promise.get_future();
-  c.RegisterMrAsync(
-      client::ToRequest(ctx.token(), options),
-      [&promise](absl::StatusOr<v1::RegisterMrResponse> response) {
-        promise.set_value(std::move(response));
-      });
-  ShowProgressUntil(ctx, client::Session::Attach(c, ctx.token()), answered);
-  MRD_ASSIGN_OR_RETURN(v1::RegisterMrResponse response, answered.get());
+  MRD_ASSIGN_OR_RETURN(
+      v1::RegisterMrResponse response,
+      CallShowingProgress<v1::RegisterMrResponse>(
+          ctx, c, [&](client::ResponseCallback<v1::RegisterMrResponse> done) {
+            c.RegisterMrAsync(client::ToRequest(ctx.token(), options),
+                              std::move(done));
+          }));
   return Emit(ctx, response);
 }
 
@@ -395,8 +408,18 @@ absl::Status BuildLam(Context& ctx) {
   request.set_offset(offset);
   request.set_length(length);
   request.set_lam_capacity(capacity);
+  MRD_ASSIGN_OR_RETURN(bool progress, ctx.flags.Bool("progress"));
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
-  MRD_ASSIGN_OR_RETURN(v1::BuildLamResponse response, c.BuildLam(request));
+  if (!progress) {
+    MRD_ASSIGN_OR_RETURN(v1::BuildLamResponse response, c.BuildLam(request));
+    return Emit(ctx, response);
+  }
+  MRD_ASSIGN_OR_RETURN(
+      v1::BuildLamResponse response,
+      CallShowingProgress<v1::BuildLamResponse>(
+          ctx, c, [&](client::ResponseCallback<v1::BuildLamResponse> done) {
+            c.BuildLamAsync(request, std::move(done));
+          }));
   return Emit(ctx, response);
 }
 

@@ -75,7 +75,7 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
               &progress_}),
       fast_(device, &budgets_, &registrations_, &next_handle_,
             FastRegistrationLimits{options_.max_session_lams,
-                                   options_.max_session_mrs}),
+                                   options_.max_session_mrs, &progress_}),
       tenants_(options_.tenants) {
   if (tenants_ == nullptr) {
     // Without a table every tenant may use everything: only the per-session
@@ -617,10 +617,11 @@ absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
 }
 
 absl::Status Core::BuildLam(const v1::BuildLamRequest& req,
-                            v1::BuildLamResponse* out) {
+                            v1::BuildLamResponse* out,
+                            const CancelCheck& cancelled) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  return fast_.BuildLam(session, req, out);
+  return fast_.BuildLam(session, req, out, cancelled);
 }
 
 absl::Status Core::ReleaseLam(const v1::ReleaseLamRequest& req) {

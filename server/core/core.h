@@ -190,7 +190,8 @@ class Core final : public fd_socket::FdSessionHandler {
   absl::Status DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
                                  v1::DeregisterMrBatchResponse* out);
   absl::Status BuildLam(const v1::BuildLamRequest& req,
-                        v1::BuildLamResponse* out);
+                        v1::BuildLamResponse* out,
+                        const CancelCheck& cancelled = nullptr);
   absl::Status ReleaseLam(const v1::ReleaseLamRequest& req);
   absl::Status FastRegister(const v1::FastRegisterRequest& req,
                             v1::FastRegisterResponse* out);

@@ -1,6 +1,7 @@
 #include "server/core/fast_registration.h"
 
 #include <algorithm>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -172,7 +173,13 @@ void FastRegistration::ResetFastRegistration(Session& session, uint64_t id,
 
 absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
                                         const v1::BuildLamRequest& req,
-                                        v1::BuildLamResponse* out) {
+                                        v1::BuildLamResponse* out,
+                                        const CancelCheck& cancelled) {
+  if (cancelled && cancelled()) {  // gave up while the call waited its turn
+    return absl::CancelledError(absl::StrCat("BuildLam of ", req.length(),
+                                             " bytes of buffer ", req.buffer(),
+                                             " was cancelled before it began"));
+  }
   std::shared_ptr<fd_socket::MappedFile> file;
   device::PdId pd;
   {
@@ -207,7 +214,21 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
                      lam_size);
   }
   MRD_RETURN_IF_ERROR(registrations_->ReservePinned(*session, pin_bytes));
-  file->Prefault(req.offset(), req.length());
+  // A long pin: watched and cancellable between steps (as a registration).
+  std::optional<WorkProgress> progress;
+  std::optional<ProgressReporter::Watch> watch;
+  if (span.length >= kProgressMinBytes) {
+    progress.emplace(span.length, cancelled);
+    span.progress = &*progress;
+    if (limits_.progress != nullptr) {
+      v1::Completion call;
+      call.set_buffer(req.buffer());
+      call.set_offset(req.offset());
+      call.set_length(req.length());
+      watch.emplace(limits_.progress->Begin(session, span.progress, call));
+    }
+  }
+  file->Prefault(req.offset(), req.length(), span.progress);
   absl::StatusOr<device::LogicalMapping> mapping;
   do {
     mapping = device_->BuildLam(pd, span);
@@ -221,7 +242,9 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
   LamRecord lam{handles_->fetch_add(1), mapping->lam, req.buffer(),
                 req.offset(),           req.length(), mapping->pages,
                 mapping->fbo,           pin_bytes,    file};
-  {
+  // The caller is gone: no one would learn of this LAM.
+  const bool gone = cancelled && cancelled();
+  if (!gone) {
     absl::MutexLock lock(&session->mu);
     if (!session->closing && session->buffers.contains(req.buffer())) {
       out->set_lam(lam.id);
@@ -238,11 +261,17 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
       return absl::OkStatus();
     }
   }
-  // The session or the buffer went away meanwhile (L7: leave nothing).
+  // The caller, the session or the buffer went away meanwhile (L7: leave
+  // nothing).
   if (!device_->ReleaseLam(lam.device_lam).ok()) {
     session->KeepUntilPdGone(lam.file);
   }
   budgets_->UnreservePinned(*session, pin_bytes);
+  if (gone) {
+    return absl::CancelledError(absl::StrCat("BuildLam of ", req.length(),
+                                             " bytes of buffer ", req.buffer(),
+                                             " was cancelled; it was undone"));
+  }
   return NotConnected("the session or its buffer went away during BuildLam");
 }
 

@@ -23,7 +23,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "mrd/v1/mrd.pb.h"
+#include "server/common/progress.h"
 #include "server/core/budgets.h"
+#include "server/core/progress_reporter.h"
 #include "server/core/registrations.h"
 #include "server/core/session.h"
 #include "server/device/device.h"
@@ -33,6 +35,8 @@ namespace mrd::core {
 struct FastRegistrationLimits {
   uint64_t max_session_lams = 65536;
   uint64_t max_session_mrs = 65536;
+  // Reports the progress of long BuildLams (not owned; null: none).
+  ProgressReporter* progress = nullptr;
 };
 
 class FastRegistration {
@@ -49,9 +53,13 @@ class FastRegistration {
                         const v1::CreateMrRequest& req, v1::MrInfo* out);
   absl::Status CloseMr(const std::shared_ptr<Session>& session,
                        const v1::CloseMrRequest& req);
+  // `cancelled` (optional): the caller gave up. A LAM of kProgressMinBytes
+  // or more reports its progress and stops between steps, undone; one made
+  // for a caller who has gone is released before the answer (CANCELLED).
   absl::Status BuildLam(const std::shared_ptr<Session>& session,
                         const v1::BuildLamRequest& req,
-                        v1::BuildLamResponse* out);
+                        v1::BuildLamResponse* out,
+                        const CancelCheck& cancelled = nullptr);
   absl::Status ReleaseLam(const std::shared_ptr<Session>& session,
                           const v1::ReleaseLamRequest& req);
   absl::Status FastRegister(const std::shared_ptr<Session>& session,

@@ -75,7 +75,10 @@ void ProgressReporter::Run() {
       continue;
     }
     wake_ = false;
-    mu_.AwaitWithDeadline(absl::Condition(&wake_), next);
+    // AwaitWithTimeout, not AwaitWithDeadline: the TSan build wraps the
+    // former to tell TSan about the lock it releases and takes back
+    // (tests/support/tsan_absl_annotations.cc).
+    mu_.AwaitWithTimeout(absl::Condition(&wake_), next - now);
   }
 }
 

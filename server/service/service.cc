@@ -316,8 +316,10 @@ grpc::ServerUnaryReactor* MrdService::DeregisterMrBatch(
 grpc::ServerUnaryReactor* MrdService::BuildLam(grpc::CallbackServerContext* ctx,
                                                const v1::BuildLamRequest* req,
                                                v1::BuildLamResponse* resp) {
-  return Run(ctx, "BuildLam", Where::kPool, [this, req, resp] {
-    return Registered("BuildLam", req->length(), core_->BuildLam(*req, resp));
+  return Run(ctx, "BuildLam", Where::kPool, [this, ctx, req, resp] {
+    return Registered(
+        "BuildLam", req->length(),
+        core_->BuildLam(*req, resp, [ctx] { return ctx->IsCancelled(); }));
   });
 }
 

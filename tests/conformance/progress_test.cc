@@ -12,6 +12,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -45,6 +47,47 @@ class ProgressTest : public MrdTest {
       absl::SleepFor(absl::Milliseconds(10));
     }
     return true;
+  }
+
+  // Starts an asynchronous call through `start` (on a channel of its own),
+  // waits for the first REGISTRATION_PROGRESS report on `stream` (pinning is
+  // under way then), cancels the call and returns its status.
+  grpc::Status CancelAfterFirstReport(
+      CompletionStream& stream, v1::Completion* first,
+      const std::function<void(v1::MemoryRegistration::Stub&,
+                               grpc::ClientContext*,
+                               std::function<void(grpc::Status)>)>& start) {
+    std::unique_ptr<v1::MemoryRegistration::Stub> stub =
+        v1::MemoryRegistration::NewStub(grpc::CreateChannel(
+            mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<grpc::Status> answer;
+    start(*stub, &ctx, [&](grpc::Status s) {
+      std::lock_guard<std::mutex> lock(mu);
+      answer = s;
+      cv.notify_all();
+    });
+    while (true) {
+      absl::StatusOr<v1::Completion> c = stream.Next(absl::Seconds(30));
+      if (!c.ok()) {
+        ADD_FAILURE() << "no progress report: " << c.status();
+        break;
+      }
+      if (c->kind() == v1::Completion::REGISTRATION_PROGRESS) {
+        *first = *std::move(c);
+        break;
+      }
+    }
+    ctx.TryCancel();
+    std::unique_lock<std::mutex> lock(mu);
+    if (!cv.wait_for(lock, std::chrono::seconds(60),
+                     [&] { return answer.has_value(); })) {
+      ADD_FAILURE() << "the call never answered";
+      return grpc::Status(grpc::StatusCode::UNKNOWN, "no answer");
+    }
+    return *answer;
   }
 
   // The REGISTRATION_PROGRESS completions on `stream` until none comes for
@@ -120,41 +163,21 @@ TEST_F(ProgressTest, CancelledMidwayLeavesNothingPinned) {
   absl::StatusOr<Buffer> buffer = Buffer::Create(session, kBig, "big");
   ASSERT_TRUE(buffer.ok()) << buffer.status();
 
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
-      mrd_->grpc_target(), grpc::InsecureChannelCredentials());
-  std::unique_ptr<v1::MemoryRegistration::Stub> stub =
-      v1::MemoryRegistration::NewStub(channel);
   v1::RegisterMrRequest req = client::ToRequest(
       session.token(), Range(*buffer, 0, kBig, kRemoteRead | kRemoteWrite));
   req.set_request_id("cancel-me");
   v1::RegisterMrResponse resp;
-  grpc::ClientContext ctx;
-  std::mutex mu;
-  std::condition_variable cv;
-  std::optional<grpc::Status> answer;
-  stub->async()->RegisterMr(&ctx, &req, &resp, [&](grpc::Status s) {
-    std::lock_guard<std::mutex> lock(mu);
-    answer = s;
-    cv.notify_all();
-  });
-
-  // Pinning is under way once a report comes.
-  std::optional<v1::Completion> first;
-  while (!first.has_value()) {
-    absl::StatusOr<v1::Completion> c = stream.Next(absl::Seconds(30));
-    ASSERT_TRUE(c.ok()) << c.status();
-    if (c->kind() == v1::Completion::REGISTRATION_PROGRESS) first = *c;
-  }
-  EXPECT_EQ(first->request_id(), "cancel-me");
-  EXPECT_LT(first->bytes_pinned(), kBig);
-  ctx.TryCancel();
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(60),
-                            [&] { return answer.has_value(); }));
-  }
-  EXPECT_EQ(answer->error_code(), grpc::StatusCode::CANCELLED)
-      << answer->error_message();
+  v1::Completion first;
+  const grpc::Status answer = CancelAfterFirstReport(
+      stream, &first,
+      [&](v1::MemoryRegistration::Stub& stub, grpc::ClientContext* ctx,
+          std::function<void(grpc::Status)> done) {
+        stub.async()->RegisterMr(ctx, &req, &resp, std::move(done));
+      });
+  EXPECT_EQ(first.request_id(), "cancel-me");
+  EXPECT_LT(first.bytes_pinned(), kBig);
+  EXPECT_EQ(answer.error_code(), grpc::StatusCode::CANCELLED)
+      << answer.error_message();
   // mrd stops at its next step and undoes what it pinned.
   EXPECT_TRUE(NothingPinnedSoon()) << PinnedBytes() << " bytes still pinned";
   std::vector<v1::Completion> later =
@@ -180,6 +203,48 @@ TEST_F(ProgressTest, CancelledMidwayLeavesNothingPinned) {
   EXPECT_EQ(*read, "z");
   ASSERT_TRUE(reg->Deregister().ok());
   EXPECT_TRUE(NothingPinnedSoon());
+}
+
+// BuildLam pins the same way: a 1 GiB LAM reports its progress, and
+// cancelled midway it leaves nothing pinned or mapped (L7).
+TEST_F(ProgressTest, LongBuildLamReportsProgressAndCancelledLeavesNothing) {
+  Session session = OpenFdSession();
+  CompletionStream stream = CompletionStream::Open(session);
+  absl::StatusOr<Buffer> buffer = Buffer::Create(session, kBig, "big");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+
+  v1::BuildLamRequest req;
+  req.set_session(session.token());
+  req.set_buffer(buffer->id());
+  req.set_length(kBig);
+  v1::BuildLamResponse resp;
+  v1::Completion first;
+  const grpc::Status answer = CancelAfterFirstReport(
+      stream, &first,
+      [&](v1::MemoryRegistration::Stub& stub, grpc::ClientContext* ctx,
+          std::function<void(grpc::Status)> done) {
+        stub.async()->BuildLam(ctx, &req, &resp, std::move(done));
+      });
+  EXPECT_EQ(first.buffer(), buffer->id());
+  EXPECT_EQ(first.length(), kBig);
+  EXPECT_EQ(answer.error_code(), grpc::StatusCode::CANCELLED)
+      << answer.error_message();
+  EXPECT_TRUE(NothingPinnedSoon()) << PinnedBytes() << " bytes still pinned";
+  absl::StatusOr<v1::ListRegistrationsResponse> held = session.List();
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(held->lams_size(), 0);
+
+  // Built to the end, it reported on the way.
+  DrainProgress(stream, absl::Milliseconds(100));
+  client::BuildLamOptions options;
+  options.buffer = buffer->id();
+  options.length = kBig;
+  absl::StatusOr<client::Lam> lam = client::Lam::Build(session, options);
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  std::vector<v1::Completion> reports =
+      DrainProgress(stream, absl::Milliseconds(200));
+  EXPECT_FALSE(reports.empty());
+  for (const v1::Completion& c : reports) EXPECT_LE(c.bytes_pinned(), kBig);
 }
 
 }  // namespace

@@ -1106,7 +1106,7 @@ class MrctlProgressTest : public MrctlTest {
   MrdProcessOptions ServerOptions() override { return EagerProgressOptions(); }
 };
 
-TEST_F(MrctlProgressTest, RegisterShowsProgressOnStderr) {
+TEST_F(MrctlProgressTest, RegisterAndBuildLamShowProgressOnStderr) {
   OpenLease();
   ASSERT_TRUE(
       WriteShmFile(mrd_->shm_dir(), "big", "x", uint64_t{1} << 30).ok());
@@ -1120,6 +1120,11 @@ TEST_F(MrctlProgressTest, RegisterShowsProgressOnStderr) {
       absl::StrContains(r.err, absl::StrCat("mrctl: buffer ", buffer, " +0: ")))
       << r;
   EXPECT_TRUE(absl::StrContains(r.err, " MiB of 1024.0 MiB pinned, ")) << r;
+  // build-lam the same way.
+  Result lam =
+      Mrctl({"build-lam", "--buffer=" + buffer, "--length=1G", "--progress"});
+  ASSERT_EQ(lam.code, kExitOk) << lam;
+  EXPECT_TRUE(absl::StrContains(lam.err, " MiB of 1024.0 MiB pinned, ")) << lam;
   CloseLease();
 }
 

@@ -240,12 +240,18 @@ def test_a_long_registration_reports_progress_and_a_timeout_cancels_it(
             session.register(buffer, flags=mrd_client.REMOTE_READ,
                              timeout=0.15)
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        # BuildLam the same way (another new buffer).
+        with session.create_buffer(size, name="big-lam") as other:
+            with pytest.raises(MrdError) as e:
+                session.build_lam(other, size, timeout=0.15)
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         for _ in range(1000):
             if pinned(client) == 0:
                 break
             time.sleep(0.01)
         assert pinned(client) == 0
-        assert len(session.list().registrations) == 0
+        held = session.list()
+        assert len(held.registrations) == 0 and len(held.lams) == 0
 
 
 def _raise_huge_pages(pages):

@@ -222,12 +222,14 @@ class Session:
             results.append(error if error is not None else result.references)
         return results
 
-    def build_lam(self, buffer, length, offset=0, lam_capacity=0):
-        """BuildLam: pins the range and returns its page list (a Lam)."""
+    def build_lam(self, buffer, length, offset=0, lam_capacity=0,
+                  timeout=None):
+        """BuildLam: pins the range and returns its page list (a Lam).
+        timeout: as register()'s (passing while mrd pins cancels it)."""
         buffer_id = buffer.id if isinstance(buffer, Buffer) else buffer
         return Lam(self, self._call("BuildLam", mrd_pb2.BuildLamRequest(
             buffer=buffer_id, offset=offset, length=length,
-            lam_capacity=lam_capacity)))
+            lam_capacity=lam_capacity), timeout=timeout))
 
     def create_mr(self, fast_register=True, allow_remote_access=True):
         return Mr(self, self._call("CreateMr", mrd_pb2.CreateMrRequest(
