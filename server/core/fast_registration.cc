@@ -1,7 +1,6 @@
 #include "server/core/fast_registration.h"
 
 #include <algorithm>
-#include <optional>
 #include <string>
 #include <utility>
 
@@ -215,19 +214,11 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
   }
   MRD_RETURN_IF_ERROR(registrations_->ReservePinned(*session, pin_bytes));
   // A long pin: watched and cancellable between steps (as a registration).
-  std::optional<WorkProgress> progress;
-  std::optional<ProgressReporter::Watch> watch;
-  if (span.length >= kProgressMinBytes) {
-    progress.emplace(span.length, cancelled);
-    span.progress = &*progress;
-    if (limits_.progress != nullptr) {
-      v1::Completion call;
-      call.set_buffer(req.buffer());
-      call.set_offset(req.offset());
-      call.set_length(req.length());
-      watch.emplace(limits_.progress->Begin(session, span.progress, call));
-    }
-  }
+  v1::Completion call;
+  call.set_buffer(req.buffer());
+  call.set_offset(req.offset());
+  call.set_length(req.length());
+  const LongPin long_pin(limits_.progress, session, span, cancelled, call);
   file->Prefault(req.offset(), req.length(), span.progress);
   absl::StatusOr<device::LogicalMapping> mapping;
   do {

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -100,6 +101,31 @@ class ProgressReporter {
   bool wake_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   Thread thread_;
+};
+
+// What a pin of kProgressMinBytes or more carries while it runs: its
+// WorkProgress (set into `span`, so that the prefault and the device count
+// into it and ask `cancelled` between steps) and its watch by `reporter`
+// (null: none), reporting as `call` (which names the request). Shorter
+// spans get neither. Lives on the stack of the call that pins.
+class LongPin {
+ public:
+  LongPin(ProgressReporter* reporter, const std::shared_ptr<Session>& session,
+          device::MemorySpan& span, const CancelCheck& cancelled,
+          const v1::Completion& call) {
+    if (span.length < kProgressMinBytes) return;
+    progress_.emplace(span.length, cancelled);
+    span.progress = &*progress_;
+    if (reporter != nullptr) {
+      watch_.emplace(reporter->Begin(session, span.progress, call));
+    }
+  }
+  LongPin(const LongPin&) = delete;
+  LongPin& operator=(const LongPin&) = delete;
+
+ private:
+  std::optional<WorkProgress> progress_;
+  std::optional<ProgressReporter::Watch> watch_;  // ends before progress_
 };
 
 }  // namespace mrd::core

@@ -291,20 +291,13 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   // A long pin: watched (its progress reported on the session's stream) and
   // cancellable between steps.
   device::MemorySpan span = plan.span;
-  std::optional<WorkProgress> progress;
-  std::optional<ProgressReporter::Watch> watch;
-  if (span.length >= kProgressMinBytes) {
-    progress.emplace(span.length, plan.cancelled);
-    span.progress = &*progress;
-    if (options_.progress != nullptr) {
-      v1::Completion call;
-      call.set_request_id(req.request_id());
-      call.set_buffer(req.buffer());
-      call.set_offset(req.offset());
-      call.set_length(req.length());
-      watch.emplace(options_.progress->Begin(session, span.progress, call));
-    }
-  }
+  v1::Completion call;
+  call.set_request_id(req.request_id());
+  call.set_buffer(req.buffer());
+  call.set_offset(req.offset());
+  call.set_length(req.length());
+  const LongPin long_pin(options_.progress, session, span, plan.cancelled,
+                         call);
   MRD_RETURN_IF_ERROR(budgets_->ReserveRegistration(*session));
   // A warm pin of exactly these pages: its reservation becomes this
   // registration's, and the device pins nothing anew.
