@@ -240,8 +240,6 @@ cache::CacheKey WholeBuffer(uint64_t size) {
   cache::CacheKey key;
   key.session = 1;
   key.buffer = 1;
-  key.file_device = 1;
-  key.file_inode = 1;
   key.length = size;
   key.access = 7;
   key.base_address = uint64_t{1} << 32;
@@ -262,7 +260,7 @@ void BM_Cache_Miss(benchmark::State& state) {
           if (mlock(m.address, m.size) != 0) {
             return absl::ResourceExhaustedError("mlock");
           }
-          return cache::CachedRegistration{1, 2, 3, 1, m.size, nullptr};
+          return cache::CachedRegistration{1, 2, 3, m.size, nullptr};
         });
     if (!r.ok() || r->hit) {
       state.SkipWithError("expected a miss");
@@ -287,7 +285,7 @@ void BM_Cache_Hit(benchmark::State& state) {
   cache::RegistrationCache cache;
   const cache::CacheKey key = WholeBuffer(m.size);
   auto create = [&]() -> absl::StatusOr<cache::CachedRegistration> {
-    return cache::CachedRegistration{1, 2, 3, 1, m.size, nullptr};
+    return cache::CachedRegistration{1, 2, 3, m.size, nullptr};
   };
   absl::StatusOr<cache::AcquireResult> held = cache.Acquire(key, create);
   for (auto _ : state) {

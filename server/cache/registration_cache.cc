@@ -8,9 +8,18 @@
 
 namespace mrd::cache {
 
+RegistrationCache::~RegistrationCache() {
+  absl::MutexLock lock(&mu_);
+  // No caller can be inside (or waiting in) the cache by now: every entry
+  // is in by_id_.
+  for (Entry* entry : by_id_) delete entry;
+  by_id_.clear();
+  by_key_.clear();
+}
+
 absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
                                                          CreateFn create) {
-  std::shared_ptr<Entry> entry;
+  Entry* entry = nullptr;
   {
     absl::MutexLock lock(&mu_);
     for (auto it = by_key_.find(key); it != by_key_.end();
@@ -23,36 +32,43 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
         return AcquireResult{found->id, found->registration, found->references,
                              /*hit=*/true};
       }
-      // Being created: wait for it, holding it alive meanwhile.
-      entry = by_id_.find(found->id)->second;
-      ++entry->waiters;
+      // Being created: wait for it; `waiters` keeps it alive meanwhile.
+      ++found->waiters;
       mu_.Await(absl::Condition(
-          +[](Entry* e) { return e->state != State::kCreating; }, entry.get()));
-      --entry->waiters;
-      // Its maker's caller gave up: that says nothing about this call,
-      // which makes the registration itself.
-      if (entry->state == State::kFailed &&
-          entry->failure.code() != absl::StatusCode::kCancelled) {
-        return entry->failure;
+          +[](Entry* e) { return e->state != State::kCreating; }, found));
+      --found->waiters;
+      if (found->removed) {
+        // Failed, released (or invalidated) while we waited: the last
+        // waiter deletes it.
+        const bool failed = found->state == State::kFailed;
+        absl::Status failure = found->failure;
+        if (found->waiters == 0) delete found;
+        // Its maker's caller gave up: that says nothing about this call,
+        // which makes the registration itself.
+        if (failed && failure.code() != absl::StatusCode::kCancelled) {
+          return failure;
+        }
+        // Look again, so that a registration being torn down is never
+        // handed out.
+        continue;
       }
-      // Failed, released (or invalidated) while we waited: look again, so
-      // that a registration being torn down is never handed out.
-      if (entry->removed) continue;
-      ++entry->references;
+      ++found->references;
       ++stats_.hits;
-      return AcquireResult{entry->id, entry->registration, entry->references,
+      return AcquireResult{found->id, found->registration, found->references,
                            /*hit=*/true};
     }
-    entry = std::make_shared<Entry>();
-    entry->id = next_id_++;
-    entry->key = key;
-    by_id_.emplace(entry->id, entry);
-    by_key_.insert(entry.get());
+    auto fresh = std::make_unique<Entry>();
+    fresh->id = next_id_++;
+    fresh->key = key;
+    entry = fresh.release();
+    by_id_.insert(entry);
+    by_key_.insert(entry);
     ++creating_;
     ++stats_.misses;
   }
 
-  // The device call runs without the cache lock.
+  // The device call runs without the cache lock; the entry stays in by_id_
+  // (nothing else removes an entry being created) until this thread does.
   absl::StatusOr<CachedRegistration> created = create();
 
   absl::MutexLock lock(&mu_);
@@ -60,13 +76,11 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
   if (!created.ok()) {
     entry->state = State::kFailed;
     entry->failure = created.status();
-    EraseKeyOf(*entry);
-    entry->removed = true;
-    EraseIdLocked(entry->id);
+    RemoveLocked(entry);
     return created.status();
   }
   entry->state = State::kReady;
-  entry->registration = *created;
+  entry->registration = *std::move(created);
   entry->references = 1;
   return AcquireResult{entry->id, entry->registration, 1, /*hit=*/false};
 }
@@ -74,13 +88,16 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
 RegistrationCache::Entry* RegistrationCache::FindReadyLocked(
     uint64_t entry_id) const {
   auto it = by_id_.find(entry_id);
-  if (it == by_id_.end() || it->second->state != State::kReady) return nullptr;
-  return it->second.get();
+  if (it == by_id_.end() || (*it)->state != State::kReady) return nullptr;
+  return *it;
 }
 
-void RegistrationCache::EraseIdLocked(uint64_t entry_id) {
-  by_id_.erase(entry_id);
+void RegistrationCache::RemoveLocked(Entry* entry) {
+  EraseKeyOf(*entry);
+  entry->removed = true;
+  by_id_.erase(entry->id);
   ShrinkIfSparse(by_id_);
+  if (entry->waiters == 0) delete entry;
 }
 
 absl::StatusOr<ReleaseResult> RegistrationCache::Release(uint64_t entry_id) {
@@ -94,11 +111,9 @@ absl::StatusOr<ReleaseResult> RegistrationCache::Release(uint64_t entry_id) {
   result.key = entry->key;
   result.references = --entry->references;
   if (entry->references == 0) {
-    result.released = entry->registration;
-    EraseKeyOf(*entry);
-    entry->removed = true;
+    result.released = std::move(entry->registration);
     ++stats_.releases;
-    EraseIdLocked(entry_id);  // may destroy the entry: last
+    RemoveLocked(entry);
   }
   return result;
 }
@@ -144,14 +159,15 @@ absl::Status RegistrationCache::Restore(
     return MrdError(absl::StatusCode::kFailedPrecondition, "ENTRY_IN_USE",
                     absl::StrCat("registration ", entry_id, " exists"));
   }
-  auto entry = std::make_shared<Entry>();
+  auto entry = std::make_unique<Entry>();
   entry->id = entry_id;
   entry->key = key;
   entry->state = State::kReady;
   entry->registration = registration;
   entry->references = 1;
-  entry->removed = true;  // by id only: a new Acquire of the key gets anew
-  by_id_.emplace(entry_id, std::move(entry));
+  // Reachable by id only (out of by_key_): a new Acquire of the key makes
+  // a new registration. Not `removed`: Release and Invalidate remove it.
+  by_id_.insert(entry.release());
   if (stats_.releases > 0) --stats_.releases;
   return absl::OkStatus();
 }
@@ -164,12 +180,10 @@ absl::StatusOr<CachedRegistration> RegistrationCache::Invalidate(
     return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_REGISTRATION",
                     absl::StrCat("registration ", entry_id, " does not exist"));
   }
-  CachedRegistration registration = entry->registration;
-  EraseKeyOf(*entry);
+  CachedRegistration registration = std::move(entry->registration);
   entry->references = 0;
-  entry->removed = true;
   ++stats_.invalidations;
-  EraseIdLocked(entry_id);
+  RemoveLocked(entry);
   return registration;
 }
 
@@ -184,6 +198,14 @@ std::optional<CacheKey> RegistrationCache::KeyOf(uint64_t entry_id) const {
   const Entry* entry = FindReadyLocked(entry_id);
   if (entry == nullptr) return std::nullopt;
   return entry->key;
+}
+
+std::optional<EntryView> RegistrationCache::View(uint64_t entry_id) const {
+  absl::MutexLock lock(&mu_);
+  const Entry* entry = FindReadyLocked(entry_id);
+  if (entry == nullptr) return std::nullopt;
+  return EntryView{entry->key, entry->registration.lkey,
+                   entry->registration.rkey, entry->references};
 }
 
 CacheStats RegistrationCache::Stats() const {

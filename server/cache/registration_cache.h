@@ -30,7 +30,10 @@
 // pinned-bytes limits on its own: the limits never under-count.
 //
 // Thread-safe. Every operation is O(1) expected (hash maps) in the number of
-// entries; a hit copies no shared pointer and takes the lock once.
+// entries; a hit copies no shared pointer and takes the lock once. Memory:
+// an entry is one allocation, indexed by two tables of one pointer per slot
+// (by id and by key); no shared-pointer block (a million registrations pay
+// for each byte here, docs/PERFORMANCE.md).
 #ifndef MRD_SERVER_CACHE_REGISTRATION_CACHE_H_
 #define MRD_SERVER_CACHE_REGISTRATION_CACHE_H_
 
@@ -41,7 +44,6 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/hash/hash.h"
@@ -51,15 +53,14 @@
 
 namespace mrd::cache {
 
-// What identifies a registration: memfd memory is named by its file identity
-// (st_dev, st_ino) and range, never by a virtual address of the client.
+// What identifies a registration: memory is named by the session's buffer
+// (one imported memfd, its id never reused) and a range of it, never by a
+// virtual address of the client. The buffer names the file too, so the
+// file's identity is not repeated here: two imports of one file are two
+// buffers and never share a registration (each keeps its own mapping in use).
 struct CacheKey {
   uint64_t session = 0;
-  // The session-visible buffer: a registration keeps that buffer's mapping
-  // in use, so two imports of one file never share a registration.
   uint64_t buffer = 0;
-  uint64_t file_device = 0;
-  uint64_t file_inode = 0;
   uint64_t offset = 0;
   uint64_t length = 0;
   uint32_t access = 0;        // device::AccessBits
@@ -67,9 +68,8 @@ struct CacheKey {
   auto operator<=>(const CacheKey&) const = default;
   template <typename H>
   friend H AbslHashValue(H h, const CacheKey& k) {
-    return H::combine(std::move(h), k.session, k.buffer, k.file_device,
-                      k.file_inode, k.offset, k.length, k.access,
-                      k.base_address);
+    return H::combine(std::move(h), k.session, k.buffer, k.offset, k.length,
+                      k.access, k.base_address);
   }
 };
 
@@ -78,7 +78,6 @@ struct CachedRegistration {
   uint64_t device_mr = 0;
   uint32_t lkey = 0;
   uint32_t rkey = 0;
-  uint64_t buffer = 0;        // the session buffer it was made through
   uint64_t pinned_bytes = 0;  // what it counts against limits
   // Keeps the memory the device MR points into (the buffer's mapping and
   // file) alive until whoever deregisters it drops this copy: a buffer
@@ -100,6 +99,14 @@ struct ReleaseResult {
   CacheKey key;
 };
 
+// What an entry says, for listing it.
+struct EntryView {
+  CacheKey key;
+  uint32_t lkey = 0;
+  uint32_t rkey = 0;
+  uint32_t references = 0;
+};
+
 struct CacheStats {
   uint64_t hits = 0;
   uint64_t misses = 0;
@@ -113,6 +120,7 @@ class RegistrationCache {
   using CreateFn = absl::FunctionRef<absl::StatusOr<CachedRegistration>()>;
 
   RegistrationCache() = default;
+  ~RegistrationCache();
   RegistrationCache(const RegistrationCache&) = delete;
   RegistrationCache& operator=(const RegistrationCache&) = delete;
 
@@ -144,24 +152,42 @@ class RegistrationCache {
   // References of an entry; 0 if unknown.
   uint32_t References(uint64_t entry) const;
   std::optional<CacheKey> KeyOf(uint64_t entry) const;
+  // A ready entry's key, keys and references; nullopt if unknown.
+  std::optional<EntryView> View(uint64_t entry) const;
 
   CacheStats Stats() const;
 
  private:
-  enum class State { kCreating, kReady, kFailed };
+  enum class State : uint8_t { kCreating, kReady, kFailed };
+  // Owned by by_id_ while in it. An entry that left both tables
+  // (`removed`) while callers wait on it is deleted by the last of them.
   struct Entry {
     uint64_t id = 0;
     CacheKey key;
-    State state = State::kCreating;
-    absl::Status failure;
     CachedRegistration registration;
+    absl::Status failure;  // kFailed only
     uint32_t references = 0;
-    uint32_t waiters = 0;
+    uint32_t waiters = 0;  // Acquires waiting for its creation
+    State state = State::kCreating;
     bool removed = false;  // out of the maps: never hand it out again
   };
 
-  // by_key_ holds pointers to the entries by_id_ owns, hashed and compared
-  // by their key; a CacheKey finds them too (heterogeneous lookup).
+  // Both tables hold pointers to the entries: by_id_ hashes them by id (a
+  // uint64_t finds them), by_key_ by key (a CacheKey finds them).
+  struct IdHash {
+    using is_transparent = void;
+    size_t operator()(uint64_t id) const { return absl::Hash<uint64_t>{}(id); }
+    size_t operator()(const Entry* entry) const { return (*this)(entry->id); }
+  };
+  struct IdEq {
+    using is_transparent = void;
+    static uint64_t Id(uint64_t id) { return id; }
+    static uint64_t Id(const Entry* entry) { return entry->id; }
+    template <typename A, typename B>
+    bool operator()(const A& a, const B& b) const {
+      return Id(a) == Id(b);
+    }
+  };
   struct KeyHash {
     using is_transparent = void;
     size_t operator()(const CacheKey& key) const {
@@ -183,16 +209,16 @@ class RegistrationCache {
   // The ready entry `entry_id`, or nullptr (unknown, or being created).
   Entry* FindReadyLocked(uint64_t entry_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Drops `entry_id` from by_id_ (which may destroy it).
-  void EraseIdLocked(uint64_t entry_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `entry` out of both tables for good; deletes it unless callers
+  // wait on it (the last of them does).
+  void RemoveLocked(Entry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   // Every entry being created, ready, or restored, by id: the owner. An
-  // entry leaves both maps under the lock the moment it is released or
-  // invalidated (a waiter's copy of the pointer may outlive that).
-  absl::flat_hash_map<uint64_t, std::shared_ptr<Entry>> by_id_
-      ABSL_GUARDED_BY(mu_);
+  // entry leaves both tables under the lock the moment it is released or
+  // invalidated (a waiter may still hold its pointer: see RemoveLocked).
+  absl::flat_hash_set<Entry*, IdHash, IdEq> by_id_ ABSL_GUARDED_BY(mu_);
   // The entries being created and the ready ones a key may still hand out.
   absl::flat_hash_set<Entry*, KeyHash, KeyEq> by_key_ ABSL_GUARDED_BY(mu_);
   uint64_t creating_ ABSL_GUARDED_BY(mu_) = 0;  // entries in kCreating

@@ -106,7 +106,7 @@ std::vector<WarmPin> WarmPinSet::DropBuffer(uint64_t session, uint64_t buffer) {
   absl::MutexLock lock(&mu_);
   std::vector<WarmPin> out;
   // Keys order by session, then buffer: the buffer's pins are one run.
-  auto it = by_key_.lower_bound(WarmKey{session, buffer, 0, 0, 0, 0});
+  auto it = by_key_.lower_bound(WarmKey{session, buffer, 0, 0});
   while (it != by_key_.end() && it->first.session == session &&
          it->first.buffer == buffer) {
     auto next = std::next(it);

@@ -47,9 +47,7 @@ namespace mrd::cache {
 // since they describe a key, and a warm pin has none.
 struct WarmKey {
   uint64_t session = 0;
-  uint64_t buffer = 0;
-  uint64_t file_device = 0;
-  uint64_t file_inode = 0;
+  uint64_t buffer = 0;  // names the file too (see CacheKey)
   uint64_t offset = 0;
   uint64_t length = 0;
   auto operator<=>(const WarmKey&) const = default;

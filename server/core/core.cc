@@ -705,13 +705,17 @@ absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
     v1::RegistrationInfo* info = out->add_registrations();
     info->set_registration(id);
     info->set_buffer(r.buffer);
-    info->set_offset(r.offset);
-    info->set_length(r.length);
     info->set_flags(r.flags);
-    info->set_lkey(r.lkey);
-    info->set_rkey(r.rkey);
-    info->set_base_address(r.base_address);
     info->set_references(r.implicit_refs + r.mr_refs);
+    // The range and keys are the cache entry's (ready while the session,
+    // whose lock is held, has a record of it).
+    if (std::optional<cache::EntryView> e = registrations_.Describe(id)) {
+      info->set_offset(e->key.offset);
+      info->set_length(e->key.length);
+      info->set_lkey(e->lkey);
+      info->set_rkey(e->rkey);
+      info->set_base_address(e->key.base_address);
+    }
   }
   for (const auto& [id, l] : session->lams) {
     v1::LamInfo* info = out->add_lams();
@@ -738,12 +742,14 @@ absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
     } else {
       info->set_state(m.registration != 0 ? "registered" : "free");
       info->set_registration(m.registration);
-      auto r = session->registrations.find(m.registration);
-      if (r != session->registrations.end()) {
-        info->set_lkey(r->second.lkey);
-        info->set_rkey(r->second.rkey);
-        info->set_base_address(r->second.base_address);
-        info->set_length(r->second.length);
+      if (session->registrations.contains(m.registration)) {
+        if (std::optional<cache::EntryView> e =
+                registrations_.Describe(m.registration)) {
+          info->set_lkey(e->lkey);
+          info->set_rkey(e->rkey);
+          info->set_base_address(e->key.base_address);
+          info->set_length(e->key.length);
+        }
       }
     }
   }

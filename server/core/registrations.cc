@@ -77,8 +77,7 @@ struct WarmOwner {
 };
 
 cache::WarmKey WarmKeyOf(const cache::CacheKey& key) {
-  return cache::WarmKey{key.session,    key.buffer, key.file_device,
-                        key.file_inode, key.offset, key.length};
+  return cache::WarmKey{key.session, key.buffer, key.offset, key.length};
 }
 
 }  // namespace
@@ -273,8 +272,6 @@ absl::Status Registrations::PlanRegistration(Session& session,
                      req.length(), " overflows the address space"));
   }
   key.session = session.id();
-  key.file_device = plan->file->device();
-  key.file_inode = plan->file->inode();
   key.offset = req.offset();
   key.length = req.length();
   key.access = access;
@@ -336,7 +333,6 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   reg.device_mr = keys->mr;
   reg.lkey = keys->lkey;
   reg.rkey = keys->rkey;
-  reg.buffer = plan.key.buffer;
   reg.pinned_bytes = plan.pin_bytes;
   reg.memory = plan.file;  // unmapped only after the MR is deregistered
   return reg;
@@ -364,14 +360,8 @@ absl::Status Registrations::CommitLocked(Session& session,
   }
   const uint64_t base = plan.key.base_address;
   RegistrationRecord& rec = session.registrations[acquired.entry];
-  rec.entry = acquired.entry;
   rec.buffer = req.buffer();
-  rec.offset = req.offset();
-  rec.length = req.length();
   rec.flags = req.flags() != 0 ? req.flags() : FlagsFromAccess(plan.key.access);
-  rec.base_address = base;
-  rec.lkey = acquired.registration.lkey;
-  rec.rkey = acquired.registration.rkey;
   if (req.mr() != 0) {
     ++rec.mr_refs;
     session.mrs[req.mr()].registration = acquired.entry;
@@ -419,7 +409,7 @@ absl::Status Registrations::Deregister(const std::shared_ptr<Session>& session,
 }
 
 void Registrations::EraseIfUnreferencedLocked(
-    Session& session, std::map<uint64_t, RegistrationRecord>::iterator r,
+    Session& session, absl::btree_map<uint64_t, RegistrationRecord>::iterator r,
     TakenReference* taken) {
   if (r->second.implicit_refs + r->second.mr_refs != 0) return;
   taken->record = r->second;

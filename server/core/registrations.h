@@ -107,6 +107,12 @@ class Registrations {
   // ran out of pinnable memory or keys. False if there was none.
   bool EvictWarmForDevice();
 
+  // What the cache entry `entry` says (range, base address, keys): the
+  // session's record holds only its references. nullopt if it is gone.
+  std::optional<cache::EntryView> Describe(uint64_t entry) const {
+    return cache_.View(entry);
+  }
+
   cache::CacheStats CacheStats() const { return cache_.Stats(); }
   cache::WarmPinStats WarmStats() const { return warm_.Stats(); }
 
@@ -164,7 +170,8 @@ class Registrations {
   // The record leaves the session when no reference is left: `taken` keeps
   // it, to put back.
   void EraseIfUnreferencedLocked(
-      Session& session, std::map<uint64_t, RegistrationRecord>::iterator r,
+      Session& session,
+      absl::btree_map<uint64_t, RegistrationRecord>::iterator r,
       TakenReference* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
   void DeregisterCached(Session& session, const cache::CachedRegistration& reg);

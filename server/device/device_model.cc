@@ -104,6 +104,9 @@ struct FastRegisterState {
   std::unique_ptr<ProviderState> mapping;
 };
 
+// One per live registration: a million of them pay for each byte, so the
+// fields are packed (88 bytes) and the registered memory is kept as the
+// parts of its MemorySpan that outlive the RegisterMr call.
 struct DeviceModel::Mr {
   MrId id = 0;             // immutable
   PdId pd = 0;             // immutable
@@ -111,16 +114,23 @@ struct DeviceModel::Mr {
   bool revoking = false;   // being destroyed: treat as gone
   bool valid = false;      // registered / fast-registered: peers may use it
   bool executing = false;  // the worker is fast-registering it now
+  int inflight = 0;        // peer operations inside the memory now
   uint32_t lkey = 0;
   uint32_t rkey = 0;
   uint32_t access = 0;
-  int inflight = 0;  // peer operations inside the memory now
+  int fd = -1;  // normal MRs: the registered memory's file
   uint64_t base = 0;
-  uint64_t length = 0;
-  MemorySpan span;  // normal MRs: the registered memory
+  uint64_t length = 0;  // normal MRs: also the registered memory's length
+  void* host_address = nullptr;  // normal MRs: the registered memory
+  uint64_t file_offset = 0;      // normal MRs
   // The registration (normal MRs) or the MR object's keys (fast).
   std::unique_ptr<ProviderState> object;
   std::unique_ptr<FastRegisterState> fr;  // fast MRs only
+
+  // Normal MRs: the memory it registered (without the caller's progress).
+  MemorySpan Span() const {
+    return MemorySpan{host_address, length, fd, file_offset, nullptr};
+  }
 };
 
 struct DeviceModel::Lam {
@@ -437,8 +447,9 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
     mr->base = base_address;
     mr->length = span.length;
     mr->access = access;
-    mr->span = span;
-    mr->span.progress = nullptr;  // the caller's, for this call only
+    mr->host_address = span.host_address;
+    mr->fd = span.fd;
+    mr->file_offset = span.file_offset;
     mr->object = std::move(registration->state);
     pd->mrs.insert(id);
     mrs_.emplace(id, mr);
@@ -505,7 +516,7 @@ void DeviceModel::DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released) {
   std::unique_ptr<ProviderState> mapping = UnmapLocked(mr);
   if (mapping != nullptr) released->states.push_back(std::move(mapping));
   if (mr->object != nullptr) released->states.push_back(std::move(mr->object));
-  if (!mr->fast) released->unpin.push_back(mr->span);
+  if (!mr->fast) released->unpin.push_back(mr->Span());
   auto pd = pds_.find(mr->pd);
   if (pd != pds_.end()) {
     pd->second->mrs.erase(id);
@@ -1268,8 +1279,7 @@ absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
   const uint64_t offset = address - mr->base;
   PeerAccess access;
   if (!mr->fast) {
-    access.plan.push_back(
-        IoSegment{mr->span.fd, mr->span.file_offset + offset, length});
+    access.plan.push_back(IoSegment{mr->fd, mr->file_offset + offset, length});
   } else {
     // VA -> position in the page array -> logical page -> file page.
     uint64_t position = mr->fr->fbo + offset;

@@ -108,9 +108,7 @@ constexpr absl::StatusCode kInjected = absl::StatusCode::kAborted;
 cache::CacheKey KeyFor(int k) {
   cache::CacheKey key;
   key.session = 1 + static_cast<uint64_t>(k % 2);
-  key.buffer = 7;
-  key.file_device = 3;
-  key.file_inode = 100 + static_cast<uint64_t>(k);
+  key.buffer = 100 + static_cast<uint64_t>(k);
   key.offset = 4096;
   key.length = 8192;
   key.access = 6;
@@ -193,7 +191,6 @@ absl::StatusOr<cache::CachedRegistration> Create(CacheFixture& f, int k,
   reg.device_mr = id;
   reg.lkey = static_cast<uint32_t>(id);
   reg.rkey = static_cast<uint32_t>(id);
-  reg.buffer = static_cast<uint64_t>(k);
   reg.pinned_bytes = 8192;
   return reg;
 }

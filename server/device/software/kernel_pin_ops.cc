@@ -303,8 +303,8 @@ int KernelPinOps::LockAny(uint64_t address, uint64_t length, bool huge_pages) {
   return LockMlockLocked(start, end);
 }
 
-int KernelPinOps::UnlockPieceLocked(std::map<uint64_t, Piece>::iterator it,
-                                    uint64_t from, uint64_t to) {
+int KernelPinOps::UnlockPieceLocked(
+    absl::btree_map<uint64_t, Piece>::iterator it, uint64_t from, uint64_t to) {
   const uint64_t start = it->first;
   const Piece piece = it->second;
   from = std::max(from, start);

@@ -24,8 +24,7 @@ namespace {
 CacheKey Key(uint64_t offset = 0, uint64_t length = 4096, uint32_t access = 0) {
   CacheKey key;
   key.session = 1;
-  key.file_device = 10;
-  key.file_inode = 20;
+  key.buffer = 20;
   key.offset = offset;
   key.length = length;
   key.access = access;
@@ -38,7 +37,6 @@ CachedRegistration Reg(uint64_t mr) {
   reg.device_mr = mr;
   reg.lkey = static_cast<uint32_t>(mr * 2);
   reg.rkey = static_cast<uint32_t>(mr * 2 + 1);
-  reg.buffer = 7;
   reg.pinned_bytes = 4096;
   return reg;
 }
@@ -129,14 +127,13 @@ TEST(RegistrationCacheTest, SecondAcquireOfSameKeyHitsWithoutCreating) {
 TEST(RegistrationCacheTest, EveryKeyFieldDistinguishesEntries) {
   RegistrationCache cache;
   Creator create;
-  std::vector<CacheKey> keys(8, Key());
+  std::vector<CacheKey> keys(7, Key());
   keys[1].session = 2;
-  keys[2].file_device = 11;
-  keys[3].file_inode = 21;
-  keys[4].offset = 4096;
-  keys[5].length = 8192;
-  keys[6].access = 1;
-  keys[7].base_address = 0x200000000;
+  keys[2].buffer = 21;
+  keys[3].offset = 4096;
+  keys[4].length = 8192;
+  keys[5].access = 1;
+  keys[6].base_address = 0x200000000;
   std::set<uint64_t> entries;
   for (const CacheKey& key : keys) {
     absl::StatusOr<AcquireResult> r = cache.Acquire(key, std::ref(create));

@@ -21,9 +21,7 @@ constexpr uint64_t kPage = 4096;
 
 WarmKey Key(uint64_t session, uint64_t buffer, uint64_t offset,
             uint64_t length = kPage) {
-  return WarmKey{
-      session, buffer, /*file_device=*/10, /*file_inode=*/20 + buffer,
-      offset,  length};
+  return WarmKey{session, buffer, offset, length};
 }
 
 WarmPin Pin(const WarmKey& key, uint64_t lam) {
@@ -44,15 +42,12 @@ std::set<uint64_t> Lams(const std::vector<WarmPin>& pins) {
 TEST(WarmPinSetTest, TakeReturnsThePinOfExactlyThatRange) {
   WarmPinSet set({8 * kPage, 16 * kPage});
   EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0, 2 * kPage), 100)).empty());
-  // Not the same pages: another offset, another length, another buffer,
-  // another session, another file.
+  // Not the same pages: another offset, another length, another buffer
+  // (another file, or another import of the same one), another session.
   EXPECT_FALSE(set.Take(Key(1, 1, kPage, 2 * kPage)).has_value());
   EXPECT_FALSE(set.Take(Key(1, 1, 0, kPage)).has_value());
   EXPECT_FALSE(set.Take(Key(1, 2, 0, 2 * kPage)).has_value());
   EXPECT_FALSE(set.Take(Key(2, 1, 0, 2 * kPage)).has_value());
-  WarmKey other_file = Key(1, 1, 0, 2 * kPage);
-  other_file.file_inode = 99;
-  EXPECT_FALSE(set.Take(other_file).has_value());
   std::optional<WarmPin> pin = set.Take(Key(1, 1, 0, 2 * kPage));
   ASSERT_TRUE(pin.has_value());
   EXPECT_EQ(pin->device_lam, 100u);
