@@ -4,7 +4,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
-#include "server/common/memory.h"
 
 namespace mrd::cache {
 
@@ -96,7 +95,6 @@ void RegistrationCache::RemoveLocked(Entry* entry) {
   EraseKeyOf(*entry);
   entry->removed = true;
   by_id_.erase(entry->id);
-  ShrinkIfSparse(by_id_);
   if (entry->waiters == 0) delete entry;
 }
 
@@ -147,7 +145,6 @@ void RegistrationCache::EraseKeyOf(const Entry& entry) {
   auto it = by_key_.find(entry.key);
   if (it != by_key_.end() && *it == &entry) {
     by_key_.erase(it);
-    ShrinkIfSparse(by_key_);
   }
 }
 

@@ -704,12 +704,12 @@ absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
   for (const auto& [id, r] : session->registrations) {
     v1::RegistrationInfo* info = out->add_registrations();
     info->set_registration(id);
-    info->set_buffer(r.buffer);
     info->set_flags(r.flags);
     info->set_references(r.implicit_refs + r.mr_refs);
     // The range and keys are the cache entry's (ready while the session,
     // whose lock is held, has a record of it).
     if (std::optional<cache::EntryView> e = registrations_.Describe(id)) {
+      info->set_buffer(e->key.buffer);
       info->set_offset(e->key.offset);
       info->set_length(e->key.length);
       info->set_lkey(e->lkey);

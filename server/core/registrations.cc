@@ -360,7 +360,6 @@ absl::Status Registrations::CommitLocked(Session& session,
   }
   const uint64_t base = plan.key.base_address;
   RegistrationRecord& rec = session.registrations[acquired.entry];
-  rec.buffer = req.buffer();
   rec.flags = req.flags() != 0 ? req.flags() : FlagsFromAccess(plan.key.access);
   if (req.mr() != 0) {
     ++rec.mr_refs;
@@ -532,7 +531,9 @@ std::vector<uint64_t> Registrations::DetachLocked(Session& session,
   std::vector<uint64_t> entries;
   for (auto r = session.registrations.begin();
        r != session.registrations.end();) {
-    if (buffer == 0 || r->second.buffer == buffer) {
+    std::optional<cache::CacheKey> key;
+    if (buffer != 0) key = cache_.KeyOf(r->first);
+    if (buffer == 0 || (key.has_value() && key->buffer == buffer)) {
       entries.push_back(r->first);
       r = session.registrations.erase(r);
     } else {

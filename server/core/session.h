@@ -38,11 +38,10 @@ struct BufferRecord {
 };
 
 // The session's share of one cache entry (keyed by its id, the registration
-// id). What the entry itself says — range, base address, keys — is read
-// from the cache (Registrations::Describe), not copied here: a million
+// id). What the entry itself says — buffer, range, base address, keys — is
+// read from the cache (Registrations::Describe), not copied here: a million
 // registrations pay for each byte of this.
 struct RegistrationRecord {
-  uint64_t buffer = 0;
   uint32_t implicit_refs = 0;  // RegisterMr calls without an MR object
   uint32_t mr_refs = 0;        // MR objects holding it
   uint32_t flags = 0;          // NDK_MR_FLAG_* as requested

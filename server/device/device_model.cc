@@ -4,10 +4,10 @@
 #include <limits>
 #include <utility>
 
+#include "absl/container/btree_set.h"
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
-#include "server/common/memory.h"
 #include "server/device/fast_register_rules.h"
 
 namespace mrd::device {
@@ -84,9 +84,9 @@ struct DeviceModel::Pd {
   PdId id = 0;                  // immutable
   PdEventSink* sink = nullptr;  // immutable
   std::unique_ptr<ProviderState> state;
-  bool dying = false;             // DeallocatePd has begun
-  int busy = 0;                   // see BeginPdOp
-  absl::flat_hash_set<MrId> mrs;  // normal and fast-register MRs
+  bool dying = false;         // DeallocatePd has begun
+  int busy = 0;               // see BeginPdOp
+  absl::btree_set<MrId> mrs;  // normal and fast-register MRs (compact)
   absl::flat_hash_set<LamId> lams;
   absl::flat_hash_set<ConnectionId> connections;  // bound to this PD
   std::vector<std::string> tickets;
@@ -108,13 +108,14 @@ struct FastRegisterState {
 // fields are packed (88 bytes) and the registered memory is kept as the
 // parts of its MemorySpan that outlive the RegisterMr call.
 struct DeviceModel::Mr {
-  MrId id = 0;             // immutable
-  PdId pd = 0;             // immutable
-  bool fast = false;       // immutable: a fast-register MR object (C1)
-  bool revoking = false;   // being destroyed: treat as gone
-  bool valid = false;      // registered / fast-registered: peers may use it
-  bool executing = false;  // the worker is fast-registering it now
-  int inflight = 0;        // peer operations inside the memory now
+  MrId id = 0;                // immutable
+  PdId pd = 0;                // immutable
+  bool fast : 1 = false;      // immutable: a fast-register MR object (C1)
+  bool key_only : 1 = false;  // immutable: no object, ProviderDeregisterKey
+  bool revoking = false;      // being destroyed: treat as gone
+  bool valid = false;         // registered / fast-registered: peers may use it
+  bool executing = false;     // the worker is fast-registering it now
+  int inflight = 0;           // peer operations inside the memory now
   uint32_t lkey = 0;
   uint32_t rkey = 0;
   uint32_t access = 0;
@@ -123,7 +124,9 @@ struct DeviceModel::Mr {
   uint64_t length = 0;  // normal MRs: also the registered memory's length
   void* host_address = nullptr;  // normal MRs: the registered memory
   uint64_t file_offset = 0;      // normal MRs
-  // The registration (normal MRs) or the MR object's keys (fast).
+  // The registration (normal MRs) or the MR object's keys (fast). A normal
+  // MR of a provider whose registration is its key alone has none
+  // (`key_only`).
   std::unique_ptr<ProviderState> object;
   std::unique_ptr<FastRegisterState> fr;  // fast MRs only
 
@@ -451,6 +454,7 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
     mr->fd = span.fd;
     mr->file_offset = span.file_offset;
     mr->object = std::move(registration->state);
+    mr->key_only = mr->object == nullptr;
     pd->mrs.insert(id);
     mrs_.emplace(id, mr);
     return MrKeys{id, mr->lkey, mr->rkey};
@@ -459,7 +463,11 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
     // The PD began dying or the device was lost meanwhile: undo (L7) before
     // the PD stops being busy, so that no teardown misses this MR.
     Released undo;
-    undo.states.push_back(std::move(registration->state));
+    if (registration->state != nullptr) {
+      undo.states.push_back(std::move(registration->state));
+    } else {
+      undo.keys.push_back(registration->lkey);
+    }
     undo.unpin.push_back(span);
     (void)Release(std::move(undo));
   }
@@ -516,14 +524,13 @@ void DeviceModel::DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released) {
   std::unique_ptr<ProviderState> mapping = UnmapLocked(mr);
   if (mapping != nullptr) released->states.push_back(std::move(mapping));
   if (mr->object != nullptr) released->states.push_back(std::move(mr->object));
+  if (mr->key_only) released->keys.push_back(mr->lkey);
   if (!mr->fast) released->unpin.push_back(mr->Span());
   auto pd = pds_.find(mr->pd);
   if (pd != pds_.end()) {
     pd->second->mrs.erase(id);
-    ShrinkIfSparse(pd->second->mrs);
   }
   mrs_.erase(id);
-  ShrinkIfSparse(mrs_);
 }
 
 absl::Status DeviceModel::Release(Released released) {
@@ -531,6 +538,10 @@ absl::Status DeviceModel::Release(Released released) {
   for (std::unique_ptr<ProviderState>& state : released.states) {
     if (state == nullptr) continue;  // taken by TakeAllProviderState
     absl::Status s = ProviderDeregister(std::move(state));
+    if (!s.ok() && status.ok()) status = s;
+  }
+  for (uint32_t key : released.keys) {
+    absl::Status s = ProviderDeregisterKey(key);
     if (!s.ok() && status.ok()) status = s;
   }
   // A deregistration that failed leaves its memory pinned by the adapter;

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
@@ -218,6 +219,14 @@ class DeviceModel : public Device {
   // leave the memory pinned; the model reports them.
   virtual absl::Status ProviderDeregister(
       std::unique_ptr<ProviderState> state) = 0;
+  // A provider whose MR registration is nothing but its key (software) may
+  // return no state from ProviderRegister for an MR (not for a LAM): the
+  // model then keeps none (a million MRs do not pay for an object each) and
+  // releases the registration by its lkey with this. A provider that never
+  // returns a null MR state never sees it called.
+  virtual absl::Status ProviderDeregisterKey(uint32_t /*lkey*/) {
+    return absl::OkStatus();
+  }
   // An MR object's keys (C1): a key that matches nothing yet (software), or
   // none until the first fast registration (verbs).
   virtual absl::StatusOr<Registration> ProviderAllocateFastMr(ProviderState* pd,
@@ -357,7 +366,8 @@ class DeviceModel : public Device {
   // and returns what the provider must release.
   struct Released {
     std::vector<std::unique_ptr<ProviderState>> states;  // deregister these
-    std::vector<MemorySpan> unpin;                       // then unpin these
+    std::vector<uint32_t> keys;     // and these (ProviderDeregisterKey)
+    std::vector<MemorySpan> unpin;  // then unpin these
   };
   void DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -409,7 +419,10 @@ class DeviceModel : public Device {
   SecureRandomPool random_ ABSL_GUARDED_BY(mu_);
   IovaSpace iova_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<PdId, std::unique_ptr<Pd>> pds_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<MrId, std::shared_ptr<Mr>> mrs_ ABSL_GUARDED_BY(mu_);
+  // One per live registration: a B-tree (about 26 bytes an MR at a million;
+  // a flat hash map's slots cost twice that). Iterators and references into
+  // it do not survive an insert or erase: callers copy the shared_ptr.
+  absl::btree_map<MrId, std::shared_ptr<Mr>> mrs_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<LamId, std::unique_ptr<Lam>> lams_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ConnectionId, std::unique_ptr<Connection>> connections_
       ABSL_GUARDED_BY(mu_);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,7 +21,10 @@ namespace {
 
 constexpr uint64_t kPage = 4096;
 constexpr uint64_t kSessions = 4;
-constexpr uint64_t kPerSession = 16384;  // 65,536 registrations in all
+// 131,072 registrations in all: enough that what grows with them dominates
+// what mrd keeps whatever their number (its threads' allocator arenas, about
+// 6 to 8 MB after this test), now that a registration costs under 400 bytes.
+constexpr uint64_t kPerSession = 32768;
 
 uint64_t RssAnon(pid_t pid) {
   return test_support::ProcStatusBytes("RssAnon", std::to_string(pid));
@@ -96,10 +100,17 @@ TEST_F(MemoryReturnTest, MemoryOfManyRegistrationsGoesBackWhenTheyEnd) {
     if (now == after) break;
     after = now;
   }
+  std::printf("RssAnon: base %llu, peak %llu, after %llu bytes\n",
+              static_cast<unsigned long long>(base),
+              static_cast<unsigned long long>(peak),
+              static_cast<unsigned long long>(after));
   // What stays: the key table's and the pinning rings' slot pools, sized by
-  // the high-water mark (24 + 20 bytes a registration), and the allocator's
-  // partly used pages.
-  EXPECT_LT(after - std::min(after, base), (peak - base) / 4)
+  // the high-water mark (32 bytes a registration), and the allocator's
+  // partly used pages in mrd's threads' arenas: 15 to 20 % of what grew
+  // here when the machine is otherwise idle, up to a quarter under load.
+  // What this guards against is memory that never goes back (all of it
+  // stayed before FreedObjects and ShrinkIfSparse).
+  EXPECT_LT(after - std::min(after, base), (peak - base) / 3)
       << "base " << base << ", peak " << peak << ", after " << after;
 }
 

@@ -176,7 +176,7 @@ int KernelPinOps::RegisterLocked(uint64_t start, uint64_t end, uint32_t* slot) {
     return err;
   }
   free_slots_.pop_back();
-  slots_[id] = Slot{start, end, 1};
+  slots_[id] = Slot{static_cast<uint32_t>(end - start), 1};
   registered_bytes_ += end - start;
   *slot = id;
   return 0;
@@ -190,7 +190,7 @@ void KernelPinOps::ClearLocked(uint32_t slot) {
     LogWarning("emptying io_uring slot ", slot, ": ", std::strerror(err));
     return;
   }
-  registered_bytes_ -= slots_[slot].end - slots_[slot].start;
+  registered_bytes_ -= slots_[slot].length;
   slots_[slot] = Slot{};
   free_slots_.push_back(slot);
 }

@@ -110,11 +110,13 @@ class KernelPinOps final : public PinOps {
   uint64_t MapSplits() const;
 
  private:
+  // 8 bytes: one per io_uring-pinned registration (the range itself is in
+  // the pieces that point here).
   struct Slot {
-    uint64_t start = 0;  // registered range
-    uint64_t end = 0;
+    uint32_t length = 0;  // bytes registered (<= kMaxSlotSpan)
     uint32_t pieces = 0;  // pieces_ entries that point here; 0 = free
   };
+  static_assert(kMaxSlotSpan <= uint64_t{1} << 31);
   struct Piece {
     uint64_t end = 0;
     bool mlocked = false;

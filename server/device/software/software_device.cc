@@ -311,10 +311,11 @@ void SoftwareDevice::ProviderUnpin(const MemorySpan& span) {
 }
 
 absl::StatusOr<DeviceModel::Registration> SoftwareDevice::NewKey(
-    uint64_t owner) {
+    uint64_t owner, bool with_object) {
   absl::MutexLock lock(&keys_mu_);
   MRD_ASSIGN_OR_RETURN(uint32_t key, keys_.Allocate(owner));
-  return Registration{key, key, std::make_unique<Key>(key)};
+  return Registration{key, key,
+                      with_object ? std::make_unique<Key>(key) : nullptr};
 }
 
 absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderRegister(
@@ -322,7 +323,10 @@ absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderRegister(
     uint32_t /*access*/, uint64_t owner, bool lam) {
   // Key-table owners are MR ids; a LAM's key is owned by a tagged id so
   // that no peer lookup can ever resolve it to an MR (L9).
-  return NewKey(lam ? kLamKeyOwnerTag | owner : owner);
+  // An MR's registration is its key alone: the model keeps no object for
+  // it and releases it with ProviderDeregisterKey.
+  return lam ? NewKey(kLamKeyOwnerTag | owner, /*with_object=*/true)
+             : NewKey(owner, /*with_object=*/false);
 }
 
 absl::Status SoftwareDevice::ProviderDeregister(
@@ -332,9 +336,15 @@ absl::Status SoftwareDevice::ProviderDeregister(
   return absl::OkStatus();
 }
 
+absl::Status SoftwareDevice::ProviderDeregisterKey(uint32_t lkey) {
+  absl::MutexLock lock(&keys_mu_);
+  keys_.Release(lkey);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<DeviceModel::Registration>
 SoftwareDevice::ProviderAllocateFastMr(ProviderState* /*pd*/, MrId owner) {
-  return NewKey(owner);
+  return NewKey(owner, /*with_object=*/true);
 }
 
 absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderFastRegister(

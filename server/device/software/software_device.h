@@ -176,6 +176,7 @@ class SoftwareDevice final : public DeviceModel {
                                                 uint64_t iova, uint32_t access,
                                                 uint64_t owner,
                                                 bool lam) override;
+  absl::Status ProviderDeregisterKey(uint32_t lkey) override;
   absl::Status ProviderDeregister(
       std::unique_ptr<ProviderState> state) override;
   absl::StatusOr<Registration> ProviderAllocateFastMr(ProviderState* pd,
@@ -197,7 +198,10 @@ class SoftwareDevice final : public DeviceModel {
                  std::unique_ptr<PeerListener> listener,
                  std::unique_ptr<KernelPinOps> own_pin_ops);
 
-  absl::StatusOr<Registration> NewKey(uint64_t owner)
+  // A new key owned by `owner`; with a Key object as the registration's
+  // state (LAMs and MR objects, whose key the object carries and a fast
+  // registration reissues) or without (an MR: ProviderDeregisterKey).
+  absl::StatusOr<Registration> NewKey(uint64_t owner, bool with_object)
       ABSL_LOCKS_EXCLUDED(keys_mu_);
 
   // Peer path: open and close on the listener's reactor, frames on its
