@@ -7,7 +7,8 @@
 // and pin nothing. It runs twice: answering on gRPC's callback thread
 // ("inline") and handing each call to one of two worker threads first
 // ("hop"). The floor is what gRPC over a Unix socket costs for the same
-// messages through the same client library.
+// messages through the same client library. Figure f has a floor of its
+// own: one thread's mlock of the same memory.
 //
 // a. Latency against size: RegisterMr + DeregisterMr of a whole memfd
 //    (Buffer::Create, every page written once) of 4 KiB ... 256 MiB (1 GiB
@@ -25,13 +26,38 @@
 //    (a fresh mrd; RegisterMrBatch of 4,096); bytes per live registration.
 // e. Cache hits: RegisterMr that hits the cache + its DeregisterMr against
 //    two GetDeviceInfo on the same channel (rpc_bench's case 1), p50 / p99.
+// f. Big memory (big_bench's measurement, bench/big_memory.h): `--big_gib`
+//    GiB (default 8) in four memfds of 4 KiB pages, every page written by
+//    this process. The floor: one thread mlocks all four through the
+//    mappings it wrote through, then munlocks them. mrd: a fresh mrd
+//    (default flags) registers fresh imports of the four (new mappings in
+//    mrd), one RegisterMr per memfd, all at once from four threads; GB/s,
+//    median of `--big_rounds`. Then, when this process can raise
+//    vm.nr_hugepages (root; put back afterwards), the same memory in 2 MiB
+//    pages (MFD_HUGETLB) through mrd against the same 4 KiB floor;
+//    otherwise it says why it skipped that case. Issue 9's goals: 4 KiB
+//    pages at >= 1.6x the floor's GB/s, 2 MiB pages at >= 10x.
+// g. Pipelining: `--pipeline_count` (4,096) RegisterMr of distinct 4 KiB
+//    pages of one written memfd, each a new registration, sent on one
+//    channel one synchronous call after the other, and with
+//    `--pipeline_depth` (32) asynchronous calls outstanding (gRPC's callback
+//    API, Client::RegisterMrAsync); requests/s of the RegisterMr calls
+//    alone, median of the rounds. mrd's registrations are given back with
+//    DeregisterMrBatch after each timed run, untimed. The floors get the
+//    same requests; the ratio pipelined / synchronous for each server.
 //
 // Ratios are mrd's cost over the floor's (time per operation): 1 is the
-// floor, 2 is twice as slow.
+// floor, 2 is twice as slow. Rows in unit "×" are speed-ups in their own
+// right (f's and g's), with no ratio.
 //
 //   build/bench/e2e_bench [--out=bench-out] [--rounds=3] [--samples=200]
 //                         [--seconds=2] [--count=8192] [--max_live=250000]
-//                         [--pairs=5000] [--big]
+//                         [--pairs=5000] [--big] [--big_gib=8]
+//                         [--big_rounds=3] [--pipeline_count=4096]
+//                         [--pipeline_depth=32]
+//
+// Figure f needs about `--big_gib` GiB of free memory and the right to mlock
+// it (root or a large RLIMIT_MEMLOCK); --big_gib=0 leaves it out.
 //
 // Prints the ratio table (markdown) and writes one CSV per figure into
 // --out; exits non-zero if anything failed. `make bench` runs it and plots
@@ -62,6 +88,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "bench/bench_util.h"
+#include "bench/big_memory.h"
 #include "client/lib/mrd_client.h"
 #include "grpcpp/grpcpp.h"
 #include "mrd/v1/mrd.grpc.pb.h"
@@ -330,6 +357,10 @@ struct Row {
   double floor = 0;  // 0: none
   double hop = 0;    // 0: none
   bool higher_is_better = false;
+  // The columns are figures of their own (speed-ups), not costs to compare:
+  // no ratio.
+  bool no_ratio = false;
+  bool skipped = false;  // not measured; `what` says why
 };
 
 std::string Number(double v) {
@@ -346,7 +377,7 @@ std::string Number(double v) {
 
 // mrd's cost over the floor's, or "–".
 std::string Ratio(const Row& r, double floor) {
-  if (floor <= 0 || r.mrd <= 0) return "–";
+  if (floor <= 0 || r.mrd <= 0 || r.no_ratio || r.skipped) return "–";
   char text[32];
   std::snprintf(text, sizeof(text), "%.2f",
                 r.higher_is_better ? floor / r.mrd : r.mrd / floor);
@@ -361,7 +392,7 @@ void PrintTable(const std::vector<Row>& rows) {
   for (const Row& r : rows) {
     std::printf(
         "| %s | %s | %s | %s | %s | %s | %s | %s |\n", r.figure.c_str(),
-        r.what.c_str(), r.unit.c_str(), Number(r.mrd).c_str(),
+        r.what.c_str(), r.unit.c_str(), r.skipped ? "–" : Number(r.mrd).c_str(),
         r.floor > 0 ? Number(r.floor).c_str() : "–", Ratio(r, r.floor).c_str(),
         r.hop > 0 ? Number(r.hop).c_str() : "–", Ratio(r, r.hop).c_str());
   }
@@ -430,6 +461,10 @@ struct Settings {
   uint64_t max_live = 250000;
   uint64_t pairs = 5000;
   bool big = false;
+  uint64_t big_gib = 8;  // 0: no figure f
+  uint64_t big_rounds = 3;
+  uint64_t pipeline_count = 4096;
+  uint64_t pipeline_depth = 32;
   std::string out;
 };
 
@@ -757,6 +792,273 @@ bool MemoryAgainstRegistrations(Bench& b, std::vector<std::string>* csv) {
   return true;
 }
 
+// ---------------------------------------------------------------------------
+// g. Pipelining.
+
+// At most `limit` calls in flight, and the first failure among them. Shared
+// with the calls' callbacks, which may run after the caller stopped waiting
+// for them.
+class Window {
+ public:
+  explicit Window(uint64_t limit) : limit_(limit) {}
+
+  // Waits for room for one more call; false (and no room taken) once a call
+  // failed.
+  bool Enter() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(this, &Window::HasRoom));
+    if (!status_.ok()) return false;
+    ++in_flight_;
+    return true;
+  }
+  // One call ended with `status`.
+  void Leave(const absl::Status& status) {
+    absl::MutexLock lock(&mu_);
+    status_.Update(status);
+    --in_flight_;
+  }
+  // Waits until no call is in flight; the first failure.
+  absl::Status Drain() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(this, &Window::Idle));
+    return status_;
+  }
+
+ private:
+  bool HasRoom() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return in_flight_ < limit_ || !status_.ok();
+  }
+  bool Idle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return in_flight_ == 0;
+  }
+
+  const uint64_t limit_;
+  absl::Mutex mu_;
+  uint64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+};
+
+// `requests` through `channel`, one synchronous RegisterMr after the other;
+// reply i in (*replies)[i]. Seconds from the first request to the last
+// reply.
+absl::StatusOr<double> SendSynchronous(
+    const client::Client& channel,
+    const std::vector<v1::RegisterMrRequest>& requests,
+    std::vector<v1::RegisterMrResponse>* replies) {
+  replies->assign(requests.size(), v1::RegisterMrResponse());
+  const Clock::time_point start = Clock::now();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    auto reply = channel.RegisterMr(requests[i]);
+    if (!reply.ok()) return reply.status();
+    (*replies)[i] = *std::move(reply);
+  }
+  return Seconds(start);
+}
+
+// The same with `depth` asynchronous RegisterMr calls (gRPC's callback API,
+// Client::RegisterMrAsync) outstanding on `channel`: a new one goes out as
+// soon as one of them is answered.
+absl::StatusOr<double> SendPipelined(
+    const client::Client& channel,
+    const std::vector<v1::RegisterMrRequest>& requests, uint64_t depth,
+    std::vector<v1::RegisterMrResponse>* replies) {
+  replies->assign(requests.size(), v1::RegisterMrResponse());
+  auto window = std::make_shared<Window>(depth);
+  const Clock::time_point start = Clock::now();
+  for (size_t i = 0; i < requests.size() && window->Enter(); ++i) {
+    channel.RegisterMrAsync(
+        requests[i],
+        [window, replies, i](absl::StatusOr<v1::RegisterMrResponse> reply) {
+          absl::Status status = reply.status();
+          if (reply.ok()) (*replies)[i] = *std::move(reply);
+          window->Leave(status);
+        });
+  }
+  const absl::Status status = window->Drain();
+  const double seconds = Seconds(start);
+  if (!status.ok()) return status;
+  return seconds;
+}
+
+// Gives back the registrations `replies` made in `session` (DeregisterMrBatch
+// of up to kBatchMax); false unless every one was new (no cache hit) and is
+// gone now.
+bool DeregisterReplies(const client::Session& session,
+                       const std::vector<v1::RegisterMrResponse>& replies) {
+  for (size_t first = 0; first < replies.size(); first += kBatchMax) {
+    std::vector<client::Registration> chunk;
+    for (size_t i = first; i < std::min(replies.size(), first + kBatchMax);
+         ++i) {
+      if (replies[i].cache_hit()) {
+        std::fprintf(stderr, "RegisterMr hit the cache\n");
+        return false;
+      }
+      chunk.push_back(client::Registration::Adopt(session, replies[i]));
+    }
+    auto left = client::Registration::DeregisterBatch(chunk);
+    if (!left.ok()) {
+      std::fprintf(stderr, "DeregisterMrBatch: %s\n",
+                   left.status().ToString().c_str());
+      return false;
+    }
+    for (const auto& l : *left) {
+      if (!l.ok() || *l != 0) return false;
+    }
+  }
+  return true;
+}
+
+// g. Pipelining: new 4 KiB registrations (distinct pages of one written
+// memfd, registered for the first time in their round), synchronous and
+// with `pipeline_depth` outstanding on one channel, at mrd and at each
+// floor; mrd's are deregistered after each timed run.
+bool Pipelining(Bench& b, std::vector<std::string>* csv) {
+  const uint64_t count = b.settings.pipeline_count;
+  const uint64_t depth = b.settings.pipeline_depth;
+  Tenant t;
+  if (!NewTenant(*b.client, count * kPage, &t)) return false;
+  std::vector<v1::RegisterMrRequest> requests;
+  for (uint64_t i = 0; i < count; ++i) {
+    requests.push_back(
+        client::ToRequest(t.session->token(), PageOf(t.buffer->id(), i)));
+  }
+  struct Server {
+    const char* name;
+    const client::Client* channel;
+    bool registers;  // mrd: what it registered must be deregistered
+    std::vector<double> synchronous;
+    std::vector<double> pipelined;
+  };
+  Server servers[] = {
+      {"mrd", &t.session->client(), true, {}, {}},
+      {"floor_inline", &b.inline_floor->client(), false, {}, {}},
+      {"floor_hop", &b.hop_floor->client(), false, {}, {}},
+  };
+  for (uint64_t r = 0; r < b.settings.rounds; ++r) {
+    for (Server& server : servers) {
+      for (bool pipelined : {false, true}) {
+        std::vector<v1::RegisterMrResponse> replies;
+        const absl::StatusOr<double> seconds =
+            pipelined
+                ? SendPipelined(*server.channel, requests, depth, &replies)
+                : SendSynchronous(*server.channel, requests, &replies);
+        if (!seconds.ok()) {
+          std::fprintf(stderr, "%s: %s\n", server.name,
+                       seconds.status().ToString().c_str());
+          return false;
+        }
+        if (server.registers && !DeregisterReplies(*t.session, replies)) {
+          return false;
+        }
+        (pipelined ? server.pipelined : server.synchronous)
+            .push_back(static_cast<double>(count) / *seconds);
+      }
+    }
+  }
+  double synchronous[3];
+  double pipelined[3];
+  for (int i = 0; i < 3; ++i) {
+    synchronous[i] = Median(servers[i].synchronous);
+    pipelined[i] = Median(servers[i].pipelined);
+    csv->push_back(std::string(servers[i].name) + "," +
+                   Csv({static_cast<double>(depth), synchronous[i],
+                        pipelined[i], pipelined[i] / synchronous[i]}));
+  }
+  const std::string what = ", new 4 KiB each, one channel";
+  Row sync_row{"g. pipelining", "synchronous RegisterMr" + what,
+               "requests/s",    synchronous[0],
+               synchronous[1],  synchronous[2]};
+  sync_row.higher_is_better = true;
+  Row pipelined_row{
+      "g. pipelining", std::to_string(depth) + " RegisterMr outstanding" + what,
+      "requests/s",    pipelined[0],
+      pipelined[1],    pipelined[2]};
+  pipelined_row.higher_is_better = true;
+  Row speedup{"g. pipelining",
+              std::to_string(depth) + " outstanding ÷ synchronous, each server",
+              "×",
+              pipelined[0] / synchronous[0],
+              pipelined[1] / synchronous[1],
+              pipelined[2] / synchronous[2]};
+  speedup.no_ratio = true;
+  b.rows.push_back(sync_row);
+  b.rows.push_back(pipelined_row);
+  b.rows.push_back(speedup);
+  return Drop(t);
+}
+
+// ---------------------------------------------------------------------------
+// f. Big memory.
+
+constexpr uint64_t kBigBuffers = 4;
+
+// f. Big memory (big_bench's measurement, bench/big_memory.h): `big_gib`
+// GiB in four memfds written by this process; one thread's mlock of them
+// against mrd (default flags, a fresh mrd) registering fresh imports of all
+// four at once; then the same in 2 MiB pages when the huge page pool can be
+// raised.
+bool BigMemoryFigure(Bench& b, std::vector<std::string>* csv) {
+  if (b.settings.big_gib == 0) {
+    std::fprintf(stderr, "e2e_bench: figure f skipped (--big_gib=0)\n");
+    return true;
+  }
+  const uint64_t total = b.settings.big_gib * kGiB;
+  const absl::StatusOr<BigMemory> big =
+      MeasureBigMemory(kBigBuffers, total / kBigBuffers, b.settings.big_rounds,
+                       {std::vector<std::string>()}, {});
+  if (!big.ok()) {
+    std::fprintf(stderr, "big memory: %s\n", big.status().ToString().c_str());
+    return false;
+  }
+  const double gb = static_cast<double>(total) / 1e9;
+  const double floor = gb / big->floor_seconds;
+  const double mrd = gb / big->small_page_seconds[0];
+  const std::string size = SizeName(total);
+  auto line = [&](const char* name, uint64_t page, double seconds) {
+    csv->push_back(std::string(name) + "," +
+                   Csv({static_cast<double>(page), static_cast<double>(total),
+                        seconds, gb / seconds, big->floor_seconds / seconds}));
+  };
+  line("floor_mlock", kPage, big->floor_seconds);
+  line("mrd", kPage, big->small_page_seconds[0]);
+  Row small{"f. big memory",
+            size +
+                " of 4 KiB pages, 4 fresh imports registered at once "
+                "(floor: one thread's mlock)",
+            "GB/s", mrd, floor};
+  small.higher_is_better = true;
+  Row small_speedup{"f. big memory",
+                    "4 KiB pages: mrd's GB/s ÷ the floor's (goal ≥ 1.6)", "×",
+                    mrd / floor};
+  small_speedup.no_ratio = true;
+  b.rows.push_back(small);
+  b.rows.push_back(small_speedup);
+  if (big->huge_page_seconds < 0) {
+    std::fprintf(stderr, "e2e_bench: 2 MiB-page case skipped: %s\n",
+                 big->huge_pages_skipped.c_str());
+    Row skipped{"f. big memory",
+                "2 MiB pages: skipped, " + big->huge_pages_skipped, "GB/s"};
+    skipped.skipped = true;
+    b.rows.push_back(skipped);
+    return true;
+  }
+  line("mrd", client::kHugePageSize, big->huge_page_seconds);
+  const double huge = gb / big->huge_page_seconds;
+  Row huge_row{"f. big memory",
+               size +
+                   " of 2 MiB pages, 4 fresh imports registered at once "
+                   "(floor: the 4 KiB mlock)",
+               "GB/s", huge, floor};
+  huge_row.higher_is_better = true;
+  Row huge_speedup{"f. big memory",
+                   "2 MiB pages: mrd's GB/s ÷ the 4 KiB floor's (goal ≥ 10)",
+                   "×", huge / floor};
+  huge_speedup.no_ratio = true;
+  b.rows.push_back(huge_row);
+  b.rows.push_back(huge_speedup);
+  return true;
+}
+
 int Main(int argc, char** argv) {
   Bench b;
   b.settings.rounds = Flag(argc, argv, "--rounds", 3, 1);
@@ -766,6 +1068,10 @@ int Main(int argc, char** argv) {
   b.settings.max_live = Flag(argc, argv, "--max_live", 250000, 1);
   b.settings.pairs = Flag(argc, argv, "--pairs", 5000, 1);
   b.settings.big = HasFlag(argc, argv, "--big");
+  b.settings.big_gib = Flag(argc, argv, "--big_gib", 8);
+  b.settings.big_rounds = Flag(argc, argv, "--big_rounds", 3, 1);
+  b.settings.pipeline_count = Flag(argc, argv, "--pipeline_count", 4096, 1);
+  b.settings.pipeline_depth = Flag(argc, argv, "--pipeline_depth", 32, 1);
   b.settings.out = StringFlag(argc, argv, "--out", "bench-out");
   std::error_code error;
   std::filesystem::create_directories(b.settings.out, error);
@@ -777,8 +1083,10 @@ int Main(int argc, char** argv) {
   const Clock::time_point start = Clock::now();
 
   const uint64_t largest = b.settings.big ? kGiB : 256 * kMiB;
-  std::vector<std::string> flags =
-      GenerousFlags(4 * largest, 4 * (b.settings.count + 64));
+  const uint64_t most_live =
+      std::max(b.settings.count, b.settings.pipeline_count);
+  std::vector<std::string> flags = GenerousFlags(
+      std::max(4 * largest, 4 * most_live * kPage), 4 * (most_live + 64));
   flags.push_back("--max_batch_items=" + std::to_string(kBatchMax));
   b.mrd = StartMrd(std::move(flags));
   if (b.mrd == nullptr) return 1;
@@ -813,9 +1121,14 @@ int Main(int argc, char** argv) {
        "batch,mrd_regs_per_s,floor_regs_per_s,floor_hop_regs_per_s,"
        "mrd_single_regs_per_s"},
       {"cache hits", CacheHits, "cache_hit.csv", "case,p50_us,p99_us"},
+      {"pipelining", Pipelining, "pipelining.csv",
+       "server,outstanding,sync_requests_per_s,pipelined_requests_per_s,"
+       "pipelined_over_sync"},
       {"memory against live registrations", MemoryAgainstRegistrations,
        "memory_vs_registrations.csv",
        "live,rss_anon_bytes,vm_rss_bytes,fill_seconds"},
+      {"big memory", BigMemoryFigure, "big_memory.csv",
+       "case,page_bytes,total_bytes,seconds,gb_per_s,x_floor"},
   };
   for (const auto& figure : figures) {
     std::fprintf(stderr, "e2e_bench: %s (%.0f s so far)\n", figure.name,

@@ -5,7 +5,8 @@ docs/PERFORMANCE.md shows.
     /usr/bin/python3 bench/plot_bench.py <csv dir> <png dir>
 
 Writes latency_vs_size.png, throughput_vs_clients.png,
-throughput_vs_batch.png and memory_vs_registrations.png. Needs Debian's
+throughput_vs_batch.png, memory_vs_registrations.png (line plots) and
+big_memory.png, pipelining.png (bar plots). Needs Debian's
 python3-matplotlib (scripts/install-deps.sh installs it).
 """
 
@@ -19,10 +20,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 
-def read(directory, name):
-    """The rows of <directory>/<name> as dicts of floats."""
+def read(directory, name, text_columns=()):
+    """The rows of <directory>/<name> as dicts of floats (of strings for the
+    columns in text_columns)."""
     with open(os.path.join(directory, name), newline="") as f:
-        return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: v if k in text_columns else float(v)
+                 for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 def column(rows, key):
@@ -109,6 +112,67 @@ def plot(data, out, figure):
     save(fig, out, png)
 
 
+def label_bars(ax, bars, labels):
+    for bar, label in zip(bars, labels):
+        ax.annotate(label, (bar.get_x() + bar.get_width() / 2,
+                            bar.get_height()),
+                    xytext=(0, 3), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=8)
+
+
+def plot_big_memory(data, out):
+    """Figure f: GB/s of the mlock floor and of mrd, one bar each."""
+    rows = read(data, "big_memory.csv", text_columns=("case",))
+    if not rows:
+        print("big_memory.csv is empty (figure f not run): no plot")
+        return
+    names = []
+    for row in rows:
+        page = "4 KiB" if row["page_bytes"] == 4096 else "2 MiB"
+        if row["case"] == "floor_mlock":
+            names.append(f"floor: one thread's\nmlock, {page} pages")
+        else:
+            names.append(f"mrd, {page} pages,\n4 registrations at once")
+    rates = column(rows, "gb_per_s")
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    bars = ax.bar(names, rates, color=["0.6", "C0", "C1"][:len(rows)])
+    label_bars(ax, bars, [f"{r:,.1f} GB/s\n{x:.3g}× floor" for r, x in
+                          zip(rates, column(rows, "x_floor"))])
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=1, top=max(rates) * 8)
+    size = rows[0]["total_bytes"] / (1 << 30)
+    ax.set_ylabel("GB/s (log)")
+    ax.set_title(f"{size:g} GiB of written memfds: the mlock floor and mrd")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    save(fig, out, "big_memory.png")
+
+
+def plot_pipelining(data, out):
+    """Figure g: synchronous and pipelined RegisterMr/s for each server."""
+    rows = read(data, "pipelining.csv", text_columns=("server",))
+    names = {"mrd": "mrd (pins)", "floor_inline": "floor (inline)",
+             "floor_hop": "floor (hop)"}
+    x = range(len(rows))
+    width = 0.38
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.bar([i - width / 2 for i in x], column(rows, "sync_requests_per_s"),
+           width, label="synchronous, one call at a time")
+    depth = int(rows[0]["outstanding"])
+    bars = ax.bar([i + width / 2 for i in x],
+                  column(rows, "pipelined_requests_per_s"), width,
+                  label=f"{depth} calls outstanding")
+    label_bars(ax, bars, [f"{v:.1f}×" for v in
+                          column(rows, "pipelined_over_sync")])
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([names.get(r["server"], r["server"]) for r in rows])
+    ax.set_ylabel("RegisterMr requests/s (new 4 KiB each)")
+    ax.set_title("Pipelining on one channel")
+    ax.set_ylim(top=max(column(rows, "pipelined_requests_per_s")) * 1.35)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    save(fig, out, "pipelining.png")
+
+
 def main(argv):
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
@@ -117,6 +181,8 @@ def main(argv):
     os.makedirs(out, exist_ok=True)
     for figure in FIGURES:
         plot(data, out, figure)
+    plot_big_memory(data, out)
+    plot_pipelining(data, out)
     return 0
 
 
