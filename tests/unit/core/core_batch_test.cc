@@ -279,5 +279,38 @@ TEST_F(BatchTest, ARegistrationMadeForACallerWhoLeftIsGivenBack) {
   EXPECT_EQ(fake_->LiveRegisteredMrCount(), 0u);
 }
 
+// The same for BuildLam: a LAM built for a caller who gave up by then is
+// released before the answer (L7): CANCELLED, and nothing of it stays
+// pinned, mapped or accounted.
+TEST_F(BatchTest, ALamBuiltForACallerWhoLeftIsGivenBack) {
+  const uint64_t accounted = core_->Stats().accounted_pinned_bytes;
+  v1::BuildLamRequest req;
+  req.set_session(session_);
+  req.set_buffer(buffer_.buffer());
+  req.set_offset(0);
+  req.set_length(4 * page_);
+  // Asked when the call begins and once more when the LAM is built.
+  int asked = 0;
+  v1::BuildLamResponse out;
+  absl::Status s = core_->BuildLam(req, &out, [&asked] { return ++asked > 1; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_EQ(asked, 2);
+  EXPECT_EQ(out.lam(), 0u);
+  EXPECT_EQ(fake_->LiveLamCount(), 0u);
+  EXPECT_EQ(fake_->PinnedBytes(), 0u);
+  EXPECT_EQ(core_->Stats().lams, 0u);
+  EXPECT_EQ(core_->Stats().accounted_pinned_bytes, accounted);
+  ExpectAccountingMatchesDevice();
+  // Given up before it began: nothing is tried.
+  s = core_->BuildLam(req, &out, [] { return true; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
+  EXPECT_EQ(fake_->LiveLamCount(), 0u);
+  // And the same request, kept, builds a LAM as usual.
+  ASSERT_OK(core_->BuildLam(req, &out));
+  EXPECT_NE(out.lam(), 0u);
+  EXPECT_EQ(fake_->LiveLamCount(), 1u);
+  ExpectAccountingMatchesDevice();
+}
+
 }  // namespace
 }  // namespace mrd::core_test
