@@ -1,5 +1,6 @@
 #include "server/core/session.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "mrd/status.h"
@@ -208,18 +209,56 @@ void Session::Unsubscribe() {
   notify_ = nullptr;
 }
 
+namespace {
+
+bool IsProgress(const v1::Completion& c) {
+  return c.kind() == v1::Completion::REGISTRATION_PROGRESS;
+}
+
+// Two progress reports of the same registration (or LAM) in the making.
+bool SameWork(const v1::Completion& a, const v1::Completion& b) {
+  return a.request_id() == b.request_id() && a.buffer() == b.buffer() &&
+         a.offset() == b.offset() && a.length() == b.length();
+}
+
+}  // namespace
+
 void Session::Push(v1::Completion completion) {
   std::function<void()> to_notify;
   {
     absl::MutexLock lock(&mu);
     if (ended_) return;
-    if (completions_.size() >= completion_depth_) {
-      // A full completion queue drops the oldest entry and counts it; a
-      // stuck reader must not grow the server without bound.
-      completions_.pop_front();
-      ++completions_dropped_;
+    const bool progress = IsProgress(completion);
+    // A progress report supersedes the one of the same work still queued:
+    // a reader that falls behind finds one report per registration, the
+    // newest, not a backlog of them.
+    auto queued = completions_.end();
+    if (progress) {
+      queued = std::find_if(completions_.begin(), completions_.end(),
+                            [&](const v1::Completion& c) {
+                              return IsProgress(c) && SameWork(c, completion);
+                            });
     }
-    completions_.push_back(std::move(completion));
+    if (queued != completions_.end()) {
+      *queued = std::move(completion);
+    } else if (completions_.size() >= completion_depth_ && progress) {
+      // Full: a progress report never pushes a completion out; it is the
+      // one dropped (and counted).
+      ++completions_dropped_;
+      return;
+    } else {
+      if (completions_.size() >= completion_depth_) {
+        // A full completion queue drops its oldest progress report, or
+        // else its oldest entry, and counts it; a stuck reader must not
+        // grow the server without bound.
+        auto oldest =
+            std::find_if(completions_.begin(), completions_.end(), IsProgress);
+        completions_.erase(oldest != completions_.end() ? oldest
+                                                        : completions_.begin());
+        ++completions_dropped_;
+      }
+      completions_.push_back(std::move(completion));
+    }
     to_notify = notify_;
   }
   if (to_notify) to_notify();

@@ -127,8 +127,11 @@ class Session final : public device::PdEventSink {
   std::vector<std::shared_ptr<const void>> MarkPdGone() ABSL_LOCKS_EXCLUDED(mu);
 
   // Completion stream plumbing. Push queues a completion (core-made ones:
-  // REGISTRATION_PROGRESS) and wakes the stream; a full queue drops its
-  // oldest entry.
+  // REGISTRATION_PROGRESS) and wakes the stream. A progress report replaces
+  // the queued report of the same work (request id, buffer, range); a full
+  // queue drops its oldest progress report, or else its oldest entry, to
+  // take a completion, and drops a new progress report rather than push a
+  // completion out. Every drop is counted.
   void Push(v1::Completion completion) ABSL_LOCKS_EXCLUDED(mu);
   std::optional<v1::Completion> PopCompletion() ABSL_LOCKS_EXCLUDED(mu);
   bool ended() const ABSL_LOCKS_EXCLUDED(mu);

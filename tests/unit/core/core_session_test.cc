@@ -475,5 +475,74 @@ TEST_F(SessionRaceTest, ConcurrentConnectsNeverExceedTheSessionLimit) {
   EXPECT_LE(core_->Stats().sessions, 1u);
 }
 
+// The completion queue under a reader that does not keep up (depth 3 here):
+// progress reports of one registration coalesce into the newest; a full
+// queue gives up a progress report, never a completion, to take a
+// completion; a new report that finds it full of completions is dropped.
+v1::Completion Progress(const std::string& request_id, uint64_t pinned) {
+  v1::Completion c;
+  c.set_kind(v1::Completion::REGISTRATION_PROGRESS);
+  c.set_request_id(request_id);
+  c.set_buffer(1);
+  c.set_length(uint64_t{1} << 30);
+  c.set_bytes_pinned(pinned);
+  return c;
+}
+
+v1::Completion FastRegistered(uint64_t context) {
+  v1::Completion c;
+  c.set_kind(v1::Completion::FAST_REGISTER);
+  c.set_request_context(context);
+  return c;
+}
+
+TEST(CompletionQueueTest, ProgressReportsCoalesceAndNeverPushCompletionsOut) {
+  core::Session session(
+      1, "token", core::SessionKind::kFd,
+      /*completion_depth=*/3, core::Identity{},
+      std::make_shared<core::Tenant>("t", core::TenantQuota{}));
+  session.Push(Progress("a", 1));
+  session.Push(FastRegistered(10));
+  session.Push(Progress("a", 2));  // replaces the first report of "a"
+  session.Push(Progress("b", 5));
+  // Full (a, 10, b): a completion pushes out the oldest report, "a".
+  session.Push(FastRegistered(11));
+  // Full of (10, b, 11): a report of "b" still coalesces...
+  session.Push(Progress("b", 6));
+  // ...and one of a new registration is dropped, not a completion.
+  session.Push(Progress("c", 1));
+  // A completion now pushes out "b", the last report.
+  session.Push(FastRegistered(12));
+  // Full of completions only: the oldest goes.
+  session.Push(FastRegistered(13));
+
+  std::vector<uint64_t> contexts;
+  for (std::optional<v1::Completion> c = session.PopCompletion(); c.has_value();
+       c = session.PopCompletion()) {
+    EXPECT_EQ(c->kind(), v1::Completion::FAST_REGISTER) << c->DebugString();
+    contexts.push_back(c->request_context());
+  }
+  EXPECT_EQ(contexts, (std::vector<uint64_t>{11, 12, 13}));
+  absl::MutexLock lock(&session.mu);
+  // Dropped: "a" (2), "c", "b" (6) and completion 10.
+  EXPECT_EQ(session.completions_dropped_locked(), 4u);
+}
+
+TEST(CompletionQueueTest, TheNewestReportOfARegistrationIsTheOneRead) {
+  core::Session session(
+      1, "token", core::SessionKind::kFd,
+      /*completion_depth=*/8, core::Identity{},
+      std::make_shared<core::Tenant>("t", core::TenantQuota{}));
+  for (uint64_t pinned = 1; pinned <= 5; ++pinned) {
+    session.Push(Progress("a", pinned << 20));
+  }
+  std::optional<v1::Completion> c = session.PopCompletion();
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->bytes_pinned(), uint64_t{5} << 20);
+  EXPECT_FALSE(session.PopCompletion().has_value());
+  absl::MutexLock lock(&session.mu);
+  EXPECT_EQ(session.completions_dropped_locked(), 0u);  // superseded
+}
+
 }  // namespace
 }  // namespace mrd::core_test
