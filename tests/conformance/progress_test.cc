@@ -180,9 +180,18 @@ TEST_F(ProgressTest, CancelledMidwayLeavesNothingPinned) {
       << answer.error_message();
   // mrd stops at its next step and undoes what it pinned.
   EXPECT_TRUE(NothingPinnedSoon()) << PinnedBytes() << " bytes still pinned";
+  // Reports sent after the first: the pin may even have finished before
+  // mrd saw the cancel (the cancel crosses gRPC, which is slow in the TSan
+  // build; the kernel's pinning is not), and then the registration made for
+  // a caller who has gone is given back before the answer, as checked
+  // above and below. Either way a report names this call and never counts
+  // past its length.
   std::vector<v1::Completion> later =
       DrainProgress(stream, absl::Milliseconds(200));
-  for (const v1::Completion& c : later) EXPECT_LT(c.bytes_pinned(), kBig);
+  for (const v1::Completion& c : later) {
+    EXPECT_EQ(c.request_id(), "cancel-me");
+    EXPECT_LE(c.bytes_pinned(), kBig);
+  }
   absl::StatusOr<v1::ListRegistrationsResponse> held = session.List();
   ASSERT_TRUE(held.ok()) << held.status();
   EXPECT_EQ(held->registrations_size(), 0);
