@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -74,8 +75,12 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
                                    options_.warm_pin_bytes_total},
               &progress_}),
       fast_(device, &budgets_, &registrations_, &next_handle_,
-            FastRegistrationLimits{options_.max_session_lams,
-                                   options_.max_session_mrs, &progress_}),
+            FastRegistrationLimits{
+                options_.max_session_lams,
+                // A registration counts its MR objects in 28 bits.
+                std::min<uint64_t>(options_.max_session_mrs,
+                                   RegistrationRecord::kMaxMrRefs),
+                &progress_}),
       tenants_(options_.tenants) {
   if (tenants_ == nullptr) {
     // Without a table every tenant may use everything: only the per-session

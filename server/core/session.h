@@ -41,11 +41,16 @@ struct BufferRecord {
 // id). What the entry itself says — buffer, range, base address, keys — is
 // read from the cache (Registrations::Describe), not copied here: a million
 // registrations pay for each byte of this.
+// 8 bytes: the session's B-tree of them costs 16 a registration.
 struct RegistrationRecord {
   uint32_t implicit_refs = 0;  // RegisterMr calls without an MR object
-  uint32_t mr_refs = 0;        // MR objects holding it
-  uint32_t flags = 0;          // NDK_MR_FLAG_* as requested
+  static constexpr uint32_t kMaxMrRefs = (uint32_t{1} << 28) - 1;
+  // MR objects holding it: at most the session's MR objects, a limit the
+  // core caps at kMaxMrRefs.
+  uint32_t mr_refs : 28 = 0;
+  uint32_t flags : 4 = 0;  // NDK_MR_FLAG_* as requested (known bits: 0xF)
 };
+static_assert(sizeof(RegistrationRecord) == 8);
 
 struct PendingFastRegister {
   uint64_t base_address = 0;

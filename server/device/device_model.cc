@@ -108,14 +108,18 @@ struct FastRegisterState {
 // fields are packed (88 bytes) and the registered memory is kept as the
 // parts of its MemorySpan that outlive the RegisterMr call.
 struct DeviceModel::Mr {
-  MrId id = 0;                // immutable
-  PdId pd = 0;                // immutable
-  bool fast : 1 = false;      // immutable: a fast-register MR object (C1)
-  bool key_only : 1 = false;  // immutable: no object, ProviderDeregisterKey
-  bool revoking = false;      // being destroyed: treat as gone
-  bool valid = false;         // registered / fast-registered: peers may use it
-  bool executing = false;     // the worker is fast-registering it now
-  int inflight = 0;           // peer operations inside the memory now
+  MrId id = 0;                 // immutable
+  PdId pd = 0;                 // immutable
+  bool fast : 1 = false;       // immutable: a fast-register MR object (C1)
+  bool key_only : 1 = false;   // immutable: no object, ProviderDeregisterKey
+  bool pending : 1 = false;    // reserved, not in its PD yet: treat as gone
+  bool revoking : 1 = false;   // being destroyed: treat as gone
+  bool valid : 1 = false;      // registered / fast-registered: peers may use it
+  bool executing : 1 = false;  // the worker is fast-registering it now
+  // Callers waiting in UnmapLocked without destroying it (an invalidation);
+  // DestroyMrLocked frees the slot only once they are gone.
+  uint8_t holders = 0;
+  int inflight = 0;  // peer operations inside the memory now
   uint32_t lkey = 0;
   uint32_t rkey = 0;
   uint32_t access = 0;
@@ -171,7 +175,8 @@ DeviceModel::DeviceModel(DeviceAttributes attributes,
     : options_(options),
       attributes_(std::move(attributes)),
       iova_(options.page_size, options.iova_start, options.iova_limit,
-            options.fault_points) {
+            options.fault_points),
+      mrs_(uint32_t{1} << kMrIndexBits) {
   attributes_.page_size = options.page_size;
   attributes_.max_mr_size = options.max_mr_size;
   attributes_.max_page_list_length = options.max_page_list_length;
@@ -330,9 +335,9 @@ absl::Status DeviceModel::DeallocatePd(PdId pd_id) {
         static_cast<const Pd*>(pd)));
     std::vector<MrId> mrs(pd->mrs.begin(), pd->mrs.end());
     for (MrId id : mrs) {
-      auto it = mrs_.find(id);
-      if (it == mrs_.end()) continue;
-      DestroyMrLocked(it->second, &released);  // copies the pointer
+      Mr* mr = LookupMrLocked(id);
+      if (mr == nullptr) continue;
+      DestroyMrLocked(mr, &released);
     }
     for (LamId id : pd->lams) {
       auto it = lams_.find(id);
@@ -428,12 +433,19 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
   MrId id = 0;
   {
     absl::MutexLock lock(&mu_);
-    id = next_mr_++;
+    absl::StatusOr<Mr*> reserved = ReserveMrLocked(pd_id, "RegisterMr");
+    if (!reserved.ok()) {
+      ProviderUnpin(span);
+      return reserved.status();
+    }
+    id = (*reserved)->id;
   }
   absl::StatusOr<Registration> registration =
       ProviderRegister(pd_state, span, base_address, access, id, false);
   if (!registration.ok()) {
     ProviderUnpin(span);
+    absl::MutexLock lock(&mu_);
+    FreeMrLocked(id);
     return registration.status();
   }
   absl::StatusOr<MrKeys> keys = [&]() -> absl::StatusOr<MrKeys> {
@@ -441,9 +453,8 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
     absl::MutexLock lock(&mu_);
     MRD_RETURN_IF_ERROR(UsableLocked());
     MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
-    auto mr = std::make_shared<Mr>();
-    mr->id = id;
-    mr->pd = pd_id;
+    Mr* mr = LookupMrLocked(id);
+    mr->pending = false;
     mr->lkey = registration->lkey;
     mr->rkey = registration->rkey;
     mr->valid = true;
@@ -456,12 +467,15 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
     mr->object = std::move(registration->state);
     mr->key_only = mr->object == nullptr;
     pd->mrs.insert(id);
-    mrs_.emplace(id, mr);
     return MrKeys{id, mr->lkey, mr->rkey};
   }();
   if (!keys.ok()) {
     // The PD began dying or the device was lost meanwhile: undo (L7) before
     // the PD stops being busy, so that no teardown misses this MR.
+    {
+      absl::MutexLock lock(&mu_);
+      FreeMrLocked(id);
+    }
     Released undo;
     if (registration->state != nullptr) {
       undo.states.push_back(std::move(registration->state));
@@ -475,24 +489,48 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
   return keys;
 }
 
-absl::StatusOr<std::shared_ptr<DeviceModel::Mr>> DeviceModel::FindMrLocked(
-    MrId mr) const {
-  auto it = mrs_.find(mr);
-  if (it == mrs_.end() || it->second->revoking) return UnknownMr(mr);
-  auto pd = pds_.find(it->second->pd);
-  // A dying PD's objects belong to DeallocatePd now.
-  if (pd == pds_.end() || pd->second->dying) return UnknownMr(mr);
-  return it->second;
+DeviceModel::Mr* DeviceModel::LookupMrLocked(MrId id) const {
+  Mr* mr = mrs_.Get(id & ((uint64_t{1} << kMrIndexBits) - 1));
+  return mr != nullptr && mr->id == id ? mr : nullptr;
 }
 
-std::unique_ptr<ProviderState> DeviceModel::UnmapLocked(
-    const std::shared_ptr<Mr>& mr) {
+absl::StatusOr<DeviceModel::Mr*> DeviceModel::FindMrLocked(MrId id) const {
+  Mr* mr = LookupMrLocked(id);
+  if (mr == nullptr || mr->pending || mr->revoking) return UnknownMr(id);
+  auto pd = pds_.find(mr->pd);
+  // A dying PD's objects belong to DeallocatePd now.
+  if (pd == pds_.end() || pd->second->dying) return UnknownMr(id);
+  return mr;
+}
+
+absl::StatusOr<DeviceModel::Mr*> DeviceModel::ReserveMrLocked(
+    PdId pd, absl::string_view call) {
+  std::optional<uint32_t> index = mrs_.Allocate();
+  if (!index.has_value()) {
+    return MrdError(
+        absl::StatusCode::kResourceExhausted, "LIMIT_DEVICE_MRS",
+        absl::StrCat(call, ": the device's MR table is full (", mrs_.size(),
+                     " MRs and MR objects of at most ", mrs_.capacity(),
+                     ") or out of memory; free some first"));
+  }
+  Mr* mr = mrs_.Get(*index);
+  mr->id = (next_mr_++ << kMrIndexBits) | *index;
+  mr->pd = pd;
+  mr->pending = true;
+  return mr;
+}
+
+void DeviceModel::FreeMrLocked(MrId id) {
+  mrs_.Free(static_cast<uint32_t>(id & ((uint64_t{1} << kMrIndexBits) - 1)));
+}
+
+std::unique_ptr<ProviderState> DeviceModel::UnmapLocked(Mr* mr) {
   mr->valid = false;
-  // `mr` is a shared_ptr held by our caller, so the object outlives this
-  // wait even if another thread erases it from mrs_ meanwhile.
+  // The MR stays in its slot during this wait: our caller is destroying it
+  // (no one else frees it) or holds it (DestroyMrLocked waits for holders).
   mu_.Await(absl::Condition(
       +[](const Mr* m) { return m->inflight == 0; },
-      static_cast<const Mr*>(mr.get())));
+      static_cast<const Mr*>(mr)));
   if (mr->fr == nullptr) return nullptr;
   DropLamRefsLocked(mr->fr->lams);
   mr->fr->lams.clear();
@@ -509,9 +547,9 @@ void DeviceModel::DropLamRefsLocked(const std::vector<LamId>& lams) {
   }
 }
 
-void DeviceModel::DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released) {
-  // `mr` is our own reference: the waits below release the mutex, and the
-  // map slot it came from may move or go meanwhile.
+void DeviceModel::DestroyMrLocked(Mr* mr, Released* released) {
+  // The waits below release the mutex; `mr` stays in its slot until this
+  // function frees it (revoking: no other caller destroys it).
   const MrId id = mr->id;
   // The MR stops matching before anything else: a peer that looks it up
   // from now on fails, and one already inside is waited for below, as is a
@@ -519,8 +557,7 @@ void DeviceModel::DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released) {
   // rest).
   mr->revoking = true;
   mu_.Await(absl::Condition(
-      +[](const Mr* m) { return !m->executing; },
-      static_cast<const Mr*>(mr.get())));
+      +[](const Mr* m) { return !m->executing; }, static_cast<const Mr*>(mr)));
   std::unique_ptr<ProviderState> mapping = UnmapLocked(mr);
   if (mapping != nullptr) released->states.push_back(std::move(mapping));
   if (mr->object != nullptr) released->states.push_back(std::move(mr->object));
@@ -530,7 +567,11 @@ void DeviceModel::DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released) {
   if (pd != pds_.end()) {
     pd->second->mrs.erase(id);
   }
-  mrs_.erase(id);
+  // An invalidation may still be waiting in UnmapLocked on this MR.
+  mu_.Await(absl::Condition(
+      +[](const Mr* m) { return m->holders == 0; },
+      static_cast<const Mr*>(mr)));
+  FreeMrLocked(id);
 }
 
 absl::Status DeviceModel::Release(Released released) {
@@ -557,7 +598,7 @@ absl::Status DeviceModel::DestroyMr(MrId mr_id, bool fast) {
   PdId pd = 0;
   {
     absl::MutexLock lock(&mu_);
-    MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(mr_id));
+    MRD_ASSIGN_OR_RETURN(Mr * mr, FindMrLocked(mr_id));
     if (mr->fast != fast) {
       return MrdError(
           absl::StatusCode::kInvalidArgument, "WRONG_MR_KIND",
@@ -720,7 +761,13 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
   MrId id = 0;
   {
     absl::MutexLock lock(&mu_);
-    id = next_mr_++;
+    absl::StatusOr<Mr*> reserved =
+        ReserveMrLocked(pd_id, "AllocateFastRegisterMr");
+    if (!reserved.ok()) {
+      EndPdOpLocked(pd_id);
+      return reserved.status();
+    }
+    id = (*reserved)->id;
   }
   // The keys exist from the start, as an MR object's do, but match nothing
   // until a fast registration makes the MR valid.
@@ -731,9 +778,8 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
     MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "mr.insert"));
     absl::MutexLock lock(&mu_);
     MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
-    auto mr = std::make_shared<Mr>();
-    mr->id = id;
-    mr->pd = pd_id;
+    Mr* mr = LookupMrLocked(id);
+    mr->pending = false;
     mr->fast = true;
     mr->fr = std::make_unique<FastRegisterState>();
     mr->fr->allow_remote = allow_remote;
@@ -742,9 +788,12 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
     mr->rkey = registration->rkey;
     mr->object = std::move(registration->state);
     pd->mrs.insert(id);
-    mrs_.emplace(id, mr);
     return MrKeys{id, mr->lkey, mr->rkey};
   }();
+  if (!keys.ok()) {
+    absl::MutexLock lock(&mu_);
+    FreeMrLocked(id);
+  }
   if (!keys.ok() && registration.ok()) {
     Released undo;
     undo.states.push_back(std::move(registration->state));
@@ -760,7 +809,7 @@ absl::Status DeviceModel::FreeFastRegisterMr(MrId mr) {
 
 absl::StatusOr<MrKeys> DeviceModel::QueryMr(MrId mr_id) const {
   absl::MutexLock lock(&mu_);
-  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(mr_id));
+  MRD_ASSIGN_OR_RETURN(Mr * mr, FindMrLocked(mr_id));
   return MrKeys{mr->id, mr->lkey, mr->rkey};
 }
 
@@ -847,7 +896,7 @@ absl::StatusOr<uint64_t> DeviceModel::PostFastRegister(
   MRD_RETURN_IF_ERROR(CheckAccessBits(work.access, "fast register"));
   absl::MutexLock lock(&mu_);
   MRD_RETURN_IF_ERROR(UsableLocked());
-  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
+  MRD_ASSIGN_OR_RETURN(Mr * mr, FindMrLocked(work.mr));
   if (!mr->fast) {
     return InvalidParameter(
         "NOT_FAST_REGISTER_MR",
@@ -887,7 +936,7 @@ absl::StatusOr<uint64_t> DeviceModel::PostInvalidate(
   MRD_RETURN_IF_ERROR(CheckWorkFlags(work.flags, "invalidate"));
   absl::MutexLock lock(&mu_);
   MRD_RETURN_IF_ERROR(UsableLocked());
-  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
+  MRD_ASSIGN_OR_RETURN(Mr * mr, FindMrLocked(work.mr));
   if (!mr->fast) {
     return InvalidParameter(
         "NOT_FAST_REGISTER_MR",
@@ -941,8 +990,11 @@ DeviceModel::ModelCounts DeviceModel::CountModel() const {
   absl::MutexLock lock(&mu_);
   ModelCounts counts;
   counts.pds = pds_.size();
-  counts.mrs = mrs_.size();
-  for (const auto& [id, mr] : mrs_) counts.valid_mrs += mr->valid ? 1 : 0;
+  mrs_.ForEach([&](uint32_t, const Mr& mr) {
+    if (mr.pending) return;
+    ++counts.mrs;
+    counts.valid_mrs += mr.valid ? 1 : 0;
+  });
   counts.lams = lams_.size();
   counts.iova_ranges = iova_.ranges();
   counts.tickets = tickets_.size();
@@ -1030,7 +1082,7 @@ absl::Status DeviceModel::ExecuteFastRegister(const Work& work,
   MRD_RETURN_IF_ERROR(
       FaultPoint(options_.fault_points, "fast_register.execute"));
   const FastRegisterWork& fr = work.fast_register;
-  std::shared_ptr<Mr> mr;
+  Mr* mr = nullptr;
   ResolvedPages resolved;
   ProviderState* pd_state = nullptr;
   ProviderState* object = nullptr;
@@ -1083,7 +1135,7 @@ absl::Status DeviceModel::ExecuteInvalidate(const Work& work) {
   std::unique_ptr<ProviderState> mapping;
   {
     absl::MutexLock lock(&mu_);
-    MRD_ASSIGN_OR_RETURN(std::shared_ptr<Mr> mr, FindMrLocked(work.mr));
+    MRD_ASSIGN_OR_RETURN(Mr * mr, FindMrLocked(work.mr));
     if (!mr->valid) {
       return InvalidParameter(
           "MR_NOT_FAST_REGISTERED",
@@ -1091,7 +1143,10 @@ absl::Status DeviceModel::ExecuteInvalidate(const Work& work) {
     }
     // The rkey stays what QueryMr reports, now dead, until the next fast
     // registration; no peer operation is inside the mapping after this.
+    // A FreeFastRegisterMr meanwhile waits for us before freeing the MR.
+    ++mr->holders;
     mapping = UnmapLocked(mr);
+    --mr->holders;
   }
   // The old rkey is dead before the completion is delivered.
   if (mapping == nullptr) return absl::OkStatus();  // none, or taken
@@ -1202,17 +1257,17 @@ DeviceModel::Taken DeviceModel::TakeAllProviderState() {
   // No call is working on a PD's objects; new ones are refused
   // (ProviderUsable).
   mu_.Await(absl::Condition(this, &DeviceModel::NoPdBusy));
-  for (auto& [id, mr] : mrs_) {
-    mr->valid = false;
-    if (mr->fr != nullptr) {
-      mr->fr->lams.clear();  // the fast registrations go with the adapter
-      mr->fr->pages.clear();
-      if (mr->fr->mapping != nullptr) {
-        taken.memory.push_back(std::move(mr->fr->mapping));
+  mrs_.ForEach([&](uint32_t, Mr& mr) {
+    mr.valid = false;
+    if (mr.fr != nullptr) {
+      mr.fr->lams.clear();  // the fast registrations go with the adapter
+      mr.fr->pages.clear();
+      if (mr.fr->mapping != nullptr) {
+        taken.memory.push_back(std::move(mr.fr->mapping));
       }
     }
-    if (mr->object != nullptr) taken.memory.push_back(std::move(mr->object));
-  }
+    if (mr.object != nullptr) taken.memory.push_back(std::move(mr.object));
+  });
   for (auto& [id, lam] : lams_) {
     lam->fr_users = 0;
     if (lam->state != nullptr) taken.memory.push_back(std::move(lam->state));
@@ -1268,12 +1323,11 @@ absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
       c->second->state != Connection::State::kReady) {
     return denied(absl::StrCat("connection ", connection_id, " is closing"));
   }
-  std::shared_ptr<Mr> mr;
-  if (auto it = mrs_.find(mr_id); it != mrs_.end()) mr = it->second;
+  Mr* mr = LookupMrLocked(mr_id);
   // One answer for a wrong key, a free or dying MR and another PD's MR: a
   // peer must not learn that a key exists elsewhere (W8).
-  if (mr == nullptr || mr->revoking || !mr->valid || mr->rkey != rkey ||
-      mr->pd != c->second->pd) {
+  if (mr == nullptr || mr->pending || mr->revoking || !mr->valid ||
+      mr->rkey != rkey || mr->pd != c->second->pd) {
     return denied(
         absl::StrCat("rkey ", Hex(rkey), " is not valid on this connection"));
   }
@@ -1312,13 +1366,16 @@ absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
     }
   }
   ++mr->inflight;
-  access.hold = std::move(mr);
+  access.mr = mr_id;
   return access;
 }
 
 void DeviceModel::EndPeerAccess(const PeerAccess& access) {
   absl::MutexLock lock(&mu_);
-  --static_cast<Mr*>(access.hold.get())->inflight;
+  // Not freed while inflight > 0: its destroyer waits in UnmapLocked.
+  Mr* mr = LookupMrLocked(access.mr);
+  MRD_CHECK(mr != nullptr && mr->inflight > 0);
+  --mr->inflight;
 }
 
 }  // namespace mrd::device

@@ -50,6 +50,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "server/common/slab.h"
 #include "server/common/thread.h"
 #include "server/device/device.h"
 #include "server/device/fault_points.h"
@@ -165,7 +166,7 @@ class DeviceModel : public Device {
   // A peer operation's view of the memory behind an rkey (BeginPeerAccess).
   struct PeerAccess {
     std::vector<IoSegment> plan;
-    std::shared_ptr<void> hold;  // EndPeerAccess's argument
+    MrId mr = 0;  // EndPeerAccess's argument: the MR held
   };
   struct BindResult {
     PdId pd = 0;
@@ -354,13 +355,23 @@ class DeviceModel : public Device {
                                            const MemorySpan& span)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The MR of `id` (any state), or nullptr.
+  Mr* LookupMrLocked(MrId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // An MR that is not being destroyed. Errors: NOT_FOUND "UNKNOWN_MR".
-  absl::StatusOr<std::shared_ptr<Mr>> FindMrLocked(MrId mr) const
+  absl::StatusOr<Mr*> FindMrLocked(MrId mr) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A slot for a new MR of `pd`, not yet findable (InsertMrLocked makes it
+  // so, FreeMrLocked gives it back). Errors: RESOURCE_EXHAUSTED when the MR
+  // table is full or out of memory.
+  absl::StatusOr<Mr*> ReserveMrLocked(PdId pd, absl::string_view call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeMrLocked(MrId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes the MR's fast-registered mapping unusable, waits (releasing the
   // mutex) until no peer operation is inside it, and takes what it held:
-  // its LAM references are dropped, its provider state returned.
-  std::unique_ptr<ProviderState> UnmapLocked(const std::shared_ptr<Mr>& mr)
+  // its LAM references are dropped, its provider state returned. The MR
+  // stays where it is during the wait: the caller either destroys it
+  // (DestroyMrLocked) or holds it (Mr::holders).
+  std::unique_ptr<ProviderState> UnmapLocked(Mr* mr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Revokes the MR, waits for peers and the worker to leave it, erases it
   // and returns what the provider must release.
@@ -369,7 +380,7 @@ class DeviceModel : public Device {
     std::vector<uint32_t> keys;     // and these (ProviderDeregisterKey)
     std::vector<MemorySpan> unpin;  // then unpin these
   };
-  void DestroyMrLocked(std::shared_ptr<Mr> mr, Released* released)
+  void DestroyMrLocked(Mr* mr, Released* released)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // DeregisterMr (`fast` false) and FreeFastRegisterMr (true).
   absl::Status DestroyMr(MrId mr, bool fast) ABSL_LOCKS_EXCLUDED(mu_);
@@ -419,10 +430,13 @@ class DeviceModel : public Device {
   SecureRandomPool random_ ABSL_GUARDED_BY(mu_);
   IovaSpace iova_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<PdId, std::unique_ptr<Pd>> pds_ ABSL_GUARDED_BY(mu_);
-  // One per live registration: a B-tree (about 26 bytes an MR at a million;
-  // a flat hash map's slots cost twice that). Iterators and references into
-  // it do not survive an insert or erase: callers copy the shared_ptr.
-  absl::btree_map<MrId, std::shared_ptr<Mr>> mrs_ ABSL_GUARDED_BY(mu_);
+  // Registered MRs and MR objects, one slot each: an MR id is its slot
+  // index in the low kMrIndexBits and a sequence number above, so ids are
+  // never reused while a slot is. An MR stays in place until freed (the
+  // waits in DestroyMrLocked and UnmapLocked rely on it); a million MRs
+  // cost their own size and nothing else.
+  static constexpr int kMrIndexBits = 24;
+  mutable Slab<Mr> mrs_ ABSL_GUARDED_BY(mu_);  // mutable: FindMrLocked
   absl::flat_hash_map<LamId, std::unique_ptr<Lam>> lams_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ConnectionId, std::unique_ptr<Connection>> connections_
       ABSL_GUARDED_BY(mu_);

@@ -1389,6 +1389,53 @@ TEST_F(FastRegisterTest, DeallocatePdReleasesEverythingAndSilencesTheSink) {
               IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_LAM"));
 }
 
+// An invalidation waiting for a peer READ inside the mapping, and a
+// FreeFastRegisterMr of the same MR object meanwhile: the free waits for the
+// READ too; both finish once it is out, the invalidation is completed and
+// the MR object is gone. (The free also waits until the invalidation has
+// stopped waiting on the MR, Mr::holders, before giving its slot back.)
+TEST_F(SoftwareDeviceTest, FreeingAnMrObjectWhoseInvalidationWaitsForAPeer) {
+  Gate gate;
+  SoftwareDeviceOptions options;
+  options.peer_io_hook_for_test = [&gate] { gate.Pass(); };
+  StartDevice(options);
+  RecordingSink* sink;
+  PdId pd = NewPd(&sink);
+  MemfdBuffer& buffer = NewBuffer(1);
+  LogicalMapping lam = Lam(pd, buffer, 0, PageSize());
+  absl::StatusOr<MrKeys> mr = device_->AllocateFastRegisterMr(pd, true, 1);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  std::unique_ptr<SoftPeer> peer = Connect(pd);
+  uint32_t rkey = FastRegister(peer->connection_id(), *sink, mr->mr,
+                               {lam.pages[0]}, 0, 64, kBase);
+
+  absl::StatusOr<std::string> in_flight;
+  std::thread reader([&] { in_flight = peer->Read(rkey, kBase, 64); });
+  gate.WaitEntered();  // the READ is inside the mapping
+  ASSERT_TRUE(Invalidate(peer->connection_id(), mr->mr, 0, 5).ok());
+  absl::SleepFor(absl::Milliseconds(100));  // the worker waits for the READ
+  std::atomic<bool> freed{false};
+  std::thread free_object([&] {
+    EXPECT_TRUE(device_->FreeFastRegisterMr(mr->mr).ok());
+    freed = true;
+  });
+  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_FALSE(freed) << "FreeFastRegisterMr returned with a READ inside";
+  gate.Open();
+  reader.join();
+  free_object.join();
+  ASSERT_TRUE(in_flight.ok()) << in_flight.status();
+  EXPECT_EQ(*in_flight, buffer.Bytes(0, 64));
+  ASSERT_TRUE(sink->WaitForCompletions(2));
+  WorkCompletion done = sink->Completions().back();
+  EXPECT_EQ(done.kind, WorkCompletion::Kind::kInvalidate);
+  EXPECT_EQ(done.request_context, 5u);
+  EXPECT_THAT(device_->QueryMr(mr->mr).status(),
+              IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR"));
+  EXPECT_THAT(peer->Read(rkey, kBase, 8).status(), IsAccessError());
+  EXPECT_TRUE(device_->ReleaseLam(lam.lam).ok());
+}
+
 // ---------------------------------------------------------------------------
 // Concurrency: peers racing registrations (run under TSan too).
 
