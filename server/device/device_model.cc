@@ -93,10 +93,12 @@ struct DeviceModel::Pd {
 };
 
 // What only a fast-register MR object has (C1, F4): a normal MR carries none
-// of it, so a million registrations do not pay for it.
-struct FastRegisterState {
-  bool allow_remote = false;  // immutable (F4)
-  uint32_t max_pages = 0;     // immutable
+// of it, so a million registrations do not pay for it. It is the MR's
+// `object` (Mr::fr()), and holds the provider's own state of the MR object.
+struct FastRegisterState : ProviderState {
+  std::unique_ptr<ProviderState> keys;  // the provider's MR object
+  bool allow_remote = false;            // immutable (F4)
+  uint32_t max_pages = 0;               // immutable
   // Fast-registered: the mapping.
   uint32_t fbo = 0;
   std::vector<PageRef> pages;
@@ -105,7 +107,7 @@ struct FastRegisterState {
 };
 
 // One per live registration: a million of them pay for each byte, so the
-// fields are packed (88 bytes) and the registered memory is kept as the
+// fields are packed (80 bytes) and the registered memory is kept as the
 // parts of its MemorySpan that outlive the RegisterMr call.
 struct DeviceModel::Mr {
   MrId id = 0;                 // immutable
@@ -128,11 +130,13 @@ struct DeviceModel::Mr {
   uint64_t length = 0;  // normal MRs: also the registered memory's length
   void* host_address = nullptr;  // normal MRs: the registered memory
   uint64_t file_offset = 0;      // normal MRs
-  // The registration (normal MRs) or the MR object's keys (fast). A normal
-  // MR of a provider whose registration is its key alone has none
-  // (`key_only`).
+  // Normal MRs: the registration; none for a provider whose registration
+  // is its key alone (`key_only`). Fast MRs: their FastRegisterState.
   std::unique_ptr<ProviderState> object;
-  std::unique_ptr<FastRegisterState> fr;  // fast MRs only
+
+  FastRegisterState* fr() const {
+    return fast ? static_cast<FastRegisterState*>(object.get()) : nullptr;
+  }
 
   // Normal MRs: the memory it registered (without the caller's progress).
   MemorySpan Span() const {
@@ -177,6 +181,7 @@ DeviceModel::DeviceModel(DeviceAttributes attributes,
       iova_(options.page_size, options.iova_start, options.iova_limit,
             options.fault_points),
       mrs_(uint32_t{1} << kMrIndexBits) {
+  static_assert(sizeof(Mr) == 80, "a million MRs pay for each byte");
   attributes_.page_size = options.page_size;
   attributes_.max_mr_size = options.max_mr_size;
   attributes_.max_page_list_length = options.max_page_list_length;
@@ -490,7 +495,7 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
 }
 
 DeviceModel::Mr* DeviceModel::LookupMrLocked(MrId id) const {
-  Mr* mr = mrs_.Get(id & ((uint64_t{1} << kMrIndexBits) - 1));
+  Mr* mr = mrs_.Get(MrSlot(id));
   return mr != nullptr && mr->id == id ? mr : nullptr;
 }
 
@@ -520,9 +525,7 @@ absl::StatusOr<DeviceModel::Mr*> DeviceModel::ReserveMrLocked(
   return mr;
 }
 
-void DeviceModel::FreeMrLocked(MrId id) {
-  mrs_.Free(static_cast<uint32_t>(id & ((uint64_t{1} << kMrIndexBits) - 1)));
-}
+void DeviceModel::FreeMrLocked(MrId id) { mrs_.Free(MrSlot(id)); }
 
 std::unique_ptr<ProviderState> DeviceModel::UnmapLocked(Mr* mr) {
   mr->valid = false;
@@ -531,11 +534,12 @@ std::unique_ptr<ProviderState> DeviceModel::UnmapLocked(Mr* mr) {
   mu_.Await(absl::Condition(
       +[](const Mr* m) { return m->inflight == 0; },
       static_cast<const Mr*>(mr)));
-  if (mr->fr == nullptr) return nullptr;
-  DropLamRefsLocked(mr->fr->lams);
-  mr->fr->lams.clear();
-  mr->fr->pages.clear();
-  return std::move(mr->fr->mapping);
+  FastRegisterState* fr = mr->fr();
+  if (fr == nullptr) return nullptr;
+  DropLamRefsLocked(fr->lams);
+  fr->lams.clear();
+  fr->pages.clear();
+  return std::move(fr->mapping);
 }
 
 void DeviceModel::DropLamRefsLocked(const std::vector<LamId>& lams) {
@@ -560,7 +564,9 @@ void DeviceModel::DestroyMrLocked(Mr* mr, Released* released) {
       +[](const Mr* m) { return !m->executing; }, static_cast<const Mr*>(mr)));
   std::unique_ptr<ProviderState> mapping = UnmapLocked(mr);
   if (mapping != nullptr) released->states.push_back(std::move(mapping));
-  if (mr->object != nullptr) released->states.push_back(std::move(mr->object));
+  std::unique_ptr<ProviderState>& state =
+      mr->fast ? mr->fr()->keys : mr->object;
+  if (state != nullptr) released->states.push_back(std::move(state));
   if (mr->key_only) released->keys.push_back(mr->lkey);
   if (!mr->fast) released->unpin.push_back(mr->Span());
   auto pd = pds_.find(mr->pd);
@@ -781,12 +787,13 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
     Mr* mr = LookupMrLocked(id);
     mr->pending = false;
     mr->fast = true;
-    mr->fr = std::make_unique<FastRegisterState>();
-    mr->fr->allow_remote = allow_remote;
-    mr->fr->max_pages = max_pages;
+    auto fr = std::make_unique<FastRegisterState>();
+    fr->allow_remote = allow_remote;
+    fr->max_pages = max_pages;
+    fr->keys = std::move(registration->state);
     mr->lkey = registration->lkey;
     mr->rkey = registration->rkey;
-    mr->object = std::move(registration->state);
+    mr->object = std::move(fr);
     pd->mrs.insert(id);
     return MrKeys{id, mr->lkey, mr->rkey};
   }();
@@ -905,7 +912,7 @@ absl::StatusOr<uint64_t> DeviceModel::PostFastRegister(
   }
   MRD_ASSIGN_OR_RETURN(Connection * connection,
                        FindPostConnectionLocked(connection_id, mr->pd));
-  if ((work.access & kRemoteAccess) != 0 && !mr->fr->allow_remote) {
+  if ((work.access & kRemoteAccess) != 0 && !mr->fr()->allow_remote) {
     return SeedError(
         STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
         absl::StrCat("MR ", work.mr,
@@ -915,7 +922,7 @@ absl::StatusOr<uint64_t> DeviceModel::PostFastRegister(
   }
   // F2/F6, the same rules the core applied, against this MR's own
   // max_pages.
-  MRD_RETURN_IF_ERROR(ValidatePageArray(page_size(), mr->fr->max_pages,
+  MRD_RETURN_IF_ERROR(ValidatePageArray(page_size(), mr->fr()->max_pages,
                                         work.pages, work.fbo, work.length,
                                         work.base_address));
   MRD_RETURN_IF_ERROR(ResolvePagesLocked(mr->pd, work.pages).status());
@@ -1104,7 +1111,7 @@ absl::Status DeviceModel::ExecuteFastRegister(const Work& work,
     // The PD is busy (held by the worker), so its state stays.
     pd_state = pds_.find(mr->pd)->second->state.get();
     // The MR object's state stays too: DestroyMrLocked waits for executing.
-    object = mr->object.get();
+    object = mr->fr()->keys.get();
     previous_rkey = mr->rkey;
   }
   absl::StatusOr<Registration> registration = ProviderFastRegister(
@@ -1119,13 +1126,14 @@ absl::Status DeviceModel::ExecuteFastRegister(const Work& work,
   // mapping down right after.
   mr->lkey = registration->lkey;
   mr->rkey = registration->rkey;
-  mr->fr->mapping = std::move(registration->state);
+  FastRegisterState* state = mr->fr();
+  state->mapping = std::move(registration->state);
   mr->base = fr.base_address;
   mr->length = fr.length;
   mr->access = fr.access;
-  mr->fr->fbo = fr.fbo;
-  mr->fr->pages = std::move(resolved.pages);
-  mr->fr->lams = std::move(resolved.lams);
+  state->fbo = fr.fbo;
+  state->pages = std::move(resolved.pages);
+  state->lams = std::move(resolved.lams);
   mr->valid = true;
   *rkey = mr->rkey;
   return absl::OkStatus();
@@ -1259,14 +1267,15 @@ DeviceModel::Taken DeviceModel::TakeAllProviderState() {
   mu_.Await(absl::Condition(this, &DeviceModel::NoPdBusy));
   mrs_.ForEach([&](uint32_t, Mr& mr) {
     mr.valid = false;
-    if (mr.fr != nullptr) {
-      mr.fr->lams.clear();  // the fast registrations go with the adapter
-      mr.fr->pages.clear();
-      if (mr.fr->mapping != nullptr) {
-        taken.memory.push_back(std::move(mr.fr->mapping));
-      }
+    if (FastRegisterState* fr = mr.fr(); fr != nullptr) {
+      fr->lams.clear();  // the fast registrations go with the adapter
+      fr->pages.clear();
+      if (fr->mapping != nullptr)
+        taken.memory.push_back(std::move(fr->mapping));
+      if (fr->keys != nullptr) taken.memory.push_back(std::move(fr->keys));
+    } else if (mr.object != nullptr) {
+      taken.memory.push_back(std::move(mr.object));
     }
-    if (mr.object != nullptr) taken.memory.push_back(std::move(mr.object));
   });
   for (auto& [id, lam] : lams_) {
     lam->fr_users = 0;
@@ -1311,8 +1320,8 @@ void DeviceModel::ConnectionClosed(ConnectionId connection_id) {
 }
 
 absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
-    ConnectionId connection_id, MrId mr_id, uint32_t rkey, uint64_t address,
-    uint64_t length, uint32_t need) {
+    ConnectionId connection_id, uint32_t mr_slot, uint32_t rkey,
+    uint64_t address, uint64_t length, uint32_t need) {
   auto denied = [](std::string message) {
     return MrdError(absl::StatusCode::kPermissionDenied, "REMOTE_ACCESS_ERROR",
                     message);
@@ -1323,7 +1332,7 @@ absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
       c->second->state != Connection::State::kReady) {
     return denied(absl::StrCat("connection ", connection_id, " is closing"));
   }
-  Mr* mr = LookupMrLocked(mr_id);
+  Mr* mr = mrs_.Get(mr_slot);
   // One answer for a wrong key, a free or dying MR and another PD's MR: a
   // peer must not learn that a key exists elsewhere (W8).
   if (mr == nullptr || mr->pending || mr->revoking || !mr->valid ||
@@ -1347,10 +1356,11 @@ absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
     access.plan.push_back(IoSegment{mr->fd, mr->file_offset + offset, length});
   } else {
     // VA -> position in the page array -> logical page -> file page.
-    uint64_t position = mr->fr->fbo + offset;
+    const FastRegisterState& fr = *mr->fr();
+    uint64_t position = fr.fbo + offset;
     uint64_t left = length;
     while (left > 0) {
-      const PageRef& page = mr->fr->pages[position / page_size()];
+      const PageRef& page = fr.pages[position / page_size()];
       const uint64_t within = position % page_size();
       const uint64_t chunk = std::min(left, page_size() - within);
       IoSegment segment{page.fd, page.file_offset + within, chunk};
@@ -1366,7 +1376,7 @@ absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(
     }
   }
   ++mr->inflight;
-  access.mr = mr_id;
+  access.mr = mr->id;
   return access;
 }
 

@@ -271,15 +271,26 @@ class DeviceModel : public Device {
   // completions, then the PD's sink hears OnPeerDisconnected (when it heard
   // OnPeerConnected).
   void ConnectionClosed(ConnectionId connection) ABSL_LOCKS_EXCLUDED(mu_);
+  static constexpr int kMrIndexBits = 24;
+  // The slot of an MR in the model's MR table: at most 2^24 - 1, the same
+  // for the MR's whole life. A provider may name an MR by it (the software
+  // device's key table does, in 32 bits instead of 64).
+  static uint32_t MrSlot(MrId mr) {
+    return static_cast<uint32_t>(mr & ((uint64_t{1} << kMrIndexBits) - 1));
+  }
+  static constexpr uint32_t kNoMrSlot = ~uint32_t{0};
   // The NIC's checks of an incoming READ/WRITE on `connection` with `rkey`
-  // (which the provider found to belong to MR `mr`): the MR is valid, in
-  // the connection's PD, covers [address, +length) and grants `need`. On
-  // success the MR cannot be revoked until EndPeerAccess. Errors: PERMISSION
-  // _DENIED "REMOTE_ACCESS_ERROR", one message for every key that does not
-  // work here (a peer must not learn that a key exists elsewhere, W8).
-  absl::StatusOr<PeerAccess> BeginPeerAccess(ConnectionId connection, MrId mr,
-                                             uint32_t rkey, uint64_t address,
-                                             uint64_t length, uint32_t need)
+  // (which the provider found to belong to the MR in slot `mr_slot`, or
+  // kNoMrSlot): the MR there holds exactly `rkey` (so a slot reused since
+  // the key was issued never matches), is valid, in the connection's PD,
+  // covers [address, +length) and grants `need`. On success the MR cannot
+  // be revoked until EndPeerAccess. Errors: PERMISSION_DENIED
+  // "REMOTE_ACCESS_ERROR", one message for every key that does not work
+  // here (a peer must not learn that a key exists elsewhere, W8).
+  absl::StatusOr<PeerAccess> BeginPeerAccess(ConnectionId connection,
+                                             uint32_t mr_slot, uint32_t rkey,
+                                             uint64_t address, uint64_t length,
+                                             uint32_t need)
       ABSL_LOCKS_EXCLUDED(mu_);
   void EndPeerAccess(const PeerAccess& access) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -435,7 +446,6 @@ class DeviceModel : public Device {
   // never reused while a slot is. An MR stays in place until freed (the
   // waits in DestroyMrLocked and UnmapLocked rely on it); a million MRs
   // cost their own size and nothing else.
-  static constexpr int kMrIndexBits = 24;
   mutable Slab<Mr> mrs_ ABSL_GUARDED_BY(mu_);  // mutable: FindMrLocked
   absl::flat_hash_map<LamId, std::unique_ptr<Lam>> lams_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ConnectionId, std::unique_ptr<Connection>> connections_

@@ -71,7 +71,7 @@ absl::StatusOr<uint8_t> KeyTable::NextKeyByte(const Slot& slot) {
   return static_cast<uint8_t>(slot.key_byte + 1 + draw);
 }
 
-absl::StatusOr<uint32_t> KeyTable::Allocate(uint64_t owner) {
+absl::StatusOr<uint32_t> KeyTable::Allocate(uint32_t owner) {
   MRD_CHECK(owner != 0);
   MRD_RETURN_IF_ERROR(FaultPoint(faults_, "keys.allocate"));
   if (in_use_ >= capacity_) {
@@ -120,7 +120,7 @@ void KeyTable::Release(uint32_t key) {
   --in_use_;
 }
 
-uint64_t KeyTable::Lookup(uint32_t key) const {
+uint32_t KeyTable::Lookup(uint32_t key) const {
   const Slot* slot = Find(key >> 8);
   if (slot == nullptr) return 0;
   if (slot->owner == 0 || slot->key_byte != (key & 0xff)) return 0;

@@ -15,10 +15,11 @@
 // device sizes it to cover every registration, LAM and fast-register MR the
 // core's global limits allow), but memory follows use: slots are added in
 // chunks of `chunk_slots` when the free pool runs low, so a table of 1.5 Mi
-// slots costs nothing until keys are taken and about 16 bytes per slot ever
-// grown (plus 4 per free-pool entry) after. Grown chunks are kept.
+// slots costs nothing until keys are taken and 8 bytes per slot ever grown
+// (plus 4 per free-pool entry) after. Grown chunks are kept.
 //
-// An owner is an opaque non-zero id (the device stores MrIds). The device
+// An owner is an opaque non-zero 32-bit value (the device stores the slot
+// of the MR in its MR table, or a LAM tag). The device
 // uses one key per MR for both lkey and rkey.
 //
 // Thread-compatible: the device serializes calls under its own mutex.
@@ -56,7 +57,7 @@ class KeyTable {
   // low. Errors: RESOURCE_EXHAUSTED (STATUS_INSUFFICIENT_RESOURCES
   // "KEYS_EXHAUSTED") when every slot of the capacity is taken, or when the
   // table must grow and no memory is left for it.
-  absl::StatusOr<uint32_t> Allocate(uint64_t owner);
+  absl::StatusOr<uint32_t> Allocate(uint32_t owner);
   // Draws a new key byte for the slot `key` names (which must be held) and
   // returns the new key. The old key stops matching at once.
   absl::StatusOr<uint32_t> Reissue(uint32_t key);
@@ -64,7 +65,7 @@ class KeyTable {
   // key byte is remembered so that the next owner's differs.
   void Release(uint32_t key);
   // The owner holding exactly `key` (index and key byte), or 0.
-  uint64_t Lookup(uint32_t key) const;
+  uint32_t Lookup(uint32_t key) const;
 
   uint32_t capacity() const { return capacity_; }
   uint32_t in_use() const { return in_use_; }
@@ -77,9 +78,10 @@ class KeyTable {
 
  private:
   struct Slot {
-    uint64_t owner = 0;
+    uint32_t owner = 0;
     uint8_t key_byte = 0;
   };
+  static_assert(sizeof(Slot) == 8);
   // A byte different from the slot's current one.
   absl::StatusOr<uint8_t> NextKeyByte(const Slot& slot);
   // Adds the next chunk's slots to the free pool. False when out of memory.

@@ -30,8 +30,9 @@ constexpr uint64_t kMaxMessageSizeLimit = uint64_t{1} << 30;
 constexpr uint64_t kIovaFloorPages = uint64_t{1} << 20;
 constexpr uint64_t kIovaSpreadPages = uint64_t{1} << 24;
 constexpr uint64_t kIovaLimit = uint64_t{1} << 56;
-// Key-table owner tag of LAM privileged keys (L9); MR ids never have it.
-constexpr uint64_t kLamKeyOwnerTag = uint64_t{1} << 63;
+// Key-table owners: an MR's slot in the model's MR table plus one (so never
+// 0, and below 2^24 + 1), or this tag for a LAM's privileged key (L9).
+constexpr uint32_t kLamKeyOwnerTag = uint32_t{1} << 31;
 
 absl::Status IoError(absl::string_view call, int err, uint64_t offset) {
   return MrdError(
@@ -311,7 +312,7 @@ void SoftwareDevice::ProviderUnpin(const MemorySpan& span) {
 }
 
 absl::StatusOr<DeviceModel::Registration> SoftwareDevice::NewKey(
-    uint64_t owner, bool with_object) {
+    uint32_t owner, bool with_object) {
   absl::MutexLock lock(&keys_mu_);
   MRD_ASSIGN_OR_RETURN(uint32_t key, keys_.Allocate(owner));
   return Registration{key, key,
@@ -321,12 +322,12 @@ absl::StatusOr<DeviceModel::Registration> SoftwareDevice::NewKey(
 absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderRegister(
     ProviderState* /*pd*/, const MemorySpan& /*span*/, uint64_t /*iova*/,
     uint32_t /*access*/, uint64_t owner, bool lam) {
-  // Key-table owners are MR ids; a LAM's key is owned by a tagged id so
-  // that no peer lookup can ever resolve it to an MR (L9).
-  // An MR's registration is its key alone: the model keeps no object for
-  // it and releases it with ProviderDeregisterKey.
-  return lam ? NewKey(kLamKeyOwnerTag | owner, /*with_object=*/true)
-             : NewKey(owner, /*with_object=*/false);
+  // A LAM's key is owned by the tag alone, so that no peer lookup can ever
+  // resolve it to an MR (L9). An MR's registration is its key alone: the
+  // model keeps no object for it and releases it with
+  // ProviderDeregisterKey.
+  return lam ? NewKey(kLamKeyOwnerTag, /*with_object=*/true)
+             : NewKey(MrSlot(owner) + 1, /*with_object=*/false);
 }
 
 absl::Status SoftwareDevice::ProviderDeregister(
@@ -344,7 +345,7 @@ absl::Status SoftwareDevice::ProviderDeregisterKey(uint32_t lkey) {
 
 absl::StatusOr<DeviceModel::Registration>
 SoftwareDevice::ProviderAllocateFastMr(ProviderState* /*pd*/, MrId owner) {
-  return NewKey(owner, /*with_object=*/true);
+  return NewKey(MrSlot(owner) + 1, /*with_object=*/true);
 }
 
 absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderFastRegister(
@@ -498,14 +499,15 @@ bool SoftwareDevice::HandleData(const std::shared_ptr<Peer>& peer,
   // The MR the key names. A LAM's privileged key (owner tagged
   // kLamKeyOwnerTag) is local-only (L9): it never names an MR here, so it
   // is refused like any bad key.
-  uint64_t owner = 0;
+  uint32_t owner = 0;
   {
     absl::MutexLock lock(&keys_mu_);
     owner = keys_.Lookup(rkey);
   }
-  const MrId mr = (owner & kLamKeyOwnerTag) != 0 ? 0 : owner;
+  const uint32_t mr_slot =
+      owner == 0 || (owner & kLamKeyOwnerTag) != 0 ? kNoMrSlot : owner - 1;
   absl::StatusOr<PeerAccess> access =
-      BeginPeerAccess(peer->id, mr, rkey, address, length,
+      BeginPeerAccess(peer->id, mr_slot, rkey, address, length,
                       is_read ? kAccessRemoteRead : kAccessRemoteWrite);
   absl::Status status = access.status();
   std::string data;

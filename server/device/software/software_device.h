@@ -201,7 +201,7 @@ class SoftwareDevice final : public DeviceModel {
   // A new key owned by `owner`; with a Key object as the registration's
   // state (LAMs and MR objects, whose key the object carries and a fast
   // registration reissues) or without (an MR: ProviderDeregisterKey).
-  absl::StatusOr<Registration> NewKey(uint64_t owner, bool with_object)
+  absl::StatusOr<Registration> NewKey(uint32_t owner, bool with_object)
       ABSL_LOCKS_EXCLUDED(keys_mu_);
 
   // Peer path: open and close on the listener's reactor, frames on its

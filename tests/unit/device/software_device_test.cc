@@ -786,6 +786,29 @@ TEST_F(SoftwareDeviceTest, DeregisterRevokesTheKeyBeforeItReturns) {
   EXPECT_THAT(peer->Read(keys.rkey, kBase, 8).status(), IsAccessError());
 }
 
+// MR ids name a slot of the model's MR table (low 24 bits) and a sequence
+// number: a new MR may take a freed slot, never a freed id, and the key of
+// the MR that had the slot before reaches nothing.
+TEST_F(SoftwareDeviceTest, AnMrThatReusesASlotGetsANewIdAndKey) {
+  PdId pd = NewPd();
+  MemfdBuffer& buffer = NewBuffer(1);
+  MrKeys first = Register(pd, buffer, 0, 64, kAccessRemoteRead);
+  ASSERT_TRUE(device_->DeregisterMr(first.mr).ok());
+  MrKeys second = Register(pd, buffer, 0, 64, kAccessRemoteRead);
+  constexpr uint64_t kSlotMask = (uint64_t{1} << 24) - 1;
+  EXPECT_EQ(second.mr & kSlotMask, first.mr & kSlotMask);
+  EXPECT_NE(second.mr, first.mr);
+  EXPECT_NE(second.rkey, first.rkey);
+  EXPECT_THAT(device_->DeregisterMr(first.mr),
+              IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR"));
+  EXPECT_THAT(device_->QueryMr(first.mr).status(),
+              IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR"));
+  std::unique_ptr<SoftPeer> peer = Connect(pd);
+  EXPECT_THAT(peer->Read(first.rkey, kBase, 8).status(), IsAccessError());
+  std::unique_ptr<SoftPeer> again = Connect(pd);
+  EXPECT_EQ(*again->Read(second.rkey, kBase, 8), buffer.Bytes(0, 8));
+}
+
 TEST_F(SoftwareDeviceTest, DeregisterWaitsForAPeerReadInFlight) {
   Gate gate;
   SoftwareDeviceOptions options;
