@@ -8,6 +8,7 @@
 // registration gets its own key, bounded to what it asked for.
 #include <atomic>
 #include <cstdint>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -521,6 +522,48 @@ TEST_F(WarmOffTest, WithoutWarmPinsTheLastDeregisterUnpins) {
   EXPECT_EQ(fake_->LiveLamCount(), 0u);
   EXPECT_EQ(fake_->Calls(FakeDevice::Op::kBuildLam), 0u);
   EXPECT_EQ(core_->Stats().warm.kept, 0u);
+}
+
+// Mappings of this test's memfds in the process (/proc/self/maps names them
+// "/memfd:mrd-core-test").
+int TestMemfdMappings() {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(maps, line)) {
+    if (line.find("/memfd:mrd-core-test") != std::string::npos) ++n;
+  }
+  return n;
+}
+
+// Registrations hold their buffer's mapping once per buffer, not each
+// their own copy: the mapping still goes once the last of them is
+// deregistered and the buffer released, in either order.
+TEST_F(WarmOffTest, TheMappingGoesWithTheLastRegistrationOfItsBuffer) {
+  const int before = TestMemfdMappings();
+  std::string session = Connect();
+  for (bool release_first : {false, true}) {
+    v1::BufferInfo buffer = Import(session, 4 * page_);
+    ASSERT_EQ(TestMemfdMappings(), before + 1);
+    std::vector<uint64_t> registrations;
+    for (uint64_t page = 0; page < 3; ++page) {
+      absl::StatusOr<v1::RegisterMrResponse> r = Register(
+          session, buffer.buffer(), page * page_, page_, kMrRemoteRead);
+      ASSERT_TRUE(r.ok()) << r.status();
+      registrations.push_back(r->registration());
+    }
+    if (release_first) {
+      // Releasing the buffer deregisters what is left on it.
+      ASSERT_TRUE(Deregister(session, registrations[0]).ok());
+      ASSERT_TRUE(ReleaseBuffer(session, buffer.buffer()).ok());
+    } else {
+      for (uint64_t r : registrations) ASSERT_TRUE(Deregister(session, r).ok());
+      EXPECT_EQ(TestMemfdMappings(), before + 1);  // the buffer still has it
+      ASSERT_TRUE(ReleaseBuffer(session, buffer.buffer()).ok());
+    }
+    EXPECT_EQ(TestMemfdMappings(), before) << "release_first " << release_first;
+    EXPECT_EQ(fake_->PinnedBytes(), 0u);
+  }
 }
 
 }  // namespace
