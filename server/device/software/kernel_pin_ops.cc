@@ -70,7 +70,12 @@ absl::StatusOr<PinMethod> ParsePinMethod(absl::string_view name) {
 }
 
 KernelPinOps::KernelPinOps(const KernelPinOptions& options, uint64_t page_size)
-    : options_(options), page_size_(page_size) {}
+    : options_(options),
+      page_size_(page_size),
+      max_piece_bytes_(uint64_t{options.max_piece_pages != 0
+                                    ? options.max_piece_pages
+                                    : kMaxPiecePages} *
+                       page_size) {}
 
 absl::StatusOr<std::unique_ptr<KernelPinOps>> KernelPinOps::Create(
     const KernelPinOptions& options, bool log) {
@@ -116,8 +121,10 @@ absl::StatusOr<std::unique_ptr<KernelPinOps>> KernelPinOps::Create(
 
 KernelPinOps::~KernelPinOps() {
   absl::MutexLock lock(&mu_);
-  for (const auto& [start, piece] : pieces_) {
-    if (piece.mlocked) ::syscall(SYS_munlock, start, piece.end - start);
+  for (const auto& entry : pieces_) {
+    if (entry.second.mlocked()) {
+      ::syscall(SYS_munlock, entry.first, End(entry) - entry.first);
+    }
   }
   for (int ring : rings_) ::close(ring);
 }
@@ -140,6 +147,8 @@ std::string KernelPinOps::Describe() const {
 }
 
 int KernelPinOps::AddRingLocked() {
+  // Slot ids stay below kMlocked (4 billion slots: never in practice).
+  if (slots_.size() + options_.slots_per_ring > kMlocked) return ENOSPC;
   struct io_uring_params params;
   std::memset(&params, 0, sizeof(params));
   const long fd = ::syscall(__NR_io_uring_setup, 1, &params);
@@ -195,6 +204,11 @@ void KernelPinOps::ClearLocked(uint32_t slot) {
   free_slots_.push_back(slot);
 }
 
+void KernelPinOps::AddPieceLocked(uint64_t start, uint64_t end, uint32_t slot) {
+  pieces_.emplace(
+      start, Piece{static_cast<uint32_t>((end - start) / page_size_), slot});
+}
+
 void KernelPinOps::ReleaseSlotLocked(uint32_t slot) {
   if (--slots_[slot].pieces == 0) ClearLocked(slot);
 }
@@ -208,15 +222,16 @@ int KernelPinOps::LockIoUringLocked(uint64_t start, uint64_t end) {
     const uint64_t to = boundary != 0 ? std::min(end, boundary) : end;
     uint32_t slot = 0;
     if (err = RegisterLocked(at, to, &slot); err != 0) break;
-    pieces_.emplace(at, Piece{to, false, slot});
+    AddPieceLocked(at, to, slot);
     io_uring_bytes_ += to - at;
     done.emplace_back(at, slot);
     at = to;
   }
   if (err == 0) return 0;
   for (const auto& [at, slot] : done) {
-    io_uring_bytes_ -= pieces_[at].end - at;
-    pieces_.erase(at);
+    auto it = pieces_.find(at);
+    io_uring_bytes_ -= End(*it) - at;
+    pieces_.erase(it);
     ReleaseSlotLocked(slot);
   }
   return err;
@@ -226,12 +241,12 @@ uint64_t KernelPinOps::MlockNeighboursLocked(uint64_t start,
                                              uint64_t end) const {
   uint64_t neighbours = 0;
   auto next = pieces_.lower_bound(start);
-  if (next != pieces_.end() && next->first == end && next->second.mlocked) {
+  if (next != pieces_.end() && next->first == end && next->second.mlocked()) {
     ++neighbours;
   }
   if (next != pieces_.begin()) {
     auto prev = std::prev(next);
-    if (prev->second.end == start && prev->second.mlocked) ++neighbours;
+    if (End(*prev) == start && prev->second.mlocked()) ++neighbours;
   }
   return neighbours;
 }
@@ -250,23 +265,33 @@ int KernelPinOps::LockMlockLocked(uint64_t start, uint64_t end) {
   }
   mlock_runs_ = runs;
   mlocked_bytes_ += end - start;
-  // Coalesce with mlocked neighbours so that a piece is a maximal run.
+  // Coalesce with the adjoining mlocked pieces, so that a run is one piece
+  // unless it is longer than a piece can be.
   uint64_t from = start;
   uint64_t to = end;
   auto next = pieces_.lower_bound(start);
-  if (next != pieces_.end() && next->first == end && next->second.mlocked) {
-    to = next->second.end;
+  if (next != pieces_.end() && next->first == end && next->second.mlocked()) {
+    to = End(*next);
     next = pieces_.erase(next);
   }
   if (next != pieces_.begin()) {
     auto prev = std::prev(next);
-    if (prev->second.end == start && prev->second.mlocked) {
+    if (End(*prev) == start && prev->second.mlocked()) {
       from = prev->first;
       pieces_.erase(prev);
     }
   }
-  pieces_.emplace(from, Piece{to, true, 0});
+  AddMlockedLocked(from, to);
   return 0;
+}
+
+void KernelPinOps::AddMlockedLocked(uint64_t start, uint64_t end) {
+  for (uint64_t at = start; at < end;) {
+    const uint64_t to =
+        end - at > max_piece_bytes_ ? at + max_piece_bytes_ : end;
+    AddPieceLocked(at, to, kMlocked);
+    at = to;
+  }
 }
 
 int KernelPinOps::Lock(uint64_t address, uint64_t length) {
@@ -285,7 +310,7 @@ int KernelPinOps::LockAny(uint64_t address, uint64_t length, bool huge_pages) {
   // The tracker locks only pages no one pins; an overlap is a caller bug.
   auto it = pieces_.lower_bound(start);
   if ((it != pieces_.end() && it->first < end) ||
-      (it != pieces_.begin() && std::prev(it)->second.end > start)) {
+      (it != pieces_.begin() && End(*std::prev(it)) > start)) {
     return EEXIST;
   }
   if (huge_pages && options_.method != PinMethod::kIoUring) {
@@ -303,23 +328,27 @@ int KernelPinOps::LockAny(uint64_t address, uint64_t length, bool huge_pages) {
   return LockMlockLocked(start, end);
 }
 
-int KernelPinOps::UnlockPieceLocked(
-    absl::btree_map<uint64_t, Piece>::iterator it, uint64_t from, uint64_t to) {
+int KernelPinOps::UnlockPieceLocked(PieceMap::iterator it, uint64_t from,
+                                    uint64_t to) {
   const uint64_t start = it->first;
+  const uint64_t end = End(*it);
   const Piece piece = it->second;
   from = std::max(from, start);
-  to = std::min(to, piece.end);
+  to = std::min(to, end);
   std::vector<std::pair<uint64_t, uint64_t>> rest;
   if (start < from) rest.emplace_back(start, from);
-  if (to < piece.end) rest.emplace_back(to, piece.end);
+  if (to < end) rest.emplace_back(to, end);
   pieces_.erase(it);
 
-  if (piece.mlocked) {
+  if (piece.mlocked()) {
     int err = 0;
     if (::syscall(SYS_munlock, from, to - from) != 0) err = errno;
     mlocked_bytes_ -= to - from;
-    mlock_runs_ = mlock_runs_ - 1 + rest.size();
-    for (const auto& [a, b] : rest) pieces_.emplace(a, Piece{b, true, 0});
+    for (const auto& [a, b] : rest) AddMlockedLocked(a, b);
+    // The piece's run leaves a run on each side of the hole that still has
+    // mlocked pages next to it: what is left of the piece, or the run's
+    // other pieces (the exact inverse of LockMlockLocked's count).
+    mlock_runs_ = mlock_runs_ - 1 + MlockNeighboursLocked(from, to);
     return err;
   }
 
@@ -337,18 +366,18 @@ int KernelPinOps::UnlockPieceLocked(
     // Keep the old slot: the rest stays pinned through it, and so do the
     // released pages until the rest goes too.
     LogWarning("could not re-pin ", rest.size(), " pieces of io_uring slot ",
-               piece.slot, " (", Hex(start), "+", piece.end - start,
+               piece.slot, " (", Hex(start), "+", end - start,
                "): ", std::strerror(err), "; ", to - from, " bytes at ",
                Hex(from), " stay pinned until the rest is released");
     for (const auto& [a, b] : rest) {
-      pieces_.emplace(a, Piece{b, false, piece.slot});
+      AddPieceLocked(a, b, piece.slot);
       ++slots_[piece.slot].pieces;
     }
     ReleaseSlotLocked(piece.slot);
     return 0;
   }
   for (size_t i = 0; i < rest.size(); ++i) {
-    pieces_.emplace(rest[i].first, Piece{rest[i].second, false, fresh[i]});
+    AddPieceLocked(rest[i].first, rest[i].second, fresh[i]);
   }
   ReleaseSlotLocked(piece.slot);
   return 0;
@@ -362,10 +391,10 @@ int KernelPinOps::Unlock(uint64_t address, uint64_t length) {
   int first_err = 0;
   uint64_t cursor = start;
   auto it = pieces_.upper_bound(start);
-  if (it != pieces_.begin() && std::prev(it)->second.end > start) --it;
+  if (it != pieces_.begin() && End(*std::prev(it)) > start) --it;
   while (it != pieces_.end() && it->first < end) {
     if (it->first > cursor && first_err == 0) first_err = ENOENT;
-    const uint64_t next_start = it->second.end;
+    const uint64_t next_start = End(*it);
     cursor = next_start;
     int err = UnlockPieceLocked(it, start, end);
     if (err != 0 && first_err == 0) first_err = err;
@@ -403,6 +432,11 @@ uint64_t KernelPinOps::StaleBytes() const {
 uint64_t KernelPinOps::MapSplits() const {
   absl::MutexLock lock(&mu_);
   return 2 * mlock_runs_;
+}
+
+size_t KernelPinOps::Pieces() const {
+  absl::MutexLock lock(&mu_);
+  return pieces_.size();
 }
 
 }  // namespace mrd::device

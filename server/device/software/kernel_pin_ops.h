@@ -23,7 +23,9 @@
 // counted as VMA splits, two per maximal locked run (the most a run can
 // cost), and a Lock that would take the count past `max_map_splits` fails
 // with kErrMapBudget (the tracker refuses with LIMIT_MEMORY_MAPS) instead of
-// letting the process reach vm.max_map_count.
+// letting the process reach vm.max_map_count. A run is held as one piece, or
+// as several adjoining ones when it is longer than a piece can be
+// (kMaxPiecePages pages: 16 TiB of 4 KiB pages).
 //
 // Thread-safe; system calls are made under the object's lock.
 #ifndef MRD_SERVER_DEVICE_SOFTWARE_KERNEL_PIN_OPS_H_
@@ -63,12 +65,17 @@ struct KernelPinOptions {
   // above the process's map count at creation (the rest is the reserve for
   // gRPC, libraries, thread stacks and buffer mappings).
   uint64_t max_map_splits = 0;
+  // Pages of the longest mlocked piece (a longer run is held as several);
+  // 0 = KernelPinOps::kMaxPiecePages. For tests, which cannot mlock 16 TiB.
+  uint32_t max_piece_pages = 0;
 };
 
 class KernelPinOps final : public PinOps {
  public:
   static constexpr uint32_t kMaxSlotsPerRing = 16384;
   static constexpr uint64_t kMaxSlotSpan = uint64_t{1} << 30;
+  // Pages of the longest piece (its length is a uint32_t count of pages).
+  static constexpr uint32_t kMaxPiecePages = ~uint32_t{0};
 
   // INVALID_ARGUMENT "BAD_OPTION" for bad options; with kIoUring,
   // FAILED_PRECONDITION "IO_URING_UNAVAILABLE" when no ring can be created.
@@ -108,6 +115,9 @@ class KernelPinOps final : public PinOps {
   uint64_t StaleBytes() const;
   // VMA splits mlock may have caused (two per maximal mlocked run).
   uint64_t MapSplits() const;
+  // Entries of the piece map: a piece per io_uring slot reference, and one
+  // or more per maximal mlocked run.
+  size_t Pieces() const;
 
  private:
   // 8 bytes: one per io_uring-pinned registration (the range itself is in
@@ -117,11 +127,24 @@ class KernelPinOps final : public PinOps {
     uint32_t pieces = 0;  // pieces_ entries that point here; 0 = free
   };
   static_assert(kMaxSlotSpan <= uint64_t{1} << 31);
+  // The slot of an mlocked piece; never a slot's id (AddRingLocked).
+  static constexpr uint32_t kMlocked = ~uint32_t{0};
+  // 8 bytes, so that a B-tree entry (start and piece) is 16. Pieces are
+  // page-aligned: a piece ends `pages` pages after its start (End).
   struct Piece {
-    uint64_t end = 0;
-    bool mlocked = false;
-    uint32_t slot = 0;  // if !mlocked
+    uint32_t pages = 0;        // 1 to kMaxPiecePages (an io_uring piece is
+                               // within a slot span: at most 1 GiB)
+    uint32_t slot = kMlocked;  // the io_uring slot, or kMlocked
+    bool mlocked() const { return slot == kMlocked; }
   };
+  static_assert(sizeof(Piece) == 8);
+  static_assert(kMaxSlotSpan <= kMaxPiecePages);  // at any page size
+  using PieceMap = absl::btree_map<uint64_t, Piece>;
+
+  // The end of the piece of `entry` (start, piece).
+  uint64_t End(const PieceMap::value_type& entry) const {
+    return entry.first + uint64_t{entry.second.pages} * page_size_;
+  }
 
   KernelPinOps(const KernelPinOptions& options, uint64_t page_size);
 
@@ -132,24 +155,34 @@ class KernelPinOps final : public PinOps {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Empties a slot (the kernel unpins its pages) and frees it.
   void ClearLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds [start, end) (page-aligned, at most kMaxPiecePages pages, and no
+  // piece overlaps it) as a piece of `slot` (kMlocked: an mlocked piece).
+  void AddPieceLocked(uint64_t start, uint64_t end, uint32_t slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops one piece's reference on `slot`, clearing it at zero.
   void ReleaseSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int LockIoUringLocked(uint64_t start, uint64_t end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int LockMlockLocked(uint64_t start, uint64_t end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Unpins [from, to) of the piece at `it`, keeping the rest pinned.
+  // Adds [start, end), which no piece overlaps, as mlocked pieces of at most
+  // max_piece_bytes_ each.
+  void AddMlockedLocked(uint64_t start, uint64_t end)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int LockAny(uint64_t address, uint64_t length, bool huge_pages)
       ABSL_LOCKS_EXCLUDED(mu_);
-  int UnlockPieceLocked(absl::btree_map<uint64_t, Piece>::iterator it,
-                        uint64_t from, uint64_t to)
+  // Unpins [from, to) of the piece at `it`, keeping the rest pinned.
+  int UnlockPieceLocked(PieceMap::iterator it, uint64_t from, uint64_t to)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Number of maximal mlocked runs that [start, end) touches or adjoins.
+  // Number of maximal mlocked runs that adjoin [start, end), which no piece
+  // overlaps: 0, 1 or 2 (an mlocked piece ending at `start`, one starting
+  // at `end`).
   uint64_t MlockNeighboursLocked(uint64_t start, uint64_t end) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const KernelPinOptions options_;
   const uint64_t page_size_;
+  const uint64_t max_piece_bytes_;  // of an mlocked piece
   bool io_uring_ok_ = false;
   std::string io_uring_error_;
   uint64_t max_map_splits_ = 0;
@@ -158,10 +191,11 @@ class KernelPinOps final : public PinOps {
   std::vector<int> rings_ ABSL_GUARDED_BY(mu_);   // ring fds
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);  // ring i: [i*n, (i+1)*n)
   std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
-  // Disjoint; a B-tree, at about 28 bytes a piece where a std::map node
-  // costs 64 (one piece per io_uring-pinned registration). Iterators do not
-  // survive an insert or erase: every loop looks up again after one.
-  absl::btree_map<uint64_t, Piece> pieces_ ABSL_GUARDED_BY(mu_);
+  // Disjoint, by start; a B-tree, at about 18 bytes a piece filled in
+  // address order (21 in random order) where a std::map node costs 64 (one
+  // piece per io_uring-pinned registration). Iterators do not survive an
+  // insert or erase: every loop looks up again after one.
+  PieceMap pieces_ ABSL_GUARDED_BY(mu_);
   uint64_t io_uring_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t registered_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // sum of live slots
   uint64_t mlocked_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -29,6 +30,7 @@ using ::mrd::device::testing::MemfdBuffer;
 using ::mrd::device::testing::PageSize;
 using ::mrd::test_support::KernelPinnedBytes;
 using ::mrd::test_support::KernelPinnedBytesSettled;
+using ::testing::Pair;
 
 // Memory maps (VMAs) of this process overlapping [begin, end): what pinning
 // a buffer may split. Counting only the buffer's own range keeps the
@@ -344,6 +346,67 @@ TEST(KernelPinMlockTest, MapSplitsPastTheBudgetAreRefused) {
   }
   EXPECT_EQ(ops->MapSplits(), 0u);
   EXPECT_EQ(KernelPinnedBytes(), before);
+}
+
+// A piece holds at most kMaxPiecePages pages (16 TiB of 4 KiB pages), so a
+// longer mlocked run is held as several adjoining pieces; here pieces of 3
+// pages stand in for that. The run is still one run: adjoining pieces are
+// coalesced and re-cut, an Unlock across pieces reports no hole, and the
+// map splits count runs, never pieces.
+TEST(KernelPinMlockTest, LongRunsAreHeldAsSeveralPieces) {
+  const uint64_t ps = PageSize();
+  const uint64_t before = KernelPinnedBytesSettled(0);
+  std::unique_ptr<KernelPinOps> ops = Make({.method = PinMethod::kMlock,
+                                            .max_map_splits = 100,
+                                            .max_piece_pages = 3});
+  ASSERT_NE(ops, nullptr);
+  std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(16);
+  ASSERT_NE(buffer, nullptr);
+  const uint64_t base = reinterpret_cast<uint64_t>(buffer->data());
+  auto page = [&](uint64_t n) { return base + n * ps; };
+  auto pieces_and_splits = [&] {
+    return std::make_pair(ops->Pieces(), ops->MapSplits());
+  };
+
+  ASSERT_EQ(ops->Lock(page(0), 10 * ps), 0);  // [0,3) [3,6) [6,9) [9,10)
+  EXPECT_THAT(pieces_and_splits(), Pair(4, 2));
+  EXPECT_EQ(ops->MlockedBytes(), 10 * ps);
+  EXPECT_EQ(KernelPinnedBytes() - before, 10 * ps);
+  ASSERT_EQ(ops->Lock(page(10), 2 * ps), 0);  // [9,10) grows to [9,12)
+  EXPECT_THAT(pieces_and_splits(), Pair(4, 2));
+  ASSERT_EQ(ops->Lock(page(13), ps), 0);  // a second run
+  EXPECT_THAT(pieces_and_splits(), Pair(5, 4));
+  ASSERT_EQ(ops->Lock(page(12), ps), 0);  // joins them: [9,12) [12,14)
+  EXPECT_THAT(pieces_and_splits(), Pair(5, 2));
+  EXPECT_EQ(ops->Lock(page(8), 2 * ps), EEXIST);
+
+  // A hole inside a piece: [0,3) [3,4) | [5,6) [6,9) [9,12) [12,14).
+  ASSERT_EQ(ops->Unlock(page(4), ps), 0);
+  EXPECT_THAT(pieces_and_splits(), Pair(6, 4));
+  // A whole piece inside a run still cuts the run in two.
+  ASSERT_EQ(ops->Unlock(page(6), 3 * ps), 0);
+  EXPECT_THAT(pieces_and_splits(), Pair(5, 6));
+  EXPECT_EQ(ops->MlockedBytes(), 10 * ps);
+  EXPECT_EQ(KernelPinnedBytes() - before, 10 * ps);
+  // One Unlock across two pieces of one run: no hole, one run less.
+  ASSERT_EQ(ops->Unlock(page(0), 4 * ps), 0);
+  EXPECT_THAT(pieces_and_splits(), Pair(3, 4));
+  // The end of a run, across its pieces: [5,6) [9,11) stay.
+  ASSERT_EQ(ops->Unlock(page(11), 3 * ps), 0);
+  EXPECT_THAT(pieces_and_splits(), Pair(2, 4));
+  EXPECT_EQ(ops->MlockedBytes(), 3 * ps);
+  // Across the hole [6,9): reported, and the rest is unlocked anyway.
+  EXPECT_EQ(ops->Unlock(page(5), 6 * ps), ENOENT);
+  EXPECT_THAT(pieces_and_splits(), Pair(0, 0));
+  EXPECT_EQ(ops->MlockedBytes(), 0u);
+  EXPECT_EQ(KernelPinnedBytesSettled(before), before);
+
+  // What is left locked, in several pieces, is unlocked on destruction.
+  ASSERT_EQ(ops->Lock(page(1), 7 * ps), 0);
+  EXPECT_EQ(ops->Pieces(), 3u);
+  EXPECT_EQ(KernelPinnedBytes() - before, 7 * ps);
+  ops.reset();
+  EXPECT_EQ(KernelPinnedBytesSettled(before), before);
 }
 
 }  // namespace
