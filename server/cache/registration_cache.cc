@@ -6,14 +6,49 @@
 #include "mrd/status.h"
 
 namespace mrd::cache {
+namespace {
 
-RegistrationCache::~RegistrationCache() {
-  absl::MutexLock lock(&mu_);
-  // No caller can be inside (or waiting in) the cache by now: every entry
-  // is in by_id_.
-  for (Entry* entry : by_id_) delete entry;
-  by_id_.clear();
-  by_key_.clear();
+constexpr uint64_t kSequenceLimit = uint64_t{1} << 40;
+
+absl::Status UnknownRegistration(uint64_t entry_id) {
+  return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_REGISTRATION",
+                  absl::StrCat("registration ", entry_id, " does not exist"));
+}
+
+}  // namespace
+
+// No caller can be inside (or waiting in) the cache by now: the tables own
+// every entry, and the slabs destroy them and the memories' shared pointers.
+RegistrationCache::~RegistrationCache() = default;
+
+CacheKey RegistrationCache::KeyOfLocked(const Entry& entry) const {
+  const Source& source = sources_.Get(entry.source);
+  CacheKey key;
+  key.session = source.first;
+  key.buffer = source.second;
+  key.offset = entry.offset;
+  key.length = entry.length;
+  key.access = entry.access;
+  key.base_address = entry.base_address;
+  return key;
+}
+
+std::optional<uint32_t> RegistrationCache::FindKeyLocked(
+    const CacheKey& key) const {
+  std::optional<uint32_t> source = sources_.Find({key.session, key.buffer});
+  if (!source.has_value()) return std::nullopt;
+  auto it = by_key_.find(
+      EntryKey{*source, key.access, key.offset, key.length, key.base_address});
+  if (it == by_key_.end()) return std::nullopt;
+  return *it;
+}
+
+void RegistrationCache::SetKeyLocked(Entry& entry, const CacheKey& key) {
+  entry.source = sources_.Ref({key.session, key.buffer});
+  entry.offset = key.offset;
+  entry.length = key.length;
+  entry.access = key.access;
+  entry.base_address = key.base_address;
 }
 
 absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
@@ -21,30 +56,43 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
   Entry* entry = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    for (auto it = by_key_.find(key); it != by_key_.end();
-         it = by_key_.find(key)) {
-      Entry* found = *it;
-      if (found->state == State::kReady) {
+    for (std::optional<uint32_t> slot = FindKeyLocked(key); slot.has_value();
+         slot = FindKeyLocked(key)) {
+      Entry* found = entries_.Get(*slot);
+      if (found->state == kReady) {
         // The hit: a ready entry in by_key_ is never being torn down.
         ++found->references;
         ++stats_.hits;
-        return AcquireResult{found->id, found->registration, found->references,
-                             /*hit=*/true};
+        return AcquireResult{found->id, RegistrationOf(*found),
+                             found->references, /*hit=*/true};
       }
-      // Being created: wait for it; `waiters` keeps it alive meanwhile.
-      ++found->waiters;
+      // Being created: wait for it; counted in waiters_, which keeps it
+      // alive meanwhile.
+      ++waiters_[found];
+      found->waited = true;
       mu_.Await(absl::Condition(
-          +[](Entry* e) { return e->state != State::kCreating; }, found));
-      --found->waiters;
+          +[](Entry* e) { return e->state != kCreating; }, found));
+      auto waiting = waiters_.find(found);
+      const bool last = --waiting->second == 0;
+      if (last) {
+        waiters_.erase(waiting);
+        found->waited = false;
+      }
       if (found->removed) {
         // Failed, released (or invalidated) while we waited: the last
-        // waiter deletes it.
-        const bool failed = found->state == State::kFailed;
-        absl::Status failure = found->failure;
-        if (found->waiters == 0) delete found;
+        // waiter frees it, and its failure.
+        absl::Status failure;
+        if (found->state == kFailed) {
+          auto f = failures_.find(found);
+          if (f != failures_.end()) {
+            failure = f->second;
+            if (last) failures_.erase(f);
+          }
+        }
+        if (last) FreeLocked(found);
         // Its maker's caller gave up: that says nothing about this call,
         // which makes the registration itself.
-        if (failed && failure.code() != absl::StatusCode::kCancelled) {
+        if (!failure.ok() && failure.code() != absl::StatusCode::kCancelled) {
           return failure;
         }
         // Look again, so that a registration being torn down is never
@@ -53,63 +101,118 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
       }
       ++found->references;
       ++stats_.hits;
-      return AcquireResult{found->id, found->registration, found->references,
+      return AcquireResult{found->id, RegistrationOf(*found), found->references,
                            /*hit=*/true};
     }
-    auto fresh = std::make_unique<Entry>();
-    fresh->id = next_id_++;
-    fresh->key = key;
-    entry = fresh.release();
-    by_id_.insert(entry);
-    by_key_.insert(entry);
+    std::optional<uint32_t> slot = entries_.Allocate();
+    if (!slot.has_value()) {
+      return MrdError(
+          absl::StatusCode::kResourceExhausted, "LIMIT_CACHE_ENTRIES",
+          absl::StrCat("the registration cache is full (", entries_.size(),
+                       " entries of at most ", entries_.capacity(),
+                       ") or out of memory; release some first"));
+    }
+    if (next_sequence_ == kSequenceLimit) next_sequence_ = 1;
+    entry = entries_.Get(*slot);
+    entry->id = (next_sequence_++ << kSlotBits) | *slot;
+    SetKeyLocked(*entry, key);
+    by_key_.insert(*slot);
+    ++entries_in_tables_;
     ++creating_;
     ++stats_.misses;
   }
 
-  // The device call runs without the cache lock; the entry stays in by_id_
-  // (nothing else removes an entry being created) until this thread does.
+  // The device call runs without the cache lock; the entry stays in its
+  // slot (nothing else removes an entry being created) until this thread
+  // takes it out.
   absl::StatusOr<CachedRegistration> created = create();
 
   absl::MutexLock lock(&mu_);
   --creating_;
   if (!created.ok()) {
-    entry->state = State::kFailed;
-    entry->failure = created.status();
+    entry->state = kFailed;
+    if (entry->waited) failures_.emplace(entry, created.status());
     RemoveLocked(entry);
     return created.status();
   }
-  entry->state = State::kReady;
-  entry->registration = *std::move(created);
+  entry->state = kReady;
+  SetRegistrationLocked(*entry, *created);
   entry->references = 1;
-  return AcquireResult{entry->id, entry->registration, 1, /*hit=*/false};
+  return AcquireResult{entry->id, *std::move(created), 1, /*hit=*/false};
+}
+
+RegistrationCache::Entry* RegistrationCache::FindLocked(
+    uint64_t entry_id) const {
+  Entry* entry = entries_.Get(entry_id & kSlotMask);
+  if (entry != nullptr && entry->id == entry_id && !entry->removed) {
+    return entry;
+  }
+  if (restored_.empty()) return nullptr;
+  auto it = restored_.find(entry_id);
+  return it == restored_.end() ? nullptr : it->second.get();
 }
 
 RegistrationCache::Entry* RegistrationCache::FindReadyLocked(
     uint64_t entry_id) const {
-  auto it = by_id_.find(entry_id);
-  if (it == by_id_.end() || (*it)->state != State::kReady) return nullptr;
-  return *it;
+  Entry* entry = FindLocked(entry_id);
+  if (entry == nullptr || entry->state != kReady) return nullptr;
+  return entry;
 }
 
 void RegistrationCache::RemoveLocked(Entry* entry) {
   EraseKeyOf(*entry);
   entry->removed = true;
-  by_id_.erase(entry->id);
-  if (entry->waiters == 0) delete entry;
+  --entries_in_tables_;
+  if (!entry->waited) FreeLocked(entry);
+}
+
+void RegistrationCache::FreeLocked(Entry* entry) {
+  if (entry->memory != 0) memories_.Unref(entry->memory - 1);
+  sources_.Unref(entry->source);
+  if (entry->restored) {
+    restored_.erase(entry->id);
+  } else {
+    entries_.Free(static_cast<uint32_t>(entry->id & kSlotMask));
+  }
+}
+
+CachedRegistration RegistrationCache::RegistrationOf(const Entry& entry) const {
+  CachedRegistration registration;
+  registration.device_mr = entry.device_mr;
+  registration.lkey = entry.lkey;
+  registration.rkey = entry.rkey;
+  registration.pinned_bytes = entry.pinned_bytes;
+  if (entry.memory != 0) registration.memory = memories_.Get(entry.memory - 1);
+  return registration;
+}
+
+void RegistrationCache::SetRegistrationLocked(
+    Entry& entry, const CachedRegistration& registration) {
+  entry.device_mr = registration.device_mr;
+  entry.lkey = registration.lkey;
+  entry.rkey = registration.rkey;
+  entry.pinned_bytes = registration.pinned_bytes;
+  const std::shared_ptr<const void>& memory = registration.memory;
+  if (memory == nullptr && memory.use_count() == 0) return;  // none
+  entry.memory = memories_.Ref(memory) + 1;
+}
+
+CachedRegistration RegistrationCache::TakeRegistrationLocked(Entry& entry) {
+  CachedRegistration registration = RegistrationOf(entry);
+  if (entry.memory != 0) memories_.Unref(entry.memory - 1);
+  entry.memory = 0;
+  return registration;
 }
 
 absl::StatusOr<ReleaseResult> RegistrationCache::Release(uint64_t entry_id) {
   absl::MutexLock lock(&mu_);
   Entry* entry = FindReadyLocked(entry_id);
-  if (entry == nullptr) {
-    return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_REGISTRATION",
-                    absl::StrCat("registration ", entry_id, " does not exist"));
-  }
+  if (entry == nullptr) return UnknownRegistration(entry_id);
   ReleaseResult result;
-  result.key = entry->key;
+  result.key = KeyOfLocked(*entry);
   result.references = --entry->references;
   if (entry->references == 0) {
-    result.released = std::move(entry->registration);
+    result.released = TakeRegistrationLocked(*entry);
     ++stats_.releases;
     RemoveLocked(entry);
   }
@@ -119,14 +222,13 @@ absl::StatusOr<ReleaseResult> RegistrationCache::Release(uint64_t entry_id) {
 std::optional<AcquireResult> RegistrationCache::TryAcquireReady(
     const CacheKey& key) {
   absl::MutexLock lock(&mu_);
-  auto it = by_key_.find(key);
-  if (it == by_key_.end() || (*it)->state != State::kReady) {
-    return std::nullopt;
-  }
-  Entry& found = **it;
+  std::optional<uint32_t> slot = FindKeyLocked(key);
+  if (!slot.has_value()) return std::nullopt;
+  Entry& found = *entries_.Get(*slot);
+  if (found.state != kReady) return std::nullopt;
   ++found.references;
   ++stats_.hits;
-  return AcquireResult{found.id, found.registration, found.references,
+  return AcquireResult{found.id, RegistrationOf(found), found.references,
                        /*hit=*/true};
 }
 
@@ -141,30 +243,37 @@ bool RegistrationCache::ReleaseIfNotLast(uint64_t entry_id, uint32_t* left) {
 void RegistrationCache::EraseKeyOf(const Entry& entry) {
   // A restored entry is out of the key set, and its key may name a newer
   // entry by now: only the entry itself is erased.
-  if (entry.removed) return;
-  auto it = by_key_.find(entry.key);
-  if (it != by_key_.end() && *it == &entry) {
-    by_key_.erase(it);
-  }
+  if (entry.removed || entry.restored) return;
+  const uint32_t slot = static_cast<uint32_t>(entry.id & kSlotMask);
+  auto it = by_key_.find(slot);  // finds the entry of the same key
+  if (it != by_key_.end() && *it == slot) by_key_.erase(it);
 }
 
 absl::Status RegistrationCache::Restore(
     uint64_t entry_id, const CacheKey& key,
     const CachedRegistration& registration) {
   absl::MutexLock lock(&mu_);
-  if (by_id_.contains(entry_id)) {
+  if (FindLocked(entry_id) != nullptr) {
     return MrdError(absl::StatusCode::kFailedPrecondition, "ENTRY_IN_USE",
                     absl::StrCat("registration ", entry_id, " exists"));
   }
+  if (restored_.size() >= kMaxRestored) {
+    return MrdError(absl::StatusCode::kResourceExhausted, "LIMIT_CACHE_ENTRIES",
+                    absl::StrCat("registration ", entry_id,
+                                 " cannot be restored: ", restored_.size(),
+                                 " restored registrations already"));
+  }
   auto entry = std::make_unique<Entry>();
   entry->id = entry_id;
-  entry->key = key;
-  entry->state = State::kReady;
-  entry->registration = registration;
+  SetKeyLocked(*entry, key);
+  entry->state = kReady;
+  entry->restored = true;
+  SetRegistrationLocked(*entry, registration);
   entry->references = 1;
   // Reachable by id only (out of by_key_): a new Acquire of the key makes
   // a new registration. Not `removed`: Release and Invalidate remove it.
-  by_id_.insert(entry.release());
+  restored_.emplace(entry_id, std::move(entry));
+  ++entries_in_tables_;
   if (stats_.releases > 0) --stats_.releases;
   return absl::OkStatus();
 }
@@ -173,11 +282,8 @@ absl::StatusOr<CachedRegistration> RegistrationCache::Invalidate(
     uint64_t entry_id) {
   absl::MutexLock lock(&mu_);
   Entry* entry = FindReadyLocked(entry_id);
-  if (entry == nullptr) {
-    return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_REGISTRATION",
-                    absl::StrCat("registration ", entry_id, " does not exist"));
-  }
-  CachedRegistration registration = std::move(entry->registration);
+  if (entry == nullptr) return UnknownRegistration(entry_id);
+  CachedRegistration registration = TakeRegistrationLocked(*entry);
   entry->references = 0;
   ++stats_.invalidations;
   RemoveLocked(entry);
@@ -194,21 +300,21 @@ std::optional<CacheKey> RegistrationCache::KeyOf(uint64_t entry_id) const {
   absl::MutexLock lock(&mu_);
   const Entry* entry = FindReadyLocked(entry_id);
   if (entry == nullptr) return std::nullopt;
-  return entry->key;
+  return KeyOfLocked(*entry);
 }
 
 std::optional<EntryView> RegistrationCache::View(uint64_t entry_id) const {
   absl::MutexLock lock(&mu_);
   const Entry* entry = FindReadyLocked(entry_id);
   if (entry == nullptr) return std::nullopt;
-  return EntryView{entry->key, entry->registration.lkey,
-                   entry->registration.rkey, entry->references};
+  return EntryView{KeyOfLocked(*entry), entry->lkey, entry->rkey,
+                   entry->references};
 }
 
 CacheStats RegistrationCache::Stats() const {
   absl::MutexLock lock(&mu_);
   CacheStats stats = stats_;
-  stats.entries = by_id_.size() - creating_;
+  stats.entries = entries_in_tables_ - creating_;
   return stats;
 }
 

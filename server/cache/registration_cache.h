@@ -29,27 +29,35 @@
 // pin's accounting as well. A contained registration is counted against the
 // pinned-bytes limits on its own: the limits never under-count.
 //
-// Thread-safe. Every operation is O(log n) in the number of entries (two
-// B-trees); a hit copies no shared pointer and takes the lock once. Memory:
-// an entry is one allocation, indexed by id and by key with one pointer
-// each; no shared-pointer block (a million registrations pay for each byte
-// here, docs/PERFORMANCE.md).
+// Thread-safe. Every operation is O(log n) in the number of entries (a
+// B-tree by key; an id names its entry's slot); a hit copies no shared
+// pointer but the memory's and takes the lock once. Memory: an entry is a
+// 72-byte slot of a slab (no allocator header, no shared-pointer block),
+// indexed by key with 4 bytes in a B-tree; its session and buffer and its
+// memory's shared pointer are kept once for all the entries of a buffer (a
+// million registrations pay for each byte here, docs/PERFORMANCE.md). At
+// most 2^24 entries at once, as many as the device has MRs.
 #ifndef MRD_SERVER_CACHE_REGISTRATION_CACHE_H_
 #define MRD_SERVER_CACHE_REGISTRATION_CACHE_H_
 
 #include <compare>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/btree_map.h"
 #include "absl/container/btree_set.h"
 #include "absl/functional/function_ref.h"
 #include "absl/hash/hash.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/common/log.h"
+#include "server/common/slab.h"
 
 namespace mrd::cache {
 
@@ -86,7 +94,9 @@ struct CachedRegistration {
 };
 
 struct AcquireResult {
-  uint64_t entry = 0;  // registration id, unique for the cache's lifetime
+  // Registration id, unique for the cache's lifetime (its first 2^40
+  // registrations; never 0).
+  uint64_t entry = 0;
   CachedRegistration registration;
   uint32_t references = 0;  // after this Acquire
   bool hit = false;
@@ -125,7 +135,9 @@ class RegistrationCache {
   RegistrationCache& operator=(const RegistrationCache&) = delete;
 
   // Returns the entry for `key`, creating it with `create` on a miss.
-  // Errors: whatever `create` returned (also to concurrent waiters).
+  // Errors: whatever `create` returned (also to concurrent waiters);
+  // RESOURCE_EXHAUSTED (LIMIT_CACHE_ENTRIES) on a miss when 2^24 entries
+  // exist, before `create` is called.
   absl::StatusOr<AcquireResult> Acquire(const CacheKey& key, CreateFn create);
 
   // Takes one reference of `entry` away. NOT_FOUND if unknown.
@@ -141,7 +153,8 @@ class RegistrationCache {
 
   // Puts back a released entry whose deregistration failed, with one
   // reference, reachable by id only (never handed out by key again), so the
-  // caller can retry its release. FAILED_PRECONDITION if the id is in use.
+  // caller can retry its release. FAILED_PRECONDITION if the id is in use;
+  // RESOURCE_EXHAUSTED if 2^20 restored entries exist.
   absl::Status Restore(uint64_t entry, const CacheKey& key,
                        const CachedRegistration& registration);
 
@@ -158,60 +171,201 @@ class RegistrationCache {
   CacheStats Stats() const;
 
  private:
-  enum class State : uint8_t { kCreating, kReady, kFailed };
-  // Owned by by_id_ while in it. An entry that left both tables
-  // (`removed`) while callers wait on it is deleted by the last of them.
+  enum State : uint8_t { kCreating, kReady, kFailed };
+
+  // An entry's id is its slot in entries_ (the low kSlotBits) under a
+  // sequence number that grows with every entry made (the high 40 bits): an
+  // id finds its entry without an index, and is not reused before 2^40
+  // entries were made. A restored entry keeps the id it had (its slot may be
+  // taken by then) and lives in restored_ instead.
+  static constexpr int kSlotBits = 24;
+  static constexpr uint64_t kSlotMask = (uint64_t{1} << kSlotBits) - 1;
+  static constexpr uint32_t kMaxEntries = uint32_t{1} << kSlotBits;
+  // At most this many restored entries at once (each still holds a device
+  // MR, so the device refuses long before).
+  static constexpr uint32_t kMaxRestored = uint32_t{1} << 20;
+  // Each entry uses one source and at most one memory.
+  static constexpr uint32_t kMaxShared = kMaxEntries + kMaxRestored;
+
+  // Values that many entries share (a buffer's session and id, its
+  // memory), each kept once with a count of its users and named by its slot
+  // (4 bytes in an entry). Not thread-safe.
+  template <typename V, typename Less>
+  class Shared {
+   public:
+    explicit Shared(uint32_t max_slots)
+        : slots_(max_slots), index_(SlotLess{&slots_}) {}
+    // The slot of `value`, or nullopt.
+    std::optional<uint32_t> Find(const V& value) const {
+      auto it = index_.find(value);
+      if (it == index_.end()) return std::nullopt;
+      return *it;
+    }
+    // The slot of `value`, kept from now on if new, with one user more.
+    uint32_t Ref(const V& value) {
+      std::optional<uint32_t> slot = Find(value);
+      if (!slot.has_value()) {
+        // Never full (as many slots as users can be): out of memory only,
+        // as fatal here as in the B-trees' allocations.
+        slot = slots_.Allocate();
+        MRD_CHECK(slot.has_value());
+        slots_.Get(*slot)->value = value;
+        index_.insert(*slot);
+      }
+      ++slots_.Get(*slot)->users;
+      return *slot;
+    }
+    // One user fewer; the value goes with its last.
+    void Unref(uint32_t slot) {
+      if (--slots_.Get(slot)->users > 0) return;
+      index_.erase(slot);
+      slots_.Free(slot);
+    }
+    const V& Get(uint32_t slot) const { return slots_.Get(slot)->value; }
+
+   private:
+    struct Slot {
+      V value{};
+      uint32_t users = 0;
+    };
+    struct SlotLess {
+      using is_transparent = void;
+      const Slab<Slot>* slots;
+      static const V& Of(const V& value) { return value; }
+      const V& Of(uint32_t slot) const { return slots->Get(slot)->value; }
+      template <typename A, typename B>
+      bool operator()(const A& a, const B& b) const {
+        return Less()(Of(a), Of(b));
+      }
+    };
+    Slab<Slot> slots_;
+    absl::btree_set<uint32_t, SlotLess> index_;
+  };
+  // Two copies of one shared pointer are one memory: ordered by address,
+  // then owner.
+  struct MemoryLess {
+    bool operator()(const std::shared_ptr<const void>& a,
+                    const std::shared_ptr<const void>& b) const {
+      if (a.get() != b.get()) return std::less<const void*>()(a.get(), b.get());
+      return a.owner_before(b);
+    }
+  };
+  using Source = std::pair<uint64_t, uint64_t>;  // session, buffer
+
+  // 72 bytes, in a slab slot (no allocator header). The registration's
+  // fields and the key's side by side, without padding; the key's session
+  // and buffer, and the registration's memory, as slots of sources_ and
+  // memories_ (the entries of one buffer share them). Kept apart, only
+  // while there are any: the Acquires waiting for its creation (waiters_)
+  // and the status of a failed creation they are to read (failures_). An
+  // entry that left the tables (`removed`) while callers wait on it is freed
+  // by the last of them.
   struct Entry {
     uint64_t id = 0;
-    CacheKey key;
-    CachedRegistration registration;
-    absl::Status failure;  // kFailed only
+    // The key: its offset, length and base address here, ...
+    uint64_t offset = 0;
+    uint64_t length = 0;
+    uint64_t base_address = 0;
+    // The registration, its memory aside.
+    uint64_t device_mr = 0;
+    uint64_t pinned_bytes = 0;
+    uint32_t source = 0;  // ... its session and buffer: a slot of sources_
+    uint32_t access = 0;  // ... and its access bits.
+    uint32_t lkey = 0;
+    uint32_t rkey = 0;
     uint32_t references = 0;
-    uint32_t waiters = 0;  // Acquires waiting for its creation
-    State state = State::kCreating;
-    bool removed = false;  // out of the maps: never hand it out again
+    // 1 + the memory's slot in memories_; 0 for none.
+    uint32_t memory : kSlotBits + 1 = 0;
+    uint32_t state : 2 = kCreating;  // a State
+    uint32_t removed : 1 = 0;   // out of the tables: never hand it out again
+    uint32_t restored : 1 = 0;  // in restored_ (not in entries_, by_key_)
+    uint32_t waited : 1 = 0;    // in waiters_
   };
+  static_assert(sizeof(Entry) == 72,
+                "was 120 with CacheKey, CachedRegistration and a Status "
+                "embedded");
 
-  // Both tables hold pointers to the entries, ordered: by_id_ by id (a
-  // uint64_t finds them), by_key_ by key (a CacheKey finds them). B-trees of
-  // pointers cost about 9-12 bytes an entry; flat hash sets cost 9 to 19
-  // (their slots double with the size and stay at most 7/8 full).
-  struct IdLess {
-    using is_transparent = void;
-    static uint64_t Id(uint64_t id) { return id; }
-    static uint64_t Id(const Entry* entry) { return entry->id; }
-    template <typename A, typename B>
-    bool operator()(const A& a, const B& b) const {
-      return Id(a) < Id(b);
-    }
+  // What by_key_ orders the entries by: the key, its session and buffer
+  // given by their slot in sources_.
+  struct EntryKey {
+    uint32_t source = 0;
+    uint32_t access = 0;
+    uint64_t offset = 0;
+    uint64_t length = 0;
+    uint64_t base_address = 0;
   };
+  // by_key_ holds the slots of the entries in entries_: 4 bytes an entry.
   struct KeyLess {
     using is_transparent = void;
-    static const CacheKey& Key(const CacheKey& key) { return key; }
-    static const CacheKey& Key(const Entry* entry) { return entry->key; }
+    const Slab<Entry>* entries;
+    static auto Tie(const EntryKey& k) {
+      return std::tie(k.source, k.offset, k.length, k.access, k.base_address);
+    }
+    auto Tie(uint32_t slot) const {
+      const Entry& e = *entries->Get(slot);
+      return std::tie(e.source, e.offset, e.length, e.access, e.base_address);
+    }
     template <typename A, typename B>
     bool operator()(const A& a, const B& b) const {
-      return Key(a) < Key(b);
+      return Tie(a) < Tie(b);
     }
   };
 
-  void EraseKeyOf(const Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  CacheKey KeyOfLocked(const Entry& entry) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The slot of the entry being created or ready for `key`, or nullopt.
+  std::optional<uint32_t> FindKeyLocked(const CacheKey& key) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives `entry` the key `key`, counted in sources_.
+  void SetKeyLocked(Entry& entry, const CacheKey& key)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The entry `entry_id` in either table, in any state; nullptr if unknown
+  // (or removed).
+  Entry* FindLocked(uint64_t entry_id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The ready entry `entry_id`, or nullptr (unknown, or being created).
   Entry* FindReadyLocked(uint64_t entry_id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Takes `entry` out of both tables for good; deletes it unless callers
-  // wait on it (the last of them does).
+  void EraseKeyOf(const Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `entry` out of the tables for good; frees it unless callers wait
+  // on it (the last of them does).
   void RemoveLocked(Entry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FreeLocked(Entry* entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // The registration of `entry` (a copy of its memory's shared pointer).
+  CachedRegistration RegistrationOf(const Entry& entry) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SetRegistrationLocked(Entry& entry,
+                             const CachedRegistration& registration)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The registration of `entry`, which lets go of its memory.
+  CachedRegistration TakeRegistrationLocked(Entry& entry)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
-  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
-  // Every entry being created, ready, or restored, by id: the owner. An
-  // entry leaves both tables under the lock the moment it is released or
-  // invalidated (a waiter may still hold its pointer: see RemoveLocked).
-  absl::btree_set<Entry*, IdLess> by_id_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  // Every entry being created or ready, and those removed that waiters still
+  // hold, each in the slot its id names. An entry leaves the tables under
+  // the lock the moment it is released or invalidated (`removed`; a waiter
+  // may still hold its pointer: see RemoveLocked). Mutable: FindLocked.
+  mutable Slab<Entry> entries_ ABSL_GUARDED_BY(mu_){kMaxEntries};
+  // Restored entries, by id (few: each is a failed deregistration).
+  absl::btree_map<uint64_t, std::unique_ptr<Entry>> restored_
+      ABSL_GUARDED_BY(mu_);
   // The entries being created and the ready ones a key may still hand out.
-  absl::btree_set<Entry*, KeyLess> by_key_ ABSL_GUARDED_BY(mu_);
-  uint64_t creating_ ABSL_GUARDED_BY(mu_) = 0;  // entries in kCreating
+  absl::btree_set<uint32_t, KeyLess> by_key_ ABSL_GUARDED_BY(mu_){
+      KeyLess{&entries_}};
+  // The sessions and buffers and the memories of the entries in both tables
+  // and of those removed that waiters still hold.
+  Shared<Source, std::less<Source>> sources_ ABSL_GUARDED_BY(mu_){kMaxShared};
+  Shared<std::shared_ptr<const void>, MemoryLess> memories_
+      ABSL_GUARDED_BY(mu_){kMaxShared};
+  // How many Acquires wait for the creation of an entry (`waited`).
+  absl::btree_map<const Entry*, uint32_t> waiters_ ABSL_GUARDED_BY(mu_);
+  // The status of a failed creation, while Acquires that waited for it are
+  // still to read it.
+  absl::btree_map<const Entry*, absl::Status> failures_ ABSL_GUARDED_BY(mu_);
+  uint64_t entries_in_tables_ ABSL_GUARDED_BY(mu_) = 0;  // not `removed`
+  uint64_t creating_ ABSL_GUARDED_BY(mu_) = 0;           // entries in kCreating
   CacheStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

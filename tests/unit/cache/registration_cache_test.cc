@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <set>
 #include <thread>
@@ -531,6 +532,222 @@ TEST(RegistrationCacheTest, WaiterNeverSharesAnEntryReleasedBeforeItWoke) {
   }
   EXPECT_EQ(stale, 0) << stale << " of " << kRounds
                       << " waiters were handed a released registration";
+}
+
+// A failed creation's status reaches each of its waiters, and only its own:
+// the next failed creation of the key (in the same slot) reports its own.
+TEST(RegistrationCacheTest, EachFailedCreateReportsItsOwnStatusToItsWaiters) {
+  constexpr int kWaiters = 3;
+  RegistrationCache cache;
+  for (const char* reason : {"FIRST_FAILURE", "SECOND_FAILURE"}) {
+    BlockedCreate creator(cache, SeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES,
+                                           reason, "the device is full"));
+    std::vector<absl::Status> results(kWaiters);
+    std::vector<std::thread> waiters;
+    for (int i = 0; i < kWaiters; ++i) {
+      waiters.emplace_back([&, i] {
+        results[i] = cache.Acquire(Key(), [] { return Reg(1000); }).status();
+      });
+    }
+    absl::SleepFor(absl::Milliseconds(100));  // the waiters are blocked now
+    EXPECT_EQ(GetErrorDetail(creator.Finish()).reason(), reason);
+    for (auto& t : waiters) t.join();
+    for (const absl::Status& s : results) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+      EXPECT_EQ(GetErrorDetail(s).reason(), reason);
+    }
+    EXPECT_EQ(cache.Stats().entries, 0u);
+  }
+}
+
+TEST(RegistrationCacheTest, RestorePutsTheEntryBackUnderItsIdNotItsKey) {
+  RegistrationCache cache;
+  Creator create;
+  auto memory = std::make_shared<int>(7);
+  absl::StatusOr<AcquireResult> first =
+      cache.Acquire(Key(), [&]() -> absl::StatusOr<CachedRegistration> {
+        CachedRegistration reg = Reg(++*memory);
+        reg.memory = memory;
+        return reg;
+      });
+  ASSERT_TRUE(first.ok());
+  absl::StatusOr<ReleaseResult> released = cache.Release(first->entry);
+  ASSERT_TRUE(released.ok() && released->released.has_value());
+  EXPECT_EQ(cache.Stats().releases, 1u);
+  // The deregistration failed: back with one reference.
+  ASSERT_TRUE(
+      cache.Restore(first->entry, released->key, *released->released).ok());
+  released->released.reset();
+  EXPECT_EQ(cache.References(first->entry), 1u);
+  EXPECT_EQ(cache.KeyOf(first->entry), Key());
+  std::optional<EntryView> view = cache.View(first->entry);
+  ASSERT_TRUE(view.has_value());
+  EXPECT_EQ(view->rkey, first->registration.rkey);
+  EXPECT_EQ(view->references, 1u);
+  CacheStats stats = cache.Stats();
+  EXPECT_EQ(stats.entries, 1u);
+  EXPECT_EQ(stats.releases, 0u);
+  // Its id is in use now.
+  absl::Status again = cache.Restore(first->entry, Key(), first->registration);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(GetErrorDetail(again).reason(), "ENTRY_IN_USE");
+  // Never handed out by key: a new Acquire makes a new registration.
+  absl::StatusOr<AcquireResult> second = cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(second.ok());
+  EXPECT_FALSE(second->hit);
+  EXPECT_NE(second->entry, first->entry);
+  EXPECT_EQ(cache.Stats().entries, 2u);
+  // Releasing the restored entry leaves the new one (same key) alone.
+  absl::StatusOr<ReleaseResult> last = cache.Release(first->entry);
+  ASSERT_TRUE(last.ok() && last->released.has_value());
+  EXPECT_EQ(last->released->device_mr, first->registration.device_mr);
+  EXPECT_EQ(last->released->memory, memory);
+  EXPECT_EQ(cache.References(first->entry), 0u);
+  std::optional<AcquireResult> hit = cache.TryAcquireReady(Key());
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->entry, second->entry);
+  EXPECT_EQ(cache.References(second->entry), 2u);
+  ASSERT_TRUE(cache.Release(second->entry).ok());
+  ASSERT_TRUE(cache.Release(second->entry).ok());
+  EXPECT_EQ(cache.Stats().entries, 0u);
+}
+
+// A stale id never reaches the entry made after it in its place, and a
+// restored entry coexists with the entry made in its place meanwhile.
+TEST(RegistrationCacheTest, IdsOfGoneEntriesNeverNameTheirSuccessors) {
+  RegistrationCache cache;
+  Creator create;
+  absl::StatusOr<AcquireResult> first = cache.Acquire(Key(0), std::ref(create));
+  ASSERT_TRUE(first.ok());
+  absl::StatusOr<ReleaseResult> released = cache.Release(first->entry);
+  ASSERT_TRUE(released.ok() && released->released.has_value());
+  absl::StatusOr<AcquireResult> next =
+      cache.Acquire(Key(4096), std::ref(create));
+  ASSERT_TRUE(next.ok());
+  EXPECT_NE(next->entry, first->entry);
+  EXPECT_NE(next->entry, 0u);
+  EXPECT_TRUE(IsUnknownRegistration(cache.Release(first->entry).status()));
+  EXPECT_TRUE(IsUnknownRegistration(cache.Invalidate(first->entry).status()));
+  uint32_t left = 0;
+  ASSERT_TRUE(cache.Acquire(Key(4096), std::ref(create)).ok());
+  EXPECT_FALSE(cache.ReleaseIfNotLast(first->entry, &left));
+  EXPECT_EQ(cache.References(first->entry), 0u);
+  EXPECT_FALSE(cache.KeyOf(first->entry).has_value());
+  EXPECT_EQ(cache.References(next->entry), 2u);
+
+  ASSERT_TRUE(
+      cache.Restore(first->entry, released->key, *released->released).ok());
+  EXPECT_EQ(cache.KeyOf(first->entry), Key(0));
+  EXPECT_EQ(cache.KeyOf(next->entry), Key(4096));
+  absl::StatusOr<CachedRegistration> dropped = cache.Invalidate(first->entry);
+  ASSERT_TRUE(dropped.ok());
+  EXPECT_EQ(dropped->device_mr, first->registration.device_mr);
+  EXPECT_EQ(cache.References(next->entry), 2u);
+  EXPECT_EQ(cache.Stats().entries, 1u);
+  EXPECT_EQ(cache.Stats().invalidations, 1u);
+}
+
+// Entries that share a memory hand back the very shared pointer each was
+// made with, and the cache keeps the memory alive until the last of them
+// is released; shared pointers that differ in address or owner stay apart.
+TEST(RegistrationCacheTest, SharedMemoryIsKeptUntilItsLastEntryGoes) {
+  RegistrationCache cache;
+  auto owner = std::make_shared<std::pair<int, int>>(1, 2);
+  std::weak_ptr<const void> watch = owner;
+  std::vector<std::shared_ptr<const void>> memories = {
+      owner, owner,
+      // Same owner, another address.
+      std::shared_ptr<const void>(owner, &owner->second),
+      // Same address, no owner.
+      std::shared_ptr<const void>(std::shared_ptr<const void>(), &owner->first),
+      nullptr};
+  std::vector<uint64_t> entries;
+  for (size_t i = 0; i < memories.size(); ++i) {
+    absl::StatusOr<AcquireResult> r = cache.Acquire(
+        Key(4096 * i), [&]() -> absl::StatusOr<CachedRegistration> {
+          CachedRegistration reg = Reg(i + 1);
+          reg.memory = memories[i];
+          return reg;
+        });
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->registration.memory, memories[i]);
+    entries.push_back(r->entry);
+  }
+  owner.reset();
+  for (size_t i = 0; i < memories.size(); ++i) {
+    std::optional<AcquireResult> hit = cache.TryAcquireReady(Key(4096 * i));
+    ASSERT_TRUE(hit.has_value());
+    const std::shared_ptr<const void>& m = hit->registration.memory;
+    EXPECT_EQ(m.get(), memories[i].get()) << i;
+    EXPECT_FALSE(m.owner_before(memories[i]) || memories[i].owner_before(m))
+        << i;
+    ASSERT_TRUE(cache.Release(entries[i]).ok());
+  }
+  std::vector<std::shared_ptr<const void>> released;
+  for (size_t i = 0; i < memories.size(); ++i) {
+    absl::StatusOr<ReleaseResult> r = cache.Release(entries[i]);
+    ASSERT_TRUE(r.ok() && r->released.has_value());
+    const std::shared_ptr<const void>& m = r->released->memory;
+    EXPECT_EQ(m.get(), memories[i].get()) << i;
+    EXPECT_FALSE(m.owner_before(memories[i]) || memories[i].owner_before(m))
+        << i;
+    released.push_back(m);
+  }
+  EXPECT_FALSE(watch.expired());  // held by `memories` and `released`
+  released.clear();
+  memories.clear();
+  EXPECT_TRUE(watch.expired()) << "the cache kept the memory after its "
+                                  "entries were released";
+}
+
+// Past a slab chunk (4,096 entries), over several sessions and buffers:
+// every entry found by id and by key.
+TEST(RegistrationCacheTest, ManyEntriesAreFoundByIdAndByKey) {
+  constexpr int kEntries = 10000;
+  auto SpreadKey = [](uint64_t offset, uint64_t length = 4096) {
+    CacheKey key = Key(offset, length);
+    key.session = 1 + offset / 4096 % 3;
+    key.buffer = 20 + offset / 4096 % 5;
+    return key;
+  };
+  RegistrationCache cache;
+  Creator create;
+  std::vector<uint64_t> entries;
+  std::set<uint64_t> distinct;
+  for (int i = 0; i < kEntries; ++i) {
+    absl::StatusOr<AcquireResult> r =
+        cache.Acquire(SpreadKey(4096 * i), std::ref(create));
+    ASSERT_TRUE(r.ok());
+    entries.push_back(r->entry);
+    distinct.insert(r->entry);
+  }
+  EXPECT_EQ(distinct.size(), entries.size());
+  // Free every other one; their slots are reused by new keys.
+  for (int i = 0; i < kEntries; i += 2) {
+    ASSERT_TRUE(cache.Release(entries[i]).ok());
+  }
+  for (int i = 0; i < kEntries; i += 2) {
+    absl::StatusOr<AcquireResult> r =
+        cache.Acquire(SpreadKey(4096 * i, 8192), std::ref(create));
+    ASSERT_TRUE(r.ok());
+    EXPECT_FALSE(distinct.contains(r->entry));
+    entries[i] = r->entry;
+  }
+  for (int i = 0; i < kEntries; ++i) {
+    const CacheKey key =
+        i % 2 == 0 ? SpreadKey(4096 * i, 8192) : SpreadKey(4096 * i);
+    EXPECT_EQ(cache.KeyOf(entries[i]), key) << i;
+    std::optional<AcquireResult> hit = cache.TryAcquireReady(key);
+    ASSERT_TRUE(hit.has_value()) << i;
+    EXPECT_EQ(hit->entry, entries[i]);
+    EXPECT_FALSE(cache.TryAcquireReady(SpreadKey(4096 * i, 100)).has_value());
+  }
+  EXPECT_EQ(cache.Stats().entries, static_cast<uint64_t>(kEntries));
+  for (uint64_t e : entries) {
+    ASSERT_TRUE(cache.Release(e).ok());
+    ASSERT_TRUE(cache.Release(e).ok());
+  }
+  EXPECT_EQ(cache.Stats().entries, 0u);
 }
 
 }  // namespace
