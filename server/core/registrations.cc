@@ -9,7 +9,6 @@
 #include "absl/synchronization/mutex.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
-#include "server/common/memory.h"
 #include "server/core/errors.h"
 #include "server/core/flags.h"
 
@@ -335,7 +334,7 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   reg.lkey = keys->lkey;
   reg.rkey = keys->rkey;
   reg.pinned_bytes = plan.pin_bytes;
-  HoldMapping(plan.key.buffer, plan.file);  // until the MR is deregistered
+  reg.memory = plan.file;  // unmapped only after the MR is deregistered
   return reg;
 }
 
@@ -469,10 +468,7 @@ void Registrations::PutReferenceBack(Session& session,
   absl::MutexLock lock(&session.mu);
   if (session.closing) {
     // The session's end takes the PD, and the MR with it.
-    std::optional<cache::CacheKey> key = cache_.KeyOf(taken.entry);
-    if (key.has_value() && cache_.Invalidate(taken.entry).ok()) {
-      ReleaseMapping(key->buffer);
-    }
+    (void)cache_.Invalidate(taken.entry);
     return;
   }
   RegistrationRecord& rec = session.registrations[taken.entry];
@@ -517,8 +513,7 @@ absl::StatusOr<uint32_t> Registrations::DropReference(
                        "); the registration is unchanged: retry"));
     }
     // NOT_FOUND: the PD is being torn down and unpins the MR itself.
-    if (!s.ok()) session->KeepUntilPdGone(MappingOf(result.key.buffer));
-    ReleaseMapping(result.key.buffer);
+    if (!s.ok()) session->KeepUntilPdGone(reg.memory);
     budgets_->UnreserveRegistration(*session);
     if (warm.has_value()) {
       KeepWarm(session, std::move(*warm));  // the reservation moves to it
@@ -559,25 +554,20 @@ uint32_t Registrations::Invalidate(Session& session,
                                    const std::vector<uint64_t>& entries) {
   uint32_t invalidated = 0;
   for (uint64_t entry : entries) {
-    // The key of an entry never changes; if the entry goes meanwhile, its
-    // releaser deregisters it.
-    std::optional<cache::CacheKey> key = cache_.KeyOf(entry);
-    if (!key.has_value()) continue;
     absl::StatusOr<cache::CachedRegistration> reg = cache_.Invalidate(entry);
     if (!reg.ok()) continue;
-    DeregisterCached(session, key->buffer, *reg);
+    DeregisterCached(session, *reg);
     ++invalidated;
   }
   return invalidated;
 }
 
-void Registrations::DeregisterCached(Session& session, uint64_t buffer,
+void Registrations::DeregisterCached(Session& session,
                                      const cache::CachedRegistration& reg) {
   absl::Status s = device_->DeregisterMr(reg.device_mr);
   // Not deregistered (NOT_FOUND: the PD is being torn down): the pages stay
   // pinned until the PD goes, so the mapping stays too.
-  if (!s.ok()) session.KeepUntilPdGone(MappingOf(buffer));
-  ReleaseMapping(buffer);
+  if (!s.ok()) session.KeepUntilPdGone(reg.memory);
   if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
     LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
   }
@@ -717,33 +707,6 @@ void Registrations::ReleaseWarm(std::vector<cache::WarmPin> pins) {
     }
     // A session that is gone settled its whole reservation when it ended.
   }
-}
-
-// --- mappings held for registrations ---------------------------------------
-
-void Registrations::HoldMapping(uint64_t buffer,
-                                std::shared_ptr<const void> memory) {
-  absl::MutexLock lock(&holds_mu_);
-  MappingHold& hold = holds_[buffer];
-  if (hold.memory == nullptr) hold.memory = std::move(memory);
-  ++hold.registrations;
-}
-
-std::shared_ptr<const void> Registrations::MappingOf(uint64_t buffer) const {
-  absl::MutexLock lock(&holds_mu_);
-  auto it = holds_.find(buffer);
-  return it == holds_.end() ? nullptr : it->second.memory;
-}
-
-void Registrations::ReleaseMapping(uint64_t buffer) {
-  std::shared_ptr<const void> last;  // dropped (unmapped) after the lock
-  absl::MutexLock lock(&holds_mu_);
-  auto it = holds_.find(buffer);
-  if (it == holds_.end()) return;
-  if (--it->second.registrations > 0) return;
-  last = std::move(it->second.memory);
-  holds_.erase(it);
-  ShrinkIfSparse(holds_);
 }
 
 }  // namespace mrd::core

@@ -20,7 +20,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "mrd/v1/mrd.pb.h"
@@ -175,9 +174,7 @@ class Registrations {
       absl::btree_map<uint64_t, RegistrationRecord>::iterator r,
       TakenReference* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
-  // `buffer`: the registration's (its mapping hold goes).
-  void DeregisterCached(Session& session, uint64_t buffer,
-                        const cache::CachedRegistration& reg);
+  void DeregisterCached(Session& session, const cache::CachedRegistration& reg);
   // Pins the pages of a registration about to be deregistered as a warm
   // pin; nullopt when warm pins are off, the pin would not fit, the buffer
   // or session is going, or the device refused.
@@ -193,33 +190,12 @@ class Registrations {
   // Releases warm pins: their LAMs on the device, then their reservations.
   void ReleaseWarm(std::vector<cache::WarmPin> pins);
 
-  // The mappings registrations point into, held once per buffer that has
-  // registrations (a shared pointer in each of a million cache entries
-  // would cost 16 bytes each): a registration made takes a hold on its
-  // buffer's mapping, and gives it back once its MR is deregistered, or
-  // hands the mapping to KeepUntilPdGone when the PD must unpin it later.
-  // So a buffer released concurrently never unmaps pages still registered.
-  void HoldMapping(uint64_t buffer, std::shared_ptr<const void> memory)
-      ABSL_LOCKS_EXCLUDED(holds_mu_);
-  std::shared_ptr<const void> MappingOf(uint64_t buffer) const
-      ABSL_LOCKS_EXCLUDED(holds_mu_);
-  // The last hold of a buffer lets its mapping go (unmapped, unless someone
-  // else still holds it).
-  void ReleaseMapping(uint64_t buffer) ABSL_LOCKS_EXCLUDED(holds_mu_);
-
   device::Device* const device_;
   Budgets* const budgets_;
   const RegistrationOptions options_;
   const uint64_t page_size_;
   cache::RegistrationCache cache_;
   cache::WarmPinSet warm_;
-  struct MappingHold {
-    std::shared_ptr<const void> memory;
-    uint64_t registrations = 0;
-  };
-  // A leaf lock: nothing else is taken while it is held.
-  mutable absl::Mutex holds_mu_;
-  absl::flat_hash_map<uint64_t, MappingHold> holds_ ABSL_GUARDED_BY(holds_mu_);
 };
 
 }  // namespace mrd::core
