@@ -9,9 +9,10 @@
 // name pages it mapped, MR object states, and connection state.
 //
 // Objects are named by device-wide integer ids (never reused within one
-// device's lifetime). Every object belongs to one protection domain (PD); the
-// core gives each session its own PD, so a peer connected to one session can
-// never reach another session's memory (W8).
+// device's lifetime; MR ids: not before 2^40 MRs were made). Every object
+// belongs to one protection domain (PD); the core gives each session its own
+// PD, so a peer connected to one session can never reach another session's
+// memory (W8).
 //
 // Thread safety: every method may be called from any thread concurrently.
 // Event sinks are called from device threads, never while a caller's call into

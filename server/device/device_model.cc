@@ -519,6 +519,9 @@ absl::StatusOr<DeviceModel::Mr*> DeviceModel::ReserveMrLocked(
                      ") or out of memory; free some first"));
   }
   Mr* mr = mrs_.Get(*index);
+  // 40 bits of sequence: an id comes back only after 2^40 MRs were made,
+  // and is never 0.
+  if (next_mr_ == uint64_t{1} << (64 - kMrIndexBits)) next_mr_ = 1;
   mr->id = (next_mr_++ << kMrIndexBits) | *index;
   mr->pd = pd;
   mr->pending = true;

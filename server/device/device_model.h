@@ -5,7 +5,8 @@
 //
 // * Tables: protection domains, MRs (registered and fast-register MR
 //   objects), LAMs, peer connections and peer tickets, each named by an id
-//   that is never reused within the device's lifetime.
+//   that is never reused within the device's lifetime (MR ids: not before
+//   2^40 MRs were made, see mrs_).
 // * Rules: span and base-address checks, access and work-flag bits, the
 //   fast-register page-array rules (fast_register_rules.h), the resolution
 //   of a page array to the LAM pages of one PD, and MR-object states.
@@ -442,8 +443,9 @@ class DeviceModel : public Device {
   IovaSpace iova_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<PdId, std::unique_ptr<Pd>> pds_ ABSL_GUARDED_BY(mu_);
   // Registered MRs and MR objects, one slot each: an MR id is its slot
-  // index in the low kMrIndexBits and a sequence number above, so ids are
-  // never reused while a slot is. An MR stays in place until freed (the
+  // index in the low kMrIndexBits and a 40-bit sequence number above, so
+  // an id comes back only after 2^40 MRs were made (a stale id names no MR
+  // before that). An MR stays in place until freed (the
   // waits in DestroyMrLocked and UnmapLocked rely on it); a million MRs
   // cost their own size and nothing else.
   mutable Slab<Mr> mrs_ ABSL_GUARDED_BY(mu_);  // mutable: FindMrLocked
