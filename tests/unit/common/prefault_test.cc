@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -13,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "server/common/tsan.h"
 #include "tests/support/mapped_pages.h"
 
 namespace mrd {
@@ -87,6 +90,42 @@ TEST_F(PrefaultTest, OffOrBelowTheThresholdLeavesTheMappingToThePin) {
   ConfigurePrefault(8);
   EXPECT_EQ(Prefault(fresh_, kPrefaultMinBytes - 4096), 0u);
   EXPECT_EQ(MappedBytes(fresh_), 0u);
+}
+
+// A helper thread that cannot be started (here: the process limit of its
+// user is reached) only means fewer helpers: the caller fills the range
+// alone, and the allowance is whole again afterwards. In a child process,
+// which gives up root (root is not held to RLIMIT_NPROC) and lowers it.
+TEST_F(PrefaultTest, AHelperThatCannotStartLeavesTheWorkToTheCaller) {
+  if (Cpus() < 2) GTEST_SKIP() << "one CPU: prefaulting starts no helper";
+#ifdef MRD_TSAN
+  GTEST_SKIP() << "TSan ends a forked child that starts a thread (its own "
+                  "runtime thread makes the parent multi-threaded)";
+#endif
+  ConfigurePrefault(8);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) {
+      _exit(10);
+    }
+    rlimit limit{};
+    if (getrlimit(RLIMIT_NPROC, &limit) != 0) _exit(11);
+    const rlimit tight{1, limit.rlim_max};  // this process is one already
+    if (setrlimit(RLIMIT_NPROC, &tight) != 0) _exit(12);
+    if (Prefault(fresh_, kSize) != 1) _exit(13);  // the caller alone
+    if (MappedBytes(fresh_) != kSize) _exit(14);  // all of it
+    if (setrlimit(RLIMIT_NPROC, &limit) != 0) _exit(15);
+    // The helper that did not start went back to the allowance.
+    if (Prefault(fresh_, kSize) != std::min<uint32_t>(8, Cpus())) _exit(16);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "status " << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "10-12: setup, 13: a helper started, 14: range not filled, "
+         "16: allowance not whole";
 }
 
 TEST_F(PrefaultTest, ARangePastTheEndOfTheFileIsNotAnError) {
