@@ -8,8 +8,6 @@
 namespace mrd::cache {
 namespace {
 
-constexpr uint64_t kSequenceLimit = uint64_t{1} << 40;
-
 absl::Status UnknownRegistration(uint64_t entry_id) {
   return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_REGISTRATION",
                   absl::StrCat("registration ", entry_id, " does not exist"));
@@ -112,9 +110,8 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
                        " entries of at most ", entries_.capacity(),
                        ") or out of memory; release some first"));
     }
-    if (next_sequence_ == kSequenceLimit) next_sequence_ = 1;
     entry = entries_.Get(*slot);
-    entry->id = (next_sequence_++ << kSlotBits) | *slot;
+    entry->id = ids_.Next(*slot);
     SetKeyLocked(*entry, key);
     by_key_.insert(*slot);
     ++entries_in_tables_;
@@ -143,7 +140,7 @@ absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
 
 RegistrationCache::Entry* RegistrationCache::FindLocked(
     uint64_t entry_id) const {
-  Entry* entry = entries_.Get(entry_id & kSlotMask);
+  Entry* entry = entries_.Get(SlabIds::SlotOf(entry_id));
   if (entry != nullptr && entry->id == entry_id && !entry->removed) {
     return entry;
   }
@@ -172,7 +169,7 @@ void RegistrationCache::FreeLocked(Entry* entry) {
   if (entry->restored) {
     restored_.erase(entry->id);
   } else {
-    entries_.Free(static_cast<uint32_t>(entry->id & kSlotMask));
+    entries_.Free(SlabIds::SlotOf(entry->id));
   }
 }
 
@@ -244,7 +241,7 @@ void RegistrationCache::EraseKeyOf(const Entry& entry) {
   // A restored entry is out of the key set, and its key may name a newer
   // entry by now: only the entry itself is erased.
   if (entry.removed || entry.restored) return;
-  const uint32_t slot = static_cast<uint32_t>(entry.id & kSlotMask);
+  const uint32_t slot = SlabIds::SlotOf(entry.id);
   auto it = by_key_.find(slot);  // finds the entry of the same key
   if (it != by_key_.end() && *it == slot) by_key_.erase(it);
 }

@@ -178,9 +178,8 @@ class RegistrationCache {
   // id finds its entry without an index, and is not reused before 2^40
   // entries were made. A restored entry keeps the id it had (its slot may be
   // taken by then) and lives in restored_ instead.
-  static constexpr int kSlotBits = 24;
-  static constexpr uint64_t kSlotMask = (uint64_t{1} << kSlotBits) - 1;
-  static constexpr uint32_t kMaxEntries = uint32_t{1} << kSlotBits;
+  static constexpr int kSlotBits = SlabIds::kSlotBits;
+  static constexpr uint32_t kMaxEntries = SlabIds::kMaxSlots;
   // At most this many restored entries at once (each still holds a device
   // MR, so the device refuses long before).
   static constexpr uint32_t kMaxRestored = uint32_t{1} << 20;
@@ -342,7 +341,7 @@ class RegistrationCache {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   mutable absl::Mutex mu_;
-  uint64_t next_sequence_ ABSL_GUARDED_BY(mu_) = 1;
+  SlabIds ids_ ABSL_GUARDED_BY(mu_);
   // Every entry being created or ready, and those removed that waiters still
   // hold, each in the slot its id names. An entry leaves the tables under
   // the lock the moment it is released or invalidated (`removed`; a waiter

@@ -158,6 +158,29 @@ class Slab {
   size_t live_chunks_ = 0;
 };
 
+// Ids of objects kept in a Slab: the slot in the low kSlotBits and a
+// sequence number above it, so an id finds its object by index, and an id
+// comes back only after 2^40 were made (a stale id names no object before
+// that: compare the object's own id). Never 0. Not thread-safe.
+class SlabIds {
+ public:
+  static constexpr int kSlotBits = 24;
+  static constexpr uint32_t kMaxSlots = uint32_t{1} << kSlotBits;
+
+  static uint32_t SlotOf(uint64_t id) {
+    return static_cast<uint32_t>(id & (kMaxSlots - 1));
+  }
+  // A new id for `slot` (< kMaxSlots).
+  uint64_t Next(uint32_t slot) {
+    if (next_ == kSequenceLimit) next_ = 1;
+    return (next_++ << kSlotBits) | slot;
+  }
+
+ private:
+  static constexpr uint64_t kSequenceLimit = uint64_t{1} << (64 - kSlotBits);
+  uint64_t next_ = 1;
+};
+
 }  // namespace mrd
 
 #endif  // MRD_SERVER_COMMON_SLAB_H_

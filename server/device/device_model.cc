@@ -180,7 +180,7 @@ DeviceModel::DeviceModel(DeviceAttributes attributes,
       attributes_(std::move(attributes)),
       iova_(options.page_size, options.iova_start, options.iova_limit,
             options.fault_points),
-      mrs_(uint32_t{1} << kMrIndexBits) {
+      mrs_(SlabIds::kMaxSlots) {
   static_assert(sizeof(Mr) == 80, "a million MRs pay for each byte");
   attributes_.page_size = options.page_size;
   attributes_.max_mr_size = options.max_mr_size;
@@ -519,10 +519,7 @@ absl::StatusOr<DeviceModel::Mr*> DeviceModel::ReserveMrLocked(
                      ") or out of memory; free some first"));
   }
   Mr* mr = mrs_.Get(*index);
-  // 40 bits of sequence: an id comes back only after 2^40 MRs were made,
-  // and is never 0.
-  if (next_mr_ == uint64_t{1} << (64 - kMrIndexBits)) next_mr_ = 1;
-  mr->id = (next_mr_++ << kMrIndexBits) | *index;
+  mr->id = mr_ids_.Next(*index);
   mr->pd = pd;
   mr->pending = true;
   return mr;

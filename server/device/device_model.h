@@ -272,13 +272,10 @@ class DeviceModel : public Device {
   // completions, then the PD's sink hears OnPeerDisconnected (when it heard
   // OnPeerConnected).
   void ConnectionClosed(ConnectionId connection) ABSL_LOCKS_EXCLUDED(mu_);
-  static constexpr int kMrIndexBits = 24;
   // The slot of an MR in the model's MR table: at most 2^24 - 1, the same
   // for the MR's whole life. A provider may name an MR by it (the software
   // device's key table does, in 32 bits instead of 64).
-  static uint32_t MrSlot(MrId mr) {
-    return static_cast<uint32_t>(mr & ((uint64_t{1} << kMrIndexBits) - 1));
-  }
+  static uint32_t MrSlot(MrId mr) { return SlabIds::SlotOf(mr); }
   static constexpr uint32_t kNoMrSlot = ~uint32_t{0};
   // The NIC's checks of an incoming READ/WRITE on `connection` with `rkey`
   // (which the provider found to belong to the MR in slot `mr_slot`, or
@@ -443,11 +440,11 @@ class DeviceModel : public Device {
   IovaSpace iova_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<PdId, std::unique_ptr<Pd>> pds_ ABSL_GUARDED_BY(mu_);
   // Registered MRs and MR objects, one slot each: an MR id is its slot
-  // index in the low kMrIndexBits and a 40-bit sequence number above, so
-  // an id comes back only after 2^40 MRs were made (a stale id names no MR
-  // before that). An MR stays in place until freed (the
-  // waits in DestroyMrLocked and UnmapLocked rely on it); a million MRs
-  // cost their own size and nothing else.
+  // and a sequence number above (mr_ids_, SlabIds), so an id comes back
+  // only after 2^40 MRs were made (a stale id names no MR before that). An
+  // MR stays in place until freed (the waits in DestroyMrLocked and
+  // UnmapLocked rely on it); a million MRs cost their own size and nothing
+  // else.
   mutable Slab<Mr> mrs_ ABSL_GUARDED_BY(mu_);  // mutable: FindMrLocked
   absl::flat_hash_map<LamId, std::unique_ptr<Lam>> lams_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<ConnectionId, std::unique_ptr<Connection>> connections_
@@ -455,7 +452,7 @@ class DeviceModel : public Device {
   absl::flat_hash_map<std::string, PdId> tickets_ ABSL_GUARDED_BY(mu_);
   std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_pd_ ABSL_GUARDED_BY(mu_) = 1;
-  uint64_t next_mr_ ABSL_GUARDED_BY(mu_) = 1;
+  SlabIds mr_ids_ ABSL_GUARDED_BY(mu_);
   uint64_t next_lam_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_work_ ABSL_GUARDED_BY(mu_) = 1;

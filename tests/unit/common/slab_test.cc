@@ -111,5 +111,18 @@ TEST(SlabTest, ForEachVisitsLiveObjectsInIndexOrder) {
   EXPECT_EQ(sum, 200u);
 }
 
+TEST(SlabIdsTest, AnIdNamesItsSlotAndIsNeverRepeatedOrZero) {
+  SlabIds ids;
+  const uint64_t first = ids.Next(5);
+  const uint64_t second = ids.Next(5);
+  const uint64_t last_slot = ids.Next(SlabIds::kMaxSlots - 1);
+  EXPECT_NE(first, 0u);
+  EXPECT_NE(first, second);
+  EXPECT_EQ(SlabIds::SlotOf(first), 5u);
+  EXPECT_EQ(SlabIds::SlotOf(second), 5u);
+  EXPECT_EQ(SlabIds::SlotOf(last_slot), SlabIds::kMaxSlots - 1);
+  EXPECT_NE(ids.Next(0), 0u);  // slot 0 too
+}
+
 }  // namespace
 }  // namespace mrd
