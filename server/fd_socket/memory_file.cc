@@ -306,6 +306,27 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MapMemfd(
                          static_cast<uint64_t>(st.st_ino), "memfd");
 }
 
+absl::StatusOr<std::unique_ptr<MappedFile>> MapHandedOver(UniqueFd fd,
+                                                          bool writable,
+                                                          std::string source) {
+  struct stat st;
+  if (!fd.valid() || ::fstat(fd.get(), &st) != 0) {
+    const int err = fd.valid() ? errno : EBADF;
+    return InvalidParameter(
+        "BAD_FD", absl::StrCat("handed-over fd ", fd.get(),
+                               " cannot be inspected: ", std::strerror(err)));
+  }
+  const auto size = static_cast<uint64_t>(st.st_size);
+  if (size == 0) {
+    return InvalidParameter(
+        "EMPTY_FILE",
+        absl::StrCat("the handed-over file (", source, ") is empty (size 0)"));
+  }
+  return MappedFile::Map(std::move(fd), size, writable,
+                         static_cast<uint64_t>(st.st_dev),
+                         static_cast<uint64_t>(st.st_ino), std::move(source));
+}
+
 namespace {
 
 // openat2 of `path` beneath `dir_fd`: no symlinks, no magic links, no

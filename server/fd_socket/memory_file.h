@@ -2,7 +2,8 @@
 // MAP_SHARED mapping of the whole file, and hands out MemorySpans (address,
 // length, fd, file offset) that the device pins and registers.
 //
-// Two ways in, both validating before anything is mapped:
+// Two ways in, both validating before anything is mapped (and a third for
+// files another mrd process validated, MapHandedOver):
 //   * MapMemfd: a memfd received over the fd socket (SCM_RIGHTS). It must be
 //     sealed with F_SEAL_SHRINK, so the file can never become shorter than the
 //     mapping: pinned pages stay backed and no access through the mapping can
@@ -95,6 +96,20 @@ absl::StatusOr<std::unique_ptr<MappedFile>> OpenSharedFile(
     int dir_fd, absl::string_view relative_path,
     const SharedFileOptions& options);
 
+// Maps a file another mrd process validated and mapped (MapMemfd or
+// OpenSharedFile there), handed over with its buffer in a live handover
+// (issue 11): fstat for its size, device and inode, then Map with `writable`
+// and `source` as they were (MappedFile::writable() and source() there). The
+// validation is not repeated: the file passed it when the client handed it
+// over, and a memfd's seals cannot have been removed since. Takes ownership
+// of `fd` in every case: on error it is closed. Errors, INVALID_ARGUMENT
+// (STATUS_INVALID_PARAMETER): BAD_FD (fstat fails: closed or invalid fd),
+// EMPTY_FILE (size 0); or mmap's: ErrnoError(errno, "mmap", "MMAP_FAILED")
+// (e.g. EACCES: `writable` with an fd not open O_RDWR).
+absl::StatusOr<std::unique_ptr<MappedFile>> MapHandedOver(UniqueFd fd,
+                                                          bool writable,
+                                                          std::string source);
+
 struct MemfdImportOptions {
   // Map PROT_READ|PROT_WRITE (needed for any write access by the device).
   bool writable = false;
@@ -152,6 +167,8 @@ class MappedFile final {
   friend absl::StatusOr<std::unique_ptr<MappedFile>> OpenSharedFile(
       int dir_fd, absl::string_view relative_path,
       const SharedFileOptions& options);
+  friend absl::StatusOr<std::unique_ptr<MappedFile>> MapHandedOver(
+      UniqueFd fd, bool writable, std::string source);
 
   // Maps a validated file. `size` must be > 0.
   static absl::StatusOr<std::unique_ptr<MappedFile>> Map(

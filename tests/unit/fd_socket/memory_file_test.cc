@@ -1,5 +1,6 @@
-// MapMemfd, OpenSharedFile and MappedFile::Span against real memfds, pipes,
-// sockets and files in private directories under /dev/shm and on disk.
+// MapMemfd, OpenSharedFile, MapHandedOver and MappedFile::Span against real
+// memfds, pipes, sockets and files in private directories under /dev/shm and
+// on disk.
 #include "server/fd_socket/memory_file.h"
 
 #include <fcntl.h>
@@ -639,6 +640,94 @@ TEST(MappedFilePrefaultTest, SmallRangesAndPrefaultingOffAreLeftToThePin) {
   ConfigurePrefault(kDefaultPrefaultThreads);
   (*file)->Prefault(0, kSize);  // off did not mark anything as filled
   EXPECT_EQ(test_support::MappedBytes(base), kSize);
+}
+
+// ---------------------------------------------------------------------------
+// MapHandedOver: a buffer another mrd process mapped, passed on by fd (live
+// handover). A dup of the fd stands for the copy SCM_RIGHTS makes.
+
+TEST(MapHandedOverTest, SeesTheSameFileBytesAndSizeAsTheFirstMapping) {
+  const std::string contents = "bytes the client wrote before the handover";
+  auto first = MapMemfd(MakeMemfd(contents, F_SEAL_SHRINK), ReadOnly());
+  ASSERT_TRUE(first.ok()) << first.status();
+  UniqueFd passed(::dup((*first)->fd()));
+  ASSERT_TRUE(passed.valid());
+
+  auto second = MapHandedOver(std::move(passed), (*first)->writable(),
+                              (*first)->source());
+  ASSERT_TRUE(second.ok()) << second.status();
+  const MappedFile& f = **second;
+  EXPECT_EQ(f.size(), contents.size());
+  EXPECT_EQ(f.device(), (*first)->device());
+  EXPECT_EQ(f.inode(), (*first)->inode());
+  EXPECT_EQ(f.source(), "memfd");
+  EXPECT_FALSE(f.writable());
+  EXPECT_EQ(MappingPermissions(f.address()), "r--s");
+  EXPECT_NE(f.address(), (*first)->address());  // a mapping of its own
+  EXPECT_EQ(
+      absl::string_view(static_cast<const char*>(f.address()), contents.size()),
+      contents);
+  // The same pages: a write through the file shows in both mappings.
+  ASSERT_EQ(::pwrite(f.fd(), "B", 1, 0), 1);
+  EXPECT_EQ(static_cast<const char*>(f.address())[0], 'B');
+  EXPECT_EQ(static_cast<const char*>((*first)->address())[0], 'B');
+  // The first process lets go; the second mapping stands on its own.
+  first->reset();
+  EXPECT_EQ(static_cast<const char*>(f.address())[1], contents[1]);
+}
+
+TEST(MapHandedOverTest, WritableIsHonouredAndWritesReachTheFile) {
+  UniqueFd memfd = MakeMemfd("........", F_SEAL_SHRINK | F_SEAL_GROW);
+  UniqueFd client_copy(::dup(memfd.get()));
+  auto first = MapMemfd(std::move(memfd), Writable());
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = MapHandedOver(UniqueFd(::dup((*first)->fd())),
+                              /*writable=*/true, (*first)->source());
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE((*second)->writable());
+  // (ASSERT: writing to a read-only mapping would crash the test.)
+  ASSERT_EQ(MappingPermissions((*second)->address()), "rw-s");
+  std::memcpy((*second)->address(), "handed", 6);
+  char back[8] = {};
+  ASSERT_EQ(::pread(client_copy.get(), back, 6, 0), 6);
+  EXPECT_STREQ(back, "handed");
+  EXPECT_EQ(std::memcmp((*first)->address(), "handed", 6), 0);
+}
+
+TEST(MapHandedOverTest, ReadOnlyStaysReadOnlyAndKeepsTheSharedFileSource) {
+  TempDir dir("/dev/shm");
+  dir.WriteFile("job.bin", "shared file");
+  UniqueFd dir_fd(::open(dir.path().c_str(), O_RDONLY | O_DIRECTORY));
+  ASSERT_TRUE(dir_fd.valid());
+  auto first = OpenSharedFile(dir_fd.get(), "job.bin", SharedFileOptions{});
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = MapHandedOver(UniqueFd(::dup((*first)->fd())),
+                              /*writable=*/false, (*first)->source());
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ((*second)->source(), "file:job.bin");
+  EXPECT_FALSE((*second)->writable());
+  EXPECT_EQ(MappingPermissions((*second)->address()), "r--s");
+  EXPECT_EQ((*second)->size(), 11u);
+}
+
+TEST(MapHandedOverTest, WritableOnAReadOnlyFdIsMmapsRefusal) {
+  UniqueFd memfd = MakeSealedMemfd(4096);
+  auto file =
+      MapHandedOver(Reopen(memfd.get(), O_RDONLY), /*writable=*/true, "memfd");
+  EXPECT_TRUE(HasError(file.status(), absl::StatusCode::kPermissionDenied,
+                       "MMAP_FAILED"))
+      << file.status();
+}
+
+TEST(MapHandedOverTest, BadAndEmptyFilesAreRefusedAndTheFdClosed) {
+  auto bad = MapHandedOver(UniqueFd(), /*writable=*/false, "memfd");
+  EXPECT_TRUE(HasError(bad.status(), kInvalid, "BAD_FD")) << bad.status();
+  UniqueFd empty = MakeMemfd("", F_SEAL_SHRINK);
+  const int number = empty.get();
+  auto refused = MapHandedOver(std::move(empty), /*writable=*/false, "memfd");
+  EXPECT_TRUE(HasError(refused.status(), kInvalid, "EMPTY_FILE"))
+      << refused.status();
+  EXPECT_FALSE(FdIsOpen(number));
 }
 
 }  // namespace
