@@ -210,9 +210,7 @@ absl::Status FdServer::SetUpEvents() {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
-    const FdServerOptions& options, FdSessionHandler* handler) {
-  MRD_CHECK(handler != nullptr);
+absl::Status FdServer::CheckOptions(const FdServerOptions& options) {
   struct sockaddr_un addr;
   if (!FillAddress(options.path, addr)) {
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_SOCKET_PATH",
@@ -224,6 +222,22 @@ absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_OPTIONS",
                     "max_connections must be at least 1");
   }
+  return absl::OkStatus();
+}
+
+absl::Status FdServer::StartThread() {
+  absl::MutexLock lock(&shutdown_mu_);
+  MRD_ASSIGN_OR_RETURN(thread_,
+                       Thread::Start("mrd-fd-socket", [this] { Run(); }));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
+    const FdServerOptions& options, FdSessionHandler* handler) {
+  MRD_CHECK(handler != nullptr);
+  MRD_RETURN_IF_ERROR(CheckOptions(options));
+  struct sockaddr_un addr;
+  FillAddress(options.path, addr);
   MRD_RETURN_IF_ERROR(RemoveStaleSocket(options.path, addr));
 
   std::unique_ptr<FdServer> server(new FdServer(options, handler));
@@ -254,23 +268,87 @@ absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Start(
     const int err = errno;
     return ErrnoError(err, absl::StrCat("lstat ", options.path), "BIND_FAILED");
   }
-  server->socket_device_ = static_cast<uint64_t>(st.st_dev);
-  server->socket_inode_ = static_cast<uint64_t>(st.st_ino);
+  server->socket_file_ = SocketFileId{static_cast<uint64_t>(st.st_dev),
+                                      static_cast<uint64_t>(st.st_ino)};
   if (::listen(server->listen_fd_.get(), SOMAXCONN) != 0) {
     const int err = errno;
     return ErrnoError(err, "listen", "LISTEN_FAILED");
   }
 
   MRD_RETURN_IF_ERROR(server->SetUpEvents());
-
-  FdServer* raw = server.get();
-  {
-    absl::MutexLock lock(&server->shutdown_mu_);
-    MRD_ASSIGN_OR_RETURN(server->thread_,
-                         Thread::Start("mrd-fd-socket", [raw] { raw->Run(); }));
-  }
+  MRD_RETURN_IF_ERROR(server->StartThread());
   std::move(unlink_on_error).Cancel();
   LogInfo("fd socket: listening on ", options.path);
+  return server;
+}
+
+absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Adopt(
+    const FdServerOptions& options, FdSessionHandler* handler,
+    DetachedFdServer detached) {
+  MRD_CHECK(handler != nullptr);
+  MRD_RETURN_IF_ERROR(CheckOptions(options));
+  MRD_RETURN_IF_ERROR(
+      PrepareHandedOverSocket(detached.listener.get(), SOCK_SEQPACKET,
+                              /*listening=*/true, "BAD_LISTENER"));
+  for (const DetachedConnection& d : detached.connections) {
+    MRD_RETURN_IF_ERROR(PrepareHandedOverSocket(d.socket.get(), SOCK_SEQPACKET,
+                                                /*listening=*/false,
+                                                "BAD_CONNECTION"));
+  }
+  if (detached.connections.size() > options.max_connections) {
+    return MrdError(
+        absl::StatusCode::kResourceExhausted, "TOO_MANY_SESSIONS",
+        absl::StrCat(detached.connections.size(),
+                     " connections handed over, more than the limit of ",
+                     options.max_connections));
+  }
+
+  // Nothing below runs a handler call, and the thread starts last: until
+  // then the connection table is this thread's.
+  std::unique_ptr<FdServer> server(new FdServer(options, handler));
+  server->listen_fd_ = std::move(detached.listener);
+  server->socket_file_ =
+      BoundSocketFile(server->listen_fd_.get(), options.path);
+  if (!server->socket_file_.has_value()) {
+    LogWarning("fd socket: the adopted listener is not bound to the file at ",
+               options.path, "; it will not be removed at shutdown");
+  }
+  MRD_RETURN_IF_ERROR(server->SetUpEvents());
+  for (DetachedConnection& d : detached.connections) {
+    MRD_ASSIGN_OR_RETURN(
+        FdCharge charge,
+        ChargeFd(options.fd_budget, /*owner=*/0, "an fd socket connection"));
+    const uint64_t id = server->next_id_++;
+    auto owned = std::make_unique<Connection>();
+    Connection& conn = *owned;
+    conn.id = id;
+    conn.fd_charge = std::move(charge);
+    conn.sock = std::move(d.socket);
+    conn.creds = d.creds;
+    conn.session = std::move(d.session);
+    // The pending reply goes out first; until it has, nothing is read.
+    if (!d.pending_reply.empty()) {
+      conn.outbox.push_back(std::move(d.pending_reply));
+    }
+    conn.watching_output = !conn.outbox.empty();
+    server->connections_.emplace(id, std::move(owned));
+    struct epoll_event ev;
+    std::memset(&ev, 0, sizeof(ev));
+    ev.events = conn.watching_output ? EPOLLOUT : EPOLLIN;
+    ev.data.u64 = id;
+    if (::epoll_ctl(server->epoll_fd_.get(), EPOLL_CTL_ADD, conn.sock.get(),
+                    &ev) != 0) {
+      const int err = errno;
+      return ErrnoError(err, "epoll_ctl", "EPOLL_FAILED");
+    }
+  }
+  {
+    absl::MutexLock lock(&server->mu_);
+    server->session_count_ = server->connections_.size();
+  }
+  MRD_RETURN_IF_ERROR(server->StartThread());
+  LogInfo("fd socket: adopted the socket ", options.path, " with ",
+          server->connections_.size(), " sessions");
   return server;
 }
 
@@ -286,6 +364,66 @@ void FdServer::Shutdown() {
     stopping_ = true;
   }
   if (!thread_.joinable()) return;
+  Wake();
+  thread_.Join();
+}
+
+absl::StatusOr<DetachedFdServer> FdServer::Detach() {
+  if (tls_loop_server == this) {
+    Fatal("FdServer::Detach called on the FdServer thread (from a handler)");
+  }
+  absl::MutexLock shutdown_lock(&shutdown_mu_);
+  if (!thread_.joinable()) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "NOT_SERVING",
+                    absl::StrCat("the fd socket server of ", options_.path,
+                                 " was shut down or detached already"));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    detaching_ = true;
+  }
+  Wake();
+  thread_.Join();
+  // The thread is gone: everything it owned is this thread's now.
+  return TakeDetached();
+}
+
+DetachedFdServer FdServer::TakeDetached() {
+  DetachedFdServer detached;
+  detached.listener = std::move(listen_fd_);
+  detached.connections.reserve(connections_.size());
+  for (auto& [id, conn] : connections_) {
+    DetachedConnection d;
+    d.socket = std::move(conn->sock);
+    d.session = std::move(conn->session);
+    d.creds = conn->creds;
+    // A connection's outbox holds at most one reply (see Connection).
+    MRD_CHECK(conn->outbox.size() <= 1);
+    if (!conn->outbox.empty())
+      d.pending_reply = std::move(conn->outbox.front());
+    detached.connections.push_back(std::move(d));
+  }
+  connections_.clear();  // releases the fd charges; the sockets moved out
+  {
+    absl::MutexLock lock(&mu_);
+    session_count_ = 0;
+  }
+  // The epoll set goes (it only refers to the sockets); the eventfd stays
+  // for a late Hangup, which is ignored.
+  epoll_fd_.Reset();
+  spare_fd_.Reset();
+  LogInfo("fd socket: detached ", options_.path, " with ",
+          detached.connections.size(), " sessions");
+  return detached;
+}
+
+void FdServer::SetUnlinkOnShutdown(bool unlink) {
+  absl::MutexLock lock(&mu_);
+  unlink_on_shutdown_ = unlink;
+}
+
+void FdServer::Wake() {
   const uint64_t one = 1;
   if (::write(wake_fd_.get(), &one, sizeof(one)) < 0) {
     const int err = errno;
@@ -294,7 +432,6 @@ void FdServer::Shutdown() {
       Fatal(absl::StrCat("FdServer: eventfd write: ", std::strerror(err)));
     }
   }
-  thread_.Join();
 }
 
 void FdServer::Hangup(const std::string& session) {
@@ -303,13 +440,7 @@ void FdServer::Hangup(const std::string& session) {
     if (stopping_) return;
     hangups_.push_back(session);
   }
-  const uint64_t one = 1;
-  if (::write(wake_fd_.get(), &one, sizeof(one)) < 0) {
-    const int err = errno;
-    if (err != EAGAIN) {
-      Fatal(absl::StrCat("FdServer: eventfd write: ", std::strerror(err)));
-    }
-  }
+  Wake();
 }
 
 size_t FdServer::ConnectionCount() const {
@@ -343,14 +474,7 @@ void FdServer::Run() {
           absl::MutexLock lock(&mu_);
           hangups.swap(hangups_);
         }
-        for (const std::string& session : hangups) {
-          for (const auto& [conn_id, conn] : connections_) {
-            if (conn->session == session) {
-              Close(conn_id);
-              break;
-            }
-          }
-        }
+        HangUp(hangups);
       } else if (id == kListenId) {
         AcceptAll();
       } else {
@@ -361,8 +485,31 @@ void FdServer::Run() {
       ResumeAccepting();
     }
   }
-  CloseAll();
+  bool detaching;
+  std::vector<std::string> hangups;
+  {
+    absl::MutexLock lock(&mu_);
+    detaching = detaching_;
+    hangups.swap(hangups_);
+  }
+  if (detaching) {
+    // Sessions already ended over gRPC must not reach the next server.
+    HangUp(hangups);
+  } else {
+    CloseAll();
+  }
   tls_loop_server = nullptr;
+}
+
+void FdServer::HangUp(const std::vector<std::string>& sessions) {
+  for (const std::string& session : sessions) {
+    for (const auto& [conn_id, conn] : connections_) {
+      if (conn->session == session) {
+        Close(conn_id);
+        break;
+      }
+    }
+  }
 }
 
 void FdServer::AcceptAll() {
@@ -782,11 +929,15 @@ void FdServer::Close(uint64_t id) {
 void FdServer::CloseAll() {
   ::epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
   listen_fd_.Reset();
-  // Remove the socket file unless another server has replaced it since.
-  struct stat st;
-  if (::lstat(options_.path.c_str(), &st) == 0 &&
-      static_cast<uint64_t>(st.st_dev) == socket_device_ &&
-      static_cast<uint64_t>(st.st_ino) == socket_inode_) {
+  // Remove the socket file unless another server has replaced it since (or
+  // it is to stay).
+  bool unlink;
+  {
+    absl::MutexLock lock(&mu_);
+    unlink = unlink_on_shutdown_;
+  }
+  if (unlink && socket_file_.has_value() &&
+      SameSocketFile(options_.path, *socket_file_)) {
     ::unlink(options_.path.c_str());
   }
   while (!connections_.empty()) Close(connections_.begin()->first);

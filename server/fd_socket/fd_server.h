@@ -36,6 +36,12 @@
 //   LIMIT_OPEN_FILES (accept hit the process's open-file limit: a spare fd,
 //   kept for this, is closed to accept the connection and refuse it, so the
 //   backlog drains instead of filling), or OnConnect's error.
+//
+// Live handover (issue 11): Detach stops the thread and gives up the
+// listening socket and every session's connection as they are (nothing is
+// closed, shut down, unlinked or told to the handler), for another FdServer,
+// in this process or another, to Adopt and carry on with. Clients see a
+// pause, not a disconnect: what they send meanwhile waits in the sockets.
 #ifndef MRD_SERVER_FD_SOCKET_FD_SERVER_H_
 #define MRD_SERVER_FD_SOCKET_FD_SERVER_H_
 
@@ -45,6 +51,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +64,7 @@
 #include "mrd/v1/mrd.pb.h"
 #include "server/common/fd_budget.h"
 #include "server/common/thread.h"
+#include "server/common/unix_socket.h"
 
 namespace mrd::fd_socket {
 
@@ -92,6 +100,25 @@ class FdSessionHandler {
   virtual void OnDisconnect(const std::string& session) = 0;
 };
 
+// One fd-socket connection with an open session, as handed between
+// processes.
+struct DetachedConnection {
+  UniqueFd socket;
+  std::string session;  // the token OnConnect returned
+  PeerCredentials creds;
+  // Reply bytes not yet sent (a client not reading), if any: one serialized
+  // FdReply, which the adopting server sends before reading this
+  // connection's next request.
+  std::string pending_reply;
+};
+
+// A detached FdServer: its listening socket (connections not yet accepted
+// wait in its backlog) and every connection with an open session.
+struct DetachedFdServer {
+  UniqueFd listener;
+  std::vector<DetachedConnection> connections;
+};
+
 struct FdServerOptions {
   std::string path;    // socket path; a stale socket there is replaced
   mode_t mode = 0660;  // permissions of the socket file
@@ -108,8 +135,9 @@ struct FdServerOptions {
   FdBudget* fd_budget = nullptr;
 };
 
-// Thread safety: Start, Shutdown, ConnectionCount and path may be called from
-// any thread except the FdServer thread (i.e. not from handler callbacks).
+// Thread safety: Start, Adopt, Detach, Shutdown, SetUnlinkOnShutdown,
+// ConnectionCount and path may be called from any thread except the FdServer
+// thread (i.e. not from handler callbacks).
 class FdServer final {
  public:
   // Largest request datagram accepted; larger ones get MESSAGE_TOO_LARGE.
@@ -131,12 +159,55 @@ class FdServer final {
   static absl::StatusOr<std::unique_ptr<FdServer>> Start(
       const FdServerOptions& options, FdSessionHandler* handler);
 
+  // Starts serving on what another FdServer detached: the same options
+  // (path, mode and limits; the socket file is not re-bound or re-chmoded),
+  // its listener and connections; `handler` receives requests for those
+  // sessions by their tokens (no OnConnect for them). A connection's pending
+  // reply is sent before its next request is read. Each connection is
+  // charged to options.fd_budget again (the budget is this process's). The
+  // socket file at options.path counts as this server's (Shutdown removes
+  // it) if it is the file the listener is bound to (BoundSocketFile in
+  // server/common/unix_socket.h). Works on this process's own detached
+  // state too: that is how a process resumes after a failed handover.
+  // Errors (no handler call is made, and every fd in `detached` is closed):
+  //   INVALID_ARGUMENT BAD_SOCKET_PATH, BAD_OPTIONS as Start;
+  //     BAD_LISTENER (not a listening Unix SOCK_SEQPACKET socket),
+  //     BAD_CONNECTION (a connection that is not a connected Unix
+  //     SOCK_SEQPACKET socket);
+  //   RESOURCE_EXHAUSTED TOO_MANY_SESSIONS (more connections than
+  //     options.max_connections), or the fd budget's refusal
+  //     (LIMIT_TOTAL_FDS);
+  //   epoll failures: ErrnoError; no thread: RESOURCE_EXHAUSTED
+  //     THREAD_FAILED.
+  static absl::StatusOr<std::unique_ptr<FdServer>> Adopt(
+      const FdServerOptions& options, FdSessionHandler* handler,
+      DetachedFdServer detached);
+
+  // Stops the thread and returns the listening socket and every session's
+  // connection WITHOUT closing them, shutting them down, unlinking the
+  // socket file or calling OnDisconnect: another FdServer (in this or
+  // another process) carries on with them. Requests already read are
+  // answered first (a reply the client has not made room for comes back as
+  // pending_reply); nothing unread is consumed, and connections waiting in
+  // the backlog stay there. Sessions Hangup asked to close and the loop had
+  // not yet closed are closed first, as usual (OnDisconnect). After Detach
+  // the FdServer is inert: Shutdown does nothing, Hangup is ignored, and its
+  // fd charges are released. Errors: FAILED_PRECONDITION NOT_SERVING (shut
+  // down or detached already). Called from a handler callback it aborts.
+  absl::StatusOr<DetachedFdServer> Detach();
+
   // Stops accepting, closes every connection (OnDisconnect for each session)
   // and joins the thread; removes the socket file if it is still ours.
   // Idempotent; a concurrent second call returns only when the first is
   // done. Called from a handler callback (the FdServer thread) it aborts:
-  // that would join its own thread.
+  // that would join its own thread. Does nothing after Detach.
   void Shutdown();
+
+  // Whether Shutdown removes the socket file (only ever if it is still the
+  // file this server listens on). True by default; false leaves it for
+  // whoever serves on the same socket next (e.g. a process that keeps a dup
+  // of the listener). Thread-safe; takes effect at the next Shutdown.
+  void SetUnlinkOnShutdown(bool unlink);
   ~FdServer();
 
   FdServer(const FdServer&) = delete;
@@ -156,6 +227,13 @@ class FdServer final {
   struct Datagram;
 
   FdServer(const FdServerOptions& options, FdSessionHandler* handler);
+
+  // Start's and Adopt's checks of the options.
+  static absl::Status CheckOptions(const FdServerOptions& options);
+  // Starts the thread (the last step of Start and Adopt).
+  absl::Status StartThread();
+  // Wakes the loop (eventfd).
+  void Wake();
 
   // Everything below runs on the FdServer thread only, so the connection
   // table needs no lock.
@@ -180,7 +258,12 @@ class FdServer final {
   bool Flush(Connection& conn);
   bool Watch(Connection& conn, bool want_output);
   void Close(uint64_t id);
+  // Closes the connections of `sessions` (Hangup).
+  void HangUp(const std::vector<std::string>& sessions);
   void CloseAll();
+  // Detach's half on the FdServer's side, once the thread is gone: the
+  // listener and the connections, moved out.
+  DetachedFdServer TakeDetached();
   void PauseAccepting();
   void ResumeAccepting();
 
@@ -190,12 +273,13 @@ class FdServer final {
   UniqueFd epoll_fd_;
   UniqueFd wake_fd_;   // eventfd: Shutdown wakes the loop
   UniqueFd spare_fd_;  // given up to accept-and-refuse on EMFILE/ENFILE
-  uint64_t socket_device_ = 0;  // st_dev/st_ino of the socket file we made
-  uint64_t socket_inode_ = 0;
+  // The socket file this server made (Start) or was handed (Adopt, when it
+  // is the listener's), which Shutdown may remove; unset: none.
+  std::optional<SocketFileId> socket_file_;
 
   // FdServer thread only.
   std::map<uint64_t, std::unique_ptr<Connection>> connections_;
-  // Sessions to hang up, handed over by Hangup().
+  // Sessions to hang up, handed over by Hangup(); closed by the loop.
   std::vector<std::string> hangups_ ABSL_GUARDED_BY(mu_);
   uint64_t next_id_;
   bool accept_paused_ = false;
@@ -203,6 +287,9 @@ class FdServer final {
 
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // Set with stopping_ by Detach: the loop leaves everything open.
+  bool detaching_ ABSL_GUARDED_BY(mu_) = false;
+  bool unlink_on_shutdown_ ABSL_GUARDED_BY(mu_) = true;
   size_t session_count_ ABSL_GUARDED_BY(mu_) = 0;
 
   // Held for the whole of Shutdown, so a second caller waits for the first.

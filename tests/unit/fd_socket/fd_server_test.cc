@@ -5,12 +5,14 @@
 #include "server/fd_socket/fd_server.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -49,11 +51,15 @@ constexpr absl::StatusCode kInvalid = absl::StatusCode::kInvalidArgument;
 // buffers, released when the connection goes away.
 class MappingHandler final : public FdSessionHandler {
  public:
+  // Session tokens are `prefix` and a count.
+  explicit MappingHandler(std::string prefix = "session-")
+      : prefix_(std::move(prefix)) {}
+
   absl::StatusOr<std::string> OnConnect(const PeerCredentials& creds) override {
     absl::MutexLock lock(&mu_);
     connects_.push_back(creds);
     if (!connect_error_.ok()) return connect_error_;
-    std::string session = absl::StrCat("session-", connects_.size());
+    std::string session = absl::StrCat(prefix_, connects_.size());
     sessions_.push_back(session);
     return session;
   }
@@ -164,6 +170,27 @@ class MappingHandler final : public FdSessionHandler {
     return std::string(static_cast<const char*>(file.address()), file.size());
   }
 
+  // What a handover does to the core's side of a session: `from` forgets it
+  // (without a disconnect) and `to` holds it, buffers included.
+  static void HandOver(MappingHandler& from, MappingHandler& to,
+                       const std::string& session) {
+    std::vector<std::unique_ptr<MappedFile>> buffers;
+    {
+      absl::MutexLock lock(&from.mu_);
+      auto& sessions = from.sessions_;
+      sessions.erase(std::remove(sessions.begin(), sessions.end(), session),
+                     sessions.end());
+      auto it = from.buffers_.find(session);
+      if (it != from.buffers_.end()) {
+        buffers = std::move(it->second);
+        from.buffers_.erase(it);
+      }
+    }
+    absl::MutexLock lock(&to.mu_);
+    to.sessions_.push_back(session);
+    if (!buffers.empty()) to.buffers_[session] = std::move(buffers);
+  }
+
   // Each opened session was closed exactly once, and nothing is held.
   ::testing::AssertionResult EverySessionClosedOnce() {
     absl::MutexLock lock(&mu_);
@@ -186,6 +213,7 @@ class MappingHandler final : public FdSessionHandler {
   }
 
  private:
+  const std::string prefix_;
   absl::Mutex mu_;
   absl::Status connect_error_ ABSL_GUARDED_BY(mu_);
   absl::Notification* import_entered_ ABSL_GUARDED_BY(mu_) = nullptr;
@@ -199,6 +227,20 @@ class MappingHandler final : public FdSessionHandler {
   std::map<std::string, std::vector<std::unique_ptr<MappedFile>>> buffers_
       ABSL_GUARDED_BY(mu_);
 };
+
+// Nothing to read and no hangup on `fd` right now.
+bool Quiet(int fd) {
+  struct pollfd pfd;
+  pfd.fd = fd;
+  pfd.events = POLLIN | POLLRDHUP;
+  pfd.revents = 0;
+  return ::poll(&pfd, 1, 0) == 0;
+}
+
+bool SocketFileExists(const std::string& path) {
+  struct stat st;
+  return ::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode);
+}
 
 bool CanConnect(const std::string& path) {
   UniqueFd sock(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
@@ -237,6 +279,25 @@ class FdServerTest : public ::testing::Test {
     if (!welcome.has_value()) return nullptr;
     if (session != nullptr) *session = welcome->session();
     return client;
+  }
+
+  // An import of a memfd of `contents` on `client` works.
+  ::testing::AssertionResult ImportWorks(RawClient& client, uint64_t sequence,
+                                         absl::string_view contents) {
+    UniqueFd memfd = MakeMemfd(contents, F_SEAL_SHRINK);
+    if (!client.SendImport(sequence, memfd.get())) {
+      return ::testing::AssertionFailure() << "send failed";
+    }
+    std::optional<v1::FdReply> reply = client.Receive();
+    if (!reply.has_value()) {
+      return ::testing::AssertionFailure() << "no reply";
+    }
+    if (!reply->has_buffer() || reply->sequence() != sequence) {
+      return ::testing::AssertionFailure()
+             << "expected buffer " << sequence << ", got "
+             << reply->ShortDebugString();
+    }
+    return ::testing::AssertionSuccess();
   }
 
   // The connection still works: a ping gets its pong.
@@ -941,6 +1002,286 @@ TEST_F(FdServerTest, MissingDirectoryFailsToBind) {
   auto server = FdServer::Start(options, &handler_);
   EXPECT_FALSE(server.ok());
   EXPECT_EQ(GetErrorDetail(server.status()).reason(), "BIND_FAILED");
+}
+
+// ---------------------------------------------------------------------------
+// Live handover: Detach and Adopt
+
+// Server A (server_, handler_) detaches; server B (server_b_, handler_b_)
+// adopts, in this process, as a new mrd would in another.
+class FdHandoverTest : public FdServerTest {
+ protected:
+  void TearDown() override {
+    if (server_b_ != nullptr) server_b_->Shutdown();
+    FdServerTest::TearDown();
+    EXPECT_TRUE(handler_b_.EverySessionClosedOnce());
+  }
+
+  FdServerOptions Options(FdBudget* budget = nullptr) const {
+    FdServerOptions options;
+    options.path = SocketPath();
+    options.fd_budget = budget;
+    return options;
+  }
+
+  // Sends pings without reading the replies until the server stops reading
+  // (it holds a reply the client has made no room for); the count sent.
+  uint64_t FloodUntilTheServerStopsReading(RawClient& client) {
+    v1::FdRequest request;
+    request.mutable_ping();
+    uint64_t sent = 0;
+    for (int round = 0; round < 200; ++round) {
+      uint64_t this_round = 0;
+      while (true) {
+        request.set_sequence(sent + 1);
+        if (!client.SendRaw(request.SerializeAsString(), {}, MSG_DONTWAIT)) {
+          break;
+        }
+        ++sent;
+        ++this_round;
+      }
+      if (round > 0 && this_round == 0) return sent;
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    ADD_FAILURE() << "the server kept reading";
+    return sent;
+  }
+
+  MappingHandler handler_b_{"b-session-"};
+  std::unique_ptr<FdServer> server_b_;
+};
+
+TEST_F(FdHandoverTest, SessionCarriesOnInTheAdoptingServerWithoutReconnecting) {
+  FdBudgetOptions budget_options;
+  budget_options.limit = 64;
+  budget_options.reserve = 32;
+  absl::StatusOr<std::unique_ptr<FdBudget>> budget =
+      FdBudget::Create(budget_options);
+  ASSERT_TRUE(budget.ok()) << budget.status();
+  StartServer(Options(budget->get()));
+  std::string session;
+  std::unique_ptr<RawClient> client = Connect(&session);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(ImportWorks(*client, 1, "imported through A"));
+  EXPECT_EQ((*budget)->Stats().charged, 1u);
+
+  absl::StatusOr<DetachedFdServer> detached = server_->Detach();
+  ASSERT_TRUE(detached.ok()) << detached.status();
+  EXPECT_TRUE(detached->listener.valid());
+  ASSERT_EQ(detached->connections.size(), 1u);
+  const DetachedConnection& conn = detached->connections[0];
+  EXPECT_TRUE(conn.socket.valid());
+  EXPECT_EQ(conn.session, session);
+  EXPECT_EQ(conn.creds.pid, ::getpid());
+  EXPECT_EQ(conn.creds.uid, ::getuid());
+  EXPECT_EQ(conn.creds.gid, ::getgid());
+  EXPECT_TRUE(conn.pending_reply.empty());
+  EXPECT_EQ(server_->ConnectionCount(), 0u);
+  EXPECT_EQ((*budget)->Stats().charged, 0u);  // A's charges are released
+
+  // Nobody serves: a request waits in the socket, a newcomer in the backlog.
+  ASSERT_TRUE(client->SendPing(2));
+  RawClient newcomer(SocketPath());
+  ASSERT_TRUE(newcomer.valid());
+  // A's Shutdown after Detach closes nothing and removes nothing.
+  server_->Shutdown();
+  EXPECT_EQ(handler_.TotalDisconnects(), 0);
+  EXPECT_TRUE(SocketFileExists(SocketPath()));
+  EXPECT_TRUE(Quiet(client->fd())) << "the client saw a reply or a hangup";
+  EXPECT_TRUE(Quiet(newcomer.fd())) << "the newcomer was served by A";
+
+  MappingHandler::HandOver(handler_, handler_b_, session);
+  absl::StatusOr<std::unique_ptr<FdServer>> adopted = FdServer::Adopt(
+      Options(budget->get()), &handler_b_, *std::move(detached));
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  server_b_ = *std::move(adopted);
+
+  // The ping sent during the pause, then an import under the same token.
+  std::optional<v1::FdReply> reply = client->Receive();
+  ASSERT_TRUE(reply.has_value());
+  EXPECT_TRUE(reply->has_pong()) << reply->ShortDebugString();
+  EXPECT_EQ(reply->sequence(), 2u);
+  ASSERT_TRUE(ImportWorks(*client, 3, "imported through B"));
+  ASSERT_EQ(handler_b_.BuffersOf(session), 2u);
+  EXPECT_EQ(handler_b_.BufferBytes(session, 0), "imported through A");
+  EXPECT_EQ(handler_b_.BufferBytes(session, 1), "imported through B");
+  EXPECT_EQ(handler_.Imports(), 1);
+  EXPECT_EQ(handler_b_.Imports(), 1);
+
+  // The newcomer is B's: welcomed with B's token.
+  std::optional<v1::FdWelcome> welcome = newcomer.ReceiveWelcome();
+  ASSERT_TRUE(welcome.has_value());
+  EXPECT_EQ(welcome->session(), "b-session-1");
+  EXPECT_EQ(handler_.Connects().size(), 1u);
+  EXPECT_EQ(server_b_->ConnectionCount(), 2u);
+  EXPECT_EQ((*budget)->Stats().charged, 2u);  // charged again, by B
+  EXPECT_EQ(handler_.TotalDisconnects(), 0);
+  EXPECT_EQ(handler_b_.TotalDisconnects(), 0);
+
+  // B's Shutdown ends both sessions and removes the socket file it adopted.
+  server_b_->Shutdown();
+  EXPECT_TRUE(client->ReceiveEof());
+  EXPECT_EQ(handler_b_.DisconnectsOf(session), 1);
+  EXPECT_EQ(handler_b_.DisconnectsOf("b-session-1"), 1);
+  EXPECT_FALSE(SocketFileExists(SocketPath())) << "socket file left";
+  EXPECT_EQ((*budget)->Stats().charged, 0u);
+}
+
+// The failed-handover path: the process adopts its own detached state.
+TEST_F(FdHandoverTest, AdoptingBackIntoAFreshServerKeepsServing) {
+  StartServer();
+  std::string session;
+  std::unique_ptr<RawClient> client = Connect(&session);
+  ASSERT_NE(client, nullptr);
+  ASSERT_TRUE(ImportWorks(*client, 1, "before"));
+
+  absl::StatusOr<DetachedFdServer> detached = server_->Detach();
+  ASSERT_TRUE(detached.ok()) << detached.status();
+  absl::StatusOr<std::unique_ptr<FdServer>> resumed =
+      FdServer::Adopt(Options(), &handler_, *std::move(detached));
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  server_ = *std::move(resumed);  // the detached one goes: it closes nothing
+
+  EXPECT_TRUE(PingWorks(*client, 2));
+  ASSERT_TRUE(ImportWorks(*client, 3, "after"));
+  EXPECT_EQ(handler_.BuffersOf(session), 2u);
+  std::string other_session;
+  std::unique_ptr<RawClient> other = Connect(&other_session);
+  ASSERT_NE(other, nullptr);
+  EXPECT_TRUE(PingWorks(*other, 1));
+  EXPECT_EQ(handler_.TotalDisconnects(), 0);
+  EXPECT_EQ(server_->ConnectionCount(), 2u);
+
+  server_->Shutdown();
+  EXPECT_TRUE(client->ReceiveEof());
+  EXPECT_TRUE(other->ReceiveEof());
+  EXPECT_EQ(handler_.DisconnectsOf(session), 1);
+  EXPECT_FALSE(SocketFileExists(SocketPath())) << "socket file left";
+}
+
+// A client that does not read: the reply A could not send is handed over
+// and B sends it before anything else, so every reply arrives once, in
+// order.
+TEST_F(FdHandoverTest, PendingReplyIsSentFirstByTheAdoptingServer) {
+  StartServer();
+  std::unique_ptr<RawClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const uint64_t sent = FloodUntilTheServerStopsReading(*client);
+  ASSERT_GT(sent, 0u);
+
+  absl::StatusOr<DetachedFdServer> detached = server_->Detach();
+  ASSERT_TRUE(detached.ok()) << detached.status();
+  ASSERT_EQ(detached->connections.size(), 1u);
+  const std::string& pending = detached->connections[0].pending_reply;
+  ASSERT_FALSE(pending.empty());
+  v1::FdReply pending_reply;
+  ASSERT_TRUE(pending_reply.ParseFromString(pending));
+  EXPECT_TRUE(pending_reply.has_pong()) << pending_reply.ShortDebugString();
+
+  absl::StatusOr<std::unique_ptr<FdServer>> resumed =
+      FdServer::Adopt(Options(), &handler_, *std::move(detached));
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  server_ = *std::move(resumed);
+  for (uint64_t i = 1; i <= sent; ++i) {
+    std::optional<v1::FdReply> reply = client->Receive();
+    ASSERT_TRUE(reply.has_value()) << "reply " << i << " of " << sent;
+    ASSERT_TRUE(reply->has_pong());
+    ASSERT_EQ(reply->sequence(), i);
+  }
+  EXPECT_TRUE(PingWorks(*client, sent + 1));
+}
+
+TEST_F(FdHandoverTest, HangupsAskedBeforeDetachAreCarriedOut) {
+  StartServer();
+  std::string ended;
+  std::string kept;
+  std::unique_ptr<RawClient> a = Connect(&ended);
+  std::unique_ptr<RawClient> b = Connect(&kept);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  server_->Hangup(ended);
+  absl::StatusOr<DetachedFdServer> detached = server_->Detach();
+  ASSERT_TRUE(detached.ok()) << detached.status();
+  // Either the loop saw the hangup before it stopped, or Detach did.
+  ASSERT_EQ(detached->connections.size(), 1u);
+  EXPECT_EQ(detached->connections[0].session, kept);
+  EXPECT_EQ(handler_.DisconnectsOf(ended), 1);
+  EXPECT_TRUE(a->ReceiveEof());
+  absl::StatusOr<std::unique_ptr<FdServer>> resumed =
+      FdServer::Adopt(Options(), &handler_, *std::move(detached));
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  server_ = *std::move(resumed);
+  EXPECT_TRUE(PingWorks(*b, 1));
+}
+
+TEST_F(FdHandoverTest, DetachIsRefusedWhenNotServing) {
+  StartServer();
+  ASSERT_TRUE(server_->Detach().ok());
+  absl::StatusOr<DetachedFdServer> again = server_->Detach();
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(GetErrorDetail(again.status()).reason(), "NOT_SERVING");
+  server_->Hangup("session-1");  // ignored, no crash
+
+  FdServerOptions options = Options();
+  options.path = dir_.Sub("other.sock");
+  absl::StatusOr<std::unique_ptr<FdServer>> other =
+      FdServer::Start(options, &handler_);
+  ASSERT_TRUE(other.ok()) << other.status();
+  (*other)->Shutdown();
+  absl::StatusOr<DetachedFdServer> stopped = (*other)->Detach();
+  EXPECT_EQ(GetErrorDetail(stopped.status()).reason(), "NOT_SERVING");
+}
+
+TEST_F(FdHandoverTest, AdoptRefusesWhatIsNotAListeningSeqpacketSocket) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd keep(pair[1]);
+  DetachedFdServer connected;
+  connected.listener.Reset(pair[0]);
+  absl::StatusOr<std::unique_ptr<FdServer>> server =
+      FdServer::Adopt(Options(), &handler_b_, std::move(connected));
+  EXPECT_EQ(server.status().code(), kInvalid);
+  EXPECT_EQ(GetErrorDetail(server.status()).reason(), "BAD_LISTENER");
+
+  StartServer();
+  absl::StatusOr<DetachedFdServer> detached = server_->Detach();
+  ASSERT_TRUE(detached.ok()) << detached.status();
+  DetachedConnection stream;
+  stream.socket.Reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  stream.session = "not-a-session";
+  detached->connections.push_back(std::move(stream));
+  server = FdServer::Adopt(Options(), &handler_b_, *std::move(detached));
+  EXPECT_EQ(GetErrorDetail(server.status()).reason(), "BAD_CONNECTION");
+  EXPECT_TRUE(handler_b_.Connects().empty());
+}
+
+TEST_F(FdHandoverTest, ASocketFileReplacedMeanwhileIsNotTheAdoptersToRemove) {
+  StartServer();
+  absl::StatusOr<DetachedFdServer> detached = server_->Detach();
+  ASSERT_TRUE(detached.ok()) << detached.status();
+  // Someone else's socket at the path now.
+  ASSERT_EQ(::unlink(SocketPath().c_str()), 0);
+  UniqueFd other(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  struct sockaddr_un addr;
+  std::memset(&addr, 0, sizeof(addr));
+  addr.sun_family = AF_UNIX;
+  const std::string path = SocketPath();
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  ASSERT_EQ(::bind(other.get(), reinterpret_cast<struct sockaddr*>(&addr),
+                   sizeof(addr)),
+            0);
+  absl::StatusOr<std::unique_ptr<FdServer>> adopted =
+      FdServer::Adopt(Options(), &handler_b_, *std::move(detached));
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  (*adopted)->Shutdown();
+  EXPECT_TRUE(SocketFileExists(SocketPath())) << "removed another's socket";
+}
+
+TEST_F(FdServerTest, ShutdownCanBeToldToLeaveTheSocketFile) {
+  StartServer();
+  server_->SetUnlinkOnShutdown(false);
+  server_->Shutdown();
+  EXPECT_TRUE(SocketFileExists(SocketPath()));
 }
 
 }  // namespace
