@@ -113,6 +113,13 @@ absl::StatusOr<std::unique_ptr<GrpcAcceptor>> GrpcAcceptor::Listen(
     return ErrnoError(errno, absl::StrCat("bind ", options.socket_path),
                       "GRPC_SOCKET");
   }
+  struct stat st {};
+  if (::lstat(options.socket_path.c_str(), &st) != 0) {
+    return ErrnoError(errno, absl::StrCat("lstat ", options.socket_path),
+                      "GRPC_SOCKET");
+  }
+  a->socket_file_ = SocketFileId{static_cast<uint64_t>(st.st_dev),
+                                 static_cast<uint64_t>(st.st_ino)};
   if (::chmod(options.socket_path.c_str(), options.socket_mode) != 0) {
     return ErrnoError(errno, absl::StrCat("chmod ", options.socket_path),
                       "GRPC_SOCKET");
@@ -120,16 +127,53 @@ absl::StatusOr<std::unique_ptr<GrpcAcceptor>> GrpcAcceptor::Listen(
   if (::listen(a->listen_fd_.get(), SOMAXCONN) != 0) {
     return ErrnoError(errno, "listen", "GRPC_SOCKET");
   }
-  a->wake_fd_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
-  if (!a->wake_fd_.valid()) return ErrnoError(errno, "eventfd", "GRPC_SOCKET");
-  a->spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
-  if (!a->spare_fd_.valid()) {
-    return ErrnoError(errno, "open /dev/null", "GRPC_SOCKET");
-  }
+  MRD_RETURN_IF_ERROR(a->OpenHelperFds());
   return a;
 }
 
+absl::StatusOr<std::unique_ptr<GrpcAcceptor>> GrpcAcceptor::Adopt(
+    const GrpcAcceptorOptions& options, UniqueFd listener) {
+  if (options.max_connections == 0 || options.max_connections_per_uid == 0) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_GRPC_LIMITS",
+                    "--grpc_max_connections and "
+                    "--grpc_max_connections_per_uid must be at least 1");
+  }
+  MRD_RETURN_IF_ERROR(PrepareHandedOverSocket(listener.get(), SOCK_STREAM,
+                                              /*listening=*/true,
+                                              "BAD_LISTENER"));
+  std::unique_ptr<GrpcAcceptor> a(new GrpcAcceptor(options));
+  a->listen_fd_ = std::move(listener);
+  a->socket_file_ = BoundSocketFile(a->listen_fd_.get(), options.socket_path);
+  if (!a->socket_file_.has_value()) {
+    LogWarning("gRPC acceptor: the adopted listener is not bound to the file ",
+               "at ", options.socket_path,
+               "; it will not be removed at shutdown");
+  }
+  MRD_RETURN_IF_ERROR(a->OpenHelperFds());
+  LogInfo("gRPC acceptor: adopted the socket ", options.socket_path);
+  return a;
+}
+
+absl::Status GrpcAcceptor::OpenHelperFds() {
+  wake_fd_.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!wake_fd_.valid()) return ErrnoError(errno, "eventfd", "GRPC_SOCKET");
+  spare_fd_.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!spare_fd_.valid()) {
+    return ErrnoError(errno, "open /dev/null", "GRPC_SOCKET");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status GrpcAcceptor::Start(grpc::Server* server) {
+  if (detached_) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "ACCEPTOR_DETACHED",
+                    "this acceptor gave its socket away (Detach); adopt it "
+                    "into a new acceptor to accept again");
+  }
+  if (thread_.has_value()) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "ACCEPTOR_STARTED",
+                    "the acceptor is already accepting");
+  }
   MRD_ASSIGN_OR_RETURN(
       Thread t,
       Thread::Start("mrd-grpc-accept", [this, server] { Run(server); }));
@@ -137,16 +181,38 @@ absl::Status GrpcAcceptor::Start(grpc::Server* server) {
   return absl::OkStatus();
 }
 
-void GrpcAcceptor::Shutdown() {
-  if (thread_.has_value()) {
-    const uint64_t one = 1;
-    (void)::write(wake_fd_.get(), &one, sizeof(one));
-    thread_->Join();
-    thread_.reset();
+void GrpcAcceptor::StopThread() {
+  if (!thread_.has_value()) return;
+  const uint64_t one = 1;
+  (void)::write(wake_fd_.get(), &one, sizeof(one));
+  thread_->Join();
+  thread_.reset();
+}
+
+absl::StatusOr<UniqueFd> GrpcAcceptor::Detach() {
+  if (!listen_fd_.valid()) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "NOT_LISTENING",
+                    absl::StrCat("the gRPC acceptor of ", options_.socket_path,
+                                 " was shut down or detached already"));
   }
+  // The thread accepts nothing more once joined; whatever it accepted is
+  // gRPC's already, and what waits in the backlog stays there.
+  StopThread();
+  detached_ = true;
+  socket_file_.reset();
+  LogInfo("gRPC acceptor: detached ", options_.socket_path);
+  return std::move(listen_fd_);
+}
+
+void GrpcAcceptor::Shutdown() {
+  StopThread();
   if (listen_fd_.valid()) {
     listen_fd_.Reset();
-    ::unlink(options_.socket_path.c_str());
+    // Unless another server has replaced the socket file since.
+    if (socket_file_.has_value() &&
+        SameSocketFile(options_.socket_path, *socket_file_)) {
+      ::unlink(options_.socket_path.c_str());
+    }
   }
 }
 

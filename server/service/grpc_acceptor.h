@@ -16,8 +16,15 @@
 // connections it handed over are gone by looking for their socket inodes in
 // /proc/self/fd: once a second, and before refusing (at most every 50 ms).
 //
-// Thread safety: Stats() may be called from any thread; Start and Shutdown
-// from one.
+// Live handover (issue 11): Detach gives up the listening socket, open and
+// still listening, for another acceptor (in another process, or in this one
+// after a failed handover) to Adopt; clients connecting meanwhile wait in the
+// backlog. Connections already handed to gRPC stay with this process's
+// grpc::Server, and an adopting acceptor does not count them against its
+// limits (it counts only what it accepts itself).
+//
+// Thread safety: Stats() may be called from any thread; Start, Detach and
+// Shutdown from one.
 #ifndef MRD_SERVER_SERVICE_GRPC_ACCEPTOR_H_
 #define MRD_SERVER_SERVICE_GRPC_ACCEPTOR_H_
 
@@ -36,6 +43,7 @@
 #include "absl/time/time.h"
 #include "mrd/unique_fd.h"
 #include "server/common/thread.h"
+#include "server/common/unix_socket.h"
 #include "server/metrics/rpc_observer.h"
 
 namespace grpc {
@@ -60,20 +68,44 @@ class GrpcAcceptor {
   // limit is 0; UNAVAILABLE GRPC_SOCKET when the socket cannot be made.
   static absl::StatusOr<std::unique_ptr<GrpcAcceptor>> Listen(
       const GrpcAcceptorOptions& options);
+  // An acceptor over a listening Unix socket another acceptor detached (same
+  // options; nothing is bound, chmoded or unlinked at start). Shutdown
+  // removes the socket file if it is the file `listener` is bound to
+  // (BoundSocketFile in server/common/unix_socket.h). Errors:
+  // INVALID_ARGUMENT BAD_GRPC_LIMITS as Listen, BAD_LISTENER (not a
+  // listening Unix SOCK_STREAM socket; it is closed); UNAVAILABLE
+  // GRPC_SOCKET (eventfd or spare fd).
+  static absl::StatusOr<std::unique_ptr<GrpcAcceptor>> Adopt(
+      const GrpcAcceptorOptions& options, UniqueFd listener);
   ~GrpcAcceptor();
   GrpcAcceptor(const GrpcAcceptor&) = delete;
   GrpcAcceptor& operator=(const GrpcAcceptor&) = delete;
 
-  // Starts accepting for `server` (which must outlive Shutdown).
+  // Starts accepting for `server` (which must outlive Shutdown). Once only:
+  // FAILED_PRECONDITION ACCEPTOR_STARTED on a second call,
+  // ACCEPTOR_DETACHED after Detach (Adopt the detached socket into a new
+  // acceptor instead, which may Start with the same server).
   absl::Status Start(grpc::Server* server);
-  // Stops accepting and closes the listening socket (connections already
-  // handed over stay gRPC's). Idempotent.
+  // Stops accepting and returns the listening socket without closing it or
+  // unlinking its path (another process's acceptor carries on with it).
+  // Connections already handed to gRPC stay with this process's gRPC
+  // server. After it, Shutdown only closes what is left. Start may not be
+  // called again; Adopt (of the returned socket, into a new acceptor) may.
+  // FAILED_PRECONDITION NOT_LISTENING after Shutdown or Detach.
+  absl::StatusOr<UniqueFd> Detach();
+  // Stops accepting, closes the listening socket and removes the socket
+  // file if it is still this acceptor's (connections already handed over
+  // stay gRPC's). Idempotent.
   void Shutdown();
 
   GrpcAcceptorStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   explicit GrpcAcceptor(const GrpcAcceptorOptions& options);
+  // The eventfd and the spare fd (Listen and Adopt).
+  absl::Status OpenHelperFds();
+  // Wakes the thread and joins it, if it runs.
+  void StopThread();
   void Run(grpc::Server* server);
   void AcceptAll(grpc::Server* server);
   // accept4 failed for lack of fds: the spare fd takes the connection and
@@ -90,7 +122,11 @@ class GrpcAcceptor {
   UniqueFd listen_fd_;
   UniqueFd wake_fd_;   // eventfd: Shutdown wakes the thread
   UniqueFd spare_fd_;  // given up to accept and refuse when out of fds
+  // The socket file Shutdown may remove (the one listen_fd_ is bound to);
+  // unset: none.
+  std::optional<SocketFileId> socket_file_;
   std::optional<Thread> thread_;
+  bool detached_ = false;  // Detach gave the listening socket away
 
   mutable absl::Mutex mu_;
   // Socket inode -> client uid of each connection handed to gRPC.
