@@ -50,13 +50,14 @@ bool KeyTable::Grow() {
   const size_t count = static_cast<size_t>(end - first);
   std::unique_ptr<Slot[]> chunk(new (std::nothrow) Slot[count]);
   if (chunk == nullptr) return false;
-  chunks_.push_back(std::move(chunk));
   // No shuffle is needed: Allocate draws uniformly from the whole pool, so
   // the pool's order never shows in the keys.
   free_.reserve(free_.size() + count);
   for (uint64_t index = std::max<uint64_t>(first, 1); index < end; ++index) {
     free_.push_back(static_cast<uint32_t>(index));
+    chunk[index - first].pooled = true;
   }
+  chunks_.push_back(std::move(chunk));
   grown_ = static_cast<uint32_t>(end - 1);
   return true;
 }
@@ -82,27 +83,74 @@ absl::StatusOr<uint32_t> KeyTable::Allocate(uint32_t owner) {
   // Keep the pool wide enough that the slot draw stays spread out: grow
   // before it runs dry, not only when it is empty.
   const size_t low_water = std::max(chunk_slots_ / 16, 1u);
-  while (grown_ < capacity_ && free_.size() < low_water) {
+  while (grown_ < capacity_ && LiveFree() < low_water) {
     if (!Grow()) break;
   }
-  if (free_.empty()) {
+  if (LiveFree() == 0) {
     return SeedError(STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
                      absl::StrCat("out of memory growing the memory-key "
                                   "table beyond ",
                                   grown_, " slots"));
   }
   MRD_RETURN_IF_ERROR(FaultPoint(faults_, "random.key_slot"));
-  MRD_ASSIGN_OR_RETURN(uint64_t pick, random_->Uint64());
-  size_t at = static_cast<size_t>(pick % free_.size());
-  uint32_t index = free_[at];
-  Slot& slot = *Find(index);
-  MRD_ASSIGN_OR_RETURN(uint8_t key_byte, NextKeyByte(slot));
+  // Rejection sampling: a draw that lands on a claimed slot's stale entry
+  // discards it and draws again, so the pick is uniform over the free
+  // slots, and each stale entry costs one draw in all.
+  size_t at = 0;
+  Slot* slot = nullptr;
+  while (true) {
+    MRD_ASSIGN_OR_RETURN(uint64_t pick, random_->Uint64());
+    at = static_cast<size_t>(pick % free_.size());
+    slot = Find(free_[at]);
+    if (slot->owner == 0) break;
+    slot->pooled = false;
+    free_[at] = free_.back();
+    free_.pop_back();
+    --stale_;
+  }
+  const uint32_t index = free_[at];
+  MRD_ASSIGN_OR_RETURN(uint8_t key_byte, NextKeyByte(*slot));
   free_[at] = free_.back();
   free_.pop_back();
-  slot.owner = owner;
-  slot.key_byte = key_byte;
+  slot->pooled = false;
+  slot->owner = owner;
+  slot->key_byte = key_byte;
   ++in_use_;
   return (index << 8) | key_byte;
+}
+
+absl::StatusOr<uint32_t> KeyTable::Claim(uint32_t key, uint32_t owner) {
+  MRD_CHECK(owner != 0);
+  const uint32_t index = key >> 8;
+  if (index == 0 || index > capacity_) {
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "BAD_KEY",
+        absl::StrCat("key 0x", absl::Hex(key), " names slot ", index,
+                     ", outside the table's slots 1..", capacity_));
+  }
+  while (grown_ < index) {
+    if (!Grow()) {
+      return SeedError(
+          STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED",
+          absl::StrCat("out of memory growing the memory-key "
+                       "table beyond ",
+                       grown_, " slots to claim key 0x", absl::Hex(key)));
+    }
+  }
+  Slot& slot = *Find(index);
+  if (slot.owner != 0) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "KEY_IN_USE",
+                    absl::StrCat("key slot ", index, " (key 0x", absl::Hex(key),
+                                 ") is already held"));
+  }
+  // Every free grown slot is pooled: its entry turns stale, for Allocate
+  // (or a Release) to deal with.
+  MRD_CHECK(slot.pooled);
+  ++stale_;
+  slot.owner = owner;
+  slot.key_byte = static_cast<uint8_t>(key & 0xff);
+  ++in_use_;
+  return key;
 }
 
 absl::StatusOr<uint32_t> KeyTable::Reissue(uint32_t key) {
@@ -116,7 +164,12 @@ void KeyTable::Release(uint32_t key) {
   Slot* slot = Find(key >> 8);
   MRD_CHECK(slot != nullptr && slot->owner != 0);
   slot->owner = 0;
-  free_.push_back(key >> 8);
+  if (slot->pooled) {
+    --stale_;  // a claimed slot's entry is still there: live again
+  } else {
+    free_.push_back(key >> 8);
+    slot->pooled = true;
+  }
   --in_use_;
 }
 

@@ -13,6 +13,10 @@
 namespace mrd::device {
 namespace {
 
+// The software device's default key capacity (kDefaultMaxKeys, 1.5 Mi).
+constexpr uint32_t kDefaultMaxKeysForTest =
+    (1u << 20) + (1u << 18) + (1u << 18);
+
 using ::mrd::device::testing::IsSeedError;
 
 TEST(KeyTableTest, KeyIsIndexAndKeyByteAndMatchesOnlyExactly) {
@@ -192,6 +196,143 @@ TEST(KeyTableTest, FaultPointsFailWithoutTakingASlot) {
   }
   faults.Reset();
   EXPECT_TRUE(table.Allocate(2).ok());
+}
+
+// Handover: a new process re-creates the keys the old one issued.
+TEST(KeyTableTest, ClaimGivesExactlyTheKeyWhichThenBehavesAsAllocated) {
+  using ::mrd::device::testing::IsMrdError;
+  SecureRandomPool random;
+  KeyTable table(1000, &random, nullptr, /*chunk_slots=*/64);
+  // Beyond the first chunk: the table grows to cover it.
+  const uint32_t key = (700u << 8) | 0x5a;
+  absl::StatusOr<uint32_t> claimed = table.Claim(key, 9);
+  ASSERT_TRUE(claimed.ok()) << claimed.status();
+  EXPECT_EQ(*claimed, key);
+  EXPECT_GE(table.grown_slots(), 700u);
+  EXPECT_EQ(table.in_use(), 1u);
+  EXPECT_EQ(table.free_slots(), 999u);
+  EXPECT_EQ(table.Lookup(key), 9u);
+  EXPECT_EQ(table.Lookup(key ^ 0x01), 0u);
+  // Held, whatever the key byte asked for.
+  EXPECT_THAT(table.Claim(key, 10).status(),
+              IsMrdError(absl::StatusCode::kFailedPrecondition, "KEY_IN_USE"));
+  EXPECT_THAT(table.Claim(key ^ 0x33, 10).status(),
+              IsMrdError(absl::StatusCode::kFailedPrecondition, "KEY_IN_USE"));
+  // Reissue draws a new byte as for an allocated key.
+  absl::StatusOr<uint32_t> next = table.Reissue(key);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(*next >> 8, 700u);
+  EXPECT_NE(*next & 0xff, 0x5au);
+  EXPECT_EQ(table.Lookup(key), 0u);
+  EXPECT_EQ(table.Lookup(*next), 9u);
+  table.Release(*next);
+  EXPECT_EQ(table.Lookup(*next), 0u);
+  EXPECT_EQ(table.in_use(), 0u);
+  // Free again: it can be claimed again, and only once.
+  EXPECT_TRUE(table.Claim(key, 11).ok());
+  EXPECT_EQ(table.Lookup(key), 11u);
+  table.Release(key);
+  // Claiming and releasing a slot over and over costs nothing more: the
+  // free pool holds each index once.
+  const size_t memory = table.MemoryBytes();
+  for (int i = 0; i < 10000; ++i) {
+    ASSERT_TRUE(table.Claim(key, 12).ok());
+    table.Release(key);
+  }
+  EXPECT_EQ(table.MemoryBytes(), memory);
+  // Allocate hands out every slot exactly once, that one included, with a
+  // key byte other than the one it last had.
+  std::set<uint32_t> indices;
+  for (uint32_t owner = 1; owner <= 1000; ++owner) {
+    absl::StatusOr<uint32_t> allocated = table.Allocate(owner);
+    ASSERT_TRUE(allocated.ok()) << owner << ": " << allocated.status();
+    ASSERT_TRUE(indices.insert(*allocated >> 8).second) << (*allocated >> 8);
+    if ((*allocated >> 8) == 700u) {
+      EXPECT_NE(*allocated & 0xff, 0x5au);
+    }
+  }
+  EXPECT_THAT(
+      table.Allocate(1001).status(),
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "KEYS_EXHAUSTED"));
+}
+
+TEST(KeyTableTest, ClaimRefusesKeysOutsideTheTable) {
+  using ::mrd::device::testing::IsMrdError;
+  SecureRandomPool random;
+  KeyTable table(1000, &random);
+  for (uint32_t key : {0u, 0xffu, 1001u << 8, (1001u << 8) | 7, ~0u}) {
+    EXPECT_THAT(table.Claim(key, 1).status(),
+                IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_KEY"))
+        << key;
+  }
+  EXPECT_EQ(table.in_use(), 0u);
+  EXPECT_EQ(table.grown_slots(), 0u);
+  EXPECT_EQ(table.MemoryBytes(), 0u);
+  EXPECT_TRUE(table.Claim((1000u << 8) | 7, 1).ok());  // the last slot
+}
+
+TEST(KeyTableTest, ClaimedAndAllocatedKeysNeverCollide) {
+  SecureRandomPool random;
+  KeyTable table(4096, &random, nullptr, /*chunk_slots=*/256);
+  // Every other slot claimed; then Allocate must return exactly the rest.
+  std::vector<bool> claimed(4097);
+  for (uint32_t index = 2; index <= 4096; index += 2) {
+    ASSERT_TRUE(table.Claim((index << 8) | (index & 0xff), index).ok());
+    claimed[index] = true;
+  }
+  // A claimed slot released again goes back to the pool once.
+  table.Release((100u << 8) | 100u);
+  claimed[100] = false;
+  std::set<uint32_t> indices;
+  for (uint32_t owner = 1; table.free_slots() > 0; ++owner) {
+    absl::StatusOr<uint32_t> key = table.Allocate(owner);
+    ASSERT_TRUE(key.ok()) << key.status();
+    const uint32_t index = *key >> 8;
+    ASSERT_FALSE(claimed[index]) << "claimed index handed out: " << index;
+    ASSERT_TRUE(indices.insert(index).second) << "handed out twice: " << index;
+  }
+  EXPECT_EQ(indices.size(), 2048u + 1);
+  EXPECT_TRUE(indices.count(100));
+  for (uint32_t index = 2; index <= 4096; index += 2) {
+    if (index != 100) {
+      EXPECT_EQ(table.Lookup((index << 8) | (index & 0xff)), index);
+    }
+  }
+}
+
+// A new process claims up to about a million keys in a row: each claim is
+// O(1) amortized, and Allocate afterwards still never returns a claimed key.
+TEST(KeyTableTest, AMillionClaimsInARowThenAllocateAvoidsThem) {
+  SecureRandomPool random;
+  KeyTable table(kDefaultMaxKeysForTest, &random);
+  constexpr uint32_t kClaims = 1u << 20;
+  // Spread over the whole table as an old process's random draws were.
+  std::vector<bool> claimed(kDefaultMaxKeysForTest + 1);
+  uint32_t done = 0;
+  for (uint32_t i = 0; done < kClaims; ++i) {
+    const uint32_t index =
+        1 + static_cast<uint32_t>((uint64_t{i} * 2654435761u) %
+                                  kDefaultMaxKeysForTest);
+    if (claimed[index]) continue;
+    ASSERT_TRUE(table.Claim((index << 8) | (i & 0xff), index).ok()) << index;
+    claimed[index] = true;
+    ++done;
+  }
+  EXPECT_EQ(table.in_use(), kClaims);
+  // Stale entries are memory the table holds: counted.
+  EXPECT_GE(table.MemoryBytes(), size_t{table.grown_slots()} * 12);
+  EXPECT_LT(table.MemoryBytes(), size_t{table.grown_slots()} * 40);
+  std::printf("key table: %u keys claimed, %u slots grown, %zu bytes\n",
+              table.in_use(), table.grown_slots(), table.MemoryBytes());
+  uint32_t allocated = 0;
+  for (uint32_t owner = 1; table.free_slots() > 0; ++owner) {
+    absl::StatusOr<uint32_t> key = table.Allocate(owner);
+    ASSERT_TRUE(key.ok()) << key.status();
+    ASSERT_FALSE(claimed[*key >> 8]) << "claimed index handed out";
+    claimed[*key >> 8] = true;
+    ++allocated;
+  }
+  EXPECT_EQ(allocated, kDefaultMaxKeysForTest - kClaims);
 }
 
 TEST(IovaSpaceTest, RangesArePageAlignedDisjointAndSeparatedByGuards) {
