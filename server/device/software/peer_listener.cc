@@ -63,8 +63,7 @@ struct PeerListener::Conn {
   size_t out_off = 0;
 };
 
-absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Bind(
-    absl::string_view address, const PeerListenerOptions& options) {
+absl::Status PeerListener::CheckOptions(const PeerListenerOptions& options) {
   auto bad = [](const std::string& message) {
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_OPTION", message);
   };
@@ -85,8 +84,50 @@ absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Bind(
                             ") must hold at least one largest frame (",
                             options.max_frame_bytes, " bytes) and a hello"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Bind(
+    absl::string_view address, const PeerListenerOptions& options) {
+  MRD_RETURN_IF_ERROR(CheckOptions(options));
   MRD_ASSIGN_OR_RETURN(UniqueFd listen_fd,
                        peer::ListenTcp(address, kListenBacklog));
+  return Wrap(std::move(listen_fd), options);
+}
+
+absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::FromSocket(
+    UniqueFd listen_fd, const PeerListenerOptions& options) {
+  MRD_RETURN_IF_ERROR(CheckOptions(options));
+  auto bad = [&](const std::string& what) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_LISTENER",
+                    absl::StrCat("inherited peer listener fd ", listen_fd.get(),
+                                 " ", what));
+  };
+  if (!listen_fd.valid()) return bad("is not a file descriptor");
+  auto option = [&](int level, int name, int* value) {
+    socklen_t length = sizeof(*value);
+    return getsockopt(listen_fd.get(), level, name, value, &length) == 0;
+  };
+  int domain = 0;
+  int type = 0;
+  int listening = 0;
+  if (!option(SOL_SOCKET, SO_DOMAIN, &domain) ||
+      !option(SOL_SOCKET, SO_TYPE, &type) ||
+      !option(SOL_SOCKET, SO_ACCEPTCONN, &listening)) {
+    return bad(absl::StrCat("is not a socket: ", std::strerror(errno)));
+  }
+  if ((domain != AF_INET && domain != AF_INET6) || type != SOCK_STREAM) {
+    return bad("is not a TCP socket");
+  }
+  if (listening == 0) return bad("is not listening");
+  return Wrap(std::move(listen_fd), options);
+}
+
+absl::StatusOr<std::unique_ptr<PeerListener>> PeerListener::Wrap(
+    UniqueFd listen_fd, const PeerListenerOptions& options) {
+  // O_NONBLOCK belongs to the open file description, which a socket handed
+  // over shares with the process that made it: harmless, that one sets it
+  // too.
   int flags = fcntl(listen_fd.get(), F_GETFL);
   if (flags < 0 || fcntl(listen_fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
     return ErrnoError(errno, "fcntl(O_NONBLOCK)", "PEER_LISTEN_FAILED");
@@ -197,6 +238,49 @@ void PeerListener::Stop() {
   for (Thread& worker : workers_) worker.Join();
   workers_.clear();
   listen_fd_.Reset();  // never started: the reactor did not close it
+}
+
+absl::StatusOr<UniqueFd> PeerListener::StopAccepting() {
+  absl::MutexLock start_lock(&start_mu_);
+  if (stopped_) {
+    return MrdError(absl::StatusCode::kFailedPrecondition,
+                    "PEER_LISTENER_STOPPED",
+                    absl::StrCat("peer listener on ", address_,
+                                 " is stopped: no listening socket to hand "
+                                 "over"));
+  }
+  // Not stopped: the reactor leaves listen_fd_ alone (it closes it only
+  // once Stop began, which start_mu_ holds off).
+  UniqueFd copy(fcntl(listen_fd_.get(), F_DUPFD_CLOEXEC, 0));
+  if (!copy.valid()) {
+    return ErrnoError(errno, "fcntl(F_DUPFD_CLOEXEC)",
+                      "PEER_LISTENER_DUP_FAILED");
+  }
+  SetAcceptingLocked(false);
+  return copy;
+}
+
+void PeerListener::ResumeAccepting() {
+  absl::MutexLock start_lock(&start_mu_);
+  if (stopped_) return;
+  SetAcceptingLocked(true);
+}
+
+void PeerListener::SetAcceptingLocked(bool accept) {
+  {
+    absl::MutexLock lock(&mu_);
+    accept_wanted_ = accept;
+  }
+  if (!started_) return;  // the reactor reads accept_wanted_ when it starts
+  // Returns once the reactor acts on it: after a stop, no accept runs in
+  // this process any more.
+  Wake();
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](PeerListener* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+        return self->accepting_ == self->accept_wanted_;
+      },
+      this));
 }
 
 PeerListenerStats PeerListener::Stats() const {
@@ -680,8 +764,8 @@ bool PeerListener::ArmListener() {
   return true;
 }
 
-void PeerListener::HandleEvents(const epoll_event* events, int n,
-                                bool stopping) {
+void PeerListener::HandleEvents(const epoll_event* events, int n, bool stopping,
+                                bool accept) {
   for (int i = 0; i < n; ++i) {
     const uint64_t id = events[i].data.u64;
     if (id == kWakeId) {
@@ -690,7 +774,7 @@ void PeerListener::HandleEvents(const epoll_event* events, int n,
       continue;
     }
     if (id == kListenerId) {
-      if (!stopping) AcceptBatch();
+      if (!stopping && accept) AcceptBatch();
       continue;
     }
     auto it = conns_.find(id);
@@ -706,8 +790,11 @@ void PeerListener::HandleEvents(const epoll_event* events, int n,
 
 void PeerListener::CloseEverything() {
   if (listen_fd_.valid()) {
+    // Only this process's fd is closed, never shutdown(2): another process
+    // may hold a duplicate (StopAccepting) and go on accepting on it. When
+    // none does, closing it refuses later connection attempts.
     epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
-    listen_fd_.Reset();    // later connection attempts are refused
+    listen_fd_.Reset();
     listen_armed_ = true;  // nothing to re-arm
   }
   std::vector<uint64_t> ids;
@@ -717,17 +804,36 @@ void PeerListener::CloseEverything() {
   Publish();
 }
 
-void PeerListener::ReactorLoop() {
-  if (!ArmListener()) {
+bool PeerListener::ApplyAccepting(bool stopping) {
+  bool accept = false;
+  {
+    absl::MutexLock lock(&mu_);
+    accept = accept_wanted_;
+    accepting_ = accept;  // StopAccepting / ResumeAccepting return now
+  }
+  if (!listen_fd_.valid() || stopping) return false;
+  if (!accept && listen_armed_) {
+    // The backlog now waits for whoever accepts next (another process
+    // holding a duplicate, or ResumeAccepting).
+    epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, listen_fd_.get(), nullptr);
+    listen_armed_ = false;
+  } else if (accept && !listen_armed_ && absl::Now() >= accept_paused_until_ &&
+             !ArmListener()) {
     LogError("peer listener ", address_,
              ": epoll_ctl(listener): ", std::strerror(errno));
   }
+  return accept;
+}
+
+void PeerListener::ReactorLoop() {
   bool stopping = false;
+  bool accept = ApplyAccepting(stopping);
   absl::Time next_tick = absl::Now() + absl::Milliseconds(kTickMs);
   epoll_event events[128];
   while (true) {
     int timeout = -1;
-    if (!conns_.empty() || !listen_armed_) timeout = kTickMs;
+    // Ticks drive deadlines and a paused listener's re-arming.
+    if (!conns_.empty() || (accept && !listen_armed_)) timeout = kTickMs;
     int n = epoll_wait(epoll_fd_.get(), events, 128, timeout);
     if (n < 0) {
       int err = errno;
@@ -738,7 +844,10 @@ void PeerListener::ReactorLoop() {
       }
       n = 0;
     }
-    HandleEvents(events, n, stopping);
+    // Before the events: a stop asked for meanwhile drops a listener event
+    // this round reported.
+    accept = ApplyAccepting(stopping);
+    HandleEvents(events, n, stopping, accept);
     std::vector<Done> done;
     {
       absl::MutexLock lock(&mu_);
@@ -756,7 +865,9 @@ void PeerListener::ReactorLoop() {
     if (now >= next_tick) {
       next_tick = now + absl::Milliseconds(kTickMs);
       CheckDeadlines(now);
-      if (!listen_armed_ && now >= accept_paused_until_) ArmListener();
+      if (accept && !listen_armed_ && now >= accept_paused_until_) {
+        ArmListener();
+      }
     }
     Publish();
   }

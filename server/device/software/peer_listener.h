@@ -28,6 +28,14 @@
 // (threads run) -> Stop (closes the listener, then every connection, waiting
 // for frames being handled; joins every thread). The destructor stops.
 //
+// Handover (a new mrd process takes over the peer path): StopAccepting
+// stops watching the listening socket (connections already accepted are
+// served as before; new ones wait in the socket's backlog) and returns a
+// duplicate of it for the new process, whose listener is made FromSocket
+// and accepts from the same backlog. Stop then only closes this process's
+// fd, never shutdown(2), so the other process's listener keeps working.
+// ResumeAccepting undoes StopAccepting (the handover was called off).
+//
 // Thread safety: all public methods are thread-safe. The handler's open and
 // close run on the reactor thread (or Stop's caller after the reactor ended),
 // frame on a worker.
@@ -117,6 +125,12 @@ class PeerListener {
   // ("PEER_LISTEN_FAILED").
   static absl::StatusOr<std::unique_ptr<PeerListener>> Bind(
       absl::string_view address, const PeerListenerOptions& options);
+  // Takes `listen_fd`, a TCP socket already bound and listening (another
+  // process's, from its StopAccepting), instead of binding one; address()
+  // is its bound address. Errors: INVALID_ARGUMENT "BAD_OPTION",
+  // INVALID_ARGUMENT "BAD_PEER_LISTENER" (not a listening TCP socket).
+  static absl::StatusOr<std::unique_ptr<PeerListener>> FromSocket(
+      UniqueFd listen_fd, const PeerListenerOptions& options);
   ~PeerListener();
   PeerListener(const PeerListener&) = delete;
   PeerListener& operator=(const PeerListener&) = delete;
@@ -131,6 +145,18 @@ class PeerListener {
   // Closes the listening socket and every connection (the handler's close
   // runs for each), joins every thread. Idempotent.
   void Stop();
+
+  // Stops accepting new connections and returns a duplicate of the
+  // listening socket (close-on-exec) for another process. Returns once the
+  // reactor will accept no more (connections it accepted before are served
+  // as before; later ones wait in the backlog). Before Start, the reactor
+  // starts without accepting. Errors: FAILED_PRECONDITION
+  // "PEER_LISTENER_STOPPED" (after Stop: no socket left), the errno of the
+  // duplication ("PEER_LISTENER_DUP_FAILED"; then nothing changed).
+  absl::StatusOr<UniqueFd> StopAccepting();
+  // Accepts again after StopAccepting (returns once the reactor watches the
+  // listening socket again). No-op when accepting or stopped.
+  void ResumeAccepting();
 
   PeerListenerStats Stats() const;
 
@@ -153,6 +179,15 @@ class PeerListener {
 
   PeerListener(UniqueFd listen_fd, UniqueFd epoll_fd, UniqueFd wake_fd,
                std::string address, const PeerListenerOptions& options);
+  // INVALID_ARGUMENT "BAD_OPTION" for options no listener can run with.
+  static absl::Status CheckOptions(const PeerListenerOptions& options);
+  // A listener on `listen_fd` (bound and listening): its reactor's epoll
+  // set, wake fd and address.
+  static absl::StatusOr<std::unique_ptr<PeerListener>> Wrap(
+      UniqueFd listen_fd, const PeerListenerOptions& options);
+  // Sets accept_wanted_ and, once started, waits until the reactor acts on
+  // it (accepting_).
+  void SetAcceptingLocked(bool accept) ABSL_EXCLUSIVE_LOCKS_REQUIRED(start_mu_);
 
   // Reactor thread.
   void ReactorLoop();
@@ -163,10 +198,14 @@ class PeerListener {
   bool ShedOne(bool for_total, bool (*eligible)(const Conn& conn));
   void ReadSome(Conn& conn);
   // Reactor steps: (re-)adds the listener to the epoll set (false: failed,
-  // errno set); handles `n` ready events; at Stop, closes the listener and
-  // every connection.
+  // errno set); takes up accept_wanted_, arming or disarming the listener,
+  // and returns whether to accept this round; handles `n` ready events
+  // (accepting only when `accept`); at Stop, closes the listener and every
+  // connection.
   bool ArmListener();
-  void HandleEvents(const epoll_event* events, int n, bool stopping);
+  bool ApplyAccepting(bool stopping);
+  void HandleEvents(const epoll_event* events, int n, bool stopping,
+                    bool accept);
   void CloseEverything();
   // ReadSome's steps: go on reading, or stop (the connection is closed,
   // armed again, parked or its frame dispatched).
@@ -196,7 +235,9 @@ class PeerListener {
   bool WorkerHasJob() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const PeerListenerOptions options_;
-  UniqueFd listen_fd_;  // reactor only; closed by it on stop
+  // The reactor's; closed by it on stop. Other threads read it only under
+  // start_mu_ before Stop (StopAccepting), when the reactor leaves it be.
+  UniqueFd listen_fd_;
   const UniqueFd epoll_fd_;
   const UniqueFd wake_fd_;  // eventfd: stop requests and finished jobs
   const std::string address_;
@@ -223,6 +264,10 @@ class PeerListener {
   mutable absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool workers_stop_ ABSL_GUARDED_BY(mu_) = false;
+  // StopAccepting / ResumeAccepting ask (wanted); the reactor acknowledges
+  // what it acts on from its next round (accepting).
+  bool accept_wanted_ ABSL_GUARDED_BY(mu_) = true;
+  bool accepting_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<Done> done_ ABSL_GUARDED_BY(mu_);
   PeerListenerStats stats_ ABSL_GUARDED_BY(mu_);
