@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "mrd/unique_fd.h"
 #include "server/common/progress.h"
 
 namespace mrd::device {
@@ -227,6 +228,38 @@ class Device {
       ConnectionId connection, const FastRegisterWork& work) = 0;
   virtual absl::StatusOr<uint64_t> PostInvalidate(
       ConnectionId connection, const InvalidateWork& work) = 0;
+
+  // --- Handover (a new mrd process takes over from this one) ---
+  // The new process's device re-creates the old one's objects with the same
+  // keys and tickets, so that a remote peer's rkey and ticket keep working,
+  // and takes over the peer path's listening socket. The defaults here are
+  // those of a device that cannot: every call is refused with CanHandOver's
+  // error.
+
+  // OK when this device can re-create its objects in another process with
+  // the same keys (AdoptMr, AdoptPeerTicket); otherwise FAILED_PRECONDITION
+  // "HANDOVER_UNSUPPORTED_DEVICE" saying why.
+  virtual absl::Status CanHandOver() const;
+  // RegisterMr, but the MR gets exactly `lkey` and `rkey` (the keys another
+  // process had for it). Errors as RegisterMr, plus FAILED_PRECONDITION
+  // "KEY_IN_USE" and INVALID_ARGUMENT "BAD_KEY".
+  virtual absl::StatusOr<MrKeys> AdoptMr(PdId pd, const MemorySpan& span,
+                                         uint64_t base_address, uint32_t access,
+                                         uint32_t lkey, uint32_t rkey);
+  // The PD's peer ticket becomes exactly `ticket` (one CreatePeerTicket
+  // returned in another process), as if CreatePeerTicket had made it.
+  virtual absl::Status AdoptPeerTicket(PdId pd, const std::string& ticket);
+  // The peer path's listening socket, for another process: stops accepting
+  // new peer connections (connections already made keep being served) and
+  // returns a duplicate of the listening fd (close-on-exec; an empty
+  // UniqueFd with OK from a device that can hand over but has no listening
+  // socket). A device that cannot hand over (verbs) refuses with
+  // CanHandOver's error. ResumePeerAccepting undoes the stop (a no-op when
+  // not stopped). After StopPeerAccepting, Shutdown must never shutdown(2)
+  // or otherwise disturb the listening socket itself (the other process
+  // uses it): only close this process's fd.
+  virtual absl::StatusOr<UniqueFd> StopPeerAccepting();
+  virtual void ResumePeerAccepting();
 };
 
 }  // namespace mrd::device

@@ -374,6 +374,39 @@ absl::StatusOr<std::string> DeviceModel::CreatePeerTicket(PdId pd_id) {
   return ticket;
 }
 
+absl::Status DeviceModel::AdoptPeerTicket(PdId pd_id,
+                                          const std::string& ticket) {
+  MRD_RETURN_IF_ERROR(CanHandOver());
+  // Exactly what CreatePeerTicket makes. The message never shows the
+  // ticket: it is a secret.
+  const bool well_formed =
+      ticket.size() == 2 * kTicketBytes &&
+      std::all_of(ticket.begin(), ticket.end(), [](char c) {
+        return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
+      });
+  if (!well_formed) {
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "BAD_TICKET",
+        absl::StrCat("AdoptPeerTicket: a peer ticket is ", 2 * kTicketBytes,
+                     " lower-case hex digits; got ", ticket.size(),
+                     " characters that are not one"));
+  }
+  absl::MutexLock lock(&mu_);
+  MRD_RETURN_IF_ERROR(UsableLocked());
+  MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+  if (auto it = tickets_.find(ticket); it != tickets_.end()) {
+    if (it->second == pd_id) return absl::OkStatus();
+    return MrdError(absl::StatusCode::kFailedPrecondition, "TICKET_IN_USE",
+                    absl::StrCat("AdoptPeerTicket: the ticket belongs to "
+                                 "protection domain ",
+                                 it->second, ", not ", pd_id));
+  }
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "ticket.insert"));
+  tickets_.emplace(ticket, pd_id);
+  pd->tickets.push_back(ticket);
+  return absl::OkStatus();
+}
+
 // ---------------------------------------------------------------------------
 // Memory regions.
 
@@ -416,29 +449,44 @@ absl::Status DeviceModel::ValidateSpan(const MemorySpan& span,
 absl::StatusOr<MrKeys> DeviceModel::RegisterMr(PdId pd, const MemorySpan& span,
                                                uint64_t base_address,
                                                uint32_t access) {
-  MRD_RETURN_IF_ERROR(ValidateSpan(span, "RegisterMr"));
-  MRD_RETURN_IF_ERROR(
-      CheckBaseAddress(base_address, span.length, "RegisterMr"));
-  MRD_RETURN_IF_ERROR(CheckAccessBits(access, "RegisterMr"));
+  return Register(pd, span, base_address, access, nullptr);
+}
+
+absl::StatusOr<MrKeys> DeviceModel::AdoptMr(PdId pd, const MemorySpan& span,
+                                            uint64_t base_address,
+                                            uint32_t access, uint32_t lkey,
+                                            uint32_t rkey) {
+  MRD_RETURN_IF_ERROR(CanHandOver());
+  const AdoptedKeys adopt{lkey, rkey};
+  return Register(pd, span, base_address, access, &adopt);
+}
+
+absl::StatusOr<MrKeys> DeviceModel::Register(PdId pd, const MemorySpan& span,
+                                             uint64_t base_address,
+                                             uint32_t access,
+                                             const AdoptedKeys* adopt) {
+  const absl::string_view call = adopt == nullptr ? "RegisterMr" : "AdoptMr";
+  MRD_RETURN_IF_ERROR(ValidateSpan(span, call));
+  MRD_RETURN_IF_ERROR(CheckBaseAddress(base_address, span.length, call));
+  MRD_RETURN_IF_ERROR(CheckAccessBits(access, call));
   MRD_RETURN_IF_ERROR(ProviderCheckBase(span, base_address));
   MRD_ASSIGN_OR_RETURN(ProviderState * pd_state, BeginPdOp(pd));
   absl::StatusOr<MrKeys> keys =
-      RegisterPinned(pd, pd_state, span, base_address, access);
+      RegisterPinned(pd, pd_state, span, base_address, access, adopt);
   EndPdOp(pd);
   return keys;
 }
 
-absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
-                                                   ProviderState* pd_state,
-                                                   const MemorySpan& span,
-                                                   uint64_t base_address,
-                                                   uint32_t access) {
-  MRD_RETURN_IF_ERROR(CheckNotCancelled(span, "RegisterMr"));
+absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(
+    PdId pd_id, ProviderState* pd_state, const MemorySpan& span,
+    uint64_t base_address, uint32_t access, const AdoptedKeys* adopt) {
+  const absl::string_view call = adopt == nullptr ? "RegisterMr" : "AdoptMr";
+  MRD_RETURN_IF_ERROR(CheckNotCancelled(span, call));
   MRD_RETURN_IF_ERROR(ProviderPin(span));
   MrId id = 0;
   {
     absl::MutexLock lock(&mu_);
-    absl::StatusOr<Mr*> reserved = ReserveMrLocked(pd_id, "RegisterMr");
+    absl::StatusOr<Mr*> reserved = ReserveMrLocked(pd_id, call);
     if (!reserved.ok()) {
       ProviderUnpin(span);
       return reserved.status();
@@ -446,7 +494,10 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(PdId pd_id,
     id = (*reserved)->id;
   }
   absl::StatusOr<Registration> registration =
-      ProviderRegister(pd_state, span, base_address, access, id, false);
+      adopt == nullptr
+          ? ProviderRegister(pd_state, span, base_address, access, id, false)
+          : ProviderAdoptRegister(pd_state, span, base_address, access, id,
+                                  adopt->lkey, adopt->rkey);
   if (!registration.ok()) {
     ProviderUnpin(span);
     absl::MutexLock lock(&mu_);
@@ -598,6 +649,17 @@ absl::Status DeviceModel::Release(Released released) {
 }
 
 absl::Status DeviceModel::DeregisterMr(MrId mr) { return DestroyMr(mr, false); }
+
+absl::StatusOr<DeviceModel::Registration> DeviceModel::ProviderAdoptRegister(
+    ProviderState* /*pd*/, const MemorySpan& /*span*/, uint64_t /*iova*/,
+    uint32_t /*access*/, uint64_t /*owner*/, uint32_t /*lkey*/,
+    uint32_t /*rkey*/) {
+  MRD_RETURN_IF_ERROR(CanHandOver());
+  return MrdError(
+      absl::StatusCode::kUnimplemented, "HANDOVER_UNIMPLEMENTED",
+      absl::StrCat("AdoptMr: the ", attributes_.kind,
+                   " device cannot register memory with given keys"));
+}
 
 absl::Status DeviceModel::DestroyMr(MrId mr_id, bool fast) {
   Released released;

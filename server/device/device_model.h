@@ -133,6 +133,27 @@ class DeviceModel : public Device {
   absl::StatusOr<uint64_t> PostInvalidate(ConnectionId connection,
                                           const InvalidateWork& work) final;
 
+  // Handover. Both refuse with CanHandOver's error first (the provider
+  // says whether it can).
+  //
+  // AdoptMr is RegisterMr (same checks, pinning, undo on failure: a refusal
+  // leaves nothing pinned), except that the provider is asked for exactly
+  // `lkey` and `rkey` (ProviderAdoptRegister) instead of drawing new keys.
+  // The MR gets a new MrId of this device. Adopt every MR before anything
+  // else takes keys here: a key drawn meanwhile may be one an adopted MR
+  // needs (KEY_IN_USE).
+  absl::StatusOr<MrKeys> AdoptMr(PdId pd, const MemorySpan& span,
+                                 uint64_t base_address, uint32_t access,
+                                 uint32_t lkey, uint32_t rkey) final;
+  // Adds `ticket` to the PD's tickets, as CreatePeerTicket does: a PD may
+  // hold several tickets (CreatePeerTicket may be called again), so a
+  // ticket the PD already has stays valid, and adopting one the PD already
+  // holds is OK and changes nothing. Errors: INVALID_ARGUMENT "BAD_TICKET"
+  // (not a ticket CreatePeerTicket makes: 32 lower-case hex digits; the
+  // message never shows it), FAILED_PRECONDITION "TICKET_IN_USE" (another
+  // PD holds it), NOT_FOUND (PD).
+  absl::Status AdoptPeerTicket(PdId pd, const std::string& ticket) final;
+
   // Hands the connection's deferred (kWorkDefer) work to the worker now, as
   // the next non-deferred post would. Errors: FAILED_PRECONDITION
   // (STATUS_CONNECTION_INVALID) as for posts.
@@ -217,6 +238,14 @@ class DeviceModel : public Device {
   virtual absl::StatusOr<Registration> ProviderRegister(
       ProviderState* pd, const MemorySpan& span, uint64_t iova, uint32_t access,
       uint64_t owner, bool lam) = 0;
+  // ProviderRegister for an MR (never a LAM) that must get exactly `lkey`
+  // and `rkey`, the keys another process had for it (AdoptMr). Errors:
+  // INVALID_ARGUMENT "BAD_KEY" (keys this provider cannot give),
+  // FAILED_PRECONDITION "KEY_IN_USE" (held here). A provider whose
+  // CanHandOver is OK implements it; the default refuses.
+  virtual absl::StatusOr<Registration> ProviderAdoptRegister(
+      ProviderState* pd, const MemorySpan& span, uint64_t iova, uint32_t access,
+      uint64_t owner, uint32_t lkey, uint32_t rkey);
   // Releases a registration (its key is dead when this returns). Errors
   // leave the memory pinned; the model reports them.
   virtual absl::Status ProviderDeregister(
@@ -356,9 +385,20 @@ class DeviceModel : public Device {
   void EndPdOp(PdId pd) ABSL_LOCKS_EXCLUDED(mu_);
   void EndPdOpLocked(PdId pd) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // The keys AdoptMr asks the provider for.
+  struct AdoptedKeys {
+    uint32_t lkey = 0;
+    uint32_t rkey = 0;
+  };
+  // RegisterMr and AdoptMr (`adopt` non-null), from the checks on.
+  absl::StatusOr<MrKeys> Register(PdId pd, const MemorySpan& span,
+                                  uint64_t base_address, uint32_t access,
+                                  const AdoptedKeys* adopt)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<MrKeys> RegisterPinned(PdId pd, ProviderState* pd_state,
                                         const MemorySpan& span,
-                                        uint64_t base_address, uint32_t access)
+                                        uint64_t base_address, uint32_t access,
+                                        const AdoptedKeys* adopt)
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<LogicalMapping> MapPinned(PdId pd, ProviderState* pd_state,
                                            const MemorySpan& span)

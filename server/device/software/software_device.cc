@@ -1,5 +1,6 @@
 #include "server/device/software/software_device.h"
 
+#include <fcntl.h>
 #include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -193,8 +194,21 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   peer.max_frame_bytes =
       static_cast<uint32_t>(options.max_message_size) + kRequestOverheadBytes;
   peer.fault_points = options.fault_points;
-  MRD_ASSIGN_OR_RETURN(std::unique_ptr<PeerListener> listener,
-                       PeerListener::Bind(options.peer_listen_address, peer));
+  std::unique_ptr<PeerListener> listener;
+  if (options.inherited_peer_listener >= 0) {
+    UniqueFd own(fcntl(options.inherited_peer_listener, F_DUPFD_CLOEXEC, 0));
+    if (!own.valid()) {
+      return MrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_LISTENER",
+                      absl::StrCat("inherited peer listener fd ",
+                                   options.inherited_peer_listener, ": ",
+                                   std::strerror(errno)));
+    }
+    MRD_ASSIGN_OR_RETURN(listener,
+                         PeerListener::FromSocket(std::move(own), peer));
+  } else {
+    MRD_ASSIGN_OR_RETURN(listener,
+                         PeerListener::Bind(options.peer_listen_address, peer));
+  }
   uint64_t pick = 0;
   MRD_RETURN_IF_ERROR(SecureRandomBytes(&pick, sizeof(pick)));
   std::unique_ptr<KernelPinOps> own_pin_ops;
@@ -277,6 +291,14 @@ absl::Status SoftwareDevice::ProviderStart() {
 // being handled.
 void SoftwareDevice::ProviderStop() { listener_->Stop(); }
 
+absl::Status SoftwareDevice::CanHandOver() const { return absl::OkStatus(); }
+
+absl::StatusOr<UniqueFd> SoftwareDevice::StopPeerAccepting() {
+  return listener_->StopAccepting();
+}
+
+void SoftwareDevice::ResumePeerAccepting() { listener_->ResumeAccepting(); }
+
 SoftwareDevice::ResourceCounts SoftwareDevice::CountResources() const {
   ResourceCounts counts;
   static_cast<ModelCounts&>(counts) = CountModel();
@@ -328,6 +350,22 @@ absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderRegister(
   // ProviderDeregisterKey.
   return lam ? NewKey(kLamKeyOwnerTag, /*with_object=*/true)
              : NewKey(MrSlot(owner) + 1, /*with_object=*/false);
+}
+
+absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderAdoptRegister(
+    ProviderState* /*pd*/, const MemorySpan& /*span*/, uint64_t /*iova*/,
+    uint32_t /*access*/, uint64_t owner, uint32_t lkey, uint32_t rkey) {
+  // One key per MR, as ProviderRegister gives it.
+  if (lkey != rkey) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_KEY",
+                    absl::StrCat("AdoptMr: lkey 0x", absl::Hex(lkey),
+                                 " differs from rkey 0x", absl::Hex(rkey),
+                                 "; the software device gives an MR one key "
+                                 "for both"));
+  }
+  absl::MutexLock lock(&keys_mu_);
+  MRD_ASSIGN_OR_RETURN(uint32_t key, keys_.Claim(rkey, MrSlot(owner) + 1));
+  return Registration{key, key, nullptr};
 }
 
 absl::Status SoftwareDevice::ProviderDeregister(

@@ -84,6 +84,12 @@ struct SoftwareDeviceOptions {
   // Numeric host:port for the peer listener; port 0 picks a free one, which
   // Attributes().peer_address then reports.
   std::string peer_listen_address = "127.0.0.1:0";
+  // Handover: a TCP socket already bound and listening (the old process's
+  // device's StopPeerAccepting), which the peer listener uses instead of
+  // binding peer_listen_address (then ignored); Attributes().peer_address
+  // is its bound address. Not owned: Create duplicates it, so the caller
+  // closes its own fd whenever it likes. -1: bind as usual.
+  int inherited_peer_listener = -1;
   uint64_t max_mr_size = uint64_t{1} << 40;  // 1 TiB
   uint32_t max_page_list_length = 4096;      // 16 MiB of 4 KiB pages
   // Key-table slots: MRs (registrations and fast-register MRs) and LAMs
@@ -140,7 +146,9 @@ struct SoftwareDeviceOptions {
 class SoftwareDevice final : public DeviceModel {
  public:
   // Validates `options` (INVALID_ARGUMENT "BAD_OPTION"), binds and listens
-  // on the peer address (errors of ListenTcp). Threads start in Start().
+  // on the peer address (errors of ListenTcp), or takes the inherited
+  // listener (INVALID_ARGUMENT "BAD_PEER_LISTENER" when it is not a
+  // listening TCP socket). Threads start in Start().
   static absl::StatusOr<std::unique_ptr<SoftwareDevice>> Create(
       const SoftwareDeviceOptions& options);
   // Shutdown(), then releases whatever PDs are left (nothing stays pinned),
@@ -149,6 +157,19 @@ class SoftwareDevice final : public DeviceModel {
 
   DeviceHealth Health() const override;
   uint64_t PinnedBytes() const override;
+
+  // Handover: every object of this device is its key (lkey == rkey) and
+  // model state, so another process's software device can re-create it:
+  // CanHandOver is OK. AdoptMr claims exactly the key (KeyTable::Claim;
+  // INVALID_ARGUMENT "BAD_KEY" when lkey != rkey or the key names no slot
+  // of this table, FAILED_PRECONDITION "KEY_IN_USE" when held).
+  // StopPeerAccepting hands over the peer listener's socket
+  // (PeerListener::StopAccepting; FAILED_PRECONDITION
+  // "PEER_LISTENER_STOPPED" once shut down), and a device created with it
+  // as options.inherited_peer_listener accepts on the same address.
+  absl::Status CanHandOver() const override;
+  absl::StatusOr<UniqueFd> StopPeerAccepting() override;
+  void ResumePeerAccepting() override;
 
   // What the device holds right now, for leak checks in tests.
   // The model's counts, and the key table's.
@@ -176,6 +197,9 @@ class SoftwareDevice final : public DeviceModel {
                                                 uint64_t iova, uint32_t access,
                                                 uint64_t owner,
                                                 bool lam) override;
+  absl::StatusOr<Registration> ProviderAdoptRegister(
+      ProviderState* pd, const MemorySpan& span, uint64_t iova, uint32_t access,
+      uint64_t owner, uint32_t lkey, uint32_t rkey) override;
   absl::Status ProviderDeregisterKey(uint32_t lkey) override;
   absl::Status ProviderDeregister(
       std::unique_ptr<ProviderState> state) override;

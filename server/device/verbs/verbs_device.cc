@@ -395,6 +395,16 @@ uint64_t VerbsDevice::PinnedBytes() const {
   return pinned_bytes_;
 }
 
+absl::Status VerbsDevice::CanHandOver() const {
+  return MrdError(
+      absl::StatusCode::kFailedPrecondition, "HANDOVER_UNSUPPORTED_DEVICE",
+      absl::StrCat("the verbs device ", Attributes().name,
+                   " cannot hand over: its PDs, MRs and queue pairs cannot "
+                   "outlive this process (importing them into another "
+                   "process with ibv_import_device is refused, EOPNOTSUPP, "
+                   "and the adapter picks an MR's keys itself)"));
+}
+
 uint64_t VerbsDevice::max_message_size() const {
   return adapter_->max_message_size;
 }

@@ -226,6 +226,31 @@ TEST_F(VerbsDeviceTest, AttributesDescribeTheAdapter) {
   EXPECT_EQ(device_->PinnedBytes(), 0u);
 }
 
+// Live handover: verbs objects cannot outlive this process, so every
+// handover call is refused with one reason, and pins nothing.
+TEST_F(VerbsDeviceTest, HandoverIsRefusedAsUnsupported) {
+  const auto unsupported = IsMrdError(absl::StatusCode::kFailedPrecondition,
+                                      "HANDOVER_UNSUPPORTED_DEVICE");
+  EXPECT_THAT(device_->CanHandOver(), unsupported);
+  EXPECT_THAT(device_->CanHandOver().message(), HasSubstr("ibv_import_device"));
+  PdId pd = NewPd();
+  MemfdBuffer& buffer = NewBuffer(1);
+  EXPECT_THAT(
+      device_
+          ->AdoptMr(pd, buffer.Span(0, 64), kBase,
+                    kAccessLocalWrite | kAccessRemoteRead, 0x1234, 0x1234)
+          .status(),
+      unsupported);
+  EXPECT_EQ(device_->PinnedBytes(), 0u);
+  absl::StatusOr<std::string> ticket = device_->CreatePeerTicket(pd);
+  ASSERT_TRUE(ticket.ok());
+  EXPECT_THAT(device_->AdoptPeerTicket(pd, *ticket), unsupported);
+  EXPECT_THAT(device_->StopPeerAccepting().status(), unsupported);
+  device_->ResumePeerAccepting();  // nothing to resume
+  // Still accepting peers.
+  EXPECT_TRUE(TryConnect(pd).ok());
+}
+
 TEST_F(VerbsDeviceTest, UnknownDeviceNameIsNotFoundAndNamesTheDevices) {
   VerbsDeviceOptions options;
   options.device_name = "no-such-rdma-device";
