@@ -20,11 +20,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -57,6 +59,7 @@
 #include "server/device/software/software_device.h"
 #include "server/device/verbs/verbs_device.h"
 #include "server/fd_socket/fd_server.h"
+#include "server/handover/handover.h"
 #include "server/metrics/metrics.h"
 #include "server/service/grpc_acceptor.h"
 #include "server/service/service.h"
@@ -199,6 +202,26 @@ ABSL_FLAG(absl::Duration, progress_after, absl::Seconds(1),
           "completion stream...");
 ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
           "...and again every this long until it answers (at least 1ms).");
+ABSL_FLAG(bool, takeover, false,
+          "Take over from the mrd serving this runtime directory (live "
+          "handover: every session, buffer and registration goes on with "
+          "its keys; docs/ARCHITECTURE.md). When none serves, start fresh. A "
+          "takeover that fails leaves the running mrd serving, and this one "
+          "exits 1 saying why.");
+ABSL_FLAG(std::string, handover_socket, "",
+          "Where this mrd listens for a new mrd taking over, and where "
+          "--takeover looks for the running one. Default: "
+          "<runtime_dir>/handover.sock (mode 0600, own uid only).");
+ABSL_FLAG(absl::Duration, handover_drain_timeout, absl::Seconds(10),
+          "Handing over: how long requests in flight may take to finish "
+          "before the handover is refused (HANDOVER_BUSY) and this mrd "
+          "serves on.");
+ABSL_FLAG(absl::Duration, handover_timeout, absl::Seconds(60),
+          "Handing over: how long each side waits for each answer of the "
+          "other.");
+ABSL_FLAG(std::string, handover_test_fault, "",
+          "Tests only: fail the handover at this step (server/handover/"
+          "handover.h lists them).");
 ABSL_FLAG(bool, verbose, false, "Log debug lines.");
 
 namespace mrd {
@@ -307,7 +330,7 @@ bool IsLoopback(const std::string& address) {
 // Everything mrd runs, in the order it starts (and, reversed, the order the
 // members are destroyed in when a start fails part-way). Each step returns
 // the error to log, with the text that names the flag or path at fault.
-class Daemon {
+class Daemon final : public handover::HandoverSource {
  public:
   Daemon() = default;
   Daemon(const Daemon&) = delete;
@@ -322,6 +345,25 @@ class Daemon {
   absl::Status PrepareFdBudget();
   absl::Status PreparePaths();
   absl::Status PreparePeers();
+  absl::Status ChooseDevice();
+  // --takeover: asks the running mrd to hand over and receives its
+  // snapshot; takeover_ stays null when none runs.
+  absl::Status BeginTakeover();
+  // Adopts the snapshot, says ready and waits for commit.
+  absl::Status AdoptSnapshot();
+  // A listener the snapshot names (by index), or none.
+  UniqueFd TakeSnapshotFd(int32_t index);
+  absl::Status StartHandover();
+
+  // --- handover::HandoverSource (the old process's side) ---
+  absl::Status Check(const v1::HandoverHello& hello) override;
+  absl::Status Pause() override;
+  absl::Status Export(v1::HandoverSnapshot* snapshot,
+                      std::vector<UniqueFd>* fds) override;
+  absl::Status Release() override;
+  void Resume() override;
+  void Finish(const v1::HandoverReady& ready, absl::Duration paused) override;
+
   absl::Status OpenDevice();
   absl::Status OpenVerbsDevice(const std::string& device_flag);
   absl::Status OpenSoftwareDevice();
@@ -354,7 +396,10 @@ class Daemon {
   std::unique_ptr<core::Core> core_;
   std::unique_ptr<fd_socket::FdServer> fd_server_;
   service::GrpcAcceptorOptions acceptor_options_;
-  std::unique_ptr<service::GrpcAcceptor> acceptor_;
+  // Replaced only by a handover that failed (Resume), under acceptor_mu_.
+  absl::Mutex acceptor_mu_;
+  std::unique_ptr<service::GrpcAcceptor> acceptor_
+      ABSL_GUARDED_BY(acceptor_mu_);
   // Readiness's view of the device (the health watch keeps it; the metrics
   // read it, so it outlives them).
   std::atomic<bool> device_healthy_{true};
@@ -365,6 +410,21 @@ class Daemon {
   grpc::HealthCheckServiceInterface* health_ = nullptr;
   absl::Notification stop_health_;
   Thread health_watch_;
+
+  // Live handover. The new process's side: the takeover in progress and
+  // the snapshot it received (fds taken out as they are adopted).
+  std::string handover_socket_;
+  std::unique_ptr<handover::Takeover> takeover_;
+  std::optional<handover::HandoverChannel::Received> snapshot_;
+  absl::Time takeover_start_;
+  // The old process's side: what Pause detached, for Resume.
+  std::unique_ptr<handover::HandoverServer> handover_;
+  std::optional<fd_socket::DetachedFdServer> detached_fd_;
+  UniqueFd detached_grpc_;
+  UniqueFd detached_peer_;
+  bool peer_stopped_ = false;
+  bool metrics_stopped_ = false;
+  fd_socket::FdServerOptions fd_server_options_;  // for Resume
 };
 
 absl::Status Fail(absl::string_view message) {
@@ -376,13 +436,27 @@ absl::Status Daemon::Start() {
   MRD_RETURN_IF_ERROR(PreparePaths());
   MRD_RETURN_IF_ERROR(PreparePeers());
   ConfigurePrefault(absl::GetFlag(FLAGS_prefault_threads));
+  MRD_RETURN_IF_ERROR(ChooseDevice());
+  if (absl::GetFlag(FLAGS_takeover)) MRD_RETURN_IF_ERROR(BeginTakeover());
   MRD_RETURN_IF_ERROR(OpenDevice());
   MRD_RETURN_IF_ERROR(StartCore());
+  if (takeover_ != nullptr) MRD_RETURN_IF_ERROR(AdoptSnapshot());
   MRD_RETURN_IF_ERROR(StartFdSocket());
   MRD_RETURN_IF_ERROR(ListenGrpc());
   MRD_RETURN_IF_ERROR(StartMetrics());
   MRD_RETURN_IF_ERROR(StartGrpc());
-  return StartHealthWatch();
+  MRD_RETURN_IF_ERROR(StartHealthWatch());
+  MRD_RETURN_IF_ERROR(StartHandover());
+  if (takeover_ != nullptr) {
+    const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
+    LogInfo("took over from pid ", takeover_->accepted().pid(), " (mrd ",
+            takeover_->accepted().mrd_version(), "): ", snap.sessions_size(),
+            " sessions, ", snap.fd_connections_size(), " fd connections in ",
+            absl::FormatDuration(absl::Now() - takeover_start_));
+    takeover_.reset();
+    snapshot_.reset();
+  }
+  return absl::OkStatus();
 }
 
 // File descriptors (docs/RELIABILITY.md): the highest open-file limit we may
@@ -429,6 +503,19 @@ absl::Status Daemon::PreparePaths() {
     }
     *socket = *std::move(checked);
   }
+  handover_socket_ = absl::GetFlag(FLAGS_handover_socket);
+  if (!handover_socket_.empty()) {
+    absl::StatusOr<std::string> checked =
+        CheckSocketPath(handover_socket_, geteuid());
+    if (!checked.ok()) {
+      return Fail(absl::StrCat("refusing to start: socket ", handover_socket_,
+                               ": ", checked.status().message()));
+    }
+    handover_socket_ = *std::move(checked);
+  }
+  if (handover_socket_.empty()) {
+    handover_socket_ = runtime_dir_ + "/handover.sock";
+  }
   if (grpc_socket_.empty()) grpc_socket_ = runtime_dir_ + "/mrd.sock";
   if (fd_socket_.empty()) fd_socket_ = runtime_dir_ + "/fd.sock";
   shm_dir_ = absl::GetFlag(FLAGS_shm_dir);
@@ -471,7 +558,7 @@ absl::Status Daemon::PreparePeers() {
   return absl::OkStatus();
 }
 
-absl::Status Daemon::OpenDevice() {
+absl::Status Daemon::ChooseDevice() {
   const std::string device_flag = absl::GetFlag(FLAGS_device);
   if (device_flag != "software" && device_flag != "auto" &&
       device_flag != "verbs") {
@@ -494,6 +581,11 @@ absl::Status Daemon::OpenDevice() {
                                       " found; using the verbs device")
                        : "no RDMA device found; using the software device");
   }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::OpenDevice() {
+  const std::string device_flag = absl::GetFlag(FLAGS_device);
   if (use_verbs_) MRD_RETURN_IF_ERROR(OpenVerbsDevice(device_flag));
   if (!use_verbs_) MRD_RETURN_IF_ERROR(OpenSoftwareDevice());
   const std::string kind = device_->Attributes().kind;
@@ -562,6 +654,13 @@ absl::Status Daemon::OpenSoftwareDevice() {
   options.peer_stall_timeout = absl::GetFlag(FLAGS_peer_stall_timeout);
   options.peer_buffer_bytes = absl::GetFlag(FLAGS_peer_buffer_bytes);
   options.peer_workers = absl::GetFlag(FLAGS_peer_workers);
+  // Taking over: the running mrd's peer listener, on the same port (the
+  // device keeps a duplicate).
+  UniqueFd inherited;
+  if (snapshot_.has_value()) {
+    inherited = TakeSnapshotFd(snapshot_->frame.snapshot().peer_listener());
+    options.inherited_peer_listener = inherited.get();
+  }
   absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
       device::SoftwareDevice::Create(options);
   if (!software.ok()) {
@@ -672,8 +771,29 @@ absl::Status Daemon::StartFdSocket() {
   options.allowed_uids = uids_;
   options.allowed_gids = gids_;
   options.fd_budget = fd_budget_.get();
-  absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> server =
-      fd_socket::FdServer::Start(options, core_.get());
+  fd_server_options_ = options;
+  absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> server;
+  if (snapshot_.has_value()) {
+    // Taking over: the listener and every session's connection, which
+    // their clients keep using as if nothing happened.
+    const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
+    fd_socket::DetachedFdServer detached;
+    detached.listener = TakeSnapshotFd(snap.fd_listener());
+    for (const v1::HandedOverFdConnection& c : snap.fd_connections()) {
+      fd_socket::DetachedConnection conn;
+      conn.socket = TakeSnapshotFd(c.fd());
+      conn.session = c.session();
+      conn.creds.pid = static_cast<pid_t>(c.pid());
+      conn.creds.uid = c.uid();
+      conn.creds.gid = c.gid();
+      conn.pending_reply = c.pending_reply();
+      if (conn.socket.valid()) detached.connections.push_back(std::move(conn));
+    }
+    server =
+        fd_socket::FdServer::Adopt(options, core_.get(), std::move(detached));
+  } else {
+    server = fd_socket::FdServer::Start(options, core_.get());
+  }
   if (!server.ok()) {
     return Fail(absl::StrCat("fd socket: ", server.status().ToString()));
   }
@@ -706,10 +826,15 @@ absl::Status Daemon::ListenGrpc() {
                100);
   }
   absl::StatusOr<std::unique_ptr<service::GrpcAcceptor>> acceptor =
-      service::GrpcAcceptor::Listen(acceptor_options_);
+      snapshot_.has_value()
+          ? service::GrpcAcceptor::Adopt(
+                acceptor_options_,
+                TakeSnapshotFd(snapshot_->frame.snapshot().grpc_listener()))
+          : service::GrpcAcceptor::Listen(acceptor_options_);
   if (!acceptor.ok()) {
     return Fail(absl::StrCat("gRPC socket: ", acceptor.status().ToString()));
   }
+  absl::MutexLock lock(&acceptor_mu_);
   acceptor_ = std::move(*acceptor);
   return absl::OkStatus();
 }
@@ -756,8 +881,14 @@ absl::Status Daemon::StartMetrics() {
   });
   const std::string address = absl::GetFlag(FLAGS_metrics_address);
   if (address.empty()) return absl::OkStatus();
-  if (absl::Status s = metrics_->Serve(address); !s.ok()) {
-    return Fail(absl::StrCat("metrics: ", s.ToString()));
+  absl::Status served = metrics_->Serve(address);
+  // Taking over: the running mrd let go of the port just before commit.
+  for (int i = 0; !served.ok() && snapshot_.has_value() && i < 50; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    served = metrics_->Serve(address);
+  }
+  if (!served.ok()) {
+    return Fail(absl::StrCat("metrics: ", served.ToString()));
   }
   LogInfo("metrics at http://", address, "/metrics");
   return absl::OkStatus();
@@ -768,8 +899,11 @@ void Daemon::SetMetricsSources() {
     metrics_->SetPeerPathSource(
         [device = software_device_] { return PeerPathGaugesOf(*device); });
   }
-  metrics_->SetGrpcConnectionsSource(
-      [acceptor = acceptor_.get()] { return acceptor->Stats(); });
+  // A handover that fails replaces the acceptor (Resume).
+  metrics_->SetGrpcConnectionsSource([this] {
+    absl::MutexLock lock(&acceptor_mu_);
+    return acceptor_->Stats();
+  });
   metrics::ServerInfo info;
   info.version = MRD_VERSION;
   info.revision = MRD_REVISION;
@@ -806,7 +940,12 @@ absl::Status Daemon::StartGrpc() {
     return Fail(absl::StrCat("cannot start the gRPC server",
                              debug_tcp_.empty() ? "" : " on ", debug_tcp_));
   }
-  if (absl::Status s = acceptor_->Start(server_.get()); !s.ok()) {
+  absl::Status accepting;
+  {
+    absl::MutexLock lock(&acceptor_mu_);
+    accepting = acceptor_->Start(server_.get());
+  }
+  if (absl::Status s = accepting; !s.ok()) {
     server_->Shutdown();
     return Fail(absl::StrCat("gRPC acceptor: ", s.ToString()));
   }
@@ -835,7 +974,10 @@ absl::Status Daemon::StartHealthWatch() {
   absl::StatusOr<Thread> watch =
       Thread::Start("mrd-health", [this] { WatchHealth(); });
   if (!watch.ok()) {
-    acceptor_->Shutdown();
+    {
+      absl::MutexLock lock(&acceptor_mu_);
+      acceptor_->Shutdown();
+    }
     server_->Shutdown();
     fd_server_->Shutdown();
     core_->Shutdown();
@@ -865,15 +1007,278 @@ void Daemon::WatchHealth() {
   }
 }
 
+// --- live handover -----------------------------------------------------------
+
+UniqueFd Daemon::TakeSnapshotFd(int32_t index) {
+  if (!snapshot_.has_value() || index < 0 ||
+      static_cast<size_t>(index) >= snapshot_->fds.size()) {
+    return UniqueFd();
+  }
+  return std::move(snapshot_->fds[static_cast<size_t>(index)]);
+}
+
+absl::Status Daemon::BeginTakeover() {
+  takeover_start_ = absl::Now();
+  v1::HandoverHello hello;
+  hello.set_mrd_version(MRD_VERSION);
+  hello.set_pid(static_cast<uint32_t>(getpid()));
+  hello.set_device_kind(use_verbs_ ? "verbs" : "software");
+  hello.set_device_name(use_verbs_ ? absl::GetFlag(FLAGS_verbs_device)
+                                   : "software");
+  handover::TakeoverOptions options;
+  options.path = handover_socket_;
+  options.timeout = absl::GetFlag(FLAGS_handover_timeout);
+  options.fault = absl::GetFlag(FLAGS_handover_test_fault);
+  absl::StatusOr<std::unique_ptr<handover::Takeover>> takeover =
+      handover::Takeover::Begin(options, std::move(hello));
+  if (!takeover.ok() &&
+      GetErrorDetail(takeover.status()).reason() == "HANDOVER_NOBODY") {
+    LogInfo("--takeover: no mrd serves ", handover_socket_, "; starting fresh");
+    return absl::OkStatus();
+  }
+  if (!takeover.ok()) {
+    return Fail(absl::StrCat("takeover refused, the running mrd serves on: ",
+                             takeover.status().ToString()));
+  }
+  takeover_ = std::move(*takeover);
+  LogInfo("taking over from pid ", takeover_->accepted().pid(), " (mrd ",
+          takeover_->accepted().mrd_version(), ")");
+  absl::StatusOr<handover::HandoverChannel::Received> snapshot =
+      takeover_->ReceiveSnapshot();
+  if (!snapshot.ok()) {
+    return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
+                             snapshot.status().ToString()));
+  }
+  snapshot_ = std::move(*snapshot);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::AdoptSnapshot() {
+  const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
+  absl::Status adopted = core_->AdoptState(snap, snapshot_->fds);
+  if (adopted.ok() && takeover_->fault() == "new.adopt") {
+    adopted = MrdError(absl::StatusCode::kAborted, "HANDOVER_TEST_FAULT",
+                       "test fault point new.adopt");
+  }
+  if (takeover_->fault() == "new.crash") _exit(3);
+  if (adopted.ok()) {
+    const core::CoreStats stats = core_->Stats();
+    v1::HandoverReady ready;
+    ready.set_sessions(stats.sessions);
+    ready.set_buffers(stats.buffers);
+    ready.set_registrations(stats.registrations);
+    ready.set_pinned_bytes(device_->PinnedBytes());
+    adopted = takeover_->Ready(ready);
+  } else {
+    takeover_->Refuse(adopted);
+  }
+  if (!adopted.ok()) {
+    // Let go of everything adopted; the shared peer listener stays intact.
+    (void)device_->StopPeerAccepting();
+    core_->Shutdown();
+    return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
+                             adopted.ToString()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StartHandover() {
+  handover::HandoverServerOptions options;
+  options.path = handover_socket_;
+  options.mrd_version = MRD_VERSION;
+  options.timeout = absl::GetFlag(FLAGS_handover_timeout);
+  options.fault = absl::GetFlag(FLAGS_handover_test_fault);
+  UniqueFd inherited;
+  if (snapshot_.has_value()) {
+    inherited = TakeSnapshotFd(snapshot_->frame.snapshot().handover_listener());
+  }
+  absl::StatusOr<std::unique_ptr<handover::HandoverServer>> server =
+      handover::HandoverServer::Start(options, this, std::move(inherited));
+  if (!server.ok()) {
+    // Serving matters more than the next upgrade: say so and go on.
+    LogError("handover socket ", handover_socket_, ": ",
+             server.status().ToString(),
+             "; this mrd cannot hand over (mrd --takeover will not find it)");
+    return absl::OkStatus();
+  }
+  handover_ = std::move(*server);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::Check(const v1::HandoverHello& hello) {
+  MRD_RETURN_IF_ERROR(device_->CanHandOver());
+  if (hello.device_kind() != device_->Attributes().kind) {
+    return MrdError(
+        absl::StatusCode::kFailedPrecondition, "HANDOVER_DEVICE_MISMATCH",
+        absl::StrCat("this mrd runs the ", device_->Attributes().kind,
+                     " device; the new process would run the ",
+                     hello.device_kind(), " device"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::Pause() {
+  const absl::Duration drain = absl::GetFlag(FLAGS_handover_drain_timeout);
+  if (!service_->gate().Pause(drain)) {
+    return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
+                    absl::StrCat(service_->gate().in_flight(),
+                                 " requests were still running after ",
+                                 absl::FormatDuration(drain),
+                                 " (--handover_drain_timeout); try again"));
+  }
+  absl::StatusOr<fd_socket::DetachedFdServer> fd = fd_server_->Detach();
+  if (!fd.ok()) {
+    Resume();
+    return fd.status();
+  }
+  detached_fd_ = std::move(*fd);
+  absl::StatusOr<UniqueFd> grpc;
+  {
+    absl::MutexLock lock(&acceptor_mu_);
+    grpc = acceptor_->Detach();
+  }
+  if (!grpc.ok()) {
+    Resume();
+    return grpc.status();
+  }
+  detached_grpc_ = std::move(*grpc);
+  absl::StatusOr<UniqueFd> peer = device_->StopPeerAccepting();
+  if (!peer.ok()) {
+    Resume();
+    return peer.status();
+  }
+  detached_peer_ = std::move(*peer);
+  peer_stopped_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::Export(v1::HandoverSnapshot* snapshot,
+                            std::vector<UniqueFd>* fds) {
+  MRD_RETURN_IF_ERROR(core_->ExportState(snapshot, fds));
+  auto add = [fds](int fd) -> absl::StatusOr<int32_t> {
+    if (fd < 0) return -1;
+    const int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (dup < 0) return ErrnoError(errno, "dup", "HANDOVER_FD");
+    fds->emplace_back(dup);
+    return static_cast<int32_t>(fds->size() - 1);
+  };
+  MRD_ASSIGN_OR_RETURN(const int32_t grpc, add(detached_grpc_.get()));
+  snapshot->set_grpc_listener(grpc);
+  MRD_ASSIGN_OR_RETURN(const int32_t fd_listener,
+                       add(detached_fd_->listener.get()));
+  snapshot->set_fd_listener(fd_listener);
+  MRD_ASSIGN_OR_RETURN(const int32_t peer, add(detached_peer_.get()));
+  snapshot->set_peer_listener(peer);
+  for (const fd_socket::DetachedConnection& c : detached_fd_->connections) {
+    MRD_ASSIGN_OR_RETURN(const int32_t index, add(c.socket.get()));
+    v1::HandedOverFdConnection* conn = snapshot->add_fd_connections();
+    conn->set_fd(index);
+    conn->set_session(c.session);
+    conn->set_pid(static_cast<uint32_t>(c.creds.pid));
+    conn->set_uid(c.creds.uid);
+    conn->set_gid(c.creds.gid);
+    conn->set_pending_reply(c.pending_reply);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::Release() {
+  // From commit on, the new process alone answers peers: a key it revokes
+  // must not stay reachable here.
+  if (!device_->DisconnectPeers(absl::Seconds(5))) {
+    return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
+                    "peer connections were still closing after 5s");
+  }
+  if (metrics_ != nullptr && !absl::GetFlag(FLAGS_metrics_address).empty()) {
+    metrics_->StopServing();
+    metrics_stopped_ = true;
+  }
+  return absl::OkStatus();
+}
+
+void Daemon::Resume() {
+  if (metrics_stopped_) {
+    if (absl::Status s = metrics_->Serve(absl::GetFlag(FLAGS_metrics_address));
+        !s.ok()) {
+      LogError("handover failed, metrics not served again: ", s.ToString());
+    }
+    metrics_stopped_ = false;
+  }
+  if (peer_stopped_) {
+    device_->ResumePeerAccepting();
+    detached_peer_.Reset();
+    peer_stopped_ = false;
+  }
+  if (detached_grpc_.valid()) {
+    absl::StatusOr<std::unique_ptr<service::GrpcAcceptor>> acceptor =
+        service::GrpcAcceptor::Adopt(acceptor_options_,
+                                     std::move(detached_grpc_));
+    absl::Status started =
+        acceptor.ok() ? (*acceptor)->Start(server_.get()) : acceptor.status();
+    if (started.ok()) {
+      absl::MutexLock lock(&acceptor_mu_);
+      acceptor_ = std::move(*acceptor);
+    } else {
+      LogError("handover failed and the gRPC socket cannot be served again: ",
+               started.ToString());
+    }
+  }
+  if (detached_fd_.has_value()) {
+    fd_socket::FdServerOptions options = fd_server_options_;
+    absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> server =
+        fd_socket::FdServer::Adopt(options, core_.get(),
+                                   std::move(*detached_fd_));
+    detached_fd_.reset();
+    if (server.ok()) {
+      fd_server_ = std::move(*server);
+      core_->SetFdHangup([server = fd_server_.get()](const std::string& token) {
+        server->Hangup(token);
+      });
+    } else {
+      LogError("handover failed and the fd socket cannot be served again: ",
+               server.status().ToString());
+    }
+  }
+  service_->gate().Resume();
+  LogInfo("handover failed: serving again as before");
+}
+
+void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
+  service_->gate().HandOver();
+  LogInfo("handed over to the new mrd (", ready.sessions(), " sessions, ",
+          ready.buffers(), " buffers, ", ready.registrations(),
+          " registrations, ", ready.pinned_bytes(),
+          " bytes pinned there); requests were paused for ",
+          absl::FormatDuration(paused), "; exiting");
+  health_->SetServingStatus(false);
+  health_->SetServingStatus(kServiceName, false);
+  // Clients' channels hear GOAWAY and reconnect, to the new process.
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    std::chrono::milliseconds(500));
+  // This process's own copies go: its registrations, pins and mappings
+  // (the new process holds its own). Nothing here touches what the clients
+  // use: the sockets, their connections and the memfds are the new
+  // process's, and only this process's fds of them are closed.
+  core_->Shutdown();
+  device_->Shutdown();
+  LogInfo("mrd handed over; device pinned bytes: ", device_->PinnedBytes());
+  std::fflush(nullptr);
+  _exit(0);
+}
+
 void Daemon::ServeUntil(const sigset_t& signals) {
   int sig = 0;
   sigwait(&signals, &sig);
   LogInfo("signal ", sig, ": shutting down");
+  if (handover_ != nullptr) handover_->Shutdown();
   stop_health_.Notify();
   health_watch_.Join();
   health_->SetServingStatus(false);
   health_->SetServingStatus(kServiceName, false);
-  acceptor_->Shutdown();
+  {
+    absl::MutexLock lock(&acceptor_mu_);
+    acceptor_->Shutdown();
+  }
   fd_server_->Shutdown();
   core_->Shutdown();
   // Every session is released by now; what remains are idle client channels

@@ -140,6 +140,20 @@ absl::string_view ServingStatusName(ServingStatus status) {
   return "UNKNOWN";
 }
 
+// Every call of the service: up to 5 attempts on UNAVAILABLE.
+constexpr char kRetryServiceConfig[] = R"json({
+  "methodConfig": [{
+    "name": [{"service": "mrd.v1.MemoryRegistration"}],
+    "retryPolicy": {
+      "maxAttempts": 5,
+      "initialBackoff": "0.05s",
+      "maxBackoff": "0.5s",
+      "backoffMultiplier": 2,
+      "retryableStatusCodes": ["UNAVAILABLE"]
+    }
+  }]
+})json";
+
 absl::StatusOr<Client> Client::Connect(const ClientOptions& options) {
   auto core = std::make_shared<internal::ClientCore>();
   core->options = options;
@@ -151,6 +165,11 @@ absl::StatusOr<Client> Client::Connect(const ClientOptions& options) {
   grpc::ChannelArguments args;
   // ListRegistrations of a busy session can exceed the 4 MiB default.
   args.SetMaxReceiveMessageSize(64 << 20);
+  // A live handover (docs/ARCHITECTURE.md) answers the calls it held
+  // UNAVAILABLE HANDED_OVER with a retry hint: retried here, on the
+  // channel's new connection to the new process, they cost a short pause.
+  // mrd marks every other UNAVAILABLE answer final (a negative hint).
+  args.SetServiceConfigJSON(kRetryServiceConfig);
   core->channel = grpc::CreateCustomChannel(
       core->target, grpc::InsecureChannelCredentials(), args);
   if (core->channel == nullptr) {

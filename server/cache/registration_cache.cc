@@ -1,5 +1,6 @@
 #include "server/cache/registration_cache.h"
 
+#include <new>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -275,6 +276,61 @@ absl::Status RegistrationCache::Restore(
   return absl::OkStatus();
 }
 
+absl::Status RegistrationCache::Adopt(uint64_t entry_id, const CacheKey& key,
+                                      const CachedRegistration& registration,
+                                      uint32_t references, bool restored) {
+  if (references == 0 || entry_id == 0) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_ENTRY",
+                    absl::StrCat("registration ", entry_id,
+                                 " handed over without references"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (FindLocked(entry_id) != nullptr ||
+      (!restored && FindKeyLocked(key).has_value())) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "ENTRY_IN_USE",
+                    absl::StrCat("registration ", entry_id,
+                                 " (or its key) exists already"));
+  }
+  Entry* entry = nullptr;
+  std::unique_ptr<Entry> restored_entry;
+  const uint32_t slot = SlabIds::SlotOf(entry_id);
+  if (restored) {
+    restored_entry.reset(new (std::nothrow) Entry);
+    entry = restored_entry.get();
+  } else if (entries_.AllocateAt(slot)) {
+    entry = entries_.Get(slot);
+  }
+  if (entry == nullptr) {
+    return MrdError(absl::StatusCode::kResourceExhausted, "LIMIT_CACHE_ENTRIES",
+                    absl::StrCat("registration ", entry_id,
+                                 " cannot be kept: its slot is taken or "
+                                 "memory ran out"));
+  }
+  entry->id = entry_id;
+  SetKeyLocked(*entry, key);
+  entry->state = kReady;
+  SetRegistrationLocked(*entry, registration);
+  entry->references = references;
+  if (restored) {
+    entry->restored = true;
+    restored_.emplace(entry_id, std::move(restored_entry));
+  } else {
+    by_key_.insert(slot);
+  }
+  ++entries_in_tables_;
+  return absl::OkStatus();
+}
+
+uint64_t RegistrationCache::NextSequence() const {
+  absl::MutexLock lock(&mu_);
+  return ids_.next_sequence();
+}
+
+void RegistrationCache::ContinueSequence(uint64_t next) {
+  absl::MutexLock lock(&mu_);
+  ids_.ContinueFrom(next);
+}
+
 absl::StatusOr<CachedRegistration> RegistrationCache::Invalidate(
     uint64_t entry_id) {
   absl::MutexLock lock(&mu_);
@@ -304,8 +360,9 @@ std::optional<EntryView> RegistrationCache::View(uint64_t entry_id) const {
   absl::MutexLock lock(&mu_);
   const Entry* entry = FindReadyLocked(entry_id);
   if (entry == nullptr) return std::nullopt;
-  return EntryView{KeyOfLocked(*entry), entry->lkey, entry->rkey,
-                   entry->references};
+  return EntryView{KeyOfLocked(*entry), entry->lkey,
+                   entry->rkey,         entry->references,
+                   entry->pinned_bytes, entry->restored != 0};
 }
 
 CacheStats RegistrationCache::Stats() const {

@@ -115,6 +115,8 @@ struct EntryView {
   uint32_t lkey = 0;
   uint32_t rkey = 0;
   uint32_t references = 0;
+  uint64_t pinned_bytes = 0;
+  bool restored = false;  // put back by Restore: reachable by id only
 };
 
 struct CacheStats {
@@ -157,6 +159,20 @@ class RegistrationCache {
   // RESOURCE_EXHAUSTED if 2^20 restored entries exist.
   absl::Status Restore(uint64_t entry, const CacheKey& key,
                        const CachedRegistration& registration);
+
+  // Handover (a new mrd process takes over from another): puts in the
+  // entry the other process had, with its id, key, registration (made on
+  // this process's device with the same keys) and references; `restored`
+  // as Restore leaves an entry. Errors: INVALID_ARGUMENT BAD_ENTRY (no
+  // references), FAILED_PRECONDITION ENTRY_IN_USE (its id or key is taken
+  // here), RESOURCE_EXHAUSTED LIMIT_CACHE_ENTRIES (no memory).
+  absl::Status Adopt(uint64_t entry, const CacheKey& key,
+                     const CachedRegistration& registration,
+                     uint32_t references, bool restored);
+  // The id sequence: where the next id's is, for the process taking over,
+  // and going on from the handing process's (so no id is made twice).
+  uint64_t NextSequence() const;
+  void ContinueSequence(uint64_t next);
 
   // Removes `entry` whatever its reference count (W11: the memory went away)
   // and returns it for deregistration. NOT_FOUND if unknown.

@@ -75,6 +75,29 @@ class Slab {
     return std::nullopt;
   }
 
+  // Constructs a T (value-initialized) in slot `index` itself: an object
+  // that must keep the index it had elsewhere (a registration handed over
+  // by another mrd process). False when the slot is taken, out of range, or
+  // its chunk cannot be allocated.
+  bool AllocateAt(uint32_t index) {
+    const uint32_t c = index / kChunkSlots;
+    const uint32_t i = index % kChunkSlots;
+    if (c >= chunks_.size()) return false;
+    if (chunks_[c] == nullptr) {
+      chunks_[c].reset(new (std::nothrow) Chunk);
+      if (chunks_[c] == nullptr) return false;
+      ++live_chunks_;
+    }
+    Chunk& chunk = *chunks_[c];
+    if (chunk.Used(i)) return false;
+    chunk.used[i / 64] |= uint64_t{1} << (i % 64);
+    ++chunk.live;
+    ++size_;
+    if (chunk.live < kChunkSlots && c < lowest_open_) lowest_open_ = c;
+    new (chunk.Slot(i)) T();
+    return true;
+  }
+
   // The object at `index`; nullptr when the slot is free or out of range.
   T* Get(uint64_t index) {
     return const_cast<T*>(static_cast<const Slab*>(this)->Get(index));
@@ -174,6 +197,14 @@ class SlabIds {
   uint64_t Next(uint32_t slot) {
     if (next_ == kSequenceLimit) next_ = 1;
     return (next_++ << kSlotBits) | slot;
+  }
+  // The sequence the next id gets, and going on from another process's
+  // (a handover): ids it made are not made again before the wrap.
+  uint64_t next_sequence() const { return next_; }
+  void ContinueFrom(uint64_t next_sequence) {
+    if (next_sequence > 0 && next_sequence <= kSequenceLimit) {
+      next_ = next_sequence;
+    }
   }
 
  private:

@@ -155,6 +155,21 @@ void Budgets::UnreserveRegistration(Session& session) {
   if (totals_.registrations > 0) --totals_.registrations;
 }
 
+void Budgets::Adopt(Session& session, uint64_t pinned_bytes,
+                    uint64_t registrations, uint64_t buffers) {
+  Tenant& tenant = *session.tenant();
+  tenant.Force(TenantResource::kPinnedBytes, pinned_bytes);
+  tenant.Force(TenantResource::kRegistrations, registrations);
+  tenant.Force(TenantResource::kBuffers, buffers);
+  absl::MutexLock session_lock(&session.mu);
+  session.pinned_bytes += pinned_bytes;
+  session.device_registrations += registrations;
+  absl::MutexLock lock(&mu_);
+  totals_.pinned_bytes += pinned_bytes;
+  totals_.registrations += registrations;
+  totals_.buffers += buffers;
+}
+
 BudgetTotals Budgets::Totals() const {
   absl::MutexLock lock(&mu_);
   return totals_;

@@ -89,6 +89,13 @@ class Budgets {
   void UnreserveRegistration(Session& session)
       ABSL_LOCKS_EXCLUDED(mu_, session.mu);
 
+  // Handover: what a session brings from the mrd process it came from
+  // (its pinned bytes and device registrations, its buffers), charged to
+  // the session, the totals and its tenant whatever the limits say: they
+  // refuse new work, never what clients already hold.
+  void Adopt(Session& session, uint64_t pinned_bytes, uint64_t registrations,
+             uint64_t buffers) ABSL_LOCKS_EXCLUDED(mu_, session.mu);
+
   BudgetTotals Totals() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:

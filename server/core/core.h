@@ -40,6 +40,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "mrd/unique_fd.h"
+#include "mrd/v1/handover.pb.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/cache/registration_cache.h"
 #include "server/cache/warm_pins.h"
@@ -219,6 +221,25 @@ class Core final : public fd_socket::FdSessionHandler {
     return device_->Attributes();
   }
 
+  // --- Handover (core/handover.cc; server/handover drives it) ---
+  // The sessions and everything they hold, for a new mrd process: into
+  // `out` (its sessions, id sequences and counters), with a duplicate of
+  // each buffer's fd appended to `fds` (the snapshot names them by index).
+  // The caller has stopped every request first, so nothing changes
+  // meanwhile. Errors: FAILED_PRECONDITION HANDOVER_UNSUPPORTED_STATE (a
+  // session holds what cannot be handed over yet: LAMs, MR objects),
+  // HANDOVER_FD (dup failed).
+  absl::Status ExportState(v1::HandoverSnapshot* out,
+                           std::vector<UniqueFd>* fds);
+  // Takes over the sessions of `in`: maps each buffer from `fds`, registers
+  // each registration on the device with the keys it had, and restores
+  // references, request ids, queued completions, leases and tickets, all
+  // charged to the budgets whatever the limits say. Before any request is
+  // served. On error, every session adopted so far is released again and
+  // the error returned.
+  absl::Status AdoptState(const v1::HandoverSnapshot& in,
+                          std::vector<UniqueFd>& fds);
+
   // Reaps expired lease sessions now (the reaper thread calls this).
   void ReapExpiredLeases();
 
@@ -236,6 +257,10 @@ class Core final : public fd_socket::FdSessionHandler {
   // Removes the session from the table and releases everything it holds.
   void EndSession(const std::string& token, absl::string_view why);
   void TearDown(const std::shared_ptr<Session>& session);
+
+  // AdoptState for one session.
+  absl::Status AdoptSession(const v1::HandedOverSession& in,
+                            std::vector<UniqueFd>& fds);
 
   // A batch's session, after checking its size against max_batch_items.
   absl::StatusOr<std::shared_ptr<Session>> FindBatchSession(

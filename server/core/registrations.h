@@ -22,6 +22,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "mrd/v1/handover.pb.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/cache/registration_cache.h"
 #include "server/cache/warm_pins.h"
@@ -111,6 +112,20 @@ class Registrations {
   // session's record holds only its references. nullopt if it is gone.
   std::optional<cache::EntryView> Describe(uint64_t entry) const {
     return cache_.View(entry);
+  }
+
+  // Handover (core/handover.cc): registers `r`, a registration another mrd
+  // process handed over, on the device with the keys it had, and puts it in
+  // the cache and in `session` with its references, its pinned bytes and
+  // device registration charged whatever the limits say. Errors: the
+  // device's (KEY_IN_USE, pinning), the cache's; nothing of it stays then.
+  absl::Status Adopt(Session& session, device::PdId pd,
+                     const std::shared_ptr<fd_socket::MappedFile>& file,
+                     const v1::HandedOverRegistration& r)
+      ABSL_LOCKS_EXCLUDED(session.mu);
+  uint64_t NextRegistrationSequence() const { return cache_.NextSequence(); }
+  void ContinueRegistrationSequence(uint64_t next) {
+    cache_.ContinueSequence(next);
   }
 
   cache::CacheStats CacheStats() const { return cache_.Stats(); }

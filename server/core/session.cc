@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/string_view.h"
 #include "mrd/status.h"
 #include "mrd/status_proto.h"
 #include "server/common/log.h"
@@ -174,6 +176,58 @@ uint64_t Session::NextBufferAddressLocked(uint64_t size) {
   const uint64_t address = next_buffer_address_;
   next_buffer_address_ += (size + kAlign - 1) / kAlign * kAlign + kAlign;
   return address;
+}
+
+void Session::ExportLocked(absl::Time now, v1::HandedOverSession* out) const {
+  out->set_id(id_);
+  out->set_token(token_);
+  out->set_lease(kind_ == SessionKind::kLease);
+  out->set_verified(identity_.verified);
+  out->set_uid(identity_.uid);
+  out->set_gid(identity_.gid);
+  out->set_peer_uid(peer_uid_);
+  out->set_peer_pid(peer_pid_);
+  if (kind_ == SessionKind::kLease) {
+    out->set_lease_ttl_ms(absl::ToInt64Milliseconds(ttl_));
+    out->set_lease_left_ms(
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(expires_ - now)));
+  }
+  out->set_peer_ticket(peer_ticket_);
+  out->set_next_buffer_address(next_buffer_address_);
+  absl::flat_hash_set<absl::string_view> seen;
+  for (const std::string& id : request_id_order_) {
+    auto it = request_ids_.find(id);
+    if (it == request_ids_.end() || !seen.insert(id).second) continue;
+    v1::HandedOverRequest* request = out->add_requests();
+    request->set_request_id(id);
+    *request->mutable_response() = it->second;
+  }
+  for (const v1::Completion& completion : completions_) {
+    *out->add_completions() = completion;
+  }
+  out->set_completions_dropped(completions_dropped_);
+  out->set_pinned_bytes(pinned_bytes);
+  out->set_device_registrations(device_registrations);
+}
+
+void Session::AdoptLocked(const v1::HandedOverSession& in, absl::Time now) {
+  peer_uid_ = in.peer_uid();
+  peer_pid_ = in.peer_pid();
+  if (kind_ == SessionKind::kLease) {
+    ttl_ = absl::Milliseconds(in.lease_ttl_ms());
+    expires_ = now + absl::Milliseconds(in.lease_left_ms());
+  }
+  peer_ticket_ = in.peer_ticket();
+  next_buffer_address_ = in.next_buffer_address();
+  for (const v1::HandedOverRequest& request : in.requests()) {
+    if (!request_ids_.emplace(request.request_id(), request.response())
+             .second) {
+      continue;
+    }
+    request_id_order_.push_back(request.request_id());
+  }
+  completions_.assign(in.completions().begin(), in.completions().end());
+  completions_dropped_ = in.completions_dropped();
 }
 
 void Session::SetPeerTicketLocked(const std::string& ticket) {

@@ -22,6 +22,7 @@
 #include "absl/container/btree_map.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "mrd/v1/handover.pb.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/core/tenants.h"
 #include "server/device/device.h"
@@ -185,6 +186,15 @@ class Session final : public device::PdEventSink {
   void RememberRequestLocked(const std::string& request_id,
                              const v1::RegisterMrResponse& response,
                              size_t memory) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Handover: the session's own state (lease, peer, ticket, buffer address
+  // space, remembered request ids, queued completions) into the snapshot of
+  // another mrd process, and taken from one. Its tables (buffers,
+  // registrations) are the core's to hand over.
+  void ExportLocked(absl::Time now, v1::HandedOverSession* out) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void AdoptLocked(const v1::HandedOverSession& in, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // The completion stream: one subscriber at a time (FAILED_PRECONDITION
   // "STREAM_ALREADY_OPEN" otherwise).

@@ -1,5 +1,6 @@
 #include "server/core/session_table.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -41,6 +42,32 @@ absl::Status SessionTable::Insert(std::shared_ptr<Session> session) {
   sessions_.emplace(token, std::move(session));
   ++opened_;
   return absl::OkStatus();
+}
+
+absl::Status SessionTable::Adopt(std::shared_ptr<Session> session) {
+  absl::MutexLock lock(&mu_);
+  if (closed_) return ShuttingDown();
+  const std::string token = session->token();
+  if (sessions_.contains(token)) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "SESSION_EXISTS",
+                    absl::StrCat("session ", session->id(), " exists already"));
+  }
+  next_id_ = std::max(next_id_, session->id() + 1);
+  sessions_.emplace(token, std::move(session));
+  return absl::OkStatus();
+}
+
+void SessionTable::ContinueFrom(uint64_t next_id, uint64_t opened_total,
+                                uint64_t closed_total) {
+  absl::MutexLock lock(&mu_);
+  next_id_ = std::max(next_id_, next_id);
+  opened_ = opened_total;
+  closed_total_ = closed_total;
+}
+
+uint64_t SessionTable::next_id() const {
+  absl::MutexLock lock(&mu_);
+  return next_id_;
 }
 
 std::shared_ptr<Session> SessionTable::Find(const std::string& token) const {

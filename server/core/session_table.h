@@ -44,6 +44,17 @@ class SessionTable {
   absl::Status Insert(std::shared_ptr<Session> session)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Handover: a session another mrd process had, findable at once with
+  // the id it had; later sessions get ids from `next_id` on (when larger),
+  // and the counters continue from the other process's. Errors:
+  // UNAVAILABLE "SHUTTING_DOWN", FAILED_PRECONDITION "SESSION_EXISTS" (its
+  // token is taken). Not counted against max_sessions: nothing held is
+  // refused.
+  absl::Status Adopt(std::shared_ptr<Session> session) ABSL_LOCKS_EXCLUDED(mu_);
+  void ContinueFrom(uint64_t next_id, uint64_t opened_total,
+                    uint64_t closed_total) ABSL_LOCKS_EXCLUDED(mu_);
+  uint64_t next_id() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // nullptr when there is none.
   std::shared_ptr<Session> Find(const std::string& token) const
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "mrd/unique_fd.h"
 #include "server/common/progress.h"
 
@@ -260,6 +261,16 @@ class Device {
   // uses it): only close this process's fd.
   virtual absl::StatusOr<UniqueFd> StopPeerAccepting();
   virtual void ResumePeerAccepting();
+  // Closes every peer connection and waits (up to `timeout`) until each is
+  // gone, its operation in flight finished: from then on no peer reaches
+  // memory through this process. A live handover's old process does this
+  // before the new one serves, so that a key the new one revokes is not
+  // still honoured here. The PDs and their tickets stay: peers may connect
+  // again (after ResumePeerAccepting). False when some were still there.
+  virtual bool DisconnectPeers(absl::Duration timeout) {
+    (void)timeout;
+    return true;
+  }
 };
 
 }  // namespace mrd::device

@@ -312,6 +312,26 @@ absl::StatusOr<PdId> DeviceModel::AllocatePd(PdEventSink* sink) {
   return id;
 }
 
+bool DeviceModel::DisconnectPeers(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  std::vector<ConnectionId> closing;
+  for (auto& [id, connection] : connections_) {
+    if (connection->state == Connection::State::kClosed) continue;
+    connection->state = Connection::State::kClosed;
+    connection->deferred.clear();
+    closing.push_back(id);
+  }
+  if (!closing.empty()) ProviderCloseConnectionsLocked(closing);
+  // A connection leaves the table once its provider closed it, after the
+  // operation it was serving.
+  return mu_.AwaitWithTimeout(
+      absl::Condition(
+          +[](absl::flat_hash_map<ConnectionId, std::unique_ptr<Connection>>*
+                  c) { return c->empty(); },
+          &connections_),
+      timeout);
+}
+
 absl::Status DeviceModel::DeallocatePd(PdId pd_id) {
   Released released;
   std::unique_ptr<ProviderState> pd_state;

@@ -112,6 +112,7 @@ class DeviceModel : public Device {
 
   absl::StatusOr<PdId> AllocatePd(PdEventSink* sink) final;
   absl::Status DeallocatePd(PdId pd) final;
+  bool DisconnectPeers(absl::Duration timeout) final;
   absl::StatusOr<std::string> CreatePeerTicket(PdId pd) final;
 
   absl::StatusOr<MrKeys> RegisterMr(PdId pd, const MemorySpan& span,

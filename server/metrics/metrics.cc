@@ -610,6 +610,8 @@ Metrics::Metrics(const core::Core* core, FdBudget* fd_budget)
 
 Metrics::~Metrics() = default;
 
+void Metrics::StopServing() { exposer_.reset(); }
+
 absl::Status Metrics::Serve(const std::string& address) {
   // civetweb reports a bind failure by throwing from its constructor, and
   // mrd is built without exceptions: probe the address first so that a busy

@@ -79,6 +79,9 @@ class Metrics final : public RpcObserver {
   // Serves /metrics on `address` (host:port). Errors: UNAVAILABLE when the
   // port cannot be bound.
   absl::Status Serve(const std::string& address);
+  // Stops serving (a live handover: the next process serves the address).
+  // Serve may be called again.
+  void StopServing();
 
   void OnRpcStart(absl::string_view method) override;
   void OnRpcDone(absl::string_view method, grpc::StatusCode code,

@@ -24,6 +24,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status,
     }
     ctx->AddTrailingMetadata(kErrorDetailKey,
                              ErrorDetailToProto(detail).SerializeAsString());
+    // Clients retry UNAVAILABLE (their retry policy) for a handover; any
+    // other UNAVAILABLE answer is final: a negative pushback says so.
+    if (status.code() == absl::StatusCode::kUnavailable &&
+        detail.reason() != "HANDED_OVER") {
+      ctx->AddTrailingMetadata("grpc-retry-pushback-ms", "-1");
+    }
   }
   return grpc::Status(static_cast<grpc::StatusCode>(status.code()),
                       std::string(status.message()));

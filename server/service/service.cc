@@ -5,9 +5,12 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "mrd/status.h"
 #include "server/common/tsan.h"
 #include "server/service/grpc_status.h"
 
@@ -154,47 +157,96 @@ struct CallEnd {
   RpcObserver* observer;
   absl::string_view method;
   absl::Time start;
+  CallGate* gate;  // left when answered; null: refused at the gate
 
   void operator()(const absl::Status& result) const {
     grpc::Status status = ToGrpcStatus(result, ctx);
     if (observer != nullptr) {
       observer->OnRpcDone(method, status.error_code(), absl::Now() - start);
     }
+    if (gate != nullptr) gate->Leave();
     reactor->Finish(status);
   }
 };
 
+namespace {
+
+// How long a client refused after a handover waits before it retries
+// (grpc-retry-pushback-ms, which gRPC's retry policy honours): long enough
+// for its channel to hear GOAWAY and reconnect, to the new process.
+constexpr int kHandoverRetryMs = 50;
+
+absl::Status HandedOver() {
+  return MrdError(
+      absl::StatusCode::kUnavailable, "HANDED_OVER",
+      absl::StrCat("this mrd handed over to a new process; "
+                   "nothing was done: retry in ",
+                   kHandoverRetryMs, " ms (a new connection reaches it)"));
+}
+
+}  // namespace
+
 CallEnd MrdService::Begin(grpc::CallbackServerContext* ctx,
                           absl::string_view method) {
   if (observer_ != nullptr) observer_->OnRpcStart(method);
-  return CallEnd{ctx, UnaryReactor::Create(ctx), observer_, method,
-                 absl::Now()};
+  return CallEnd{
+      ctx, UnaryReactor::Create(ctx), observer_, method, absl::Now(), nullptr};
+}
+
+// A call the gate refused: answered before anything is done.
+void MrdService::Refuse(const CallEnd& end) {
+  end.ctx->AddTrailingMetadata("grpc-retry-pushback-ms",
+                               std::to_string(kHandoverRetryMs));
+  end(HandedOver());
+}
+
+template <typename Go>
+void MrdService::ThroughGate(CallEnd end, Go go) {
+  if (gate_.Enter()) {
+    end.gate = &gate_;
+    go(end);
+    return;
+  }
+  // Paused for a handover: held until it ends either way.
+  gate_.Defer([this, end, go = std::move(go)](bool admitted) mutable {
+    if (!admitted) {
+      Refuse(end);
+      return;
+    }
+    end.gate = &gate_;
+    go(end);
+  });
 }
 
 template <typename Fn>
 grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
                                           absl::string_view method, Where where,
                                           Fn fn) {
-  const CallEnd end = Begin(ctx, method);
-  if (where == Where::kPool) {
-    pool_->Schedule([end, fn = std::move(fn)]() { end(fn()); });
-  } else {
-    end(fn());
-  }
-  return end.reactor;
+  const CallEnd begun = Begin(ctx, method);
+  ThroughGate(begun, [this, where, fn = std::move(fn)](const CallEnd& end) {
+    if (where == Where::kPool) {
+      pool_->Schedule([end, fn = std::move(fn)]() { end(fn()); });
+    } else {
+      end(fn());
+    }
+  });
+  return begun.reactor;
 }
 
 template <typename Quick, typename Fn>
 grpc::ServerUnaryReactor* MrdService::RunQuickOrPool(
     grpc::CallbackServerContext* ctx, absl::string_view method, Quick quick,
     Fn fn) {
-  const CallEnd end = Begin(ctx, method);
-  if (std::optional<absl::Status> answered = quick(); answered.has_value()) {
-    end(*answered);
-  } else {
-    pool_->Schedule([end, fn = std::move(fn)]() { end(fn()); });
-  }
-  return end.reactor;
+  const CallEnd begun = Begin(ctx, method);
+  ThroughGate(begun, [this, quick = std::move(quick),
+                      fn = std::move(fn)](const CallEnd& end) {
+    if (std::optional<absl::Status> answered = quick(); answered.has_value()) {
+      end(*answered);
+    } else {
+      pool_->Schedule([end, fn = std::move(fn)]() { end(fn()); });
+    }
+  });
+  return begun.reactor;
 }
 
 absl::Status MrdService::Registered(absl::string_view method, uint64_t bytes,

@@ -6,7 +6,8 @@
 // when a call can be answered without blocking).
 //
 // Thread safety: gRPC calls the handlers concurrently; the service holds no
-// state of its own besides pointers fixed at construction.
+// state of its own besides pointers fixed at construction and the call gate
+// (call_gate.h) a live handover closes.
 #ifndef MRD_SERVER_SERVICE_SERVICE_H_
 #define MRD_SERVER_SERVICE_SERVICE_H_
 
@@ -18,6 +19,7 @@
 #include "server/common/thread_pool.h"
 #include "server/core/core.h"
 #include "server/metrics/rpc_observer.h"
+#include "server/service/call_gate.h"
 
 namespace mrd::service {
 
@@ -30,6 +32,9 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   // All pointers must outlive the service; `observer` may be null.
   MrdService(core::Core* core, ThreadPool* pool, RpcObserver* observer)
       : core_(core), pool_(pool), observer_(observer) {}
+
+  // What a live handover pauses (unary calls; completion streams go on).
+  CallGate& gate() { return gate_; }
 
   grpc::ServerUnaryReactor* GetDeviceInfo(grpc::CallbackServerContext* ctx,
                                           const v1::GetDeviceInfoRequest* req,
@@ -103,6 +108,11 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   grpc::ServerUnaryReactor* RunQuickOrPool(grpc::CallbackServerContext* ctx,
                                            absl::string_view method,
                                            Quick quick, Fn fn);
+  // Runs `go(end)` once the call gate lets the call in (at once, unless a
+  // handover holds it), or answers it with the gate's refusal.
+  template <typename Go>
+  void ThroughGate(CallEnd end, Go go);
+  void Refuse(const CallEnd& end);
   // Tells the observer about a successful registration; returns `status`.
   absl::Status Registered(absl::string_view method, uint64_t bytes,
                           absl::Status status);
@@ -110,6 +120,7 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   core::Core* const core_;
   ThreadPool* const pool_;
   RpcObserver* const observer_;
+  CallGate gate_;
 };
 
 }  // namespace mrd::service

@@ -510,9 +510,11 @@ absl::Status MrdProcess::WaitServing() {
 
 absl::Status MrdProcess::Stop() {
   if (pid_ < 0) return absl::FailedPreconditionError("mrd is not running");
-  kill(pid_, SIGTERM);
-  int status = 0;
-  waitpid(pid_, &status, 0);
+  int status = exit_status_;
+  if (!exited_) {
+    kill(pid_, SIGTERM);
+    waitpid(pid_, &status, 0);
+  }
   pid_ = -1;
   int library_only = 0;
   absl::Status reports = CheckSanitizerLog(SanitizerLog(), &library_only);
@@ -532,6 +534,22 @@ absl::Status MrdProcess::Stop() {
     return absl::InternalError("mrd left memory pinned at exit:\n" + Log());
   }
   return absl::OkStatus();
+}
+
+bool MrdProcess::WaitExited(absl::Duration timeout) {
+  if (exited_) return true;
+  if (pid_ < 0) return false;
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    int status = 0;
+    if (waitpid(pid_, &status, WNOHANG) == pid_) {
+      exited_ = true;
+      exit_status_ = status;
+      return true;
+    }
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
 }
 
 std::string MrdProcess::SanitizerLog() const {
@@ -558,7 +576,7 @@ std::string MrdProcess::Log() const {
 }
 
 MrdProcess::~MrdProcess() {
-  if (pid_ > 0) {
+  if (pid_ > 0 && !exited_) {
     kill(pid_, SIGKILL);
     waitpid(pid_, nullptr, 0);
     // Never stopped (a test that failed early): still show what the

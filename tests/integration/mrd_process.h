@@ -29,6 +29,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace mrd::testing {
 
@@ -78,6 +79,10 @@ class MrdProcess {
   // no sanitizer report (see above). ThreadSanitizer exits 66 after any
   // report: that exit is accepted when every report is library-only.
   absl::Status Stop();
+  // Waits up to `timeout` for mrd to exit on its own (a handover's old
+  // process does); true when it did. Stop then checks how it exited
+  // instead of stopping it.
+  bool WaitExited(absl::Duration timeout);
   // The server's stderr so far.
   std::string Log() const;
   // The sanitizer reports written so far (every <runtime_dir>/sanitizer.*).
@@ -91,6 +96,8 @@ class MrdProcess {
   absl::Status WaitServing();
 
   pid_t pid_ = -1;
+  bool exited_ = false;  // reaped by WaitExited, with exit_status_
+  int exit_status_ = 0;
   std::string runtime_dir_;
   std::string shm_dir_;
   std::string log_path_;

@@ -35,6 +35,7 @@ MODULES = [
     "server/core",
     "server/service",
     "server/metrics",
+    "server/handover",
     "server/main.cc",
     "client/lib",
     "client/peer",

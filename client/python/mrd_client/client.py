@@ -5,6 +5,7 @@ call: close(), release(), deregister()); errors are MrdError."""
 
 import array
 import fcntl
+import json
 import mmap
 import os
 import socket
@@ -46,6 +47,20 @@ def default_runtime_dir():
     return "/tmp/mrd-%d" % os.geteuid()
 
 
+_RETRY_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "mrd.v1.MemoryRegistration"}],
+        "retryPolicy": {
+            "maxAttempts": 5,
+            "initialBackoff": "0.05s",
+            "maxBackoff": "0.5s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+})
+
+
 class Client:
     """A connection to mrd's gRPC socket (and the path of its fd socket)."""
 
@@ -54,7 +69,13 @@ class Client:
         self.socket_path = socket_path or runtime_dir + "/mrd.sock"
         self.fd_socket_path = fd_socket_path or runtime_dir + "/fd.sock"
         self.timeout = timeout
-        self._channel = grpc.insecure_channel("unix:" + self.socket_path)
+        # A live handover answers the calls it held UNAVAILABLE HANDED_OVER
+        # with a retry hint; retried on the channel's new connection (to the
+        # new mrd) they cost a short pause. Every other UNAVAILABLE answer
+        # of mrd is final (a negative hint).
+        self._channel = grpc.insecure_channel(
+            "unix:" + self.socket_path,
+            options=[("grpc.service_config", _RETRY_SERVICE_CONFIG)])
         self._stub = mrd_pb2_grpc.MemoryRegistrationStub(self._channel)
 
     def call(self, method, request, timeout=None):

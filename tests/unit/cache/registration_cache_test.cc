@@ -612,6 +612,69 @@ TEST(RegistrationCacheTest, RestorePutsTheEntryBackUnderItsIdNotItsKey) {
   EXPECT_EQ(cache.Stats().entries, 0u);
 }
 
+// A handover: entries of another process's cache come in with their ids,
+// keys and references, are hits by key, and ids made afterwards are new.
+TEST(RegistrationCacheTest, AdoptedEntriesKeepTheirIdsKeysAndReferences) {
+  RegistrationCache old_cache;
+  Creator create;
+  absl::StatusOr<AcquireResult> made =
+      old_cache.Acquire(Key(), std::ref(create));
+  ASSERT_TRUE(made.ok());
+  ASSERT_TRUE(old_cache.Acquire(Key(), std::ref(create)).ok());
+  std::optional<EntryView> view = old_cache.View(made->entry);
+  ASSERT_TRUE(view.has_value());
+  EXPECT_EQ(view->pinned_bytes, made->registration.pinned_bytes);
+  EXPECT_FALSE(view->restored);
+
+  RegistrationCache cache;
+  ASSERT_TRUE(cache
+                  .Adopt(made->entry, view->key, made->registration,
+                         view->references, /*restored=*/false)
+                  .ok());
+  cache.ContinueSequence(old_cache.NextSequence());
+  EXPECT_EQ(cache.References(made->entry), 2u);
+  std::optional<AcquireResult> hit = cache.TryAcquireReady(Key());
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->entry, made->entry);
+  EXPECT_EQ(hit->registration.rkey, made->registration.rkey);
+  EXPECT_EQ(hit->references, 3u);
+  // Taken: the id, or the key.
+  EXPECT_EQ(GetErrorDetail(cache.Adopt(made->entry, view->key,
+                                       made->registration, 1, false))
+                .reason(),
+            "ENTRY_IN_USE");
+  EXPECT_EQ(GetErrorDetail(cache.Adopt(made->entry + 1, view->key,
+                                       made->registration, 1, false))
+                .reason(),
+            "ENTRY_IN_USE");
+  EXPECT_EQ(GetErrorDetail(cache.Adopt(made->entry + 1, view->key,
+                                       made->registration, 0, false))
+                .reason(),
+            "BAD_ENTRY");
+  // A new entry gets an id neither process made.
+  CacheKey other = Key();
+  other.offset += 4096;
+  absl::StatusOr<AcquireResult> fresh = cache.Acquire(other, std::ref(create));
+  ASSERT_TRUE(fresh.ok());
+  absl::StatusOr<AcquireResult> old_fresh =
+      old_cache.Acquire(other, std::ref(create));
+  ASSERT_TRUE(old_fresh.ok());
+  EXPECT_NE(fresh->entry, made->entry);
+  EXPECT_GT(fresh->entry >> 24, made->entry >> 24);
+  // A restored entry comes back restored: by id only.
+  ASSERT_TRUE(cache
+                  .Adopt(uint64_t{99} << 24 | 5, view->key, made->registration,
+                         1, /*restored=*/true)
+                  .ok());
+  EXPECT_TRUE(cache.View(uint64_t{99} << 24 | 5)->restored);
+  for (uint64_t id : {made->entry, made->entry, made->entry}) {
+    ASSERT_TRUE(cache.Release(id).ok());
+  }
+  ASSERT_TRUE(cache.Release(fresh->entry).ok());
+  ASSERT_TRUE(cache.Release(uint64_t{99} << 24 | 5).ok());
+  EXPECT_EQ(cache.Stats().entries, 0u);
+}
+
 // A stale id never reaches the entry made after it in its place, and a
 // restored entry coexists with the entry made in its place meanwhile.
 TEST(RegistrationCacheTest, IdsOfGoneEntriesNeverNameTheirSuccessors) {

@@ -124,5 +124,31 @@ TEST(SlabIdsTest, AnIdNamesItsSlotAndIsNeverRepeatedOrZero) {
   EXPECT_NE(ids.Next(0), 0u);  // slot 0 too
 }
 
+TEST(SlabTest, AllocateAtTakesThatSlotOnlyWhenFree) {
+  SmallSlab slab(1000);
+  ASSERT_TRUE(slab.AllocateAt(700));  // a chunk of its own
+  EXPECT_FALSE(slab.AllocateAt(700));
+  // Past the last chunk (capacity: 16 chunks of 64).
+  EXPECT_FALSE(slab.AllocateAt(static_cast<uint32_t>(slab.capacity())));
+  ASSERT_NE(slab.Get(700), nullptr);
+  EXPECT_EQ(slab.size(), 1u);
+  EXPECT_EQ(slab.live_chunks(), 1u);
+  // Allocate still starts at the lowest free slot, and skips 700.
+  for (uint32_t i = 0; i < 700; ++i) ASSERT_EQ(slab.Allocate(), i);
+  EXPECT_EQ(slab.Allocate(), 701u);
+  slab.Free(700);
+  EXPECT_EQ(slab.Allocate(), 700u);
+}
+
+TEST(SlabIdsTest, AnotherProcessesSequenceGoesOn) {
+  SlabIds old_ids;
+  for (int i = 0; i < 10; ++i) old_ids.Next(3);
+  SlabIds ids;
+  ids.ContinueFrom(old_ids.next_sequence());
+  EXPECT_EQ(ids.Next(3), old_ids.Next(3));
+  ids.ContinueFrom(0);  // nonsense is ignored
+  EXPECT_GT(ids.next_sequence(), 1u);
+}
+
 }  // namespace
 }  // namespace mrd

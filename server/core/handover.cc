@@ -1,0 +1,232 @@
+// The core's part of a live handover (docs/ARCHITECTURE.md, "Live
+// handover"): its sessions and what they hold, out of the old mrd process
+// and into the new one, with every id, key and reference the clients and
+// their peers know.
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "mrd/status.h"
+#include "server/common/log.h"
+#include "server/core/core.h"
+#include "server/core/registrations.h"
+
+namespace mrd::core {
+namespace {
+
+absl::Status Unsupported(const Session& session, absl::string_view what) {
+  return MrdError(
+      absl::StatusCode::kFailedPrecondition, "HANDOVER_UNSUPPORTED_STATE",
+      absl::StrCat("session ", session.id(), " holds ", what,
+                   ", which this mrd cannot hand over yet; release them "
+                   "first or restart instead"));
+}
+
+}  // namespace
+
+absl::Status Registrations::Adopt(
+    Session& session, device::PdId pd,
+    const std::shared_ptr<fd_socket::MappedFile>& file,
+    const v1::HandedOverRegistration& r) {
+  MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
+                       file->Span(r.offset(), r.length()));
+  file->Prefault(r.offset(), r.length());
+  MRD_ASSIGN_OR_RETURN(device::MrKeys keys,
+                       device_->AdoptMr(pd, span, r.base_address(), r.access(),
+                                        r.lkey(), r.rkey()));
+  cache::CachedRegistration reg;
+  reg.device_mr = keys.mr;
+  reg.lkey = keys.lkey;
+  reg.rkey = keys.rkey;
+  reg.pinned_bytes = r.pinned_bytes();
+  reg.memory = file;
+  const cache::CacheKey key{session.id(), r.buffer(), r.offset(),
+                            r.length(),   r.access(), r.base_address()};
+  if (absl::Status s =
+          cache_.Adopt(r.id(), key, reg, r.references(), r.restored());
+      !s.ok()) {
+    (void)device_->DeregisterMr(keys.mr);
+    return s;
+  }
+  budgets_->Adopt(session, r.pinned_bytes(), /*registrations=*/1,
+                  /*buffers=*/0);
+  absl::MutexLock lock(&session.mu);
+  RegistrationRecord& record = session.registrations[r.id()];
+  record.implicit_refs = r.implicit_refs();
+  record.mr_refs = std::min(r.mr_refs(), RegistrationRecord::kMaxMrRefs);
+  record.flags = r.flags() & 0xF;
+  return absl::OkStatus();
+}
+
+absl::Status Core::ExportState(v1::HandoverSnapshot* out,
+                               std::vector<UniqueFd>* fds) {
+  const absl::Time now = clock_->Now();
+  for (const std::shared_ptr<Session>& session : sessions_.All()) {
+    absl::MutexLock lock(&session->mu);
+    if (session->closing) continue;
+    if (!session->lams.empty()) {
+      return Unsupported(*session, absl::StrCat(session->lams.size(), " LAMs"));
+    }
+    if (!session->mrs.empty()) {
+      return Unsupported(*session,
+                         absl::StrCat(session->mrs.size(), " MR objects"));
+    }
+    v1::HandedOverSession* s = out->add_sessions();
+    session->ExportLocked(now, s);
+    for (const auto& [id, buffer] : session->buffers) {
+      const int fd = ::fcntl(buffer.file->fd(), F_DUPFD_CLOEXEC, 0);
+      if (fd < 0) {
+        return ErrnoError(errno, "dup of a buffer's fd", "HANDOVER_FD");
+      }
+      fds->emplace_back(fd);
+      v1::HandedOverBuffer* b = s->add_buffers();
+      b->set_id(id);
+      b->set_address(buffer.address);
+      b->set_fd(static_cast<int32_t>(fds->size() - 1));
+      b->set_writable(buffer.file->writable());
+      b->set_source(buffer.file->source());
+    }
+    for (const auto& [id, record] : session->registrations) {
+      std::optional<cache::EntryView> view = registrations_.Describe(id);
+      if (!view.has_value()) continue;  // being deregistered: not held
+      v1::HandedOverRegistration* r = s->add_registrations();
+      r->set_id(id);
+      r->set_buffer(view->key.buffer);
+      r->set_offset(view->key.offset);
+      r->set_length(view->key.length);
+      r->set_access(view->key.access);
+      r->set_base_address(view->key.base_address);
+      r->set_lkey(view->lkey);
+      r->set_rkey(view->rkey);
+      r->set_references(view->references);
+      r->set_pinned_bytes(view->pinned_bytes);
+      r->set_implicit_refs(record.implicit_refs);
+      r->set_mr_refs(record.mr_refs);
+      r->set_flags(record.flags);
+      r->set_restored(view->restored);
+    }
+  }
+  out->set_next_handle(next_handle_.load());
+  out->set_next_session_id(sessions_.next_id());
+  out->set_registration_sequence(registrations_.NextRegistrationSequence());
+  const SessionCounts counts = sessions_.Counts();
+  out->set_sessions_opened_total(counts.opened_total);
+  out->set_sessions_closed_total(counts.closed_total);
+  return absl::OkStatus();
+}
+
+absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
+                                std::vector<UniqueFd>& fds) {
+  Identity identity;
+  identity.verified = in.verified();
+  identity.uid = in.uid();
+  identity.gid = in.gid();
+  std::shared_ptr<Tenant> tenant = tenants_->Resolve(identity);
+  tenant->Force(TenantResource::kSessions, 1);
+  auto session = std::make_shared<Session>(
+      in.id(), in.token(), in.lease() ? SessionKind::kLease : SessionKind::kFd,
+      options_.completion_queue_depth, identity, tenant);
+  absl::StatusOr<device::PdId> pd = device_->AllocatePd(session.get());
+  if (!pd.ok()) {
+    tenant->Release(TenantResource::kSessions, 1);
+    return pd.status();
+  }
+  {
+    absl::MutexLock lock(&session->mu);
+    session->pd = *pd;
+    session->AdoptLocked(in, clock_->Now());
+  }
+  if (absl::Status s = sessions_.Adopt(session); !s.ok()) {
+    tenant->Release(TenantResource::kSessions, 1);
+    (void)device_->DeallocatePd(*pd);
+    return s;
+  }
+  // From here on a failure ends the session the usual way (TearDown gives
+  // back whatever was adopted), and the caller releases the others.
+  auto fail = [&](absl::Status s) {
+    EndSession(session->token(), "handover failed");
+    return s;
+  };
+  if (!in.peer_ticket().empty()) {
+    if (absl::Status s = device_->AdoptPeerTicket(*pd, in.peer_ticket());
+        !s.ok()) {
+      return fail(s);
+    }
+  }
+  for (const v1::HandedOverBuffer& b : in.buffers()) {
+    if (b.fd() < 0 || static_cast<size_t>(b.fd()) >= fds.size() ||
+        !fds[b.fd()].valid()) {
+      return fail(MrdError(absl::StatusCode::kInvalidArgument, "HANDOVER_FD",
+                           absl::StrCat("buffer ", b.id(), " names fd ", b.fd(),
+                                        ", which was not sent")));
+    }
+    absl::StatusOr<FdCharge> charge =
+        ChargeFd(options_.fd_budget, session->id(), "a handed-over buffer");
+    if (!charge.ok()) return fail(charge.status());
+    absl::StatusOr<std::unique_ptr<fd_socket::MappedFile>> file =
+        fd_socket::MapHandedOver(std::move(fds[b.fd()]), b.writable(),
+                                 b.source());
+    if (!file.ok()) return fail(file.status());
+    BufferRecord record;
+    record.id = b.id();
+    record.address = b.address();
+    record.file = ShareWithCharge(std::move(*file), std::move(*charge));
+    budgets_.Adopt(*session, 0, 0, /*buffers=*/1);
+    absl::MutexLock lock(&session->mu);
+    session->buffers.emplace(record.id, std::move(record));
+  }
+  for (const v1::HandedOverRegistration& r : in.registrations()) {
+    std::shared_ptr<fd_socket::MappedFile> file;
+    {
+      absl::MutexLock lock(&session->mu);
+      auto it = session->buffers.find(r.buffer());
+      if (it != session->buffers.end()) file = it->second.file;
+    }
+    if (file == nullptr) {
+      return fail(MrdError(
+          absl::StatusCode::kInvalidArgument, "HANDOVER_UNKNOWN_BUFFER",
+          absl::StrCat("registration ", r.id(), " names buffer ", r.buffer(),
+                       ", which was not handed over")));
+    }
+    if (absl::Status s = registrations_.Adopt(*session, *pd, file, r);
+        !s.ok()) {
+      return fail(s);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
+                              std::vector<UniqueFd>& fds) {
+  MRD_RETURN_IF_ERROR(device_->CanHandOver());
+  std::vector<std::string> adopted;
+  for (const v1::HandedOverSession& session : in.sessions()) {
+    if (absl::Status s = AdoptSession(session, fds); !s.ok()) {
+      for (const std::string& token : adopted) {
+        EndSession(token, "handover failed");
+      }
+      return s;
+    }
+    adopted.push_back(session.token());
+  }
+  uint64_t next = next_handle_.load();
+  while (next < in.next_handle() &&
+         !next_handle_.compare_exchange_weak(next, in.next_handle())) {
+  }
+  sessions_.ContinueFrom(in.next_session_id(), in.sessions_opened_total(),
+                         in.sessions_closed_total());
+  registrations_.ContinueRegistrationSequence(in.registration_sequence());
+  return absl::OkStatus();
+}
+
+}  // namespace mrd::core
