@@ -418,11 +418,16 @@ class Daemon final : public handover::HandoverSource {
   std::optional<handover::HandoverChannel::Received> snapshot_;
   absl::Time takeover_start_;
   // The old process's side: what Pause detached, for Resume.
-  std::unique_ptr<handover::HandoverServer> handover_;
+  // handover_ and took_over_ are read by the metrics on their threads.
+  absl::Mutex handover_mu_;
+  std::unique_ptr<handover::HandoverServer> handover_
+      ABSL_GUARDED_BY(handover_mu_);
+  metrics::HandoverGauges took_over_ ABSL_GUARDED_BY(handover_mu_);
   std::optional<fd_socket::DetachedFdServer> detached_fd_;
   UniqueFd detached_grpc_;
   UniqueFd detached_peer_;
   bool peer_stopped_ = false;
+  bool streams_held_ = false;
   bool metrics_stopped_ = false;
   fd_socket::FdServerOptions fd_server_options_;  // for Resume
 };
@@ -449,10 +454,23 @@ absl::Status Daemon::Start() {
   MRD_RETURN_IF_ERROR(StartHandover());
   if (takeover_ != nullptr) {
     const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
+    const absl::Duration took = absl::Now() - takeover_start_;
+    const core::CoreStats stats = core_->Stats();
     LogInfo("took over from pid ", takeover_->accepted().pid(), " (mrd ",
-            takeover_->accepted().mrd_version(), "): ", snap.sessions_size(),
-            " sessions, ", snap.fd_connections_size(), " fd connections in ",
-            absl::FormatDuration(absl::Now() - takeover_start_));
+            takeover_->accepted().mrd_version(), "): ", stats.sessions,
+            " sessions, ", stats.buffers, " buffers, ", stats.registrations,
+            " registrations, ", snap.fd_connections_size(),
+            " fd connections in ", absl::FormatDuration(took));
+    {
+      absl::MutexLock lock(&handover_mu_);
+      took_over_.takeover_seconds = absl::ToDoubleSeconds(took);
+      took_over_.sessions = stats.sessions;
+      took_over_.buffers = stats.buffers;
+      took_over_.registrations = stats.registrations;
+      took_over_.fd_connections =
+          static_cast<uint64_t>(snap.fd_connections_size());
+      took_over_.pinned_bytes = device_->PinnedBytes();
+    }
     takeover_.reset();
     snapshot_.reset();
   }
@@ -588,6 +606,11 @@ absl::Status Daemon::OpenDevice() {
   const std::string device_flag = absl::GetFlag(FLAGS_device);
   if (use_verbs_) MRD_RETURN_IF_ERROR(OpenVerbsDevice(device_flag));
   if (!use_verbs_) MRD_RETURN_IF_ERROR(OpenSoftwareDevice());
+  if (snapshot_.has_value()) {
+    // Taking over: no peer is accepted before commit, when every ticket
+    // and key is this process's (AdoptSnapshot resumes accepting).
+    (void)device_->StopPeerAccepting();
+  }
   const std::string kind = device_->Attributes().kind;
   if (absl::Status s = device_->Start(); !s.ok()) {
     return Fail(absl::StrCat(kind, " device start: ", s.ToString()));
@@ -912,6 +935,16 @@ void Daemon::SetMetricsSources() {
   metrics_->SetServerInfo(info);
   metrics_->SetDeviceHealthSource(
       [this] { return device_healthy_.load(std::memory_order_relaxed); });
+  metrics_->SetHandoverSource([this] {
+    absl::MutexLock lock(&handover_mu_);
+    metrics::HandoverGauges gauges = took_over_;
+    if (handover_ != nullptr) {
+      const handover::HandoverServer::Stats stats = handover_->stats();
+      gauges.attempts_total = stats.attempts;
+      gauges.refusals_total = stats.refusals;
+    }
+    return gauges;
+  });
 }
 
 absl::Status Daemon::StartGrpc() {
@@ -1073,12 +1106,14 @@ absl::Status Daemon::AdoptSnapshot() {
     takeover_->Refuse(adopted);
   }
   if (!adopted.ok()) {
-    // Let go of everything adopted; the shared peer listener stays intact.
-    (void)device_->StopPeerAccepting();
+    // Let go of everything adopted; the shared peer listener is left alone
+    // (this process never accepted on it).
     core_->Shutdown();
     return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
                              adopted.ToString()));
   }
+  // Committed: peers that waited in the listener's backlog come in here.
+  device_->ResumePeerAccepting();
   return absl::OkStatus();
 }
 
@@ -1101,6 +1136,7 @@ absl::Status Daemon::StartHandover() {
              "; this mrd cannot hand over (mrd --takeover will not find it)");
     return absl::OkStatus();
   }
+  absl::MutexLock lock(&handover_mu_);
   handover_ = std::move(*server);
   return absl::OkStatus();
 }
@@ -1149,6 +1185,8 @@ absl::Status Daemon::Pause() {
   }
   detached_peer_ = std::move(*peer);
   peer_stopped_ = true;
+  core_->HoldStreams(true);
+  streams_held_ = true;
   return absl::OkStatus();
 }
 
@@ -1239,12 +1277,17 @@ void Daemon::Resume() {
                server.status().ToString());
     }
   }
+  if (streams_held_) {
+    core_->HoldStreams(false);
+    streams_held_ = false;
+  }
   service_->gate().Resume();
   LogInfo("handover failed: serving again as before");
 }
 
 void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
   service_->gate().HandOver();
+  core_->MarkHandedOver();  // completion streams end: HANDED_OVER
   LogInfo("handed over to the new mrd (", ready.sessions(), " sessions, ",
           ready.buffers(), " buffers, ", ready.registrations(),
           " registrations, ", ready.pinned_bytes(),
@@ -1270,7 +1313,10 @@ void Daemon::ServeUntil(const sigset_t& signals) {
   int sig = 0;
   sigwait(&signals, &sig);
   LogInfo("signal ", sig, ": shutting down");
-  if (handover_ != nullptr) handover_->Shutdown();
+  {
+    absl::MutexLock lock(&handover_mu_);
+    if (handover_ != nullptr) handover_->Shutdown();
+  }
   stop_health_.Notify();
   health_watch_.Join();
   health_->SetServingStatus(false);

@@ -110,6 +110,8 @@ class CompletionStream::Reactor final
     mu_.Await(absl::Condition(&done_));
   }
 
+  const std::shared_ptr<internal::SessionCore>& core() const { return core_; }
+
  private:
   explicit Reactor(std::shared_ptr<internal::SessionCore> core)
       : core_(std::move(core)) {
@@ -145,37 +147,78 @@ CompletionStream CompletionStream::Open(const Session& session) {
   return CompletionStream(Reactor::Start(session.core()));
 }
 
-CompletionStream::CompletionStream(CompletionStream&& other) noexcept
-    : reactor_(std::move(other.reactor_)) {}
+CompletionStream::CompletionStream(CompletionStream&& other) noexcept {
+  absl::MutexLock theirs(&other.mu_);
+  absl::MutexLock ours(&mu_);
+  reactor_ = std::move(other.reactor_);
+  cancelled_ = other.cancelled_;
+}
 
 CompletionStream& CompletionStream::operator=(
     CompletionStream&& other) noexcept {
   if (this != &other) {
     Shutdown();
+    absl::MutexLock theirs(&other.mu_);
+    absl::MutexLock ours(&mu_);
     reactor_ = std::move(other.reactor_);
+    cancelled_ = other.cancelled_;
   }
   return *this;
 }
 
 CompletionStream::~CompletionStream() { Shutdown(); }
 
+std::shared_ptr<CompletionStream::Reactor> CompletionStream::reactor() const {
+  absl::MutexLock lock(&mu_);
+  return reactor_;
+}
+
 void CompletionStream::Shutdown() {
-  if (reactor_ == nullptr) return;
-  reactor_->Cancel();
-  reactor_->WaitDone();
-  reactor_.reset();
+  std::shared_ptr<Reactor> reactor;
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    reactor = std::move(reactor_);
+  }
+  if (reactor == nullptr) return;
+  reactor->Cancel();
+  reactor->WaitDone();
 }
 
 absl::StatusOr<v1::Completion> CompletionStream::Next(absl::Duration timeout) {
-  if (reactor_ == nullptr) {
-    return absl::FailedPreconditionError(
-        "use of a moved-from CompletionStream");
+  const absl::Time deadline = timeout == absl::InfiniteDuration()
+                                  ? absl::InfiniteFuture()
+                                  : absl::Now() + timeout;
+  for (;;) {
+    std::shared_ptr<Reactor> current = reactor();
+    if (current == nullptr) {
+      return absl::FailedPreconditionError(
+          "use of a moved-from CompletionStream");
+    }
+    absl::StatusOr<v1::Completion> next = current->Next(
+        deadline == absl::InfiniteFuture() ? absl::InfiniteDuration()
+                                           : deadline - absl::Now());
+    if (next.ok() || next.status().code() != absl::StatusCode::kUnavailable ||
+        ReasonOf(next.status()) != "HANDED_OVER") {
+      return next;
+    }
+    // mrd handed over: the session goes on in the new process, which the
+    // channel reaches on its next connection. Open the stream there.
+    absl::SleepFor(absl::Milliseconds(20));
+    absl::MutexLock lock(&mu_);
+    if (cancelled_) return absl::CancelledError("completion stream cancelled");
+    if (reactor_ == current) reactor_ = Reactor::Start(current->core());
   }
-  return reactor_->Next(timeout);
 }
 
 void CompletionStream::Cancel() {
-  if (reactor_ != nullptr) reactor_->Cancel();
+  std::shared_ptr<Reactor> current;
+  {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    current = reactor_;
+  }
+  if (current != nullptr) current->Cancel();
 }
 
 }  // namespace mrd::client

@@ -16,7 +16,9 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "client/lib/session.h"
 #include "mrd/v1/mrd.pb.h"
@@ -51,8 +53,15 @@ class CompletionStream {
   explicit CompletionStream(std::shared_ptr<Reactor> reactor)
       : reactor_(std::move(reactor)) {}
   void Shutdown();
+  std::shared_ptr<Reactor> reactor() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  std::shared_ptr<Reactor> reactor_;
+  // Replaced when mrd hands over to a new process (the stream ends with
+  // UNAVAILABLE HANDED_OVER): Next opens it again there, where the session
+  // and its queued completions went. The mutex: Cancel may run on another
+  // thread meanwhile.
+  mutable absl::Mutex mu_;
+  std::shared_ptr<Reactor> reactor_ ABSL_GUARDED_BY(mu_);
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace mrd::client

@@ -240,6 +240,11 @@ class Core final : public fd_socket::FdSessionHandler {
   absl::Status AdoptState(const v1::HandoverSnapshot& in,
                           std::vector<UniqueFd>& fds);
 
+  // Holds (or lets go) every session's completion stream while a handover
+  // exports them; MarkHandedOver ends them with UNAVAILABLE HANDED_OVER.
+  void HoldStreams(bool hold);
+  void MarkHandedOver();
+
   // Reaps expired lease sessions now (the reaper thread calls this).
   void ReapExpiredLeases();
 

@@ -68,6 +68,18 @@ absl::Status Registrations::Adopt(
   return absl::OkStatus();
 }
 
+void Core::HoldStreams(bool hold) {
+  for (const std::shared_ptr<Session>& session : sessions_.All()) {
+    session->HoldStream(hold);
+  }
+}
+
+void Core::MarkHandedOver() {
+  for (const std::shared_ptr<Session>& session : sessions_.All()) {
+    session->MarkHandedOverAndNotify();
+  }
+}
+
 absl::Status Core::ExportState(v1::HandoverSnapshot* out,
                                std::vector<UniqueFd>* fds) {
   const absl::Time now = clock_->Now();

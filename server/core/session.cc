@@ -341,6 +341,36 @@ void Session::MarkEndedAndNotify() {
   if (to_notify) to_notify();
 }
 
+void Session::HoldStream(bool hold) {
+  std::function<void()> to_notify;
+  {
+    absl::MutexLock lock(&mu);
+    stream_held_ = hold;
+    to_notify = notify_;
+  }
+  if (to_notify) to_notify();
+}
+
+void Session::MarkHandedOverAndNotify() {
+  std::function<void()> to_notify;
+  {
+    absl::MutexLock lock(&mu);
+    handed_over_ = true;
+    to_notify = notify_;
+  }
+  if (to_notify) to_notify();
+}
+
+bool Session::stream_held() const {
+  absl::MutexLock lock(&mu);
+  return stream_held_;
+}
+
+bool Session::handed_over() const {
+  absl::MutexLock lock(&mu);
+  return handed_over_;
+}
+
 void Session::Notify() {
   std::function<void()> to_notify;
   {

@@ -142,6 +142,15 @@ class Session final : public device::PdEventSink {
   std::optional<v1::Completion> PopCompletion() ABSL_LOCKS_EXCLUDED(mu);
   bool ended() const ABSL_LOCKS_EXCLUDED(mu);
   void MarkEndedAndNotify() ABSL_LOCKS_EXCLUDED(mu);
+  // A live handover: while held, the stream delivers nothing (what is
+  // queued goes into the snapshot, and must not also be streamed here);
+  // once handed over, the stream ends with UNAVAILABLE HANDED_OVER (the
+  // session goes on in the new process: open the stream again there).
+  // Each wakes the stream.
+  void HoldStream(bool hold) ABSL_LOCKS_EXCLUDED(mu);
+  void MarkHandedOverAndNotify() ABSL_LOCKS_EXCLUDED(mu);
+  bool stream_held() const ABSL_LOCKS_EXCLUDED(mu);
+  bool handed_over() const ABSL_LOCKS_EXCLUDED(mu);
   void Notify() ABSL_LOCKS_EXCLUDED(mu);
 
   // --- lease sessions ---
@@ -226,6 +235,8 @@ class Session final : public device::PdEventSink {
 
  private:
   bool ended_ ABSL_GUARDED_BY(mu) = false;
+  bool stream_held_ ABSL_GUARDED_BY(mu) = false;
+  bool handed_over_ ABSL_GUARDED_BY(mu) = false;
   uint32_t peer_uid_ ABSL_GUARDED_BY(mu) = 0;
   uint32_t peer_pid_ ABSL_GUARDED_BY(mu) = 0;
   absl::Duration ttl_ ABSL_GUARDED_BY(mu) = absl::ZeroDuration();

@@ -467,6 +467,40 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                                   : Gauge(row.name, row.help, d(row.value)));
       }
     }
+    if (handover) {
+      const HandoverGauges h = handover();
+      out.push_back(Gauge("mrd_takeover_seconds",
+                          "How long this process took to take over from the "
+                          "mrd before it (0: it started fresh).",
+                          h.takeover_seconds));
+      prometheus::MetricFamily objects =
+          Gauge("mrd_takeover_objects",
+                "What this process took over when it started, by kind "
+                "(0: it started fresh).",
+                0);
+      objects.metric.clear();
+      const std::pair<const char*, uint64_t> kinds[] = {
+          {"sessions", h.sessions},
+          {"buffers", h.buffers},
+          {"registrations", h.registrations},
+          {"fd_connections", h.fd_connections},
+          {"pinned_bytes", h.pinned_bytes}};
+      for (const auto& [kind, value] : kinds) {
+        prometheus::ClientMetric metric;
+        metric.label.push_back(prometheus::ClientMetric::Label{"kind", kind});
+        metric.gauge.value = d(value);
+        objects.metric.push_back(std::move(metric));
+      }
+      out.push_back(std::move(objects));
+      out.push_back(Counter("mrd_handover_attempts_total",
+                            "Takeovers a new mrd asked of this process.",
+                            d(h.attempts_total)));
+      out.push_back(Counter("mrd_handover_refusals_total",
+                            "Takeovers this process refused, or that failed "
+                            "before commit: it served on (the reason is "
+                            "logged).",
+                            d(h.refusals_total)));
+    }
     if (grpc_connections) {
       const GrpcConnectionStats g = grpc_connections();
       out.push_back(Gauge("mrd_grpc_connections",
@@ -534,6 +568,7 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
  public:
   // Set before the exposer starts; read-only afterwards.
   std::function<PeerPathGauges()> peer_path;
+  std::function<HandoverGauges()> handover;
   std::function<GrpcConnectionStats()> grpc_connections;
   ServerInfo server_info;
   std::function<bool()> device_healthy;
@@ -554,6 +589,10 @@ void Metrics::SetLimits(std::vector<std::pair<std::string, double>> limits) {
 
 void Metrics::SetPeerPathSource(std::function<PeerPathGauges()> source) {
   collector_->peer_path = std::move(source);
+}
+
+void Metrics::SetHandoverSource(std::function<HandoverGauges()> source) {
+  collector_->handover = std::move(source);
 }
 
 void Metrics::SetGrpcConnectionsSource(

@@ -53,6 +53,20 @@ struct PeerPathGauges {
   uint64_t max_session_connections = 0;
 };
 
+// Live handover (docs/ARCHITECTURE.md), read at scrape time: what this
+// process took over when it started (zeros when it started fresh), and the
+// takeovers asked of it.
+struct HandoverGauges {
+  double takeover_seconds = 0;  // from hello to serving
+  uint64_t sessions = 0;
+  uint64_t buffers = 0;
+  uint64_t registrations = 0;
+  uint64_t fd_connections = 0;
+  uint64_t pinned_bytes = 0;
+  uint64_t attempts_total = 0;  // takeovers asked of this process
+  uint64_t refusals_total = 0;  // of those, refused or failed: it serves on
+};
+
 // What runs: mrd_build_info's labels and the device gauges.
 struct ServerInfo {
   std::string version;
@@ -93,6 +107,7 @@ class Metrics final : public RpcObserver {
 
   // Adds the peer path's gauges to every scrape.
   void SetPeerPathSource(std::function<PeerPathGauges()> source);
+  void SetHandoverSource(std::function<HandoverGauges()> source);
 
   // Adds the gRPC socket's connection gauges (GrpcConnectionStats)
   // to every scrape.

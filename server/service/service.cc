@@ -52,6 +52,7 @@ class CompletionWriter final
 
   void Start(grpc::CallbackServerContext* ctx,
              const v1::StreamCompletionsRequest& req) {
+    ctx_ = ctx;
     self_ = shared_from_this();
     std::weak_ptr<CompletionWriter> weak = self_;
     absl::StatusOr<std::shared_ptr<core::Session>> session =
@@ -120,6 +121,18 @@ class CompletionWriter final
         finished_ = true;
         code_ = grpc::StatusCode::CANCELLED;
         finish = grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled");
+      } else if (session_->handed_over()) {
+        // The session goes on in the new process, with what was queued.
+        finished_ = true;
+        code_ = grpc::StatusCode::UNAVAILABLE;
+        finish = ToGrpcStatus(
+            MrdError(absl::StatusCode::kUnavailable, "HANDED_OVER",
+                     "this mrd handed over to a new process, which goes on "
+                     "with the session and its queued completions: open the "
+                     "stream again"),
+            ctx_);
+      } else if (session_->stream_held()) {
+        return;  // a handover is exporting the queue
       } else if (std::optional<v1::Completion> c = session_->PopCompletion()) {
         current_ = std::move(*c);
         writing_ = true;
@@ -136,6 +149,7 @@ class CompletionWriter final
   core::Core* const core_;
   RpcObserver* const observer_;
   const absl::Time start_;
+  grpc::CallbackServerContext* ctx_ = nullptr;  // set by Start
   std::shared_ptr<CompletionWriter> self_;
   grpc::StatusCode code_ = grpc::StatusCode::OK;
 

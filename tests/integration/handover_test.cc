@@ -313,7 +313,9 @@ class HandoverTest : public ::testing::Test {
   uint64_t registered_bytes_ = 0;
 };
 
+// The software device's handover; the verbs device refuses (below).
 TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
   ASSERT_NO_FATAL_FAILURE(StartOld());
   absl::StatusOr<Session> session = Session::OpenFd(*client_);
   ASSERT_TRUE(session.ok()) << session.status();
@@ -331,14 +333,21 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
       Session::OpenLease(*client_, absl::Seconds(300));
   ASSERT_TRUE(lease.ok()) << lease.status();
   const std::string held_before = Held(*session);
+  // The session's completion stream, open across the handover.
+  client::CompletionStream stream = client::CompletionStream::Open(*session);
 
   PinSampler pins(old_->pid(), runtime_dir_);
   BusyPeer peer(ticket->peer_address(), ticket->ticket(), Targets());
   absl::SleepFor(absl::Milliseconds(100));  // the peer at work
   const uint64_t ops_before = peer.operations();
   EXPECT_GT(ops_before, 0u) << peer.refusals();
+  absl::StatusOr<v1::Completion> connected = stream.Next(absl::Seconds(10));
+  ASSERT_TRUE(connected.ok()) << connected.status();
+  EXPECT_EQ(connected->kind(), v1::Completion::PEER_CONNECTED);
 
-  auto successor = MrdProcess::Start(Options({"--takeover"}));
+  MrdProcessOptions successor_options = Options({"--takeover"});
+  successor_options.metrics = true;
+  auto successor = MrdProcess::Start(successor_options);
   ASSERT_TRUE(successor.ok()) << successor.status();
   new_ = std::move(*successor);
   ASSERT_TRUE(old_->WaitExited(absl::Seconds(30))) << old_->Log();
@@ -346,6 +355,19 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
       << old_->Log();
   EXPECT_TRUE(absl::StrContains(new_->Log(), "took over from pid"))
       << new_->Log();
+  // What the new process says it took over (docs/METRICS.md).
+  absl::StatusOr<std::string> scrape = ScrapeMetrics(new_->metrics_address());
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  EXPECT_TRUE(absl::StrContains(
+      *scrape, "mrd_takeover_objects{kind=\"registrations\"} 4"))
+      << *scrape;
+  EXPECT_TRUE(absl::StrContains(*scrape,
+                                "mrd_takeover_objects{kind=\"sessions\"} 2"))
+      << *scrape;
+  EXPECT_TRUE(absl::StrContains(
+      *scrape, "mrd_takeover_objects{kind=\"fd_connections\"} 1"))
+      << *scrape;
+  EXPECT_FALSE(absl::StrContains(*scrape, "mrd_takeover_seconds 0\n"));
   // The peer goes on through the new process.
   const uint64_t ops_at_handover = peer.operations();
   absl::SleepFor(absl::Milliseconds(200));
@@ -358,6 +380,16 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   EXPECT_GE(pins.lowest(), registered_bytes_)
       << "pinned bytes dropped below what is registered";
   EXPECT_TRUE(pins.successor_seen_pinning_before_old_exit());
+
+  // The stream goes on (opened again by the library in the new process):
+  // the peer's connections there are reported on it.
+  bool reconnect_seen = false;
+  for (int i = 0; i < 64 && !reconnect_seen; ++i) {
+    absl::StatusOr<v1::Completion> c = stream.Next(absl::Seconds(10));
+    ASSERT_TRUE(c.ok()) << c.status();
+    reconnect_seen = c->kind() == v1::Completion::PEER_CONNECTED;
+  }
+  EXPECT_TRUE(reconnect_seen);
 
   // The same session, channel and fd connection, now served by the new
   // process: everything as it was, same ids, keys and references.
@@ -412,6 +444,7 @@ class HandoverFaultTest : public HandoverTest,
                           public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(HandoverFaultTest, TheOldMrdServesOnWithNothingLost) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
   const std::string fault = GetParam();
   const std::string flag = absl::StrCat("--handover_test_fault=", fault);
   const bool old_side = absl::StartsWith(fault, "old.");
@@ -485,6 +518,7 @@ INSTANTIATE_TEST_SUITE_P(EveryStep, HandoverFaultTest,
                          });
 
 TEST_F(HandoverTest, WhatCannotBeHandedOverYetIsRefusedAndTheOldServesOn) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
   ASSERT_NO_FATAL_FAILURE(StartOld());
   absl::StatusOr<Session> session = Session::OpenFd(*client_);
   ASSERT_TRUE(session.ok()) << session.status();
@@ -508,6 +542,46 @@ TEST_F(HandoverTest, WhatCannotBeHandedOverYetIsRefusedAndTheOldServesOn) {
   ASSERT_TRUE(successor.ok()) << successor.status();
   new_ = std::move(*successor);
   ASSERT_TRUE(old_->WaitExited(absl::Seconds(30))) << old_->Log();
+}
+
+// The verbs device (run in the Soft-RoCE VM, label verbs): its objects
+// cannot leave the process (rxe refuses ibv_import_device), so the old mrd
+// refuses the takeover and serves on: the peer still reads through the
+// same rkey, the registrations are as they were.
+TEST_F(HandoverTest, TheVerbsDeviceRefusesAndServesOn) {
+  if (TestDeviceKind() != "verbs") GTEST_SKIP() << "verbs device only";
+  ASSERT_NO_FATAL_FAILURE(StartOld());
+  absl::StatusOr<Session> session = Session::OpenFd(*client_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 65536, "verbs");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::memcpy(buffer->data(), "kept by the old mrd", 19);
+  absl::StatusOr<Registration> reg = Registration::Register(
+      *session, Range(*buffer, 0, 65536, kRemoteRead | kRemoteWrite));
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  absl::StatusOr<client::PeerTicket> ticket =
+      client::PeerTicket::Create(*session);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  auto peer = peer::ConnectPeer(TestDeviceKind(), ticket->peer_address(),
+                                ticket->ticket());
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  const std::string held_before = Held(*session);
+
+  absl::StatusOr<MrdExit> ended =
+      MrdProcess::RunToExit(Options({"--takeover"}), 60000);
+  ASSERT_TRUE(ended.ok()) << ended.status();
+  EXPECT_TRUE(WIFEXITED(ended->status) && WEXITSTATUS(ended->status) == 1)
+      << ended->log;
+  EXPECT_TRUE(absl::StrContains(ended->log, "HANDOVER_UNSUPPORTED_DEVICE"))
+      << ended->log;
+  EXPECT_TRUE(absl::StrContains(ended->log, "ibv_import_device"))
+      << ended->log;
+  EXPECT_FALSE(old_->WaitExited(absl::ZeroDuration()));
+  EXPECT_EQ(Held(*session), held_before);
+  absl::StatusOr<std::string> read =
+      (*peer)->Read(reg->rkey(), reg->base_address(), 19);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "kept by the old mrd");
 }
 
 }  // namespace
