@@ -2,7 +2,9 @@
 // core, the fd socket, the gRPC server (with health and reflection) and the
 // metrics exposer together, then waits for SIGTERM/SIGINT and shuts down in
 // order: NOT_SERVING first, then every session is released (nothing stays
-// pinned), then the servers and the device stop.
+// pinned), then the servers and the device stop. SIGHUP is a reload: mrd
+// starts its successor (its own binary, its arguments and --takeover), which
+// takes over everything through the live handover.
 //
 // Every flag can also come from a flag file: mrd --flagfile=/etc/mrd/mrd.flags
 // (one --name=value per line; see docs/CONFIG.md).
@@ -13,8 +15,11 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <pwd.h>
 #include <signal.h>
+#include <spawn.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -53,6 +58,7 @@
 #include "server/common/log.h"
 #include "server/common/path_trust.h"
 #include "server/common/prefault.h"
+#include "server/common/sd_notify.h"
 #include "server/common/thread.h"
 #include "server/common/thread_pool.h"
 #include "server/core/core.h"
@@ -219,6 +225,21 @@ ABSL_FLAG(absl::Duration, handover_drain_timeout, absl::Seconds(10),
 ABSL_FLAG(absl::Duration, handover_timeout, absl::Seconds(60),
           "Handing over: how long each side waits for each answer of the "
           "other.");
+ABSL_FLAG(std::string, after_handover, "exit",
+          "What this mrd does once it has handed over (and released "
+          "everything): exit (exit 0) or wait (hold nothing, NOT_SERVING, "
+          "until SIGTERM or SIGINT, then exit 0; for Kubernetes, where an "
+          "exited container would be restarted and take over back).");
+ABSL_FLAG(std::string, handover_status_file, "",
+          "Write this mrd's handover state to this file, one word: "
+          "taking-over, serving, handing-over, handed-over, stopping or "
+          "stopped (Kubernetes probes and --await_handover read it; a file "
+          "of this mrd alone, e.g. in a per-pod emptyDir). Empty = none.");
+ABSL_FLAG(absl::Duration, await_handover, absl::ZeroDuration(),
+          "Do not serve: wait at most this long until the mrd writing "
+          "--handover_status_file is not in the middle of a handover "
+          "(neither taking-over nor handing-over), then exit 0; exit 1 "
+          "when it still is (a Kubernetes preStop hook). 0 = off.");
 ABSL_FLAG(std::string, handover_test_fault, "",
           "Tests only: fail the handover at this step (server/handover/"
           "handover.h lists them).");
@@ -332,14 +353,24 @@ bool IsLoopback(const std::string& address) {
 // the error to log, with the text that names the flag or path at fault.
 class Daemon final : public handover::HandoverSource {
  public:
-  Daemon() = default;
+  // How this mrd was started, for the successor a reload starts.
+  struct Invocation {
+    std::string binary;      // absolute; empty when it could not be resolved...
+    std::string unresolved;  // ...and why
+    std::vector<std::string> args;  // argv[1..]
+  };
+  explicit Daemon(Invocation invocation) : invocation_(std::move(invocation)) {}
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
   absl::Status Start();
-  // Serves until SIGINT or SIGTERM (blocked in `signals`), then shuts down
-  // in order.
+  // Serves until SIGINT or SIGTERM, then shuts down in order. SIGHUP starts
+  // a successor (Reload), SIGCHLD tells that it ended. All four are blocked
+  // in every thread and taken here (`signals`).
   void ServeUntil(const sigset_t& signals);
+  // Writes `state` to --handover_status_file (if set): taking-over,
+  // serving, handing-over, handed-over, stopping, stopped.
+  void WriteStatus(absl::string_view state) ABSL_LOCKS_EXCLUDED(status_mu_);
 
  private:
   absl::Status PrepareFdBudget();
@@ -354,6 +385,12 @@ class Daemon final : public handover::HandoverSource {
   // A listener the snapshot names (by index), or none.
   UniqueFd TakeSnapshotFd(int32_t index);
   absl::Status StartHandover();
+  // SIGHUP: starts the successor, mrd --takeover with this mrd's binary and
+  // arguments; it takes over through the handover socket like any other.
+  void Reload();
+  // SIGCHLD: reaps the successor once it ended (it could not take over:
+  // this mrd serves on, and says so).
+  void ReapSuccessor();
 
   // --- handover::HandoverSource (the old process's side) ---
   absl::Status Check(const v1::HandoverHello& hello) override;
@@ -430,6 +467,26 @@ class Daemon final : public handover::HandoverSource {
   bool streams_held_ = false;
   bool metrics_stopped_ = false;
   fd_socket::FdServerOptions fd_server_options_;  // for Resume
+  // The new process's pid, from its hello (handover thread only): systemd
+  // is told to follow it at commit.
+  pid_t taker_pid_ = 0;
+  // Commit was sent: Finish runs and this process serves no more.
+  std::atomic<bool> committed_{false};
+  // Finish has released everything (--after_handover=wait keeps the
+  // process until SIGTERM).
+  absl::Notification handed_over_;
+  // SIGTERM or SIGINT came: a handover that commits from now on ends the
+  // process once it released everything, whatever --after_handover says.
+  absl::Notification exit_requested_;
+
+  // Reload (main thread only): the successor while it runs, or 0.
+  const Invocation invocation_;
+  pid_t successor_ = 0;
+
+  // --handover_status_file; written by the main and the handover thread.
+  std::string status_file_;
+  absl::Mutex status_mu_;
+  std::string status_ ABSL_GUARDED_BY(status_mu_);
 };
 
 absl::Status Fail(absl::string_view message) {
@@ -437,6 +494,13 @@ absl::Status Fail(absl::string_view message) {
 }
 
 absl::Status Daemon::Start() {
+  status_file_ = absl::GetFlag(FLAGS_handover_status_file);
+  const std::string after = absl::GetFlag(FLAGS_after_handover);
+  if (after != "exit" && after != "wait") {
+    return Fail(absl::StrCat("--after_handover must be exit or wait, not '",
+                             after, "'"));
+  }
+  if (absl::GetFlag(FLAGS_takeover)) WriteStatus("taking-over");
   MRD_RETURN_IF_ERROR(PrepareFdBudget());
   MRD_RETURN_IF_ERROR(PreparePaths());
   MRD_RETURN_IF_ERROR(PreparePeers());
@@ -471,10 +535,39 @@ absl::Status Daemon::Start() {
           static_cast<uint64_t>(snap.fd_connections_size());
       took_over_.pinned_bytes = device_->PinnedBytes();
     }
-    takeover_.reset();
-    snapshot_.reset();
   }
+  WriteStatus("serving");
+  // systemd (Type=notify): serving now; after a takeover, this is the main
+  // process (the old one says so too, at commit, before it exits).
+  absl::Status notified = SdNotify(
+      takeover_ != nullptr ? absl::StrCat("MAINPID=", getpid(), "\nREADY=1")
+                           : "READY=1");
+  if (!notified.ok()) LogWarning("sd_notify: ", notified.ToString());
+  takeover_.reset();
+  snapshot_.reset();
   return absl::OkStatus();
+}
+
+void Daemon::WriteStatus(absl::string_view state) {
+  if (status_file_.empty()) return;
+  absl::MutexLock lock(&status_mu_);
+  if (status_ == state) return;
+  status_ = std::string(state);
+  // Written whole and renamed into place: a reader sees the old state or
+  // the new one, never a part.
+  const std::string temporary = absl::StrCat(status_file_, ".tmp");
+  const std::string text = absl::StrCat(state, "\n");
+  UniqueFd fd(::open(temporary.c_str(),
+                     O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
+                     0644));
+  const bool written = fd.valid() &&
+                       ::write(fd.get(), text.data(), text.size()) ==
+                           static_cast<ssize_t>(text.size()) &&
+                       ::rename(temporary.c_str(), status_file_.c_str()) == 0;
+  if (!written) {
+    LogWarning("--handover_status_file=", status_file_, ": cannot write '",
+               state, "': ", std::strerror(errno));
+  }
 }
 
 // File descriptors (docs/RELIABILITY.md): the highest open-file limit we may
@@ -1142,6 +1235,7 @@ absl::Status Daemon::StartHandover() {
 }
 
 absl::Status Daemon::Check(const v1::HandoverHello& hello) {
+  taker_pid_ = static_cast<pid_t>(hello.pid());
   MRD_RETURN_IF_ERROR(device_->CanHandOver());
   if (hello.device_kind() != device_->Attributes().kind) {
     return MrdError(
@@ -1154,6 +1248,7 @@ absl::Status Daemon::Check(const v1::HandoverHello& hello) {
 }
 
 absl::Status Daemon::Pause() {
+  WriteStatus("handing-over");
   const absl::Duration drain = absl::GetFlag(FLAGS_handover_drain_timeout);
   if (!service_->gate().Pause(drain)) {
     return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
@@ -1282,17 +1377,27 @@ void Daemon::Resume() {
     streams_held_ = false;
   }
   service_->gate().Resume();
+  WriteStatus("serving");
   LogInfo("handover failed: serving again as before");
 }
 
 void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
+  committed_ = true;
   service_->gate().HandOver();
   core_->MarkHandedOver();  // completion streams end: HANDED_OVER
+  // systemd follows the new main process from here; said before this one
+  // exits, so that systemd never sees its main process gone (it reads
+  // notifications before exits).
+  if (absl::Status s = SdNotify(absl::StrCat("MAINPID=", taker_pid_));
+      !s.ok()) {
+    LogWarning("sd_notify: ", s.ToString());
+  }
+  const bool wait = absl::GetFlag(FLAGS_after_handover) == "wait";
   LogInfo("handed over to the new mrd (", ready.sessions(), " sessions, ",
           ready.buffers(), " buffers, ", ready.registrations(),
           " registrations, ", ready.pinned_bytes(),
           " bytes pinned there); requests were paused for ",
-          absl::FormatDuration(paused), "; exiting");
+          absl::FormatDuration(paused), wait ? "" : "; exiting");
   health_->SetServingStatus(false);
   health_->SetServingStatus(kServiceName, false);
   // Clients' channels hear GOAWAY and reconnect, to the new process.
@@ -1305,14 +1410,164 @@ void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
   core_->Shutdown();
   device_->Shutdown();
   LogInfo("mrd handed over; device pinned bytes: ", device_->PinnedBytes());
+  WriteStatus("handed-over");
+  handed_over_.Notify();
+  if (wait && !exit_requested_.HasBeenNotified()) {
+    // Nothing is held any more; the process stays until SIGTERM or SIGINT
+    // (the main thread's ServeUntil wakes this thread, which exits).
+    stop_health_.Notify();
+    health_watch_.Join();
+    LogInfo(
+        "--after_handover=wait: holding nothing, NOT_SERVING, until "
+        "SIGTERM");
+    std::fflush(nullptr);
+    exit_requested_.WaitForNotification();
+    LogInfo("handed over before; exiting");
+  }
   std::fflush(nullptr);
   _exit(0);
 }
 
+// Starts `binary` with `args` (argv[0] = binary) as a process of its own
+// that inherits nothing mrd set up for itself: an empty signal mask (mrd
+// blocks SIGINT, SIGTERM, SIGHUP and SIGCHLD in every thread; a mask
+// survives exec) and every signal at its default (SIGPIPE is ignored here,
+// which exec keeps too), and no fd but 0, 1 and 2 (mrd's own are
+// close-on-exec; this does not depend on it). posix_spawn: fork and exec
+// without running anything of this multi-threaded process in the child.
+absl::StatusOr<pid_t> Spawn(const std::string& binary,
+                            const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(binary.c_str()));
+  for (const std::string& a : args)
+    argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  posix_spawnattr_t attr;
+  posix_spawn_file_actions_t actions;
+  if (int e = posix_spawnattr_init(&attr); e != 0) {
+    return ErrnoError(e, "posix_spawnattr_init", "RELOAD_FAILED");
+  }
+  if (int e = posix_spawn_file_actions_init(&actions); e != 0) {
+    posix_spawnattr_destroy(&attr);
+    return ErrnoError(e, "posix_spawn_file_actions_init", "RELOAD_FAILED");
+  }
+  sigset_t none;
+  sigemptyset(&none);
+  sigset_t defaults;
+  sigemptyset(&defaults);
+  for (int sig : {SIGPIPE, SIGINT, SIGTERM, SIGHUP, SIGCHLD}) {
+    sigaddset(&defaults, sig);
+  }
+  int e = posix_spawnattr_setsigmask(&attr, &none);
+  if (e == 0) e = posix_spawnattr_setsigdefault(&attr, &defaults);
+  if (e == 0) {
+    e = posix_spawnattr_setflags(
+        &attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+  }
+  if (e == 0) e = posix_spawn_file_actions_addclosefrom_np(&actions, 3);
+  pid_t pid = -1;
+  if (e == 0) {
+    e = posix_spawn(&pid, binary.c_str(), &actions, &attr, argv.data(),
+                    environ);
+  }
+  posix_spawn_file_actions_destroy(&actions);
+  posix_spawnattr_destroy(&attr);
+  if (e != 0) return ErrnoError(e, "posix_spawn", "RELOAD_FAILED");
+  return pid;
+}
+
+void Daemon::Reload() {
+  if (committed_) {
+    LogInfo("SIGHUP: this mrd has handed over; nothing to reload");
+    return;
+  }
+  if (successor_ != 0) {
+    LogWarning("SIGHUP: a reload is in progress (pid ", successor_,
+               " is taking over); ignored");
+    return;
+  }
+  if (invocation_.binary.empty()) {
+    LogError("SIGHUP: cannot reload, mrd's binary is unknown: ",
+             invocation_.unresolved);
+    return;
+  }
+  bool listening;
+  {
+    absl::MutexLock lock(&handover_mu_);
+    listening = handover_ != nullptr;
+  }
+  if (!listening) {
+    LogError("SIGHUP: cannot reload, this mrd does not listen on ",
+             handover_socket_, " (see the error at start)");
+    return;
+  }
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  (void)SdNotify(absl::StrCat(
+      "RELOADING=1\nMONOTONIC_USEC=",
+      static_cast<uint64_t>(now.tv_sec) * 1000000 + now.tv_nsec / 1000));
+  std::vector<std::string> args = invocation_.args;
+  args.push_back("--takeover");
+  absl::StatusOr<pid_t> child = Spawn(invocation_.binary, args);
+  if (!child.ok()) {
+    LogError("SIGHUP: cannot start ", invocation_.binary, ": ",
+             child.status().ToString(), "; this mrd serves on");
+    (void)SdNotify("READY=1");
+    return;
+  }
+  successor_ = *child;
+  LogInfo("SIGHUP: reloading, pid ", successor_, " (", invocation_.binary,
+          " --takeover) takes over");
+}
+
+std::string DescribeExit(int status) {
+  if (WIFEXITED(status)) return absl::StrCat("exited ", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return absl::StrCat("was killed by signal ", WTERMSIG(status));
+  }
+  return absl::StrCat("ended (status ", status, ")");
+}
+
+void Daemon::ReapSuccessor() {
+  if (successor_ == 0) return;
+  int status = 0;
+  const pid_t reaped = waitpid(successor_, &status, WNOHANG);
+  if (reaped == 0 || (reaped < 0 && errno == EINTR)) return;  // still runs
+  const pid_t pid = successor_;
+  successor_ = 0;
+  if (committed_) {
+    LogInfo("pid ", pid, ", which took over from this mrd, ",
+            DescribeExit(status));
+    return;
+  }
+  LogError("reload failed: pid ", pid, " ", DescribeExit(status),
+           " without taking over (its log says why); this mrd serves on");
+  (void)SdNotify("READY=1");
+}
+
 void Daemon::ServeUntil(const sigset_t& signals) {
   int sig = 0;
-  sigwait(&signals, &sig);
+  for (;;) {
+    if (sigwait(&signals, &sig) != 0) continue;
+    if (sig == SIGHUP) {
+      Reload();
+    } else if (sig == SIGCHLD) {
+      ReapSuccessor();
+    } else {
+      break;
+    }
+  }
   LogInfo("signal ", sig, ": shutting down");
+  // A handover that commits (or committed, --after_handover=wait) ends the
+  // process in Finish, once everything is released: Shutdown below waits
+  // for it.
+  exit_requested_.Notify();
+  if (!committed_) {
+    (void)SdNotify("STOPPING=1");
+    WriteStatus("stopping");
+  }
+  // A reload in progress ends with this mrd (which it would take over from).
+  if (successor_ != 0) kill(successor_, SIGTERM);
   {
     absl::MutexLock lock(&handover_mu_);
     if (handover_ != nullptr) handover_->Shutdown();
@@ -1333,26 +1588,93 @@ void Daemon::ServeUntil(const sigset_t& signals) {
                     std::chrono::milliseconds(500));
   device_->Shutdown();
   unlink(grpc_socket_.c_str());
+  WriteStatus("stopped");
   LogInfo("mrd stopped; device pinned bytes: ", device_->PinnedBytes());
 }
 
-int Run() {
+// --await_handover: the state --handover_status_file says, every 100 ms,
+// until it is neither taking-over nor handing-over (or there is no such
+// file: no mrd wrote one).
+int AwaitHandover(const std::string& path, absl::Duration timeout) {
+  if (path.empty()) {
+    LogError("--await_handover needs --handover_status_file");
+    return 1;
+  }
+  const absl::Time deadline = absl::Now() + timeout;
+  for (;;) {
+    absl::StatusOr<std::string> read = ReadSmallFile(path);
+    const std::string state =
+        read.ok() ? std::string(absl::StripAsciiWhitespace(*read)) : "";
+    if (state != "taking-over" && state != "handing-over") {
+      LogInfo("--await_handover: ", path,
+              read.ok() ? absl::StrCat(" says ", state)
+                        : absl::StrCat(": ", read.status().message()),
+              "; no handover in progress");
+      return 0;
+    }
+    if (absl::Now() >= deadline) {
+      LogError("--await_handover: ", path, " still says ", state, " after ",
+               absl::FormatDuration(timeout));
+      return 1;
+    }
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+}
+
+int Run(Daemon::Invocation invocation) {
+  if (absl::GetFlag(FLAGS_await_handover) > absl::ZeroDuration()) {
+    return AwaitHandover(absl::GetFlag(FLAGS_handover_status_file),
+                         absl::GetFlag(FLAGS_await_handover));
+  }
   // Signals are taken synchronously by this thread; every thread started
   // below inherits the blocked mask.
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGHUP);
+  sigaddset(&signals, SIGCHLD);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   signal(SIGPIPE, SIG_IGN);
   if (absl::GetFlag(FLAGS_verbose)) SetMinLogLevel(LogLevel::kDebug);
-  Daemon daemon;
+  Daemon daemon(std::move(invocation));
   if (absl::Status s = daemon.Start(); !s.ok()) {
     LogError(s.message());
+    daemon.WriteStatus("stopped");
     return 1;
   }
   daemon.ServeUntil(signals);
   return 0;
+}
+
+// The absolute path mrd was started from, for the successor of a reload:
+// argv[0] made absolute, or found in $PATH as the shell found it. Neither
+// /proc/self/exe (after an upgrade it names the old, deleted binary) nor
+// symlinks resolved (a link that an upgrade points elsewhere is what must
+// be followed again).
+absl::StatusOr<std::string> ResolveBinary(absl::string_view argv0) {
+  auto absolute = [](absl::string_view path) -> absl::StatusOr<std::string> {
+    if (absl::StartsWith(path, "/")) return std::string(path);
+    char cwd[4096];
+    if (getcwd(cwd, sizeof(cwd)) == nullptr) {
+      return ErrnoError(errno, "getcwd", "RELOAD_FAILED");
+    }
+    return absl::StrCat(cwd, "/", path);
+  };
+  if (absl::StrContains(argv0, '/')) return absolute(argv0);
+  const char* path = std::getenv("PATH");
+  for (absl::string_view dir :
+       absl::StrSplit(path != nullptr ? path : "", ':')) {
+    const std::string candidate =
+        absl::StrCat(dir.empty() ? "." : dir, "/", argv0);
+    struct stat st {};
+    if (access(candidate.c_str(), X_OK) == 0 &&
+        stat(candidate.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      return absolute(candidate);
+    }
+  }
+  return MrdError(absl::StatusCode::kNotFound, "RELOAD_FAILED",
+                  absl::StrCat("'", argv0, "' is not in PATH"));
 }
 
 }  // namespace
@@ -1396,6 +1718,15 @@ int main(int argc, char** argv) {
       return 0;
     }
   }
+  // Before the flags are parsed (and PATH or the directory could change).
+  mrd::Daemon::Invocation invocation;
+  absl::StatusOr<std::string> binary = mrd::ResolveBinary(argv[0]);
+  if (binary.ok()) {
+    invocation.binary = *std::move(binary);
+  } else {
+    invocation.unresolved = binary.status().ToString();
+  }
+  invocation.args.assign(argv + 1, argv + argc);
   absl::SetProgramUsageMessage(kUsage);
   absl::ParseCommandLine(argc, argv);
 #ifdef NDEBUG
@@ -1404,5 +1735,5 @@ int main(int argc, char** argv) {
   // cache hit (bench/cache_bench). Debug builds and the unit tests keep it.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
 #endif
-  return mrd::Run();
+  return mrd::Run(std::move(invocation));
 }

@@ -424,6 +424,9 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
     for (const auto& [name, value] : sanitizer_env) {
       setenv(name.c_str(), value.c_str(), 1);
     }
+    for (const auto& [name, value] : options.env) {
+      setenv(name.c_str(), value.c_str(), 1);
+    }
     int log = open(p->log_path_.c_str(), O_CREAT | O_WRONLY | O_TRUNC, 0644);
     dup2(log, STDERR_FILENO);
     dup2(log, STDOUT_FILENO);

@@ -25,6 +25,7 @@
 
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -48,6 +49,9 @@ struct MrdProcessOptions {
   // Run mrd under this command (which execs the rest), e.g. setpriv to drop
   // a capability. pid() is mrd's as long as the command execs.
   std::vector<std::string> wrapper;
+  // Environment variables set for mrd (on top of the test's own), e.g.
+  // NOTIFY_SOCKET.
+  std::vector<std::pair<std::string, std::string>> env;
 };
 
 // How an mrd that was expected to refuse to start ended.
