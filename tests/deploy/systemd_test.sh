@@ -3,6 +3,8 @@
 # systemd-analyze; no running systemd needed):
 # - `systemd-analyze verify` finds nothing (the unit's ExecStart pointed at
 #   the mrd just built, since /usr/local/bin/mrd is not installed here);
+# - it is Type=notify with NotifyAccess=all and reloads by SIGHUP (a live
+#   handover, tests/integration/reload_test.cc runs it);
 # - `systemd-analyze security --offline` rates its exposure at most 2.0;
 # - it keeps the promises its comments make (not root, CAP_IPC_LOCK alone,
 #   no memlock limit, /run/mrd);
@@ -39,6 +41,11 @@ check "ambient CAP_IPC_LOCK (pinning without root)" has "AmbientCapabilities=CAP
 check "no memlock limit" has "LimitMEMLOCK=infinity"
 check "RuntimeDirectory=mrd" has "RuntimeDirectory=mrd"
 check "no new privileges" has "NoNewPrivileges=yes"
+# Reload is a live handover: mrd notifies, its successor (a child of the
+# main process) says MAINPID and READY=1, and SIGHUP starts it.
+check "Type=notify" has "Type=notify"
+check "NotifyAccess=all (the successor notifies)" has "NotifyAccess=all"
+check "reload sends SIGHUP to the main process" has 'ExecReload=/bin/kill -HUP $MAINPID'
 
 help=$("$mrd" --helpfull 2>&1)
 exec_start=$(sed -n 's/^ExecStart=//p' "$unit")
