@@ -8,7 +8,10 @@
 - every metric the rules and the dashboard use is one mrd exports
   (docs/METRICS.md, itself checked against a live scrape by
   tests/integration/metrics_test.cc);
-- the PodMonitor selects the label and port name the manifests give mrd.
+- the PodMonitor selects the label the manifests give mrd, and finds its
+  metrics port: by name where the mrd container declares it (the sidecar),
+  by the port of --metrics_address for a container that declares none (the
+  DaemonSet's, whose host-network ports would be host ports).
 
 Usage: monitoring_test.py SOURCE_DIR  (exit 0 when everything holds)
 """
@@ -129,10 +132,27 @@ def main():
     with open(os.path.join(mon, "podmonitor.yaml")) as f:
         pm = yaml.safe_load(f)
     selector = pm["spec"]["selector"]["matchLabels"]
-    port = pm["spec"]["podMetricsEndpoints"][0]["port"]
-    relabel = pm["spec"]["podMetricsEndpoints"][0]["relabelings"]
-    check({"targetLabel": "job", "replacement": "mrd"} in relabel,
-          "the PodMonitor names the job mrd (the rules select job=\"mrd\")")
+    endpoints = pm["spec"]["podMetricsEndpoints"]
+    port = endpoints[0]["port"]
+    for e in endpoints:
+        check({"targetLabel": "job", "replacement": "mrd"} in e["relabelings"],
+              "the PodMonitor names the job mrd (the rules select "
+              "job=\"mrd\")")
+    # The endpoint for containers without ports: which container it keeps,
+    # and the port it puts in the address.
+    portless = [e for e in endpoints if "port" not in e]
+    check(len(portless) == 1, "the PodMonitor scrapes port-less mrd containers")
+    keep = [r for r in portless[0]["relabelings"] if r.get("action") == "keep"]
+    address = [r for r in portless[0]["relabelings"]
+               if r.get("targetLabel") == "__address__"]
+    check(len(keep) == 1 and keep[0]["regex"] == "mrd;;false" and
+          keep[0]["sourceLabels"] == [
+              "__meta_kubernetes_pod_container_name",
+              "__meta_kubernetes_pod_container_port_number",
+              "__meta_kubernetes_pod_container_init"],
+          "the port-less endpoint keeps the container named mrd")
+    portless_port = address[0]["replacement"].rsplit(":", 1)[1] \
+        if address else None
     for kind in ("daemonset", "sidecar"):
         with open(os.path.join(src, "deploy", kind,
                                "kustomization.yaml")) as f:
@@ -144,6 +164,7 @@ def main():
         check(all(labels.get(k) == v for k, v in selector.items()),
               "deploy/%s labels its pods %s" % (kind, selector))
         ports = []
+        found_portless = False
         for res in kust["resources"]:
             with open(os.path.join(src, "deploy", kind, res)) as f:
                 for doc in yaml.safe_load_all(f):
@@ -153,11 +174,21 @@ def main():
                     spec = doc["spec"]["template"]["spec"]
                     for c in (spec.get("containers", []) +
                               spec.get("initContainers", [])):
-                        if c.get("image") == "mrd":
-                            ports += [p.get("name") for p in
-                                      c.get("ports", [])]
-        check(port in ports,
-              "deploy/%s's mrd container has the port %s" % (kind, port))
+                        if c.get("image") != "mrd":
+                            continue
+                        ports += [p.get("name") for p in c.get("ports", [])]
+                        metrics = [a.rsplit(":", 1)[1]
+                                   for a in c.get("args", [])
+                                   if a.startswith("--metrics_address=")]
+                        if (c in spec.get("containers", []) and
+                                c.get("name") == "mrd" and
+                                not c.get("ports") and
+                                metrics == [portless_port]):
+                            found_portless = True
+        check(port in ports or found_portless,
+              "deploy/%s's mrd container has the port %s, or declares "
+              "none and serves metrics on port %s" %
+              (kind, port, portless_port))
 
     print("%d failure(s)" % len(failures))
     return 1 if failures else 0

@@ -87,5 +87,51 @@ for (const dir of fs.readdirSync(deploy)) {
   }
 }
 check(objects >= 8, `found the manifests (${objects} objects)`);
+
+// The DaemonSet updates by live handover (deploy/README.md): the new pod
+// surges next to the old one, takes over, and the old one waits, holding
+// nothing, until deleted; preStop keeps SIGTERM off a handover in progress.
+{
+  const file = path.join(deploy, "daemonset", "daemonset.yaml");
+  const ds = YAML.parseAllDocuments(fs.readFileSync(file, "utf8"))
+    .map((d) => d.toJS()).find((o) => o && o.kind === "DaemonSet");
+  const spec = ds.spec.template.spec;
+  const ru = (ds.spec.updateStrategy || {}).rollingUpdate || {};
+  check(ds.spec.updateStrategy.type === "RollingUpdate" && ru.maxSurge === 1 &&
+        ru.maxUnavailable === 0,
+        "DaemonSet: RollingUpdate with maxSurge 1, maxUnavailable 0");
+  check(!spec.hostNetwork || spec.containers.every((c) => !c.ports),
+        "DaemonSet: no declared ports on the host network (they would be " +
+        "host ports and keep the surge pod off its node)");
+  const mrd = spec.containers.find((c) => c.name === "mrd");
+  const args = mrd.args || [];
+  const statusArg = args.find((a) => a.startsWith("--handover_status_file="));
+  const status = statusArg ? statusArg.split("=")[1] : "";
+  check(args.includes("--takeover") && args.includes("--after_handover=wait") &&
+        status !== "",
+        "DaemonSet: mrd takes over, waits after handing over, and writes " +
+        "its status file");
+  const mount = (mrd.volumeMounts || []).find(
+    (m) => status.startsWith(m.mountPath + "/"));
+  const volume = mount && spec.volumes.find((v) => v.name === mount.name);
+  check(Boolean(volume && volume.emptyDir),
+        `DaemonSet: the status file ${status} is on a volume of the pod's own (emptyDir)`);
+  const cmd = (probe) => ((probe || {}).exec || {}).command || [];
+  const says = (probe, state) =>
+    cmd(probe).join(" ").includes(`grep -qx ${state} ${status}`);
+  check(says(mrd.startupProbe, "serving") && says(mrd.readinessProbe, "serving"),
+        "DaemonSet: startup and readiness need this pod's mrd serving");
+  check(says(mrd.livenessProbe, "handed-over"),
+        "DaemonSet: liveness passes for an mrd that handed over");
+  const preStop = cmd(((mrd.lifecycle || {}).preStop));
+  const awaitArg = preStop.find((a) => a.startsWith("--await_handover="));
+  const awaitSeconds = awaitArg ? parseInt(awaitArg.split("=")[1], 10) : NaN;
+  check(preStop.includes(`--handover_status_file=${status}`) &&
+        awaitSeconds > 0,
+        "DaemonSet: preStop awaits the handover on the same status file");
+  check(spec.terminationGracePeriodSeconds >= awaitSeconds + 15,
+        `DaemonSet: the grace period (${spec.terminationGracePeriodSeconds} s) ` +
+        `covers preStop (${awaitSeconds} s) and a drain after it`);
+}
 console.log(`${failures} failure(s)`);
 process.exit(failures ? 1 : 0);
