@@ -16,7 +16,8 @@
 //   the new one answered a Ping on the fd session and a GetDeviceInfo on the
 //   gRPC channel the client had all along. Meanwhile a probe thread makes a
 //   RegisterMr cache hit of one registration (and its DeregisterMr) every
-//   millisecond: the longest of those is how long a client call was held.
+//   millisecond: the longest of those calls is how long a client call was
+//   held.
 //   The servers' own figures come from their logs: the old one's "requests
 //   were paused for", the new one's "took over ... in", and the log lines'
 //   times split the handover into the new process's start, the snapshot and
@@ -324,11 +325,17 @@ struct Round {
   double start = -1;      // launch until the old one heard the hello
   double adopt = -1;      // hello until commit (pause, snapshot, adopt)
   double exit = -1;       // commit until the old one's last line
+  double snapshot = -1;   // hello until the new one had the snapshot
+  // The new one's "adopted ..." line: filling page tables, pinning the
+  // runs, adopting the registrations one by one.
+  double prefault = -1;
+  double pin = -1;
+  double registrations = -1;
 };
 
-// Repeats a RegisterMr cache hit of `probe` (and gives the reference back)
-// every millisecond until stopped; the longest RegisterMr and the calls
-// made. Any failure ends it and is kept.
+// Repeats a RegisterMr cache hit of `probe` and the DeregisterMr that
+// gives the reference back, every millisecond, until stopped; the longest
+// of those calls and the pairs made. Any failure ends it and is kept.
 class Probe {
  public:
   Probe(const client::Session& session, client::RegisterOptions probe,
@@ -361,12 +368,13 @@ class Probe {
             hit->cache_hit() ? " (a hit)" : " (not a hit)", ", was ", id_));
         return;
       }
+      const Clock::time_point back = Clock::now();
       auto left = hit->Deregister();
       if (!left.ok()) {
         status_ = left.status();
         return;
       }
-      longest_ = std::max(longest_, seconds);
+      longest_ = std::max({longest_, seconds, Seconds(back)});
       ++calls_;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
@@ -432,6 +440,11 @@ absl::StatusOr<Round> HandOver(std::unique_ptr<testing::MrdProcess>* current,
       LineTime(old_log, "handed over to the new mrd");
   const std::optional<absl::Time> gone =
       LineTime(old_log, "mrd handed over; device pinned bytes");
+  round.snapshot = Between(hello, LineTime(new_log, "snapshot received"));
+  round.prefault = SecondsOf(LoggedDuration(new_log, ": prefault ", ","));
+  round.pin = SecondsOf(LoggedDuration(new_log, ", pin ", ","));
+  round.registrations =
+      SecondsOf(LoggedDuration(new_log, ", registrations ", ""));
   round.start = Between(launch_wall, hello);
   round.adopt = Between(hello, commit);
   round.exit = Between(commit, gone);
@@ -547,7 +560,9 @@ absl::StatusOr<CaseResult> RunCase(
   if (!status.ok()) return status;
   for (double Round::*field :
        {&Round::handover, &Round::old_exited, &Round::held, &Round::paused,
-        &Round::took_over, &Round::start, &Round::adopt, &Round::exit}) {
+        &Round::took_over, &Round::start, &Round::adopt, &Round::exit,
+        &Round::snapshot, &Round::prefault, &Round::pin,
+        &Round::registrations}) {
     result.median.*field = MedianOf(result.rounds, field);
   }
   return result;
@@ -564,21 +579,25 @@ std::string Sec(double s) {
 }
 
 void PrintHeader() {
-  std::printf("%-9s %8s %9s | %8s %8s %8s | %8s %8s %8s %8s | %8s %8s %7s\n",
-              "pin", "regs", "bytes", "handover", "held", "old gone", "start",
-              "adopt", "old exit", "new says", "fill", "floor", "ratio");
+  std::printf(
+      "%-9s %7s %8s | %8s %6s %8s | %6s %6s %6s %6s %6s %6s %6s %6s | %6s "
+      "%6s %7s\n",
+      "pin", "regs", "bytes", "handover", "held", "old gone", "start", "adopt",
+      "snap", "prefau", "pin", "regs", "exit", "new", "fill", "floor", "ratio");
 }
 
 void PrintRow(const Case& c, const CaseResult& r) {
   const Round& m = r.median;
   std::printf(
-      "%-9s %8llu %9s | %8s %8s %8s | %8s %8s %8s %8s | %8s %8s %7s\n",
+      "%-9s %7llu %8s | %8s %6s %8s | %6s %6s %6s %6s %6s %6s %6s %6s | %6s "
+      "%6s %7s\n",
       c.pin_method.c_str(), static_cast<unsigned long long>(c.registrations),
       Gib(c.bytes).c_str(), Sec(m.handover).c_str(), Sec(m.held).c_str(),
       Sec(m.old_exited).c_str(), Sec(m.start).c_str(), Sec(m.adopt).c_str(),
-      Sec(m.exit).c_str(), Sec(m.took_over).c_str(), Sec(r.fill).c_str(),
-      Sec(r.floor).c_str(),
-      r.floor > 0 ? absl::StrCat(m.handover / r.floor).substr(0, 6).c_str()
+      Sec(m.snapshot).c_str(), Sec(m.prefault).c_str(), Sec(m.pin).c_str(),
+      Sec(m.registrations).c_str(), Sec(m.exit).c_str(),
+      Sec(m.took_over).c_str(), Sec(r.fill).c_str(), Sec(r.floor).c_str(),
+      r.floor > 0 ? absl::StrCat(m.handover / r.floor).substr(0, 5).c_str()
                   : "");
   std::fflush(stdout);
 }
@@ -652,8 +671,11 @@ int Main(int argc, char** argv) {
       "new one answered; held: the longest RegisterMr hit meanwhile; old "
       "gone: launch until the old exited; start: launch until the old heard "
       "the hello; adopt: hello until commit (pause, snapshot, the new one "
-      "maps and pins everything); old exit: commit until the old one's "
-      "last line; new says: the new one's \"took over ... in\"; fill: the "
+      "maps and pins everything); snap: hello until the new one had the "
+      "snapshot; prefau, pin, regs: the new one's adoption (filling page "
+      "tables, pinning the runs of registered memory, adopting each "
+      "registration); exit: commit until the old one's last line; new: the new "
+      "one's \"took over ... in\"; fill: the "
       "first registration; floor: a fresh mrd, new sessions, imports and "
       "every registration again; ratio: handover / floor\n");
   if (main_seconds.has_value()) {

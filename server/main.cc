@@ -1176,6 +1176,10 @@ absl::Status Daemon::BeginTakeover() {
                              snapshot.status().ToString()));
   }
   snapshot_ = std::move(*snapshot);
+  LogInfo("snapshot received: ", snapshot_->frame.snapshot().sessions_size(),
+          " sessions, ", snapshot_->fds.size(), " fds, ",
+          absl::FormatDuration(absl::Now() - takeover_start_),
+          " after the takeover began");
   return absl::OkStatus();
 }
 

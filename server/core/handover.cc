@@ -8,14 +8,19 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/container/btree_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
 #include "server/core/core.h"
@@ -137,8 +142,54 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
   return absl::OkStatus();
 }
 
+absl::Status Core::PinRuns(
+    Session& session, const v1::HandedOverSession& in,
+    std::vector<std::pair<std::shared_ptr<fd_socket::MappedFile>,
+                          device::MemorySpan>>* held,
+    AdoptTimes* times) {
+  // [offset, end) of every registration, by buffer.
+  absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+  for (const v1::HandedOverRegistration& r : in.registrations()) {
+    if (r.length() == 0 || r.offset() > UINT64_MAX - r.length()) continue;
+    ranges[r.buffer()].emplace_back(r.offset(), r.offset() + r.length());
+  }
+  for (auto& [buffer, list] : ranges) {
+    std::shared_ptr<fd_socket::MappedFile> file;
+    {
+      absl::MutexLock lock(&session.mu);
+      auto it = session.buffers.find(buffer);
+      if (it == session.buffers.end()) continue;  // refused below
+      file = it->second.file;
+    }
+    std::sort(list.begin(), list.end());
+    std::vector<std::pair<uint64_t, uint64_t>> runs;
+    for (const auto& [from, to] : list) {
+      if (!runs.empty() && from <= runs.back().second) {
+        runs.back().second = std::max(runs.back().second, to);
+      } else {
+        runs.emplace_back(from, to);
+      }
+    }
+    for (const auto& [from, to] : runs) {
+      // A run past the buffer's end holds a registration its adoption
+      // refuses: left to it.
+      absl::StatusOr<device::MemorySpan> span = file->Span(from, to - from);
+      if (!span.ok()) continue;
+      const absl::Time start = absl::Now();
+      file->Prefault(from, to - from);
+      const absl::Time prefaulted = absl::Now();
+      absl::Status pinned = device_->PinForAdoption(*span);
+      times->prefault += prefaulted - start;
+      times->pin += absl::Now() - prefaulted;
+      MRD_RETURN_IF_ERROR(pinned);
+      held->emplace_back(file, *span);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
-                                std::vector<UniqueFd>& fds) {
+                                std::vector<UniqueFd>& fds, AdoptTimes* times) {
   Identity identity;
   identity.verified = in.verified();
   identity.uid = in.uid();
@@ -197,6 +248,18 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
     absl::MutexLock lock(&session->mu);
     session->buffers.emplace(record.id, std::move(record));
   }
+  // Until the registrations are adopted: the runs pinned ahead of them.
+  std::vector<
+      std::pair<std::shared_ptr<fd_socket::MappedFile>, device::MemorySpan>>
+      held;
+  absl::Cleanup unpin = [&] {
+    for (const auto& [file, span] : held) device_->UnpinAfterAdoption(span);
+  };
+  if (absl::Status s = PinRuns(*session, in, &held, times); !s.ok()) {
+    return fail(s);
+  }
+  const absl::Time start = absl::Now();
+  absl::Cleanup timed = [&] { times->registrations += absl::Now() - start; };
   for (const v1::HandedOverRegistration& r : in.registrations()) {
     std::shared_ptr<fd_socket::MappedFile> file;
     {
@@ -221,9 +284,13 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
 absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
                               std::vector<UniqueFd>& fds) {
   MRD_RETURN_IF_ERROR(device_->CanHandOver());
+  const absl::Time start = absl::Now();
+  AdoptTimes times;
   std::vector<std::string> adopted;
+  uint64_t registrations = 0;
   for (const v1::HandedOverSession& session : in.sessions()) {
-    if (absl::Status s = AdoptSession(session, fds); !s.ok()) {
+    registrations += static_cast<uint64_t>(session.registrations_size());
+    if (absl::Status s = AdoptSession(session, fds, &times); !s.ok()) {
       for (const std::string& token : adopted) {
         EndSession(token, "handover failed");
       }
@@ -238,6 +305,11 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
   sessions_.ContinueFrom(in.next_session_id(), in.sessions_opened_total(),
                          in.sessions_closed_total());
   registrations_.ContinueRegistrationSequence(in.registration_sequence());
+  LogInfo("adopted ", in.sessions_size(), " sessions with ", registrations,
+          " registrations in ", absl::FormatDuration(absl::Now() - start),
+          ": prefault ", absl::FormatDuration(times.prefault), ", pin ",
+          absl::FormatDuration(times.pin), ", registrations ",
+          absl::FormatDuration(times.registrations));
   return absl::OkStatus();
 }
 
