@@ -326,10 +326,9 @@ struct Round {
   double adopt = -1;      // hello until commit (pause, snapshot, adopt)
   double exit = -1;       // commit until the old one's last line
   double snapshot = -1;   // hello until the new one had the snapshot
-  // The new one's "adopted ..." line: filling page tables, pinning the
-  // runs, adopting the registrations one by one.
+  // The new one's "adopted ..." line: filling page tables, adopting (and
+  // pinning) the registrations one by one.
   double prefault = -1;
-  double pin = -1;
   double registrations = -1;
 };
 
@@ -442,7 +441,6 @@ absl::StatusOr<Round> HandOver(std::unique_ptr<testing::MrdProcess>* current,
       LineTime(old_log, "mrd handed over; device pinned bytes");
   round.snapshot = Between(hello, LineTime(new_log, "snapshot received"));
   round.prefault = SecondsOf(LoggedDuration(new_log, ": prefault ", ","));
-  round.pin = SecondsOf(LoggedDuration(new_log, ", pin ", ","));
   round.registrations =
       SecondsOf(LoggedDuration(new_log, ", registrations ", ""));
   round.start = Between(launch_wall, hello);
@@ -561,8 +559,7 @@ absl::StatusOr<CaseResult> RunCase(
   for (double Round::*field :
        {&Round::handover, &Round::old_exited, &Round::held, &Round::paused,
         &Round::took_over, &Round::start, &Round::adopt, &Round::exit,
-        &Round::snapshot, &Round::prefault, &Round::pin,
-        &Round::registrations}) {
+        &Round::snapshot, &Round::prefault, &Round::registrations}) {
     result.median.*field = MedianOf(result.rounds, field);
   }
   return result;
@@ -580,21 +577,21 @@ std::string Sec(double s) {
 
 void PrintHeader() {
   std::printf(
-      "%-9s %7s %8s | %8s %6s %8s | %6s %6s %6s %6s %6s %6s %6s %6s | %6s "
+      "%-9s %7s %8s | %8s %6s %8s | %6s %6s %6s %6s %6s %6s %6s | %6s "
       "%6s %7s\n",
       "pin", "regs", "bytes", "handover", "held", "old gone", "start", "adopt",
-      "snap", "prefau", "pin", "regs", "exit", "new", "fill", "floor", "ratio");
+      "snap", "prefau", "regs", "exit", "new", "fill", "floor", "ratio");
 }
 
 void PrintRow(const Case& c, const CaseResult& r) {
   const Round& m = r.median;
   std::printf(
-      "%-9s %7llu %8s | %8s %6s %8s | %6s %6s %6s %6s %6s %6s %6s %6s | %6s "
+      "%-9s %7llu %8s | %8s %6s %8s | %6s %6s %6s %6s %6s %6s %6s | %6s "
       "%6s %7s\n",
       c.pin_method.c_str(), static_cast<unsigned long long>(c.registrations),
       Gib(c.bytes).c_str(), Sec(m.handover).c_str(), Sec(m.held).c_str(),
       Sec(m.old_exited).c_str(), Sec(m.start).c_str(), Sec(m.adopt).c_str(),
-      Sec(m.snapshot).c_str(), Sec(m.prefault).c_str(), Sec(m.pin).c_str(),
+      Sec(m.snapshot).c_str(), Sec(m.prefault).c_str(),
       Sec(m.registrations).c_str(), Sec(m.exit).c_str(),
       Sec(m.took_over).c_str(), Sec(r.fill).c_str(), Sec(r.floor).c_str(),
       r.floor > 0 ? absl::StrCat(m.handover / r.floor).substr(0, 5).c_str()
@@ -672,8 +669,8 @@ int Main(int argc, char** argv) {
       "gone: launch until the old exited; start: launch until the old heard "
       "the hello; adopt: hello until commit (pause, snapshot, the new one "
       "maps and pins everything); snap: hello until the new one had the "
-      "snapshot; prefau, pin, regs: the new one's adoption (filling page "
-      "tables, pinning the runs of registered memory, adopting each "
+      "snapshot; prefau, regs: the new one's adoption (filling page "
+      "tables of the registered memory, adopting and pinning each "
       "registration); exit: commit until the old one's last line; new: the new "
       "one's \"took over ... in\"; fill: the "
       "first registration; floor: a fresh mrd, new sessions, imports and "

@@ -266,25 +266,20 @@ class Core final : public fd_socket::FdSessionHandler {
 
   // Where AdoptState's time went, for its log line.
   struct AdoptTimes {
-    absl::Duration prefault;       // PinRuns: filling page tables
-    absl::Duration pin;            // PinRuns: pinning the runs
-    absl::Duration registrations;  // adopting them one by one
+    absl::Duration prefault;       // PrefaultRuns
+    absl::Duration registrations;  // adopting them one by one (pins)
   };
   // AdoptState for one session.
   absl::Status AdoptSession(const v1::HandedOverSession& in,
                             std::vector<UniqueFd>& fds, AdoptTimes* times);
-  // Before AdoptSession adopts the session's registrations: the registered
-  // memory of each of its buffers, in runs (registrations that overlap or
-  // touch), prefaulted on several threads and pinned once, whole
-  // (Device::PinForAdoption), each run added to `held` for the caller to
-  // unpin once the registrations in it hold their pages. Runs the buffer
-  // does not hold are left to the registrations' own adoption, which
-  // refuses them.
-  absl::Status PinRuns(
-      Session& session, const v1::HandedOverSession& in,
-      std::vector<std::pair<std::shared_ptr<fd_socket::MappedFile>,
-                            device::MemorySpan>>* held,
-      AdoptTimes* times);
+  // Before AdoptSession adopts the session's registrations (each pins its
+  // own pages): the registered memory of each of its buffers, in runs
+  // (registrations that overlap or touch), prefaulted on several threads
+  // (MappedFile::Prefault), so that the pins walk filled page tables
+  // instead of faulting every page in one at a time on one thread. Runs
+  // the buffer does not hold are left to the adoption, which refuses them.
+  void PrefaultRuns(Session& session, const v1::HandedOverSession& in,
+                    AdoptTimes* times);
 
   // A batch's session, after checking its size against max_batch_items.
   absl::StatusOr<std::shared_ptr<Session>> FindBatchSession(

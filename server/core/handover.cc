@@ -142,23 +142,21 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
   return absl::OkStatus();
 }
 
-absl::Status Core::PinRuns(
-    Session& session, const v1::HandedOverSession& in,
-    std::vector<std::pair<std::shared_ptr<fd_socket::MappedFile>,
-                          device::MemorySpan>>* held,
-    AdoptTimes* times) {
+void Core::PrefaultRuns(Session& session, const v1::HandedOverSession& in,
+                        AdoptTimes* times) {
   // [offset, end) of every registration, by buffer.
   absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
   for (const v1::HandedOverRegistration& r : in.registrations()) {
     if (r.length() == 0 || r.offset() > UINT64_MAX - r.length()) continue;
     ranges[r.buffer()].emplace_back(r.offset(), r.offset() + r.length());
   }
+  const absl::Time start = absl::Now();
   for (auto& [buffer, list] : ranges) {
     std::shared_ptr<fd_socket::MappedFile> file;
     {
       absl::MutexLock lock(&session.mu);
       auto it = session.buffers.find(buffer);
-      if (it == session.buffers.end()) continue;  // refused below
+      if (it == session.buffers.end()) continue;  // refused by the adoption
       file = it->second.file;
     }
     std::sort(list.begin(), list.end());
@@ -173,19 +171,11 @@ absl::Status Core::PinRuns(
     for (const auto& [from, to] : runs) {
       // A run past the buffer's end holds a registration its adoption
       // refuses: left to it.
-      absl::StatusOr<device::MemorySpan> span = file->Span(from, to - from);
-      if (!span.ok()) continue;
-      const absl::Time start = absl::Now();
+      if (!file->Span(from, to - from).ok()) continue;
       file->Prefault(from, to - from);
-      const absl::Time prefaulted = absl::Now();
-      absl::Status pinned = device_->PinForAdoption(*span);
-      times->prefault += prefaulted - start;
-      times->pin += absl::Now() - prefaulted;
-      MRD_RETURN_IF_ERROR(pinned);
-      held->emplace_back(file, *span);
     }
   }
-  return absl::OkStatus();
+  times->prefault += absl::Now() - start;
 }
 
 absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
@@ -248,16 +238,7 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
     absl::MutexLock lock(&session->mu);
     session->buffers.emplace(record.id, std::move(record));
   }
-  // Until the registrations are adopted: the runs pinned ahead of them.
-  std::vector<
-      std::pair<std::shared_ptr<fd_socket::MappedFile>, device::MemorySpan>>
-      held;
-  absl::Cleanup unpin = [&] {
-    for (const auto& [file, span] : held) device_->UnpinAfterAdoption(span);
-  };
-  if (absl::Status s = PinRuns(*session, in, &held, times); !s.ok()) {
-    return fail(s);
-  }
+  PrefaultRuns(*session, in, times);
   const absl::Time start = absl::Now();
   absl::Cleanup timed = [&] { times->registrations += absl::Now() - start; };
   for (const v1::HandedOverRegistration& r : in.registrations()) {
@@ -307,9 +288,8 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
   registrations_.ContinueRegistrationSequence(in.registration_sequence());
   LogInfo("adopted ", in.sessions_size(), " sessions with ", registrations,
           " registrations in ", absl::FormatDuration(absl::Now() - start),
-          ": prefault ", absl::FormatDuration(times.prefault), ", pin ",
-          absl::FormatDuration(times.pin), ", registrations ",
-          absl::FormatDuration(times.registrations));
+          ": prefault ", absl::FormatDuration(times.prefault),
+          ", registrations ", absl::FormatDuration(times.registrations));
   return absl::OkStatus();
 }
 

@@ -32,12 +32,6 @@ absl::StatusOr<MrKeys> Device::AdoptMr(PdId /*pd*/, const MemorySpan& /*span*/,
   return NotHandedOver(*this, "AdoptMr");
 }
 
-absl::Status Device::PinForAdoption(const MemorySpan& /*span*/) {
-  return NotHandedOver(*this, "PinForAdoption");
-}
-
-void Device::UnpinAfterAdoption(const MemorySpan& /*span*/) {}
-
 absl::Status Device::AdoptPeerTicket(PdId /*pd*/,
                                      const std::string& /*ticket*/) {
   return NotHandedOver(*this, "AdoptPeerTicket");

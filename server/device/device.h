@@ -250,15 +250,6 @@ class Device {
   // The PD's peer ticket becomes exactly `ticket` (one CreatePeerTicket
   // returned in another process), as if CreatePeerTicket had made it.
   virtual absl::Status AdoptPeerTicket(PdId pd, const std::string& ticket);
-  // Pins the pages of `span` ahead of the AdoptMr calls inside it, so that
-  // those only count references to pages pinned already: a run of many
-  // registrations is pinned once, whole (the software device pins it in a
-  // few large io_uring slots instead of one per registration).
-  // UnpinAfterAdoption(span) gives this pin back; the MRs adopted meanwhile
-  // keep their pages. Errors: CanHandOver's, and those of RegisterMr's
-  // span checks and pinning.
-  virtual absl::Status PinForAdoption(const MemorySpan& span);
-  virtual void UnpinAfterAdoption(const MemorySpan& span);
   // The peer path's listening socket, for another process: stops accepting
   // new peer connections (connections already made keep being served) and
   // returns a duplicate of the listening fd (close-on-exec; an empty

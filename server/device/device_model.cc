@@ -481,16 +481,6 @@ absl::StatusOr<MrKeys> DeviceModel::AdoptMr(PdId pd, const MemorySpan& span,
   return Register(pd, span, base_address, access, &adopt);
 }
 
-absl::Status DeviceModel::PinForAdoption(const MemorySpan& span) {
-  MRD_RETURN_IF_ERROR(CanHandOver());
-  MRD_RETURN_IF_ERROR(ValidateSpan(span, "PinForAdoption"));
-  return ProviderPin(span);
-}
-
-void DeviceModel::UnpinAfterAdoption(const MemorySpan& span) {
-  ProviderUnpin(span);
-}
-
 absl::StatusOr<MrKeys> DeviceModel::Register(PdId pd, const MemorySpan& span,
                                              uint64_t base_address,
                                              uint32_t access,

@@ -146,11 +146,6 @@ class DeviceModel : public Device {
   absl::StatusOr<MrKeys> AdoptMr(PdId pd, const MemorySpan& span,
                                  uint64_t base_address, uint32_t access,
                                  uint32_t lkey, uint32_t rkey) final;
-  // PinForAdoption is the pinning step of RegisterMr alone (the span's
-  // checks, then ProviderPin: the software device's page references);
-  // UnpinAfterAdoption is ProviderUnpin.
-  absl::Status PinForAdoption(const MemorySpan& span) final;
-  void UnpinAfterAdoption(const MemorySpan& span) final;
   // Adds `ticket` to the PD's tickets, as CreatePeerTicket does: a PD may
   // hold several tickets (CreatePeerTicket may be called again), so a
   // ticket the PD already has stays valid, and adopting one the PD already

@@ -168,62 +168,6 @@ TEST_F(HandoverTest, AdoptedMrAndTicketServeAPeerThroughTheOldRkey) {
               IsAccessError());
 }
 
-// mrd's new process pins each run of registered memory once, whole
-// (PinForAdoption), then adopts the registrations inside it, which only
-// count references; once the run's own pin goes, every page stays pinned as
-// long as an adopted MR holds it, and no longer.
-TEST_F(HandoverTest, ARunPinnedForAdoptionLeavesItsPagesToTheAdoptedMrs) {
-  SoftwareDevice& old = NewDevice();
-  MemfdBuffer& buffer = NewBuffer(8);
-  const uint64_t page = PageSize();
-  PdId old_pd = NewPd(old);
-  const std::vector<std::pair<uint64_t, uint64_t>> ranges = {
-      {0, 2 * page}, {2 * page, 3 * page}, {5 * page, 3 * page}};
-  std::vector<MrKeys> keys;
-  for (const auto& [offset, length] : ranges) {
-    absl::StatusOr<MrKeys> k = old.RegisterMr(
-        old_pd, buffer.Span(offset, length), kBase + offset, kRemoteRw);
-    ASSERT_TRUE(k.ok()) << k.status();
-    keys.push_back(*k);
-  }
-  SoftwareDevice& next = Successor(old);
-  PdId pd = NewPd(next);
-  // A refused span pins nothing.
-  EXPECT_THAT(next.PinForAdoption(buffer.Span(0, 0)),
-              IsMrdError(absl::StatusCode::kInvalidArgument, "ZERO_LENGTH"));
-  EXPECT_EQ(next.PinnedBytes(), 0u);
-
-  const MemorySpan run = buffer.Span(0, 8 * page);
-  ASSERT_TRUE(next.PinForAdoption(run).ok());
-  EXPECT_EQ(next.PinnedBytes(), 8 * page);
-  std::vector<MrKeys> adopted;
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    const auto& [offset, length] = ranges[i];
-    absl::StatusOr<MrKeys> a =
-        next.AdoptMr(pd, buffer.Span(offset, length), kBase + offset, kRemoteRw,
-                     keys[i].lkey, keys[i].rkey);
-    ASSERT_TRUE(a.ok()) << a.status();
-    adopted.push_back(*a);
-    EXPECT_EQ(next.PinnedBytes(), 8 * page);  // nothing pinned anew
-  }
-  next.UnpinAfterAdoption(run);
-  EXPECT_EQ(next.PinnedBytes(), 8 * page);  // the MRs hold every page
-  // The middle MR's pages go with it, the others stay.
-  ASSERT_TRUE(next.DeregisterMr(adopted[1].mr).ok());
-  EXPECT_EQ(next.PinnedBytes(), 5 * page);
-  // A peer reaches the last MR through its old rkey.
-  std::unique_ptr<SoftPeer> peer =
-      Connect(next.Attributes().peer_address, Ticket(next, pd));
-  ASSERT_NE(peer, nullptr);
-  absl::StatusOr<std::string> read =
-      peer->Read(keys[2].rkey, kBase + 5 * page + 10, 100);
-  ASSERT_TRUE(read.ok()) << read.status();
-  EXPECT_EQ(*read, buffer.Bytes(5 * page + 10, 100));
-  ASSERT_TRUE(next.DeregisterMr(adopted[0].mr).ok());
-  ASSERT_TRUE(next.DeregisterMr(adopted[2].mr).ok());
-  EXPECT_EQ(next.PinnedBytes(), 0u);
-}
-
 TEST_F(HandoverTest, RefusedAdoptionsLeaveNothingPinned) {
   SoftwareDeviceOptions options;
   options.max_keys = 1000;
