@@ -1407,6 +1407,11 @@ void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
   // Clients' channels hear GOAWAY and reconnect, to the new process.
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(500));
+  // The health watch uses the server's health service: stopped first. The
+  // server goes whole, its threads joined.
+  stop_health_.Notify();
+  health_watch_.Join();
+  server_.reset();
   // This process's own copies go: its registrations, pins and mappings
   // (the new process holds its own). Nothing here touches what the clients
   // use: the sockets, their connections and the memfds are the new
@@ -1419,8 +1424,6 @@ void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
   if (wait && !exit_requested_.HasBeenNotified()) {
     // Nothing is held any more; the process stays until SIGTERM or SIGINT
     // (the main thread's ServeUntil wakes this thread, which exits).
-    stop_health_.Notify();
-    health_watch_.Join();
     LogInfo(
         "--after_handover=wait: holding nothing, NOT_SERVING, until "
         "SIGTERM");

@@ -342,13 +342,15 @@ absl::StatusOr<std::unique_ptr<FdServer>> FdServer::Adopt(
       return ErrnoError(err, "epoll_ctl", "EPOLL_FAILED");
     }
   }
+  const size_t sessions = server->connections_.size();
   {
     absl::MutexLock lock(&server->mu_);
-    server->session_count_ = server->connections_.size();
+    server->session_count_ = sessions;
   }
+  // From here the table is the thread's.
   MRD_RETURN_IF_ERROR(server->StartThread());
-  LogInfo("fd socket: adopted the socket ", options.path, " with ",
-          server->connections_.size(), " sessions");
+  LogInfo("fd socket: adopted the socket ", options.path, " with ", sessions,
+          " sessions");
   return server;
 }
 

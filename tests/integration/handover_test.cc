@@ -361,8 +361,8 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   EXPECT_TRUE(absl::StrContains(
       *scrape, "mrd_takeover_objects{kind=\"registrations\"} 4"))
       << *scrape;
-  EXPECT_TRUE(absl::StrContains(*scrape,
-                                "mrd_takeover_objects{kind=\"sessions\"} 2"))
+  EXPECT_TRUE(
+      absl::StrContains(*scrape, "mrd_takeover_objects{kind=\"sessions\"} 2"))
       << *scrape;
   EXPECT_TRUE(absl::StrContains(
       *scrape, "mrd_takeover_objects{kind=\"fd_connections\"} 1"))
@@ -574,8 +574,7 @@ TEST_F(HandoverTest, TheVerbsDeviceRefusesAndServesOn) {
       << ended->log;
   EXPECT_TRUE(absl::StrContains(ended->log, "HANDOVER_UNSUPPORTED_DEVICE"))
       << ended->log;
-  EXPECT_TRUE(absl::StrContains(ended->log, "ibv_import_device"))
-      << ended->log;
+  EXPECT_TRUE(absl::StrContains(ended->log, "ibv_import_device")) << ended->log;
   EXPECT_FALSE(old_->WaitExited(absl::ZeroDuration()));
   EXPECT_EQ(Held(*session), held_before);
   absl::StatusOr<std::string> read =
