@@ -1255,6 +1255,7 @@ absl::Status Daemon::Pause() {
   WriteStatus("handing-over");
   const absl::Duration drain = absl::GetFlag(FLAGS_handover_drain_timeout);
   if (!service_->gate().Pause(drain)) {
+    WriteStatus("serving");
     return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
                     absl::StrCat(service_->gate().in_flight(),
                                  " requests were still running after ",

@@ -62,15 +62,17 @@ class CallGate {
   // Refuses new calls and waits until none is in flight. False when some
   // still were after `timeout`: the gate is open again.
   bool Pause(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
-    state_ = State::kPaused;
-    if (mu_.AwaitWithTimeout(
-            absl::Condition(
-                +[](uint64_t* n) { return *n == 0; }, &in_flight_),
-            timeout)) {
-      return true;
+    {
+      absl::MutexLock lock(&mu_);
+      state_ = State::kPaused;
+      if (mu_.AwaitWithTimeout(
+              absl::Condition(
+                  +[](uint64_t* n) { return *n == 0; }, &in_flight_),
+              timeout)) {
+        return true;
+      }
     }
-    state_ = State::kOpen;
+    Open(State::kOpen);  // and the calls held meanwhile go on
     return false;
   }
   // The handover failed: the held calls go on, and so do new ones.
