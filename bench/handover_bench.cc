@@ -646,6 +646,7 @@ int Main(int argc, char** argv) {
   bool failed = false;
   std::optional<double> main_ratio;
   std::optional<double> main_seconds;
+  std::optional<double> main_held;
   for (const Case& c : cases) {
     auto result = RunCase(c, *memfds, buffer_bytes, sessions, rounds);
     if (!result.ok()) {
@@ -659,6 +660,7 @@ int Main(int argc, char** argv) {
     PrintRow(c, *result);
     if (!main_seconds.has_value()) {
       main_seconds = result->median.handover;
+      main_held = result->median.held;
       if (result->floor > 0)
         main_ratio = result->median.handover / result->floor;
     }
@@ -667,21 +669,29 @@ int Main(int argc, char** argv) {
       "\nhandover: launch of mrd --takeover until the old mrd exited and the "
       "new one answered; held: the longest RegisterMr hit meanwhile; old "
       "gone: launch until the old exited; start: launch until the old heard "
-      "the hello; adopt: hello until commit (pause, snapshot, the new one "
-      "maps and pins everything); snap: hello until the new one had the "
-      "snapshot; prefau, regs: the new one's adoption (filling page "
-      "tables of the registered memory, adopting and pinning each "
-      "registration); exit: commit until the old one's last line; new: the new "
+      "the hello; adopt: hello until commit (prepare, pause, snapshot, the "
+      "new one pins everything); snap: hello until the new one had the "
+      "snapshot (the prepare frame first: memfds mapped and page tables "
+      "filled while the old one serves); prefau, regs: the new one's "
+      "adoption after the pause (page tables not filled yet, adopting and "
+      "pinning each registration); exit: commit until the old one's last line; "
+      "new: the new "
       "one's \"took over ... in\"; fill: the "
       "first registration; floor: a fresh mrd, new sessions, imports and "
       "every registration again; ratio: handover / floor\n");
   if (main_seconds.has_value()) {
+    // Two readings of the goal: how long clients wait (the held call: the
+    // pause), and the whole handover from the launch of the new mrd until
+    // the old one is gone (its preparation while the old one serves, and
+    // the old one's release after commit, included).
     std::printf(
         "goal (issue 11): %llu registrations over %s handed over in <= %.1f "
-        "s: %.3f s, %s; %.4fx re-registering\n",
+        "s: clients held %.3f s, %s; launch to old gone %.3f s, %s; %.4fx "
+        "re-registering\n",
         static_cast<unsigned long long>(registrations), Gib(bytes).c_str(),
-        kGoalSeconds, *main_seconds,
-        *main_seconds <= kGoalSeconds ? "met" : "MISSED",
+        kGoalSeconds, main_held.value_or(-1),
+        main_held.value_or(kGoalSeconds + 1) <= kGoalSeconds ? "met" : "MISSED",
+        *main_seconds, *main_seconds <= kGoalSeconds ? "met" : "MISSED",
         main_ratio.value_or(-1));
   }
   return failed ? 1 : 0;

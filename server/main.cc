@@ -394,6 +394,8 @@ class Daemon final : public handover::HandoverSource {
 
   // --- handover::HandoverSource (the old process's side) ---
   absl::Status Check(const v1::HandoverHello& hello) override;
+  absl::Status Prepare(v1::HandoverSnapshot* snapshot,
+                       std::vector<UniqueFd>* fds) override;
   absl::Status Pause() override;
   absl::Status Export(v1::HandoverSnapshot* snapshot,
                       std::vector<UniqueFd>* fds) override;
@@ -453,6 +455,7 @@ class Daemon final : public handover::HandoverSource {
   std::string handover_socket_;
   std::unique_ptr<handover::Takeover> takeover_;
   std::optional<handover::HandoverChannel::Received> snapshot_;
+  core::PreparedBuffers prepared_;  // from the prepare frame
   absl::Time takeover_start_;
   // The old process's side: what Pause detached, for Resume.
   // handover_ and took_over_ are read by the metrics on their threads.
@@ -1169,6 +1172,20 @@ absl::Status Daemon::BeginTakeover() {
   takeover_ = std::move(*takeover);
   LogInfo("taking over from pid ", takeover_->accepted().pid(), " (mrd ",
           takeover_->accepted().mrd_version(), ")");
+  // While the old process still serves: its memfds mapped here and their
+  // registered memory's page tables filled.
+  absl::StatusOr<handover::HandoverChannel::Received> prepare =
+      takeover_->ReceivePrepare();
+  if (!prepare.ok()) {
+    return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
+                             prepare.status().ToString()));
+  }
+  prepared_ = core::PrepareBuffers(prepare->frame.prepare(), prepare->fds);
+  if (takeover_->fault() == "new.prepare") _exit(3);
+  if (absl::Status s = takeover_->Prepared(); !s.ok()) {
+    return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
+                             s.ToString()));
+  }
   absl::StatusOr<handover::HandoverChannel::Received> snapshot =
       takeover_->ReceiveSnapshot();
   if (!snapshot.ok()) {
@@ -1185,7 +1202,8 @@ absl::Status Daemon::BeginTakeover() {
 
 absl::Status Daemon::AdoptSnapshot() {
   const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
-  absl::Status adopted = core_->AdoptState(snap, snapshot_->fds);
+  absl::Status adopted = core_->AdoptState(snap, snapshot_->fds, &prepared_);
+  prepared_.clear();  // what the snapshot no longer names
   if (adopted.ok() && takeover_->fault() == "new.adopt") {
     adopted = MrdError(absl::StatusCode::kAborted, "HANDOVER_TEST_FAULT",
                        "test fault point new.adopt");
@@ -1249,6 +1267,11 @@ absl::Status Daemon::Check(const v1::HandoverHello& hello) {
                      hello.device_kind(), " device"));
   }
   return absl::OkStatus();
+}
+
+absl::Status Daemon::Prepare(v1::HandoverSnapshot* snapshot,
+                             std::vector<UniqueFd>* fds) {
+  return core_->ExportState(snapshot, fds);
 }
 
 absl::Status Daemon::Pause() {

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -129,6 +130,17 @@ struct CoreStats {
   cache::CacheStats cache;
   cache::WarmPinStats warm;
 };
+
+// Live handover, the new process: the buffers of the old process's prepare
+// frame (a snapshot taken while it still served), mapped by buffer id, with
+// the page tables of their registered memory filled on the prefault threads
+// — the longest part of adopting them, done before the old process pauses.
+// A buffer whose fd cannot be mapped is left out (the snapshot's copy is
+// mapped instead).
+using PreparedBuffers =
+    absl::flat_hash_map<uint64_t, std::unique_ptr<fd_socket::MappedFile>>;
+PreparedBuffers PrepareBuffers(const v1::HandoverSnapshot& prepare,
+                               std::vector<UniqueFd>& fds);
 
 class Core final : public fd_socket::FdSessionHandler {
  public:
@@ -238,8 +250,12 @@ class Core final : public fd_socket::FdSessionHandler {
   // charged to the budgets whatever the limits say. Before any request is
   // served. On error, every session adopted so far is released again and
   // the error returned.
+  // `prepared` (may be null): buffers PrepareBuffers mapped from the
+  // prepare frame; each the snapshot names again (same id, same file) is
+  // taken from there.
   absl::Status AdoptState(const v1::HandoverSnapshot& in,
-                          std::vector<UniqueFd>& fds);
+                          std::vector<UniqueFd>& fds,
+                          PreparedBuffers* prepared = nullptr);
 
   // Holds (or lets go) every session's completion stream while a handover
   // exports them; MarkHandedOver ends them with UNAVAILABLE HANDED_OVER.
@@ -271,7 +287,8 @@ class Core final : public fd_socket::FdSessionHandler {
   };
   // AdoptState for one session.
   absl::Status AdoptSession(const v1::HandedOverSession& in,
-                            std::vector<UniqueFd>& fds, AdoptTimes* times);
+                            std::vector<UniqueFd>& fds,
+                            PreparedBuffers* prepared, AdoptTimes* times);
   // Before AdoptSession adopts the session's registrations (each pins its
   // own pages): the registered memory of each of its buffers, in runs
   // (registrations that overlap or touch), prefaulted on several threads

@@ -4,6 +4,7 @@
 // their peers know.
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -142,16 +143,85 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
   return absl::OkStatus();
 }
 
-void Core::PrefaultRuns(Session& session, const v1::HandedOverSession& in,
-                        AdoptTimes* times) {
-  // [offset, end) of every registration, by buffer.
-  absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+namespace {
+
+// The runs of registered memory of each buffer of `in` (registrations that
+// overlap or touch, merged), as [offset, end).
+absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>>
+RegisteredRuns(const v1::HandedOverSession& in) {
+  absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> runs;
   for (const v1::HandedOverRegistration& r : in.registrations()) {
     if (r.length() == 0 || r.offset() > UINT64_MAX - r.length()) continue;
-    ranges[r.buffer()].emplace_back(r.offset(), r.offset() + r.length());
+    runs[r.buffer()].emplace_back(r.offset(), r.offset() + r.length());
   }
+  for (auto& [buffer, list] : runs) {
+    std::sort(list.begin(), list.end());
+    std::vector<std::pair<uint64_t, uint64_t>> merged;
+    for (const auto& [from, to] : list) {
+      if (!merged.empty() && from <= merged.back().second) {
+        merged.back().second = std::max(merged.back().second, to);
+      } else {
+        merged.emplace_back(from, to);
+      }
+    }
+    list = std::move(merged);
+  }
+  return runs;
+}
+
+// Fills `file`'s page tables for `runs` (on the prefault threads); a run
+// past the buffer's end holds a registration its adoption refuses.
+void PrefaultRunsOf(const fd_socket::MappedFile& file,
+                    const std::vector<std::pair<uint64_t, uint64_t>>& runs) {
+  for (const auto& [from, to] : runs) {
+    if (!file.Span(from, to - from).ok()) continue;
+    file.Prefault(from, to - from);
+  }
+}
+
+// Whether `fd` is the file `file` maps.
+bool SameFile(const fd_socket::MappedFile& file, int fd) {
+  struct stat st {};
+  return ::fstat(fd, &st) == 0 &&
+         static_cast<uint64_t>(st.st_dev) == file.device() &&
+         static_cast<uint64_t>(st.st_ino) == file.inode();
+}
+
+}  // namespace
+
+PreparedBuffers PrepareBuffers(const v1::HandoverSnapshot& prepare,
+                               std::vector<UniqueFd>& fds) {
+  PreparedBuffers prepared;
   const absl::Time start = absl::Now();
-  for (auto& [buffer, list] : ranges) {
+  uint64_t bytes = 0;
+  for (const v1::HandedOverSession& session : prepare.sessions()) {
+    auto runs = RegisteredRuns(session);
+    for (const v1::HandedOverBuffer& b : session.buffers()) {
+      if (b.fd() < 0 || static_cast<size_t>(b.fd()) >= fds.size() ||
+          !fds[b.fd()].valid()) {
+        continue;
+      }
+      absl::StatusOr<std::unique_ptr<fd_socket::MappedFile>> file =
+          fd_socket::MapHandedOver(std::move(fds[b.fd()]), b.writable(),
+                                   b.source());
+      if (!file.ok()) continue;  // the snapshot's copy is mapped instead
+      if (auto it = runs.find(b.id()); it != runs.end()) {
+        PrefaultRunsOf(**file, it->second);
+        for (const auto& [from, to] : it->second) bytes += to - from;
+      }
+      prepared[b.id()] = std::move(*file);
+    }
+  }
+  LogInfo("prepared ", prepared.size(), " buffers, ", bytes,
+          " registered bytes prefaulted, in ",
+          absl::FormatDuration(absl::Now() - start));
+  return prepared;
+}
+
+void Core::PrefaultRuns(Session& session, const v1::HandedOverSession& in,
+                        AdoptTimes* times) {
+  const absl::Time start = absl::Now();
+  for (const auto& [buffer, runs] : RegisteredRuns(in)) {
     std::shared_ptr<fd_socket::MappedFile> file;
     {
       absl::MutexLock lock(&session.mu);
@@ -159,27 +229,15 @@ void Core::PrefaultRuns(Session& session, const v1::HandedOverSession& in,
       if (it == session.buffers.end()) continue;  // refused by the adoption
       file = it->second.file;
     }
-    std::sort(list.begin(), list.end());
-    std::vector<std::pair<uint64_t, uint64_t>> runs;
-    for (const auto& [from, to] : list) {
-      if (!runs.empty() && from <= runs.back().second) {
-        runs.back().second = std::max(runs.back().second, to);
-      } else {
-        runs.emplace_back(from, to);
-      }
-    }
-    for (const auto& [from, to] : runs) {
-      // A run past the buffer's end holds a registration its adoption
-      // refuses: left to it.
-      if (!file->Span(from, to - from).ok()) continue;
-      file->Prefault(from, to - from);
-    }
+    // What the prepare frame filled is not walked again (Prefault knows).
+    PrefaultRunsOf(*file, runs);
   }
   times->prefault += absl::Now() - start;
 }
 
 absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
-                                std::vector<UniqueFd>& fds, AdoptTimes* times) {
+                                std::vector<UniqueFd>& fds,
+                                PreparedBuffers* prepared, AdoptTimes* times) {
   Identity identity;
   identity.verified = in.verified();
   identity.uid = in.uid();
@@ -226,9 +284,21 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
     absl::StatusOr<FdCharge> charge =
         ChargeFd(options_.fd_budget, session->id(), "a handed-over buffer");
     if (!charge.ok()) return fail(charge.status());
-    absl::StatusOr<std::unique_ptr<fd_socket::MappedFile>> file =
-        fd_socket::MapHandedOver(std::move(fds[b.fd()]), b.writable(),
-                                 b.source());
+    // Mapped (and its page tables filled) from the prepare frame already,
+    // when it is the same file: the snapshot's fd is then not needed.
+    absl::StatusOr<std::unique_ptr<fd_socket::MappedFile>> file;
+    if (auto it = prepared != nullptr ? prepared->find(b.id())
+                                      : PreparedBuffers::iterator();
+        prepared != nullptr && it != prepared->end() &&
+        it->second->writable() == b.writable() &&
+        SameFile(*it->second, fds[b.fd()].get())) {
+      file = std::move(it->second);
+      prepared->erase(it);
+      fds[b.fd()].Reset();
+    } else {
+      file = fd_socket::MapHandedOver(std::move(fds[b.fd()]), b.writable(),
+                                      b.source());
+    }
     if (!file.ok()) return fail(file.status());
     BufferRecord record;
     record.id = b.id();
@@ -263,7 +333,8 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
 }
 
 absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
-                              std::vector<UniqueFd>& fds) {
+                              std::vector<UniqueFd>& fds,
+                              PreparedBuffers* prepared) {
   MRD_RETURN_IF_ERROR(device_->CanHandOver());
   const absl::Time start = absl::Now();
   AdoptTimes times;
@@ -271,7 +342,8 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
   uint64_t registrations = 0;
   for (const v1::HandedOverSession& session : in.sessions()) {
     registrations += static_cast<uint64_t>(session.registrations_size());
-    if (absl::Status s = AdoptSession(session, fds, &times); !s.ok()) {
+    if (absl::Status s = AdoptSession(session, fds, prepared, &times);
+        !s.ok()) {
       for (const std::string& token : adopted) {
         EndSession(token, "handover failed");
       }

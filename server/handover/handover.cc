@@ -220,15 +220,32 @@ absl::Status HandoverServer::ServeSteps(HandoverChannel& channel, bool* paused,
                      "; the new process speaks version ", h.version()));
   }
   MRD_RETURN_IF_ERROR(source_->Check(h));
-  *paused_at = absl::Now();
-  if (options_.fault == "old.pause") return Fault(options_.fault);
-  MRD_RETURN_IF_ERROR(source_->Pause());
-  *paused = true;
   v1::HandoverFrame accept;
   accept.mutable_accept()->set_version(kHandoverVersion);
   accept.mutable_accept()->set_mrd_version(options_.mrd_version);
   accept.mutable_accept()->set_pid(static_cast<uint32_t>(::getpid()));
   MRD_RETURN_IF_ERROR(channel.Send(accept, absl::Now() + options_.timeout));
+  {
+    // While this process serves: the new one maps the memfds and fills
+    // their page tables, the longest part of adopting them.
+    v1::HandoverFrame prepare;
+    std::vector<UniqueFd> owned;
+    MRD_RETURN_IF_ERROR(source_->Prepare(prepare.mutable_prepare(), &owned));
+    std::vector<int> fds;
+    fds.reserve(owned.size());
+    for (const UniqueFd& fd : owned) fds.push_back(fd.get());
+    MRD_RETURN_IF_ERROR(
+        channel.Send(prepare, fds, absl::Now() + options_.timeout));
+  }
+  MRD_ASSIGN_OR_RETURN(HandoverChannel::Received prepared,
+                       channel.Receive(absl::Now() + options_.timeout));
+  if (!prepared.frame.has_prepared()) {
+    return Unexpected(prepared.frame, "prepared");
+  }
+  *paused_at = absl::Now();
+  if (options_.fault == "old.pause") return Fault(options_.fault);
+  MRD_RETURN_IF_ERROR(source_->Pause());
+  *paused = true;
 
   v1::HandoverFrame snapshot;
   std::vector<UniqueFd> owned;
@@ -275,6 +292,21 @@ absl::StatusOr<std::unique_ptr<Takeover>> Takeover::Begin(
   if (!answer.frame.has_accept()) return Unexpected(answer.frame, "accept");
   takeover->accept_ = answer.frame.accept();
   return takeover;
+}
+
+absl::StatusOr<HandoverChannel::Received> Takeover::ReceivePrepare() {
+  MRD_ASSIGN_OR_RETURN(HandoverChannel::Received prepare,
+                       channel_.Receive(absl::Now() + options_.timeout));
+  if (!prepare.frame.has_prepare()) {
+    return Unexpected(prepare.frame, "prepare");
+  }
+  return prepare;
+}
+
+absl::Status Takeover::Prepared() {
+  v1::HandoverFrame frame;
+  frame.mutable_prepared();
+  return channel_.Send(frame, absl::Now() + options_.timeout);
 }
 
 absl::StatusOr<HandoverChannel::Received> Takeover::ReceiveSnapshot() {

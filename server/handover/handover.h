@@ -18,7 +18,8 @@
 // "old.export", "old.commit" (refuses instead of committing, after the new
 // process is ready); new side "new.version" (says hello with a version
 // nobody speaks), "new.adopt" (adoption fails once everything was adopted),
-// "new.crash" (the new process dies before it is ready).
+// "new.prepare" (the new process dies after the prepare frame, before the
+// old one paused), "new.crash" (it dies before it is ready).
 #ifndef MRD_SERVER_HANDOVER_HANDOVER_H_
 #define MRD_SERVER_HANDOVER_HANDOVER_H_
 
@@ -51,6 +52,11 @@ class HandoverSource {
   // May this process hand over to the one that said `hello` (its device,
   // its state)? The refusal's reason goes to the new process.
   virtual absl::Status Check(const v1::HandoverHello& hello) = 0;
+  // Before anything pauses: the state as it is (sessions locked one at a
+  // time, no request stopped) with the buffers' fds, for the new process
+  // to map and fill the page tables of while this one serves.
+  virtual absl::Status Prepare(v1::HandoverSnapshot* snapshot,
+                               std::vector<UniqueFd>* fds) = 0;
   // Stops taking requests (new ones refused with a retry hint), waits
   // (bounded) for those in flight, and detaches the listening sockets and
   // the fd-session connections. On error nothing stays stopped.
@@ -143,6 +149,10 @@ class Takeover {
       const TakeoverOptions& options, v1::HandoverHello hello);
 
   const v1::HandoverAccept& accepted() const { return accept_; }
+  // The prepare frame (the old process still serves): its snapshot and fds.
+  absl::StatusOr<HandoverChannel::Received> ReceivePrepare();
+  // The prepare frame is taken care of: the old process pauses now.
+  absl::Status Prepared();
   // The snapshot with its fds (the old process is paused meanwhile).
   absl::StatusOr<HandoverChannel::Received> ReceiveSnapshot();
   // Everything is adopted: says so and waits for commit. An error means the
