@@ -512,7 +512,20 @@ absl::Status Daemon::Start() {
   if (absl::GetFlag(FLAGS_takeover)) MRD_RETURN_IF_ERROR(BeginTakeover());
   MRD_RETURN_IF_ERROR(OpenDevice());
   MRD_RETURN_IF_ERROR(StartCore());
-  if (takeover_ != nullptr) MRD_RETURN_IF_ERROR(AdoptSnapshot());
+  if (takeover_ != nullptr) {
+    MRD_RETURN_IF_ERROR(AdoptSnapshot());
+    // What the metrics say was taken over, before they serve.
+    const core::CoreStats stats = core_->Stats();
+    absl::MutexLock lock(&handover_mu_);
+    took_over_.takeover_seconds =
+        absl::ToDoubleSeconds(absl::Now() - takeover_start_);
+    took_over_.sessions = stats.sessions;
+    took_over_.buffers = stats.buffers;
+    took_over_.registrations = stats.registrations;
+    took_over_.fd_connections = static_cast<uint64_t>(
+        snapshot_->frame.snapshot().fd_connections_size());
+    took_over_.pinned_bytes = device_->PinnedBytes();
+  }
   MRD_RETURN_IF_ERROR(StartFdSocket());
   MRD_RETURN_IF_ERROR(ListenGrpc());
   MRD_RETURN_IF_ERROR(StartMetrics());
@@ -528,16 +541,6 @@ absl::Status Daemon::Start() {
             " sessions, ", stats.buffers, " buffers, ", stats.registrations,
             " registrations, ", snap.fd_connections_size(),
             " fd connections in ", absl::FormatDuration(took));
-    {
-      absl::MutexLock lock(&handover_mu_);
-      took_over_.takeover_seconds = absl::ToDoubleSeconds(took);
-      took_over_.sessions = stats.sessions;
-      took_over_.buffers = stats.buffers;
-      took_over_.registrations = stats.registrations;
-      took_over_.fd_connections =
-          static_cast<uint64_t>(snap.fd_connections_size());
-      took_over_.pinned_bytes = device_->PinnedBytes();
-    }
   }
   WriteStatus("serving");
   // systemd (Type=notify): serving now; after a takeover, this is the main

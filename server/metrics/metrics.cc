@@ -471,7 +471,8 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
       const HandoverGauges h = handover();
       out.push_back(Gauge("mrd_takeover_seconds",
                           "How long this process took to take over from the "
-                          "mrd before it (0: it started fresh).",
+                          "mrd before it, from its hello until the commit "
+                          "(0: it started fresh).",
                           h.takeover_seconds));
       prometheus::MetricFamily objects =
           Gauge("mrd_takeover_objects",

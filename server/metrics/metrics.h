@@ -57,7 +57,7 @@ struct PeerPathGauges {
 // process took over when it started (zeros when it started fresh), and the
 // takeovers asked of it.
 struct HandoverGauges {
-  double takeover_seconds = 0;  // from hello to serving
+  double takeover_seconds = 0;  // from its hello until the commit
   uint64_t sessions = 0;
   uint64_t buffers = 0;
   uint64_t registrations = 0;
