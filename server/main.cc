@@ -611,7 +611,8 @@ absl::Status Daemon::PreparePaths() {
   runtime_dir_ = *std::move(trusted);
   grpc_socket_ = absl::GetFlag(FLAGS_grpc_socket);
   fd_socket_ = absl::GetFlag(FLAGS_fd_socket);
-  for (std::string* socket : {&grpc_socket_, &fd_socket_}) {
+  handover_socket_ = absl::GetFlag(FLAGS_handover_socket);
+  for (std::string* socket : {&grpc_socket_, &fd_socket_, &handover_socket_}) {
     if (socket->empty()) continue;
     absl::StatusOr<std::string> checked = CheckSocketPath(*socket, geteuid());
     if (!checked.ok()) {
@@ -619,16 +620,6 @@ absl::Status Daemon::PreparePaths() {
                                checked.status().message()));
     }
     *socket = *std::move(checked);
-  }
-  handover_socket_ = absl::GetFlag(FLAGS_handover_socket);
-  if (!handover_socket_.empty()) {
-    absl::StatusOr<std::string> checked =
-        CheckSocketPath(handover_socket_, geteuid());
-    if (!checked.ok()) {
-      return Fail(absl::StrCat("refusing to start: socket ", handover_socket_,
-                               ": ", checked.status().message()));
-    }
-    handover_socket_ = *std::move(checked);
   }
   if (handover_socket_.empty()) {
     handover_socket_ = runtime_dir_ + "/handover.sock";
