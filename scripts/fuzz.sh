@@ -91,7 +91,10 @@ for t in "${targets[@]}"; do
     failed=$((failed + 1))
     repro=$(grep -oE "Test unit written to [^ ]+" "$log" | tail -1 |
       sed 's/Test unit written to //')
-    summary+=("$t: FAILED (exit $status) after ${execs:-?} executions; reproducer: ${repro:-none written}; log: $log")
+    # The first line that says why, repeated in the summary (the end of a
+    # CI log may be all that is kept).
+    why=$(grep -m1 -E "invariant violated|ERROR:|runtime error|deadly signal" "$log" || true)
+    summary+=("$t: FAILED (exit $status) after ${execs:-?} executions: ${why:-see the log}; reproducer: ${repro:-none written}; log: $log")
     echo "$t: FAILED (exit $status); last lines of $log:"
     grep -E "invariant violated|ERROR:|SUMMARY:|runtime error" "$log" | head -5 || true
     tail -n 20 "$log"

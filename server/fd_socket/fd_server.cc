@@ -85,7 +85,14 @@ bool PeerShutDown(int fd) {
   pfd.fd = fd;
   pfd.events = POLLIN | POLLRDHUP;
   pfd.revents = 0;
-  if (::poll(&pfd, 1, 0) < 0) return true;
+  // A signal can interrupt even a poll that does not wait; that says
+  // nothing about the peer (reading it as the end would drop a session
+  // whose client sent an empty datagram).
+  int ready;
+  do {
+    ready = ::poll(&pfd, 1, 0);
+  } while (ready < 0 && errno == EINTR);
+  if (ready < 0) return true;
   return (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 

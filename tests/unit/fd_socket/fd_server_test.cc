@@ -4,15 +4,20 @@
 // and holds no buffer any more.
 #include "server/fd_socket/fd_server.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -610,6 +615,63 @@ TEST_F(FdServerTest, EmptyDatagramIsAnUnknownOperation) {
   std::optional<v1::FdReply> reply = client->Receive();
   ASSERT_TRUE(reply.has_value());
   EXPECT_TRUE(IsErrorReply(*reply, kInvalid, "UNKNOWN_OPERATION"));
+  EXPECT_TRUE(PingWorks(*client, 3));
+}
+
+// The server thread's tid, found by its name (Thread::Start names it).
+pid_t FdServerThreadId() {
+  DIR* dir = ::opendir("/proc/self/task");
+  if (dir == nullptr) return 0;
+  pid_t found = 0;
+  while (struct dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    std::ifstream comm(absl::StrCat("/proc/self/task/", e->d_name, "/comm"));
+    std::string name;
+    std::getline(comm, name);
+    if (name == "mrd-fd-socket")
+      found = static_cast<pid_t>(std::atoi(e->d_name));
+  }
+  ::closedir(dir);
+  return found;
+}
+
+void IgnoreSignal(int) {}
+
+// An empty datagram reads like the end of the stream; the server tells them
+// apart by asking whether the peer shut down. A signal landing on the
+// server thread right then must not make it take the datagram for the end
+// and drop the session.
+TEST_F(FdServerTest,
+       EmptyDatagramsUnderASignalStormAreAnsweredNotTakenForTheEnd) {
+  StartServer();
+  std::unique_ptr<RawClient> client = Connect();
+  ASSERT_NE(client, nullptr);
+  const pid_t server_thread = FdServerThreadId();
+  ASSERT_NE(server_thread, 0);
+  struct sigaction action;
+  std::memset(&action, 0, sizeof(action));
+  action.sa_handler = IgnoreSignal;  // no SA_RESTART: calls see EINTR
+  struct sigaction previous;
+  ASSERT_EQ(::sigaction(SIGUSR2, &action, &previous), 0);
+  std::atomic<bool> stop{false};
+  std::thread storm([&] {
+    while (!stop.load()) {
+      ::syscall(SYS_tgkill, ::getpid(), server_thread, SIGUSR2);
+    }
+  });
+  int answered = 0;
+  constexpr int kDatagrams = 20000;
+  for (int i = 0; i < kDatagrams; ++i) {
+    if (!client->SendRaw("")) break;
+    std::optional<v1::FdReply> reply = client->Receive();
+    if (!reply.has_value()) break;
+    if (!IsErrorReply(*reply, kInvalid, "UNKNOWN_OPERATION")) break;
+    ++answered;
+  }
+  stop.store(true);
+  storm.join();
+  ::sigaction(SIGUSR2, &previous, nullptr);
+  EXPECT_EQ(answered, kDatagrams);
   EXPECT_TRUE(PingWorks(*client, 3));
 }
 
