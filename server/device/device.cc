@@ -37,6 +37,22 @@ absl::Status Device::AdoptPeerTicket(PdId /*pd*/,
   return NotHandedOver(*this, "AdoptPeerTicket");
 }
 
+absl::StatusOr<Device::FastMrState> Device::DescribeFastMr(MrId /*mr*/) const {
+  return NotHandedOver(*this, "DescribeFastMr");
+}
+
+absl::StatusOr<LogicalMapping> Device::AdoptLam(PdId /*pd*/,
+                                                const MemorySpan& /*span*/,
+                                                uint64_t /*first_page*/,
+                                                uint32_t /*privileged_key*/) {
+  return NotHandedOver(*this, "AdoptLam");
+}
+
+absl::StatusOr<MrKeys> Device::AdoptFastRegisterMr(
+    PdId /*pd*/, const FastMrState& /*state*/) {
+  return NotHandedOver(*this, "AdoptFastRegisterMr");
+}
+
 absl::StatusOr<UniqueFd> Device::StopPeerAccepting() {
   return NotHandedOver(*this, "StopPeerAccepting");
 }

@@ -250,6 +250,48 @@ class Device {
   // The PD's peer ticket becomes exactly `ticket` (one CreatePeerTicket
   // returned in another process), as if CreatePeerTicket had made it.
   virtual absl::Status AdoptPeerTicket(PdId pd, const std::string& ticket);
+
+  // An MR object (AllocateFastRegisterMr) as another process re-creates it:
+  // what it was allocated with, its keys, and its fast registration if it
+  // has one.
+  struct FastMrState {
+    bool allow_remote = false;
+    uint32_t max_pages = 0;
+    uint32_t lkey = 0;
+    uint32_t rkey = 0;            // the current one (F5)
+    bool valid = false;           // fast-registered; the fields below say how
+    std::vector<uint64_t> pages;  // logical addresses, as posted
+    uint32_t fbo = 0;
+    uint64_t length = 0;
+    uint64_t base_address = 0;
+    uint32_t access = 0;  // AccessBits
+  };
+  // The MR object's state for AdoptFastRegisterMr. Errors: NOT_FOUND
+  // "UNKNOWN_MR" (unknown, or a normal MR), FAILED_PRECONDITION
+  // "MR_BUSY" (a fast registration of it is executing now).
+  virtual absl::StatusOr<FastMrState> DescribeFastMr(MrId mr) const;
+  // BuildLam, but the pages get exactly the logical addresses
+  // `first_page`, `first_page` + page_size, ... and the privileged key is
+  // exactly `privileged_key`: the LAM another process had (its
+  // LogicalMapping). Errors as BuildLam, plus INVALID_ARGUMENT "BAD_IOVA"
+  // (not page-aligned, outside the logical address space, or overlapping
+  // a mapped range or its guard) and the key errors of AdoptMr.
+  virtual absl::StatusOr<LogicalMapping> AdoptLam(PdId pd,
+                                                  const MemorySpan& span,
+                                                  uint64_t first_page,
+                                                  uint32_t privileged_key);
+  // AllocateFastRegisterMr with exactly `state`'s keys, then, if
+  // state.valid, its fast registration as it was (same rkey, pages
+  // resolved through the LAMs adopted before it). Errors as those two, and
+  // the key errors of AdoptMr; nothing is left on failure.
+  virtual absl::StatusOr<MrKeys> AdoptFastRegisterMr(PdId pd,
+                                                     const FastMrState& state);
+  // Logical addresses are never reused within a device's life; across a
+  // handover they are not either: the old device's watermark (every
+  // address it ever handed out lies below it) goes to the new one, which
+  // hands out only addresses above it from then on (after the adoptions).
+  virtual uint64_t LogicalAddressWatermark() const { return 0; }
+  virtual void ContinueLogicalAddressesAbove(uint64_t /*watermark*/) {}
   // The peer path's listening socket, for another process: stops accepting
   // new peer connections (connections already made keep being served) and
   // returns a duplicate of the listening fd (close-on-exec; an empty
