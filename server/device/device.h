@@ -275,7 +275,8 @@ class Device {
   // exactly `privileged_key`: the LAM another process had (its
   // LogicalMapping). Errors as BuildLam, plus INVALID_ARGUMENT "BAD_IOVA"
   // (not page-aligned, outside the logical address space, or overlapping
-  // a mapped range or its guard) and the key errors of AdoptMr.
+  // a mapped range; the range needs no guard gap of its own, since the
+  // other process's layout kept its gaps) and the key errors of AdoptMr.
   virtual absl::StatusOr<LogicalMapping> AdoptLam(PdId pd,
                                                   const MemorySpan& span,
                                                   uint64_t first_page,

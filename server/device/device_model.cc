@@ -102,6 +102,9 @@ struct FastRegisterState : ProviderState {
   // Fast-registered: the mapping.
   uint32_t fbo = 0;
   std::vector<PageRef> pages;
+  // The page array as posted, for DescribeFastMr: a handover re-resolves
+  // it through the LAMs the new process adopted at the same addresses.
+  std::vector<uint64_t> logical_pages;
   std::vector<LamId> lams;  // distinct LAMs the mapping holds a ref on
   std::unique_ptr<ProviderState> mapping;
 };
@@ -517,7 +520,7 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(
       adopt == nullptr
           ? ProviderRegister(pd_state, span, base_address, access, id, false)
           : ProviderAdoptRegister(pd_state, span, base_address, access, id,
-                                  adopt->lkey, adopt->rkey);
+                                  adopt->lkey, adopt->rkey, /*lam=*/false);
   if (!registration.ok()) {
     ProviderUnpin(span);
     absl::MutexLock lock(&mu_);
@@ -610,6 +613,7 @@ std::unique_ptr<ProviderState> DeviceModel::UnmapLocked(Mr* mr) {
   DropLamRefsLocked(fr->lams);
   fr->lams.clear();
   fr->pages.clear();
+  fr->logical_pages.clear();
   return std::move(fr->mapping);
 }
 
@@ -673,12 +677,22 @@ absl::Status DeviceModel::DeregisterMr(MrId mr) { return DestroyMr(mr, false); }
 absl::StatusOr<DeviceModel::Registration> DeviceModel::ProviderAdoptRegister(
     ProviderState* /*pd*/, const MemorySpan& /*span*/, uint64_t /*iova*/,
     uint32_t /*access*/, uint64_t /*owner*/, uint32_t /*lkey*/,
+    uint32_t /*rkey*/, bool lam) {
+  MRD_RETURN_IF_ERROR(CanHandOver());
+  return MrdError(
+      absl::StatusCode::kUnimplemented, "HANDOVER_UNIMPLEMENTED",
+      absl::StrCat(lam ? "AdoptLam" : "AdoptMr", ": the ", attributes_.kind,
+                   " device cannot register memory with given keys"));
+}
+
+absl::StatusOr<DeviceModel::Registration> DeviceModel::ProviderAdoptFastMr(
+    ProviderState* /*pd*/, MrId /*owner*/, uint32_t /*lkey*/,
     uint32_t /*rkey*/) {
   MRD_RETURN_IF_ERROR(CanHandOver());
   return MrdError(
       absl::StatusCode::kUnimplemented, "HANDOVER_UNIMPLEMENTED",
-      absl::StrCat("AdoptMr: the ", attributes_.kind,
-                   " device cannot register memory with given keys"));
+      absl::StrCat("AdoptFastRegisterMr: the ", attributes_.kind,
+                   " device cannot make an MR object with given keys"));
 }
 
 absl::Status DeviceModel::DestroyMr(MrId mr_id, bool fast) {
@@ -712,43 +726,69 @@ absl::Status DeviceModel::DestroyMr(MrId mr_id, bool fast) {
 
 absl::StatusOr<LogicalMapping> DeviceModel::BuildLam(PdId pd,
                                                      const MemorySpan& span) {
-  MRD_RETURN_IF_ERROR(ValidateSpan(span, "BuildLam"));
+  return Map(pd, span, nullptr);
+}
+
+absl::StatusOr<LogicalMapping> DeviceModel::AdoptLam(PdId pd,
+                                                     const MemorySpan& span,
+                                                     uint64_t first_page,
+                                                     uint32_t privileged_key) {
+  MRD_RETURN_IF_ERROR(CanHandOver());
+  const AdoptedLam adopt{first_page, privileged_key};
+  return Map(pd, span, &adopt);
+}
+
+absl::StatusOr<LogicalMapping> DeviceModel::Map(PdId pd, const MemorySpan& span,
+                                                const AdoptedLam* adopt) {
+  const absl::string_view call = adopt == nullptr ? "BuildLam" : "AdoptLam";
+  MRD_RETURN_IF_ERROR(ValidateSpan(span, call));
   const uint64_t host = reinterpret_cast<uint64_t>(span.host_address);
   // The host page and the file page must line up, as they do in any mmap;
   // otherwise a logical page would not correspond to one file page.
   if (span.file_offset % page_size() != host % page_size()) {
     return InvalidParameter(
         "SPAN_MISALIGNED",
-        absl::StrCat("BuildLam: host address ", Hex(host), " and file offset ",
+        absl::StrCat(call, ": host address ", Hex(host), " and file offset ",
                      span.file_offset,
                      " are at different offsets within a page"));
   }
   MRD_ASSIGN_OR_RETURN(ProviderState * pd_state, BeginPdOp(pd));
-  absl::StatusOr<LogicalMapping> mapping = MapPinned(pd, pd_state, span);
+  absl::StatusOr<LogicalMapping> mapping = MapPinned(pd, pd_state, span, adopt);
   EndPdOp(pd);
   return mapping;
 }
 
+absl::StatusOr<uint64_t> DeviceModel::ReserveIovaLocked(
+    LamId id, uint64_t page_count, const AdoptedLam* adopt) {
+  if (adopt != nullptr) {
+    // The other process's layout, guard gaps included, is kept as it was.
+    MRD_RETURN_IF_ERROR(iova_.AllocateAt(adopt->first_page, page_count, id));
+    return adopt->first_page;
+  }
+  MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "random.iova_guard"));
+  MRD_ASSIGN_OR_RETURN(uint64_t pick, random_.Uint64());
+  return iova_.Allocate(page_count, 1 + pick % kMaxGuardPages, id);
+}
+
 absl::StatusOr<LogicalMapping> DeviceModel::MapPinned(PdId pd_id,
                                                       ProviderState* pd_state,
-                                                      const MemorySpan& span) {
+                                                      const MemorySpan& span,
+                                                      const AdoptedLam* adopt) {
   const uint64_t host = reinterpret_cast<uint64_t>(span.host_address);
   const uint32_t fbo = static_cast<uint32_t>(host % page_size());
   const uint64_t page_count =
       (fbo + span.length + page_size() - 1) / page_size();
   // L7: on any failure below, nothing stays pinned or mapped.
-  MRD_RETURN_IF_ERROR(CheckNotCancelled(span, "BuildLam"));
+  MRD_RETURN_IF_ERROR(
+      CheckNotCancelled(span, adopt == nullptr ? "BuildLam" : "AdoptLam"));
   MRD_RETURN_IF_ERROR(ProviderPin(span));
   LamId id = 0;
   uint64_t iova = 0;
   absl::Status status = [&]() -> absl::Status {
     absl::MutexLock lock(&mu_);
     MRD_RETURN_IF_ERROR(FindPdLocked(pd_id).status());
-    MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "random.iova_guard"));
-    MRD_ASSIGN_OR_RETURN(uint64_t pick, random_.Uint64());
     id = next_lam_++;
-    MRD_ASSIGN_OR_RETURN(
-        iova, iova_.Allocate(page_count, 1 + pick % kMaxGuardPages, id));
+    MRD_ASSIGN_OR_RETURN(iova, ReserveIovaLocked(id, page_count, adopt));
     return absl::OkStatus();
   }();
   if (!status.ok()) {
@@ -758,7 +798,11 @@ absl::StatusOr<LogicalMapping> DeviceModel::MapPinned(PdId pd_id,
   // Local only (access 0): it pins the pages, and its lkey is the
   // privileged token for the logical addresses (L9).
   absl::StatusOr<Registration> registration =
-      ProviderRegister(pd_state, span, iova + fbo, 0, id, true);
+      adopt == nullptr
+          ? ProviderRegister(pd_state, span, iova + fbo, 0, id, true)
+          : ProviderAdoptRegister(pd_state, span, iova + fbo, 0, id,
+                                  adopt->privileged_key, adopt->privileged_key,
+                                  /*lam=*/true);
   absl::StatusOr<LogicalMapping> mapping =
       [&]() -> absl::StatusOr<LogicalMapping> {
     MRD_RETURN_IF_ERROR(registration.status());
@@ -839,18 +883,50 @@ absl::Status DeviceModel::ReleaseLam(LamId lam_id) {
 absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
                                                            bool allow_remote,
                                                            uint32_t max_pages) {
+  return AllocateFastMr(pd_id, allow_remote, max_pages, nullptr);
+}
+
+absl::StatusOr<MrKeys> DeviceModel::AdoptFastRegisterMr(
+    PdId pd_id, const FastMrState& state) {
+  MRD_RETURN_IF_ERROR(CanHandOver());
+  return AllocateFastMr(pd_id, state.allow_remote, state.max_pages, &state);
+}
+
+absl::Status DeviceModel::CheckAdoptedFastRegistration(
+    const FastMrState& state) const {
+  if (!state.valid) return absl::OkStatus();
+  MRD_RETURN_IF_ERROR(CheckAccessBits(state.access, "AdoptFastRegisterMr"));
+  if ((state.access & kRemoteAccess) != 0 && !state.allow_remote) {
+    return SeedError(
+        STATUS_ACCESS_VIOLATION, "REMOTE_ACCESS_NOT_ALLOWED",
+        absl::StrCat("AdoptFastRegisterMr: the MR object has no remote "
+                     "access, but its fast registration has access ",
+                     Hex(state.access)));
+  }
+  // The rules PostFastRegister applied in the other process.
+  return ValidatePageArray(page_size(), state.max_pages, state.pages, state.fbo,
+                           state.length, state.base_address);
+}
+
+absl::StatusOr<MrKeys> DeviceModel::AllocateFastMr(PdId pd_id,
+                                                   bool allow_remote,
+                                                   uint32_t max_pages,
+                                                   const FastMrState* adopt) {
+  const absl::string_view call =
+      adopt == nullptr ? "AllocateFastRegisterMr" : "AdoptFastRegisterMr";
   if (max_pages == 0 || max_pages > options_.max_page_list_length) {
     return InvalidParameter(
         "BAD_MAX_PAGES",
-        absl::StrCat("AllocateFastRegisterMr: max_pages ", max_pages,
-                     " is not in [1, ", options_.max_page_list_length, "]"));
+        absl::StrCat(call, ": max_pages ", max_pages, " is not in [1, ",
+                     options_.max_page_list_length, "]"));
   }
+  if (adopt != nullptr)
+    MRD_RETURN_IF_ERROR(CheckAdoptedFastRegistration(*adopt));
   MRD_ASSIGN_OR_RETURN(ProviderState * pd_state, BeginPdOp(pd_id));
   MrId id = 0;
   {
     absl::MutexLock lock(&mu_);
-    absl::StatusOr<Mr*> reserved =
-        ReserveMrLocked(pd_id, "AllocateFastRegisterMr");
+    absl::StatusOr<Mr*> reserved = ReserveMrLocked(pd_id, call);
     if (!reserved.ok()) {
       EndPdOpLocked(pd_id);
       return reserved.status();
@@ -860,12 +936,20 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
   // The keys exist from the start, as an MR object's do, but match nothing
   // until a fast registration makes the MR valid.
   absl::StatusOr<Registration> registration =
-      ProviderAllocateFastMr(pd_state, id);
+      adopt == nullptr
+          ? ProviderAllocateFastMr(pd_state, id)
+          : ProviderAdoptFastMr(pd_state, id, adopt->lkey, adopt->rkey);
   absl::StatusOr<MrKeys> keys = [&]() -> absl::StatusOr<MrKeys> {
     MRD_RETURN_IF_ERROR(registration.status());
     MRD_RETURN_IF_ERROR(FaultPoint(options_.fault_points, "mr.insert"));
     absl::MutexLock lock(&mu_);
     MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+    // Resolved in the same critical section as the commit: the LAMs cannot
+    // be released in between.
+    ResolvedPages resolved;
+    if (adopt != nullptr && adopt->valid) {
+      MRD_ASSIGN_OR_RETURN(resolved, ResolvePagesLocked(pd_id, adopt->pages));
+    }
     Mr* mr = LookupMrLocked(id);
     mr->pending = false;
     mr->fast = true;
@@ -876,6 +960,9 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
     mr->lkey = registration->lkey;
     mr->rkey = registration->rkey;
     mr->object = std::move(fr);
+    if (adopt != nullptr && adopt->valid) {
+      CommitAdoptedLocked(mr, *adopt, std::move(resolved));
+    }
     pd->mrs.insert(id);
     return MrKeys{id, mr->lkey, mr->rkey};
   }();
@@ -890,6 +977,66 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastRegisterMr(PdId pd_id,
   }
   EndPdOp(pd_id);
   return keys;
+}
+
+void DeviceModel::CommitAdoptedLocked(Mr* mr, const FastMrState& state,
+                                      ResolvedPages resolved) {
+  // The LAM references ExecuteFastRegister takes: ReleaseLam refuses while
+  // this mapping lives.
+  for (LamId id : resolved.lams) ++lams_.find(id)->second->fr_users;
+  FastRegisterState* fr = mr->fr();
+  mr->base = state.base_address;
+  mr->length = state.length;
+  mr->access = state.access;
+  fr->fbo = state.fbo;
+  fr->pages = std::move(resolved.pages);
+  fr->logical_pages = state.pages;
+  fr->lams = std::move(resolved.lams);
+  mr->valid = true;
+}
+
+absl::StatusOr<Device::FastMrState> DeviceModel::DescribeFastMr(
+    MrId mr_id) const {
+  MRD_RETURN_IF_ERROR(CanHandOver());
+  absl::MutexLock lock(&mu_);
+  MRD_ASSIGN_OR_RETURN(Mr * mr, FindMrLocked(mr_id));
+  const FastRegisterState* fr = mr->fr();
+  if (fr == nullptr) {
+    return MrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR",
+                    absl::StrCat("no MR object ", mr_id,
+                                 " (a registered MR is adopted with AdoptMr)"));
+  }
+  // Its state is about to change under the worker: a description now would
+  // be out of date before the caller used it.
+  if (mr->executing) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "MR_BUSY",
+                    absl::StrCat("MR object ", mr_id,
+                                 " is being fast-registered; try again"));
+  }
+  FastMrState state;
+  state.allow_remote = fr->allow_remote;
+  state.max_pages = fr->max_pages;
+  state.lkey = mr->lkey;
+  state.rkey = mr->rkey;
+  state.valid = mr->valid;
+  if (mr->valid) {
+    state.pages = fr->logical_pages;
+    state.fbo = fr->fbo;
+    state.length = mr->length;
+    state.base_address = mr->base;
+    state.access = mr->access;
+  }
+  return state;
+}
+
+uint64_t DeviceModel::LogicalAddressWatermark() const {
+  absl::MutexLock lock(&mu_);
+  return iova_.watermark();
+}
+
+void DeviceModel::ContinueLogicalAddressesAbove(uint64_t watermark) {
+  absl::MutexLock lock(&mu_);
+  iova_.ContinueAbove(watermark);
 }
 
 absl::Status DeviceModel::FreeFastRegisterMr(MrId mr) {
@@ -1215,6 +1362,7 @@ absl::Status DeviceModel::ExecuteFastRegister(const Work& work,
   mr->access = fr.access;
   state->fbo = fr.fbo;
   state->pages = std::move(resolved.pages);
+  state->logical_pages = fr.pages;
   state->lams = std::move(resolved.lams);
   mr->valid = true;
   *rkey = mr->rkey;

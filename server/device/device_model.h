@@ -154,6 +154,24 @@ class DeviceModel : public Device {
   // message never shows it), FAILED_PRECONDITION "TICKET_IN_USE" (another
   // PD holds it), NOT_FOUND (PD).
   absl::Status AdoptPeerTicket(PdId pd, const std::string& ticket) final;
+  // The MR object as AdoptFastRegisterMr takes it; its pages are the page
+  // array exactly as posted. Refused with CanHandOver's error first.
+  absl::StatusOr<FastMrState> DescribeFastMr(MrId mr) const final;
+  // BuildLam (same checks, pinning, undo on failure) at exactly
+  // `first_page` (IovaSpace::AllocateAt: no guard gap of its own) with
+  // exactly `privileged_key` (ProviderAdoptRegister with `lam` set). Adopt
+  // the LAMs before the MR objects whose pages they map.
+  absl::StatusOr<LogicalMapping> AdoptLam(PdId pd, const MemorySpan& span,
+                                          uint64_t first_page,
+                                          uint32_t privileged_key) final;
+  // AllocateFastRegisterMr with exactly `state`'s keys
+  // (ProviderAdoptFastMr); when state.valid, the fast registration is
+  // committed at once, as ExecuteFastRegister commits one, with its pages
+  // resolved through this device's LAMs and the keys kept (no new rkey).
+  absl::StatusOr<MrKeys> AdoptFastRegisterMr(PdId pd,
+                                             const FastMrState& state) final;
+  uint64_t LogicalAddressWatermark() const final;
+  void ContinueLogicalAddressesAbove(uint64_t watermark) final;
 
   // Hands the connection's deferred (kWorkDefer) work to the worker now, as
   // the next non-deferred post would. Errors: FAILED_PRECONDITION
@@ -239,14 +257,16 @@ class DeviceModel : public Device {
   virtual absl::StatusOr<Registration> ProviderRegister(
       ProviderState* pd, const MemorySpan& span, uint64_t iova, uint32_t access,
       uint64_t owner, bool lam) = 0;
-  // ProviderRegister for an MR (never a LAM) that must get exactly `lkey`
-  // and `rkey`, the keys another process had for it (AdoptMr). Errors:
-  // INVALID_ARGUMENT "BAD_KEY" (keys this provider cannot give),
-  // FAILED_PRECONDITION "KEY_IN_USE" (held here). A provider whose
-  // CanHandOver is OK implements it; the default refuses.
+  // ProviderRegister for an MR (AdoptMr) or a LAM (`lam`, AdoptLam) that
+  // must get exactly `lkey` and `rkey`, the keys another process had for
+  // it. A LAM is local-only: only its lkey (the privileged key) was handed
+  // out, and the model passes it as both. Errors: INVALID_ARGUMENT
+  // "BAD_KEY" (keys this provider cannot give), FAILED_PRECONDITION
+  // "KEY_IN_USE" (held here). A provider whose CanHandOver is OK
+  // implements it; the default refuses.
   virtual absl::StatusOr<Registration> ProviderAdoptRegister(
       ProviderState* pd, const MemorySpan& span, uint64_t iova, uint32_t access,
-      uint64_t owner, uint32_t lkey, uint32_t rkey);
+      uint64_t owner, uint32_t lkey, uint32_t rkey, bool lam);
   // Releases a registration (its key is dead when this returns). Errors
   // leave the memory pinned; the model reports them.
   virtual absl::Status ProviderDeregister(
@@ -263,6 +283,16 @@ class DeviceModel : public Device {
   // none until the first fast registration (verbs).
   virtual absl::StatusOr<Registration> ProviderAllocateFastMr(ProviderState* pd,
                                                               MrId owner) = 0;
+  // ProviderAllocateFastMr with exactly `lkey` and `rkey`, an MR object's
+  // current keys in another process (AdoptFastRegisterMr). When the object
+  // was fast-registered these keys are also its mapping's: the model then
+  // commits the mapping without ProviderFastRegister, so only a provider
+  // whose mapping is its key and the model's page array (software) can
+  // implement it. Errors as ProviderAdoptRegister's; the default refuses.
+  virtual absl::StatusOr<Registration> ProviderAdoptFastMr(ProviderState* pd,
+                                                           MrId owner,
+                                                           uint32_t lkey,
+                                                           uint32_t rkey);
   // Maps `pages` at fr.base_address for the MR (on the worker). `object` is
   // ProviderAllocateFastMr's state, `previous_rkey` the MR's last rkey,
   // which the new one must differ from. Returns the new keys, and the
@@ -401,9 +431,39 @@ class DeviceModel : public Device {
                                         uint64_t base_address, uint32_t access,
                                         const AdoptedKeys* adopt)
       ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<LogicalMapping> MapPinned(PdId pd, ProviderState* pd_state,
-                                           const MemorySpan& span)
+  // Where AdoptLam puts the LAM, and the key it gets.
+  struct AdoptedLam {
+    uint64_t first_page = 0;
+    uint32_t privileged_key = 0;
+  };
+  // BuildLam and AdoptLam (`adopt` non-null), from the checks on.
+  absl::StatusOr<LogicalMapping> Map(PdId pd, const MemorySpan& span,
+                                     const AdoptedLam* adopt)
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<LogicalMapping> MapPinned(PdId pd, ProviderState* pd_state,
+                                           const MemorySpan& span,
+                                           const AdoptedLam* adopt)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The LAM's logical range: drawn after a random guard gap, or exactly
+  // adopt->first_page.
+  absl::StatusOr<uint64_t> ReserveIovaLocked(LamId id, uint64_t page_count,
+                                             const AdoptedLam* adopt)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AllocateFastRegisterMr and AdoptFastRegisterMr (`adopt` non-null:
+  // allow_remote and max_pages are its own).
+  absl::StatusOr<MrKeys> AllocateFastMr(PdId pd, bool allow_remote,
+                                        uint32_t max_pages,
+                                        const FastMrState* adopt)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The checks of an adopted fast registration that need no table, as
+  // PostFastRegister makes them.
+  absl::Status CheckAdoptedFastRegistration(const FastMrState& state) const;
+  // Commits the adopted fast registration of a new MR object (its pages
+  // resolved already), as ExecuteFastRegister commits one, but keeping the
+  // keys it has.
+  void CommitAdoptedLocked(Mr* mr, const FastMrState& state,
+                           ResolvedPages resolved)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The MR of `id` (any state), or nullptr.
   Mr* LookupMrLocked(MrId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -17,6 +17,7 @@
 #include <map>
 #include <optional>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "server/device/fault_points.h"
 
@@ -35,6 +36,14 @@ class IovaSpace {
   // RESOURCE_EXHAUSTED (STATUS_INSUFFICIENT_RESOURCES "IOVA_EXHAUSTED").
   absl::StatusOr<uint64_t> Allocate(uint64_t pages, uint64_t guard_pages,
                                     uint64_t owner);
+  // Handover: reserves exactly [start, start + pages * page_size) for
+  // `owner` (a range another process's space handed out), with no guard gap
+  // of its own, and raises the watermark past it. The range may lie below
+  // this space's own random start: only 0 and the limit bound it, since the
+  // other process drew its start independently. Errors: INVALID_ARGUMENT
+  // "BAD_IOVA" (`start` not page-aligned, 0, the range past the limit, or
+  // overlapping an allocated range).
+  absl::Status AllocateAt(uint64_t start, uint64_t pages, uint64_t owner);
   // Unmaps the range that starts at `start` (which must be allocated).
   void Free(uint64_t start);
 
@@ -46,6 +55,13 @@ class IovaSpace {
   std::optional<Hit> Lookup(uint64_t address) const;
 
   size_t ranges() const { return ranges_.size(); }
+  // Every address handed out so far lies below it.
+  uint64_t watermark() const { return next_; }
+  // Hands out only addresses at or above `watermark` (rounded up to a page,
+  // at most the limit) from now on: another process's space handed out
+  // those below it, and addresses are never reused across a handover
+  // either. Never lowers the watermark.
+  void ContinueAbove(uint64_t watermark);
 
  private:
   struct Range {

@@ -352,20 +352,41 @@ absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderRegister(
              : NewKey(MrSlot(owner) + 1, /*with_object=*/false);
 }
 
-absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderAdoptRegister(
-    ProviderState* /*pd*/, const MemorySpan& /*span*/, uint64_t /*iova*/,
-    uint32_t /*access*/, uint64_t owner, uint32_t lkey, uint32_t rkey) {
-  // One key per MR, as ProviderRegister gives it.
+absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ClaimKey(
+    absl::string_view call, uint32_t lkey, uint32_t rkey, uint32_t owner,
+    bool with_object) {
+  // One key per object, as NewKey gives it.
   if (lkey != rkey) {
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_KEY",
-                    absl::StrCat("AdoptMr: lkey 0x", absl::Hex(lkey),
+                    absl::StrCat(call, ": lkey 0x", absl::Hex(lkey),
                                  " differs from rkey 0x", absl::Hex(rkey),
                                  "; the software device gives an MR one key "
                                  "for both"));
   }
   absl::MutexLock lock(&keys_mu_);
-  MRD_ASSIGN_OR_RETURN(uint32_t key, keys_.Claim(rkey, MrSlot(owner) + 1));
-  return Registration{key, key, nullptr};
+  MRD_ASSIGN_OR_RETURN(uint32_t key, keys_.Claim(rkey, owner));
+  return Registration{key, key,
+                      with_object ? std::make_unique<Key>(key) : nullptr};
+}
+
+absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderAdoptRegister(
+    ProviderState* /*pd*/, const MemorySpan& /*span*/, uint64_t /*iova*/,
+    uint32_t /*access*/, uint64_t owner, uint32_t lkey, uint32_t rkey,
+    bool lam) {
+  // Owners and objects as ProviderRegister gives them.
+  return lam ? ClaimKey("AdoptLam", lkey, rkey, kLamKeyOwnerTag,
+                        /*with_object=*/true)
+             : ClaimKey("AdoptMr", lkey, rkey, MrSlot(owner) + 1,
+                        /*with_object=*/false);
+}
+
+absl::StatusOr<DeviceModel::Registration> SoftwareDevice::ProviderAdoptFastMr(
+    ProviderState* /*pd*/, MrId owner, uint32_t lkey, uint32_t rkey) {
+  // As ProviderAllocateFastMr; a fast-registered object's key is its
+  // mapping's too (ProviderFastRegister keeps no other state), and a later
+  // fast registration reissues it like any other.
+  return ClaimKey("AdoptFastRegisterMr", lkey, rkey, MrSlot(owner) + 1,
+                  /*with_object=*/true);
 }
 
 absl::Status SoftwareDevice::ProviderDeregister(

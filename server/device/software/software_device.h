@@ -61,6 +61,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "mrd/v1/peer.pb.h"
@@ -160,9 +161,12 @@ class SoftwareDevice final : public DeviceModel {
 
   // Handover: every object of this device is its key (lkey == rkey) and
   // model state, so another process's software device can re-create it:
-  // CanHandOver is OK. AdoptMr claims exactly the key (KeyTable::Claim;
-  // INVALID_ARGUMENT "BAD_KEY" when lkey != rkey or the key names no slot
-  // of this table, FAILED_PRECONDITION "KEY_IN_USE" when held).
+  // CanHandOver is OK. AdoptMr, AdoptLam and AdoptFastRegisterMr claim
+  // exactly the key (KeyTable::Claim; INVALID_ARGUMENT "BAD_KEY" when
+  // lkey != rkey or the key names no slot of this table,
+  // FAILED_PRECONDITION "KEY_IN_USE" when held); an adopted
+  // fast-registered MR object needs nothing else, since its mapping is
+  // the model's page array and its key.
   // StopPeerAccepting hands over the peer listener's socket
   // (PeerListener::StopAccepting; FAILED_PRECONDITION
   // "PEER_LISTENER_STOPPED" once shut down), and a device created with it
@@ -199,7 +203,10 @@ class SoftwareDevice final : public DeviceModel {
                                                 bool lam) override;
   absl::StatusOr<Registration> ProviderAdoptRegister(
       ProviderState* pd, const MemorySpan& span, uint64_t iova, uint32_t access,
-      uint64_t owner, uint32_t lkey, uint32_t rkey) override;
+      uint64_t owner, uint32_t lkey, uint32_t rkey, bool lam) override;
+  absl::StatusOr<Registration> ProviderAdoptFastMr(ProviderState* pd,
+                                                   MrId owner, uint32_t lkey,
+                                                   uint32_t rkey) override;
   absl::Status ProviderDeregisterKey(uint32_t lkey) override;
   absl::Status ProviderDeregister(
       std::unique_ptr<ProviderState> state) override;
@@ -226,6 +233,12 @@ class SoftwareDevice final : public DeviceModel {
   // state (LAMs and MR objects, whose key the object carries and a fast
   // registration reissues) or without (an MR: ProviderDeregisterKey).
   absl::StatusOr<Registration> NewKey(uint32_t owner, bool with_object)
+      ABSL_LOCKS_EXCLUDED(keys_mu_);
+  // NewKey with exactly `lkey` (== `rkey`: one key per object), another
+  // process's key (KeyTable::Claim). `call` names the adoption in errors.
+  absl::StatusOr<Registration> ClaimKey(absl::string_view call, uint32_t lkey,
+                                        uint32_t rkey, uint32_t owner,
+                                        bool with_object)
       ABSL_LOCKS_EXCLUDED(keys_mu_);
 
   // Peer path: open and close on the listener's reactor, frames on its

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -22,6 +23,7 @@
 #include "gtest/gtest.h"
 #include "mrd/net.h"
 #include "mrd/peer_frame.h"
+#include "server/device/iova_space.h"
 #include "server/device/software/software_device.h"
 #include "tests/support/kernel_pins.h"
 #include "tests/unit/device/device_test_util.h"
@@ -30,6 +32,7 @@ namespace mrd::device {
 namespace {
 
 using ::mrd::device::testing::IsMrdError;
+using ::mrd::device::testing::IsSeedError;
 using ::mrd::device::testing::MemfdBuffer;
 using ::mrd::device::testing::PageSize;
 using ::mrd::device::testing::RecordingSink;
@@ -109,6 +112,42 @@ class HandoverTest : public ::testing::Test {
         SoftPeer::Connect(address, ticket);
     EXPECT_TRUE(peer.ok()) << peer.status();
     return peer.ok() ? std::move(*peer) : nullptr;
+  }
+
+  // A fast registration of `pages` at kBase on `device`, executed; returns
+  // the rkey.
+  static uint32_t FastRegister(SoftwareDevice& device, ConnectionId connection,
+                               RecordingSink& sink, MrId mr,
+                               std::vector<uint64_t> pages, uint64_t length) {
+    const size_t before = sink.Completions().size();
+    FastRegisterWork work;
+    work.mr = mr;
+    work.pages = std::move(pages);
+    work.length = length;
+    work.base_address = kBase;
+    work.access = kRemoteRw;
+    absl::StatusOr<uint64_t> posted = device.PostFastRegister(connection, work);
+    EXPECT_TRUE(posted.ok()) << posted.status();
+    if (!sink.WaitForCompletions(before + 1)) {
+      ADD_FAILURE() << "no completion";
+      return 0;
+    }
+    WorkCompletion completion = sink.Completions().back();
+    EXPECT_TRUE(completion.status.ok()) << completion.status;
+    return completion.rkey;
+  }
+
+  // An invalidation of `mr` on `device`, executed.
+  static void Invalidate(SoftwareDevice& device, ConnectionId connection,
+                         RecordingSink& sink, MrId mr) {
+    const size_t before = sink.Completions().size();
+    InvalidateWork work;
+    work.mr = mr;
+    absl::StatusOr<uint64_t> posted = device.PostInvalidate(connection, work);
+    EXPECT_TRUE(posted.ok()) << posted.status();
+    ASSERT_TRUE(sink.WaitForCompletions(before + 1));
+    EXPECT_TRUE(sink.Completions().back().status.ok())
+        << sink.Completions().back().status;
   }
 
   // Declared before devices_: the devices go first.
@@ -476,6 +515,353 @@ TEST_F(HandoverTest, AnInheritedListenerMustBeAListeningTcpSocket) {
   EXPECT_THAT(
       SoftwareDevice::Create(options).status(),
       IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_LISTENER"));
+}
+
+// ---------------------------------------------------------------------------
+// LAMs and MR objects.
+
+// A LAM adopted at its logical addresses with its privileged key, then an MR
+// object fast-registered over its pages, as DescribeFastMr gave it: a peer
+// keeps reaching the memory through the old rkey, and the new device tears
+// both down as its own.
+TEST_F(HandoverTest, AdoptedLamAndFastRegisteredMrServeThroughTheOldRkey) {
+  const uint64_t ps = PageSize();
+  SoftwareDevice& old = NewDevice();
+  MemfdBuffer& buffer = NewBuffer(4);
+  PdId old_pd = NewPd(old);
+  RecordingSink& old_sink = *sinks_.back();
+  absl::StatusOr<LogicalMapping> lam =
+      old.BuildLam(old_pd, buffer.Span(0, 4 * ps));
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  absl::StatusOr<MrKeys> object = old.AllocateFastRegisterMr(old_pd, true, 8);
+  ASSERT_TRUE(object.ok()) << object.status();
+  const std::string ticket = Ticket(old, old_pd);
+  std::unique_ptr<SoftPeer> old_peer =
+      Connect(old.Attributes().peer_address, ticket);
+  ASSERT_NE(old_peer, nullptr);
+  const std::vector<uint64_t> pages = {lam->pages[3], lam->pages[1]};
+  const uint32_t rkey = FastRegister(old, old_peer->connection_id(), old_sink,
+                                     object->mr, pages, 2 * ps);
+  absl::StatusOr<Device::FastMrState> state = old.DescribeFastMr(object->mr);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_TRUE(state->allow_remote);
+  EXPECT_EQ(state->max_pages, 8u);
+  EXPECT_EQ(state->rkey, rkey);
+  EXPECT_EQ(state->lkey, old.QueryMr(object->mr)->lkey);
+  EXPECT_TRUE(state->valid);
+  EXPECT_EQ(state->pages, pages);
+  EXPECT_EQ(state->fbo, 0u);
+  EXPECT_EQ(state->length, 2 * ps);
+  EXPECT_EQ(state->base_address, kBase);
+  EXPECT_EQ(state->access, kRemoteRw);
+
+  SoftwareDevice& next = Successor(old);
+  PdId pd = NewPd(next);
+  RecordingSink& sink = *sinks_.back();
+  ASSERT_TRUE(next.AdoptPeerTicket(pd, ticket).ok());
+  absl::StatusOr<LogicalMapping> adopted_lam = next.AdoptLam(
+      pd, buffer.Span(0, 4 * ps), lam->pages[0], lam->privileged_key);
+  ASSERT_TRUE(adopted_lam.ok()) << adopted_lam.status();
+  EXPECT_EQ(adopted_lam->pages, lam->pages);
+  EXPECT_EQ(adopted_lam->fbo, lam->fbo);
+  EXPECT_EQ(adopted_lam->privileged_key, lam->privileged_key);
+  absl::StatusOr<MrKeys> adopted = next.AdoptFastRegisterMr(pd, *state);
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_EQ(adopted->lkey, state->lkey);
+  EXPECT_EQ(adopted->rkey, rkey);
+  absl::StatusOr<MrKeys> queried = next.QueryMr(adopted->mr);
+  ASSERT_TRUE(queried.ok()) << queried.status();
+  EXPECT_EQ(queried->lkey, state->lkey);
+  EXPECT_EQ(queried->rkey, rkey);
+  // Described again in the new device, it is what it was.
+  absl::StatusOr<Device::FastMrState> again = next.DescribeFastMr(adopted->mr);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->pages, pages);
+  EXPECT_EQ(again->rkey, rkey);
+
+  // VA page 0 is host page 3, VA page 1 is host page 1, as in the old one.
+  std::unique_ptr<SoftPeer> peer =
+      Connect(next.Attributes().peer_address, ticket);
+  ASSERT_NE(peer, nullptr);
+  absl::StatusOr<std::string> data = peer->Read(rkey, kBase + ps - 8, 16);
+  ASSERT_TRUE(data.ok()) << data.status();
+  EXPECT_EQ(*data, buffer.Bytes(4 * ps - 8, 8) + buffer.Bytes(ps, 8));
+  ASSERT_TRUE(peer->Write(rkey, kBase + ps - 4, "ABCDEFGH").ok());
+  EXPECT_EQ(buffer.Bytes(4 * ps - 4, 4), "ABCD");
+  EXPECT_EQ(buffer.Bytes(ps, 4), "EFGH");
+  // A remote access error puts the connection in error: another peer
+  // checks the bounds.
+  EXPECT_THAT(Connect(next.Attributes().peer_address, ticket)
+                  ->Read(rkey, kBase + 2 * ps - 4, 5)
+                  .status(),
+              IsAccessError());
+
+  // The adopted mapping holds the LAM as a fast registration does.
+  EXPECT_EQ(next.CountModel().lam_fast_register_refs, 1u);
+  EXPECT_THAT(next.ReleaseLam(adopted_lam->lam),
+              IsMrdError(absl::StatusCode::kFailedPrecondition, "LAM_IN_USE"));
+  Invalidate(next, peer->connection_id(), sink, adopted->mr);
+  EXPECT_THAT(peer->Read(rkey, kBase, 8).status(), IsAccessError());
+  ASSERT_TRUE(next.ReleaseLam(adopted_lam->lam).ok());
+  ASSERT_TRUE(next.FreeFastRegisterMr(adopted->mr).ok());
+  EXPECT_EQ(next.PinnedBytes(), 0u);
+  const DeviceModel::ModelCounts counts = next.CountModel();
+  EXPECT_EQ(counts.mrs, 0u);
+  EXPECT_EQ(counts.valid_mrs, 0u);
+  EXPECT_EQ(counts.lams, 0u);
+  EXPECT_EQ(counts.iova_ranges, 0u);
+  EXPECT_EQ(counts.lam_fast_register_refs, 0u);
+  EXPECT_EQ(counts.pd_objects, 0u);
+  EXPECT_EQ(next.CountResources().keys, 0u);
+}
+
+// A free MR object keeps its keys, matches nothing, and its next fast
+// registration draws a new rkey as any would.
+TEST_F(HandoverTest, AdoptedFreeMrObjectIsFastRegisteredLater) {
+  const uint64_t ps = PageSize();
+  SoftwareDevice& old = NewDevice();
+  SoftwareDevice& next = NewDevice();
+  MemfdBuffer& buffer = NewBuffer(2);
+  PdId old_pd = NewPd(old);
+  absl::StatusOr<MrKeys> object = old.AllocateFastRegisterMr(old_pd, true, 4);
+  ASSERT_TRUE(object.ok()) << object.status();
+  absl::StatusOr<Device::FastMrState> state = old.DescribeFastMr(object->mr);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_FALSE(state->valid);
+  EXPECT_TRUE(state->pages.empty());
+  EXPECT_EQ(state->rkey, object->rkey);
+
+  PdId pd = NewPd(next);
+  RecordingSink& sink = *sinks_.back();
+  absl::StatusOr<MrKeys> adopted = next.AdoptFastRegisterMr(pd, *state);
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_EQ(adopted->lkey, object->lkey);
+  EXPECT_EQ(adopted->rkey, object->rkey);
+  EXPECT_EQ(next.CountModel().valid_mrs, 0u);
+  absl::StatusOr<LogicalMapping> lam =
+      next.BuildLam(pd, buffer.Span(0, 2 * ps));
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  const std::string ticket = Ticket(next, pd);
+  std::unique_ptr<SoftPeer> peer =
+      Connect(next.Attributes().peer_address, ticket);
+  ASSERT_NE(peer, nullptr);
+  // Another peer: an access error puts its connection in error.
+  EXPECT_THAT(Connect(next.Attributes().peer_address, ticket)
+                  ->Read(object->rkey, kBase, 8)
+                  .status(),
+              IsAccessError());
+
+  const uint32_t rkey = FastRegister(next, peer->connection_id(), sink,
+                                     adopted->mr, lam->pages, 2 * ps);
+  EXPECT_NE(rkey, object->rkey);
+  EXPECT_EQ(rkey >> 8, object->rkey >> 8);
+  absl::StatusOr<std::string> data = peer->Read(rkey, kBase + ps, 8);
+  ASSERT_TRUE(data.ok()) << data.status();
+  EXPECT_EQ(*data, buffer.Bytes(ps, 8));
+  EXPECT_THAT(peer->Read(object->rkey, kBase, 8).status(), IsAccessError());
+  ASSERT_TRUE(next.FreeFastRegisterMr(adopted->mr).ok());
+  ASSERT_TRUE(next.ReleaseLam(lam->lam).ok());
+  EXPECT_EQ(next.PinnedBytes(), 0u);
+  EXPECT_EQ(next.CountModel().mrs, 0u);
+}
+
+TEST_F(HandoverTest, RefusedLamAndMrObjectAdoptionsLeaveNothing) {
+  const uint64_t ps = PageSize();
+  SoftwareDevice& old = NewDevice();
+  SoftwareDevice& next = NewDevice();
+  MemfdBuffer& held = NewBuffer(2);
+  MemfdBuffer& other = NewBuffer(1, 2);
+  PdId old_pd = NewPd(old);
+  RecordingSink& old_sink = *sinks_.back();
+  absl::StatusOr<LogicalMapping> lam =
+      old.BuildLam(old_pd, held.Span(0, 2 * ps));
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  absl::StatusOr<LogicalMapping> lam2 = old.BuildLam(old_pd, other.Span(0, ps));
+  ASSERT_TRUE(lam2.ok()) << lam2.status();
+  absl::StatusOr<MrKeys> object = old.AllocateFastRegisterMr(old_pd, true, 2);
+  ASSERT_TRUE(object.ok()) << object.status();
+  std::unique_ptr<SoftPeer> old_peer =
+      Connect(old.Attributes().peer_address, Ticket(old, old_pd));
+  ASSERT_NE(old_peer, nullptr);
+  FastRegister(old, old_peer->connection_id(), old_sink, object->mr,
+               {lam->pages[0]}, ps);
+  absl::StatusOr<Device::FastMrState> state = old.DescribeFastMr(object->mr);
+  ASSERT_TRUE(state.ok()) << state.status();
+
+  PdId pd = NewPd(next);
+  ASSERT_TRUE(next.AdoptLam(pd, held.Span(0, 2 * ps), lam->pages[0],
+                            lam->privileged_key)
+                  .ok());
+  const uint64_t pinned = next.PinnedBytes();
+  const SoftwareDevice::ResourceCounts before = next.CountResources();
+  ASSERT_EQ(pinned, 2 * ps);
+  const MemorySpan span = other.Span(0, ps);
+  const uint32_t key2 = lam2->privileged_key;
+  auto expect_nothing_left = [&](const char* what) {
+    EXPECT_EQ(next.PinnedBytes(), pinned) << what;
+    const SoftwareDevice::ResourceCounts after = next.CountResources();
+    EXPECT_EQ(after.keys, before.keys) << what;
+    EXPECT_EQ(after.mrs, before.mrs) << what;
+    EXPECT_EQ(after.lams, before.lams) << what;
+    EXPECT_EQ(after.iova_ranges, before.iova_ranges) << what;
+    EXPECT_EQ(after.pd_objects, before.pd_objects) << what;
+    EXPECT_EQ(after.lam_fast_register_refs, before.lam_fast_register_refs)
+        << what;
+  };
+  const auto bad_iova =
+      IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_IOVA");
+  // Overlapping the adopted LAM's range, at its second page.
+  EXPECT_THAT(next.AdoptLam(pd, span, lam->pages[1], key2).status(), bad_iova);
+  expect_nothing_left("overlap");
+  EXPECT_THAT(next.AdoptLam(pd, span, lam2->pages[0] + 8, key2).status(),
+              bad_iova);
+  expect_nothing_left("misaligned");
+  EXPECT_THAT(next.AdoptLam(pd, span, 0, key2).status(), bad_iova);
+  expect_nothing_left("zero");
+  EXPECT_THAT(next.AdoptLam(pd, span, uint64_t{1} << 63, key2).status(),
+              bad_iova);
+  expect_nothing_left("past the limit");
+  // The adopted LAM holds this key.
+  EXPECT_THAT(
+      next.AdoptLam(pd, span, lam2->pages[0], lam->privileged_key).status(),
+      IsMrdError(absl::StatusCode::kFailedPrecondition, "KEY_IN_USE"));
+  expect_nothing_left("key in use");
+
+  // Its page names a LAM this device never adopted.
+  Device::FastMrState unmapped = *state;
+  unmapped.pages = {lam2->pages[0]};
+  EXPECT_THAT(next.AdoptFastRegisterMr(pd, unmapped).status(),
+              IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "PAGE_NOT_MAPPED"));
+  expect_nothing_left("page not mapped");
+  Device::FastMrState in_use = *state;
+  in_use.lkey = in_use.rkey = lam->privileged_key;
+  EXPECT_THAT(next.AdoptFastRegisterMr(pd, in_use).status(),
+              IsMrdError(absl::StatusCode::kFailedPrecondition, "KEY_IN_USE"));
+  expect_nothing_left("MR key in use");
+  Device::FastMrState two_keys = *state;
+  two_keys.lkey ^= 1;
+  EXPECT_THAT(next.AdoptFastRegisterMr(pd, two_keys).status(),
+              IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_KEY"));
+  expect_nothing_left("lkey != rkey");
+
+  // Nothing was left behind: the right ones still go in.
+  absl::StatusOr<MrKeys> adopted = next.AdoptFastRegisterMr(pd, *state);
+  ASSERT_TRUE(adopted.ok()) << adopted.status();
+  EXPECT_EQ(adopted->rkey, state->rkey);
+  absl::StatusOr<LogicalMapping> adopted2 =
+      next.AdoptLam(pd, span, lam2->pages[0], key2);
+  ASSERT_TRUE(adopted2.ok()) << adopted2.status();
+  EXPECT_EQ(adopted2->pages, lam2->pages);
+  // Freeing a fast-registered MR object drops its hold on the LAM.
+  ASSERT_TRUE(next.FreeFastRegisterMr(adopted->mr).ok());
+  EXPECT_EQ(next.CountModel().lam_fast_register_refs, 0u);
+}
+
+TEST_F(HandoverTest, NewLamsGoAboveTheOldDevicesWatermark) {
+  const uint64_t ps = PageSize();
+  SoftwareDevice& old = NewDevice();
+  SoftwareDevice& next = NewDevice();
+  MemfdBuffer& buffer = NewBuffer(2);
+  PdId old_pd = NewPd(old);
+  absl::StatusOr<LogicalMapping> lam =
+      old.BuildLam(old_pd, buffer.Span(0, 2 * ps));
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  const uint64_t watermark = old.LogicalAddressWatermark();
+  EXPECT_GT(watermark, lam->pages.back());
+
+  PdId pd = NewPd(next);
+  ASSERT_TRUE(next.AdoptLam(pd, buffer.Span(0, 2 * ps), lam->pages[0],
+                            lam->privileged_key)
+                  .ok());
+  EXPECT_GE(next.LogicalAddressWatermark(), lam->pages.back() + ps);
+  next.ContinueLogicalAddressesAbove(watermark);
+  EXPECT_GE(next.LogicalAddressWatermark(), watermark);
+  // Never lowered.
+  next.ContinueLogicalAddressesAbove(ps);
+  EXPECT_GE(next.LogicalAddressWatermark(), watermark);
+  absl::StatusOr<LogicalMapping> fresh =
+      next.BuildLam(pd, buffer.Span(0, 2 * ps));
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_GT(fresh->pages[0], watermark);  // after a guard gap
+}
+
+TEST_F(HandoverTest, DescribeFastMrKnowsOnlyMrObjects) {
+  SoftwareDevice& device = NewDevice();
+  MemfdBuffer& buffer = NewBuffer(1);
+  PdId pd = NewPd(device);
+  absl::StatusOr<MrKeys> keys =
+      device.RegisterMr(pd, buffer.Span(0, 64), kBase, kRemoteRw);
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  const auto unknown = IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR");
+  EXPECT_THAT(device.DescribeFastMr(keys->mr).status(), unknown);
+  EXPECT_THAT(device.DescribeFastMr(keys->mr + 12345).status(), unknown);
+  absl::StatusOr<MrKeys> object = device.AllocateFastRegisterMr(pd, false, 1);
+  ASSERT_TRUE(object.ok()) << object.status();
+  ASSERT_TRUE(device.FreeFastRegisterMr(object->mr).ok());
+  EXPECT_THAT(device.DescribeFastMr(object->mr).status(), unknown);
+}
+
+// ---------------------------------------------------------------------------
+// IovaSpace's handover calls.
+
+TEST(IovaSpaceHandoverTest, AllocateAtTakesExactlyTheRangeGiven) {
+  constexpr uint64_t kPs = 4096;
+  IovaSpace space(kPs, 1000 * kPs, 2000 * kPs);
+  // Below the space's own start: the other process drew its own.
+  ASSERT_TRUE(space.AllocateAt(10 * kPs, 3, 7).ok());
+  EXPECT_EQ(space.ranges(), 1u);
+  std::optional<IovaSpace::Hit> hit = space.Lookup(12 * kPs + 5);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->owner, 7u);
+  EXPECT_EQ(hit->page_index, 2u);
+  EXPECT_FALSE(space.Lookup(13 * kPs).has_value());
+  // Below the watermark it changes nothing.
+  EXPECT_EQ(space.watermark(), 1000 * kPs);
+  // Ranges may touch: an adopted range has no guard of its own.
+  EXPECT_TRUE(space.AllocateAt(13 * kPs, 1, 8).ok());
+  EXPECT_TRUE(space.AllocateAt(9 * kPs, 1, 9).ok());
+  // Above it, the watermark follows: Allocate hands out what lies beyond.
+  ASSERT_TRUE(space.AllocateAt(1500 * kPs, 2, 10).ok());
+  EXPECT_EQ(space.watermark(), 1502 * kPs);
+  absl::StatusOr<uint64_t> next = space.Allocate(1, 1, 11);
+  ASSERT_TRUE(next.ok());
+  EXPECT_EQ(*next, 1503 * kPs);
+}
+
+TEST(IovaSpaceHandoverTest, AllocateAtRefusesBadRangesAndChangesNothing) {
+  constexpr uint64_t kPs = 4096;
+  IovaSpace space(kPs, 1000 * kPs, 2000 * kPs);
+  ASSERT_TRUE(space.AllocateAt(100 * kPs, 4, 1).ok());
+  const auto bad = IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_IOVA");
+  EXPECT_THAT(space.AllocateAt(0, 1, 2), bad);
+  EXPECT_THAT(space.AllocateAt(50 * kPs + 1, 1, 2), bad);
+  EXPECT_THAT(space.AllocateAt(1999 * kPs, 2, 2), bad);  // past the limit
+  EXPECT_THAT(space.AllocateAt(2000 * kPs, 1, 2), bad);
+  EXPECT_THAT(space.AllocateAt(~uint64_t{0} / kPs * kPs, 1, 2), bad);
+  EXPECT_THAT(space.AllocateAt(100 * kPs, 1, 2), bad);  // same start
+  EXPECT_THAT(space.AllocateAt(103 * kPs, 1, 2), bad);  // its last page
+  EXPECT_THAT(space.AllocateAt(98 * kPs, 3, 2), bad);   // into its first
+  EXPECT_THAT(space.AllocateAt(99 * kPs, 10, 2), bad);  // all around it
+  EXPECT_EQ(space.ranges(), 1u);
+  EXPECT_EQ(space.watermark(), 1000 * kPs);
+}
+
+TEST(IovaSpaceHandoverTest, ContinueAboveRaisesTheWatermarkToAPage) {
+  constexpr uint64_t kPs = 4096;
+  IovaSpace space(kPs, 1000 * kPs, 2000 * kPs);
+  space.ContinueAbove(10 * kPs);  // never lowered
+  EXPECT_EQ(space.watermark(), 1000 * kPs);
+  space.ContinueAbove(1200 * kPs + 1);
+  EXPECT_EQ(space.watermark(), 1201 * kPs);
+  absl::StatusOr<uint64_t> start = space.Allocate(1, 1, 1);
+  ASSERT_TRUE(start.ok());
+  EXPECT_EQ(*start, 1202 * kPs);
+  // Beyond the limit: the space is used up, not wrapped around.
+  space.ContinueAbove(~uint64_t{0});
+  EXPECT_EQ(space.watermark(), 2000 * kPs);
+  EXPECT_THAT(
+      space.Allocate(1, 0, 2).status(),
+      IsSeedError(::mrd::STATUS_INSUFFICIENT_RESOURCES, "IOVA_EXHAUSTED"));
 }
 
 }  // namespace

@@ -245,6 +245,20 @@ TEST_F(VerbsDeviceTest, HandoverIsRefusedAsUnsupported) {
   absl::StatusOr<std::string> ticket = device_->CreatePeerTicket(pd);
   ASSERT_TRUE(ticket.ok());
   EXPECT_THAT(device_->AdoptPeerTicket(pd, *ticket), unsupported);
+  absl::StatusOr<MrKeys> object = device_->AllocateFastRegisterMr(pd, true, 1);
+  ASSERT_TRUE(object.ok()) << object.status();
+  EXPECT_THAT(device_->DescribeFastMr(object->mr).status(), unsupported);
+  EXPECT_THAT(
+      device_
+          ->AdoptLam(pd, buffer.Span(0, PageSize()), uint64_t{1} << 40, 0x1234)
+          .status(),
+      unsupported);
+  EXPECT_EQ(device_->PinnedBytes(), 0u);
+  Device::FastMrState state;
+  state.max_pages = 1;
+  state.lkey = state.rkey = 0x1234;
+  EXPECT_THAT(device_->AdoptFastRegisterMr(pd, state).status(), unsupported);
+  ASSERT_TRUE(device_->FreeFastRegisterMr(object->mr).ok());
   EXPECT_THAT(device_->StopPeerAccepting().status(), unsupported);
   device_->ResumePeerAccepting();  // nothing to resume
   // Still accepting peers.
