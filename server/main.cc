@@ -522,6 +522,9 @@ absl::Status Daemon::Start() {
     took_over_.sessions = stats.sessions;
     took_over_.buffers = stats.buffers;
     took_over_.registrations = stats.registrations;
+    took_over_.lams = stats.lams;
+    took_over_.mr_objects = stats.mrs;
+    took_over_.warm_pins = stats.warm.pins;
     took_over_.fd_connections = static_cast<uint64_t>(
         snapshot_->frame.snapshot().fd_connections_size());
     took_over_.pinned_bytes = device_->PinnedBytes();

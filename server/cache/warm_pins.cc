@@ -139,6 +139,16 @@ WarmPinStats WarmPinSet::Stats() const {
   return stats_;
 }
 
+std::vector<std::pair<WarmKey, uint64_t>> WarmPinSet::Kept() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<WarmKey, uint64_t>> kept;
+  kept.reserve(by_age_.size());
+  for (const auto& [age, key] : by_age_) {
+    kept.emplace_back(key, by_key_.find(key)->second.pin.pinned_bytes);
+  }
+  return kept;
+}
+
 uint64_t WarmPinSet::SessionBytes(uint64_t session) const {
   absl::MutexLock lock(&mu_);
   auto it = session_bytes_.find(session);

@@ -106,6 +106,9 @@ class WarmPinSet {
 
   WarmPinStats Stats() const;
   uint64_t SessionBytes(uint64_t session) const;
+  // Every pin kept, least recently kept first, as (key, pinned bytes): what
+  // a live handover re-creates in the next process, in the same order.
+  std::vector<std::pair<WarmKey, uint64_t>> Kept() const;
 
  private:
   struct Node {

@@ -116,10 +116,14 @@ void Budgets::ReturnObjects(Session& session, TenantResource resource,
                             uint64_t n) {
   if (n == 0) return;
   session.tenant()->Release(resource, n);
+  ChangeObjectTotal(resource, n, /*add=*/false);
+}
+
+void Budgets::ChangeObjectTotal(TenantResource resource, uint64_t n, bool add) {
   absl::MutexLock lock(&mu_);
   uint64_t limit = 0;
   uint64_t* total = ObjectTotalLocked(resource, &limit);
-  *total -= std::min(n, *total);
+  *total = add ? *total + n : *total - std::min(n, *total);
 }
 
 absl::Status Budgets::ReserveRegistration(Session& session) {
@@ -168,6 +172,13 @@ void Budgets::Adopt(Session& session, uint64_t pinned_bytes,
   totals_.pinned_bytes += pinned_bytes;
   totals_.registrations += registrations;
   totals_.buffers += buffers;
+}
+
+void Budgets::AdoptObjects(Session& session, TenantResource resource,
+                           uint64_t n) {
+  if (n == 0) return;
+  session.tenant()->Force(resource, n);
+  ChangeObjectTotal(resource, n, /*add=*/true);
 }
 
 BudgetTotals Budgets::Totals() const {

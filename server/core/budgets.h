@@ -95,11 +95,18 @@ class Budgets {
   // refuse new work, never what clients already hold.
   void Adopt(Session& session, uint64_t pinned_bytes, uint64_t registrations,
              uint64_t buffers) ABSL_LOCKS_EXCLUDED(mu_, session.mu);
+  // The same for `n` objects of `resource` (kLams, kMrs, kBuffers): what
+  // TakeObject would have taken, whatever the limits say.
+  void AdoptObjects(Session& session, TenantResource resource, uint64_t n)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   BudgetTotals Totals() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // The total counter and limit of an object resource.
+  // Adds `n` to (or takes it from, never below 0) the total of `resource`.
+  void ChangeObjectTotal(TenantResource resource, uint64_t n, bool add)
+      ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t* ObjectTotalLocked(TenantResource resource, uint64_t* limit)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

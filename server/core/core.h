@@ -239,9 +239,10 @@ class Core final : public fd_socket::FdSessionHandler {
   // `out` (its sessions, id sequences and counters), with a duplicate of
   // each buffer's fd appended to `fds` (the snapshot names them by index).
   // The caller has stopped every request first, so nothing changes
-  // meanwhile. Errors: FAILED_PRECONDITION HANDOVER_UNSUPPORTED_STATE (a
-  // session holds what cannot be handed over yet: LAMs, MR objects),
-  // HANDOVER_FD (dup failed).
+  // meanwhile but peer work completing. Errors: UNAVAILABLE HANDOVER_BUSY
+  // (an MR object has fast-register or invalidate work in flight on a peer
+  // connection: those connections do not move; try again once it
+  // completed), HANDOVER_FD (dup failed).
   absl::Status ExportState(v1::HandoverSnapshot* out,
                            std::vector<UniqueFd>* fds);
   // Takes over the sessions of `in`: maps each buffer from `fds`, registers
@@ -297,6 +298,24 @@ class Core final : public fd_socket::FdSessionHandler {
   // the buffer does not hold are left to the adoption, which refuses them.
   void PrefaultRuns(Session& session, const v1::HandedOverSession& in,
                     AdoptTimes* times);
+  // The session's LAMs and MR objects, after its buffers and registrations
+  // (AdoptSession): the LAMs at the logical addresses and with the
+  // privileged keys they had, then the MR objects with their keys (and a
+  // fast-register one's mapping over those LAMs).
+  absl::Status AdoptLams(Session& session, device::PdId pd,
+                         const v1::HandedOverSession& in);
+  absl::Status AdoptMrObjects(Session& session, device::PdId pd,
+                              const v1::HandedOverSession& in);
+  // ExportState for one session's LAMs and MR objects. The fast-register
+  // MR objects' device state is asked of the device first, outside the
+  // session's lock (DescribeFastMrs).
+  using FastMrStates =
+      absl::flat_hash_map<uint64_t, device::Device::FastMrState>;
+  absl::StatusOr<FastMrStates> DescribeFastMrs(Session& session);
+  static absl::Status ExportFastRegistrationLocked(const Session& session,
+                                                   const FastMrStates& fast,
+                                                   v1::HandedOverSession* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
   // A batch's session, after checking its size against max_batch_items.
   absl::StatusOr<std::shared_ptr<Session>> FindBatchSession(

@@ -232,7 +232,8 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
   }
   LamRecord lam{handles_->fetch_add(1), mapping->lam, req.buffer(),
                 req.offset(),           req.length(), mapping->pages,
-                mapping->fbo,           pin_bytes,    file};
+                mapping->fbo,           pin_bytes,    file,
+                mapping->privileged_key};
   // The caller is gone: no one would learn of this LAM.
   const bool gone = cancelled && cancelled();
   if (!gone) {

@@ -30,12 +30,13 @@
 namespace mrd::core {
 namespace {
 
-absl::Status Unsupported(const Session& session, absl::string_view what) {
+absl::Status Busy(const Session& session, uint64_t mr) {
   return MrdError(
-      absl::StatusCode::kFailedPrecondition, "HANDOVER_UNSUPPORTED_STATE",
-      absl::StrCat("session ", session.id(), " holds ", what,
-                   ", which this mrd cannot hand over yet; release them "
-                   "first or restart instead"));
+      absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
+      absl::StrCat("session ", session.id(), "'s MR object ", mr,
+                   " has fast-register or invalidate work in flight on a "
+                   "peer connection, which does not move to another process; "
+                   "try again once it completed"));
 }
 
 }  // namespace
@@ -86,19 +87,94 @@ void Core::MarkHandedOver() {
   }
 }
 
+absl::StatusOr<Core::FastMrStates> Core::DescribeFastMrs(Session& session) {
+  std::vector<std::pair<uint64_t, device::MrId>> objects;
+  {
+    absl::MutexLock lock(&session.mu);
+    for (const auto& [id, mr] : session.mrs) {
+      if (!mr.pending.empty() || !mr.pending_invalidate_silent.empty()) {
+        return Busy(session, id);
+      }
+      if (mr.fast_register && mr.device_mr != 0) {
+        objects.emplace_back(id, mr.device_mr);
+      }
+    }
+  }
+  FastMrStates states;
+  for (const auto& [id, device_mr] : objects) {
+    absl::StatusOr<device::Device::FastMrState> state =
+        device_->DescribeFastMr(device_mr);
+    if (!state.ok()) {
+      if (absl::IsFailedPrecondition(state.status())) return Busy(session, id);
+      return state.status();
+    }
+    states.emplace(id, *std::move(state));
+  }
+  return states;
+}
+
+absl::Status Core::ExportFastRegistrationLocked(const Session& session,
+                                                const FastMrStates& fast,
+                                                v1::HandedOverSession* out) {
+  for (const auto& [id, lam] : session.lams) {
+    v1::HandedOverLam* l = out->add_lams();
+    l->set_id(id);
+    l->set_buffer(lam.buffer);
+    l->set_offset(lam.offset);
+    l->set_length(lam.length);
+    l->set_first_page(lam.pages.empty() ? 0 : lam.pages.front());
+    l->set_page_count(lam.pages.size());
+    l->set_fbo(lam.fbo);
+    l->set_pinned_bytes(lam.pinned_bytes);
+    l->set_privileged_key(lam.privileged_key);
+  }
+  for (const auto& [id, mr] : session.mrs) {
+    // Work posted since DescribeFastMrs looked: it would not move.
+    if (!mr.pending.empty() || !mr.pending_invalidate_silent.empty()) {
+      return Busy(session, id);
+    }
+    v1::HandedOverMrObject* m = out->add_mrs();
+    m->set_id(id);
+    m->set_fast_register(mr.fast_register);
+    m->set_allow_remote(mr.allow_remote);
+    m->set_registration(mr.registration);
+    if (!mr.fast_register || mr.device_mr == 0) continue;
+    auto it = fast.find(id);
+    // Created, or its state changed, since the device was asked.
+    if (it == fast.end() || it->second.valid != mr.fast_registered ||
+        it->second.rkey != mr.rkey) {
+      return Busy(session, id);
+    }
+    const device::Device::FastMrState& state = it->second;
+    m->set_has_device_mr(true);
+    m->set_reported_lkey(mr.lkey);
+    m->set_lkey(state.lkey);
+    m->set_rkey(state.rkey);
+    m->set_max_pages(state.max_pages);
+    m->set_fast_registered(state.valid);
+    for (uint64_t page : state.pages) m->add_pages(page);
+    m->set_fbo(state.fbo);
+    m->set_length(state.length);
+    m->set_base_address(state.base_address);
+    m->set_access(state.access);
+    for (uint64_t lam : mr.lams) m->add_lams(lam);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Core::ExportState(v1::HandoverSnapshot* out,
                                std::vector<UniqueFd>* fds) {
   const absl::Time now = clock_->Now();
+  absl::flat_hash_map<uint64_t,
+                      std::vector<std::pair<cache::WarmKey, uint64_t>>>
+      warm;
+  for (auto& [key, bytes] : registrations_.WarmKept()) {
+    warm[key.session].emplace_back(key, bytes);
+  }
   for (const std::shared_ptr<Session>& session : sessions_.All()) {
+    MRD_ASSIGN_OR_RETURN(FastMrStates fast, DescribeFastMrs(*session));
     absl::MutexLock lock(&session->mu);
     if (session->closing) continue;
-    if (!session->lams.empty()) {
-      return Unsupported(*session, absl::StrCat(session->lams.size(), " LAMs"));
-    }
-    if (!session->mrs.empty()) {
-      return Unsupported(*session,
-                         absl::StrCat(session->mrs.size(), " MR objects"));
-    }
     v1::HandedOverSession* s = out->add_sessions();
     session->ExportLocked(now, s);
     for (const auto& [id, buffer] : session->buffers) {
@@ -133,7 +209,16 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
       r->set_flags(record.flags);
       r->set_restored(view->restored);
     }
+    MRD_RETURN_IF_ERROR(ExportFastRegistrationLocked(*session, fast, s));
+    for (const auto& [key, bytes] : warm[session->id()]) {
+      v1::HandedOverWarmPin* w = s->add_warm_pins();
+      w->set_buffer(key.buffer);
+      w->set_offset(key.offset);
+      w->set_length(key.length);
+      w->set_pinned_bytes(bytes);
+    }
   }
+  out->set_logical_address_watermark(device_->LogicalAddressWatermark());
   out->set_next_handle(next_handle_.load());
   out->set_next_session_id(sessions_.next_id());
   out->set_registration_sequence(registrations_.NextRegistrationSequence());
@@ -145,14 +230,22 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
 
 namespace {
 
-// The runs of registered memory of each buffer of `in` (registrations that
-// overlap or touch, merged), as [offset, end).
+// The runs of pinned memory of each buffer of `in` (registrations, LAMs and
+// warm pins that overlap or touch, merged), as [offset, end).
 absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>>
 RegisteredRuns(const v1::HandedOverSession& in) {
   absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> runs;
   for (const v1::HandedOverRegistration& r : in.registrations()) {
     if (r.length() == 0 || r.offset() > UINT64_MAX - r.length()) continue;
     runs[r.buffer()].emplace_back(r.offset(), r.offset() + r.length());
+  }
+  for (const v1::HandedOverLam& l : in.lams()) {  // pinned as well
+    if (l.length() == 0 || l.offset() > UINT64_MAX - l.length()) continue;
+    runs[l.buffer()].emplace_back(l.offset(), l.offset() + l.length());
+  }
+  for (const v1::HandedOverWarmPin& w : in.warm_pins()) {  // and these
+    if (w.length() == 0 || w.offset() > UINT64_MAX - w.length()) continue;
+    runs[w.buffer()].emplace_back(w.offset(), w.offset() + w.length());
   }
   for (auto& [buffer, list] : runs) {
     std::sort(list.begin(), list.end());
@@ -329,6 +422,97 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
       return fail(s);
     }
   }
+  if (absl::Status s = AdoptLams(*session, *pd, in); !s.ok()) return fail(s);
+  if (absl::Status s = AdoptMrObjects(*session, *pd, in); !s.ok()) {
+    return fail(s);
+  }
+  for (const v1::HandedOverWarmPin& w : in.warm_pins()) {
+    registrations_.AdoptWarm(
+        session, cache::WarmKey{in.id(), w.buffer(), w.offset(), w.length()},
+        w.pinned_bytes());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::AdoptLams(Session& session, device::PdId pd,
+                             const v1::HandedOverSession& in) {
+  for (const v1::HandedOverLam& l : in.lams()) {
+    std::shared_ptr<fd_socket::MappedFile> file;
+    {
+      absl::MutexLock lock(&session.mu);
+      auto it = session.buffers.find(l.buffer());
+      if (it != session.buffers.end()) file = it->second.file;
+    }
+    if (file == nullptr) {
+      return MrdError(absl::StatusCode::kInvalidArgument,
+                      "HANDOVER_UNKNOWN_BUFFER",
+                      absl::StrCat("LAM ", l.id(), " names buffer ", l.buffer(),
+                                   ", which was not handed over"));
+    }
+    MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
+                         file->Span(l.offset(), l.length()));
+    file->Prefault(l.offset(), l.length());
+    MRD_ASSIGN_OR_RETURN(
+        device::LogicalMapping mapping,
+        device_->AdoptLam(pd, span, l.first_page(), l.privileged_key()));
+    if (mapping.pages.size() != l.page_count() || mapping.fbo != l.fbo()) {
+      (void)device_->ReleaseLam(mapping.lam);
+      return MrdError(absl::StatusCode::kInvalidArgument,
+                      "HANDOVER_LAM_MISMATCH",
+                      absl::StrCat("LAM ", l.id(), " had ", l.page_count(),
+                                   " pages at offset ", l.fbo(),
+                                   " in its first; here its "
+                                   "range maps to ",
+                                   mapping.pages.size(), " at ", mapping.fbo));
+    }
+    budgets_.Adopt(session, l.pinned_bytes(), 0, 0);
+    budgets_.AdoptObjects(session, TenantResource::kLams, 1);
+    LamRecord lam{l.id(),     mapping.lam,
+                  l.buffer(), l.offset(),
+                  l.length(), std::move(mapping.pages),
+                  l.fbo(),    l.pinned_bytes(),
+                  file,       l.privileged_key()};
+    absl::MutexLock lock(&session.mu);
+    for (uint64_t page : lam.pages) session.page_to_lam[page] = lam.id;
+    session.lams.emplace(lam.id, std::move(lam));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::AdoptMrObjects(Session& session, device::PdId pd,
+                                  const v1::HandedOverSession& in) {
+  for (const v1::HandedOverMrObject& m : in.mrs()) {
+    MrObject mr;
+    mr.id = m.id();
+    mr.fast_register = m.fast_register();
+    mr.allow_remote = m.allow_remote();
+    mr.registration = m.registration();
+    if (mr.fast_register && m.has_device_mr()) {
+      device::Device::FastMrState state;
+      state.allow_remote = m.allow_remote();
+      state.max_pages = m.max_pages();
+      state.lkey = m.lkey();
+      state.rkey = m.rkey();
+      state.valid = m.fast_registered();
+      state.pages.assign(m.pages().begin(), m.pages().end());
+      state.fbo = m.fbo();
+      state.length = m.length();
+      state.base_address = m.base_address();
+      state.access = m.access();
+      MRD_ASSIGN_OR_RETURN(device::MrKeys keys,
+                           device_->AdoptFastRegisterMr(pd, state));
+      mr.device_mr = keys.mr;
+      mr.lkey = m.reported_lkey();
+      mr.rkey = keys.rkey;
+      mr.fast_registered = m.fast_registered();
+      mr.base_address = m.base_address();
+      mr.length = m.length();
+      mr.lams.assign(m.lams().begin(), m.lams().end());
+    }
+    budgets_.AdoptObjects(session, TenantResource::kMrs, 1);
+    absl::MutexLock lock(&session.mu);
+    session.mrs.emplace(mr.id, std::move(mr));
+  }
   return absl::OkStatus();
 }
 
@@ -338,6 +522,9 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
   MRD_RETURN_IF_ERROR(device_->CanHandOver());
   const absl::Time start = absl::Now();
   AdoptTimes times;
+  // Before any LAM is adopted: no address the old device handed out is
+  // handed out here again.
+  device_->ContinueLogicalAddressesAbove(in.logical_address_watermark());
   std::vector<std::string> adopted;
   uint64_t registrations = 0;
   for (const v1::HandedOverSession& session : in.sessions()) {

@@ -648,6 +648,24 @@ std::optional<cache::WarmPin> Registrations::MakeWarmPin(
   return pin;
 }
 
+void Registrations::AdoptWarm(const std::shared_ptr<Session>& session,
+                              const cache::WarmKey& key,
+                              uint64_t pinned_bytes) {
+  cache::CacheKey full;
+  full.session = key.session;
+  full.buffer = key.buffer;
+  full.offset = key.offset;
+  full.length = key.length;
+  std::optional<cache::WarmPin> pin = MakeWarmPin(session, full, pinned_bytes);
+  if (!pin.has_value()) {
+    warm_.CountDrop();
+    return;
+  }
+  budgets_->Adopt(*session, pinned_bytes, /*registrations=*/0,
+                  /*buffers=*/0);
+  KeepWarm(session, *std::move(pin));
+}
+
 void Registrations::KeepWarm(const std::shared_ptr<Session>& session,
                              cache::WarmPin pin) {
   std::vector<cache::WarmPin> release;

@@ -130,6 +130,15 @@ class Registrations {
 
   cache::CacheStats CacheStats() const { return cache_.Stats(); }
   cache::WarmPinStats WarmStats() const { return warm_.Stats(); }
+  // Handover: the warm pins kept (WarmPinSet::Kept), and one of another
+  // process pinned again here (its bytes charged to the session whatever
+  // the limits say, as a registration's are). One that cannot be pinned or
+  // kept here is dropped: a warm pin holds no key, nothing depends on it.
+  std::vector<std::pair<cache::WarmKey, uint64_t>> WarmKept() const {
+    return warm_.Kept();
+  }
+  void AdoptWarm(const std::shared_ptr<Session>& session,
+                 const cache::WarmKey& key, uint64_t pinned_bytes);
 
  private:
   // What a registration needs once its request is checked: the buffer's

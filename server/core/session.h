@@ -90,6 +90,7 @@ struct LamRecord {
   uint32_t fbo = 0;
   uint64_t pinned_bytes = 0;
   std::shared_ptr<fd_socket::MappedFile> file;  // keeps the pages mapped
+  uint32_t privileged_key = 0;  // L9, as BuildLam answered (handover)
 };
 
 class Session final : public device::PdEventSink {

@@ -920,8 +920,9 @@ absl::StatusOr<MrKeys> DeviceModel::AllocateFastMr(PdId pd_id,
         absl::StrCat(call, ": max_pages ", max_pages, " is not in [1, ",
                      options_.max_page_list_length, "]"));
   }
-  if (adopt != nullptr)
+  if (adopt != nullptr) {
     MRD_RETURN_IF_ERROR(CheckAdoptedFastRegistration(*adopt));
+  }
   MRD_ASSIGN_OR_RETURN(ProviderState * pd_state, BeginPdOp(pd_id));
   MrId id = 0;
   {

@@ -484,6 +484,9 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
           {"sessions", h.sessions},
           {"buffers", h.buffers},
           {"registrations", h.registrations},
+          {"lams", h.lams},
+          {"mr_objects", h.mr_objects},
+          {"warm_pins", h.warm_pins},
           {"fd_connections", h.fd_connections},
           {"pinned_bytes", h.pinned_bytes}};
       for (const auto& [kind, value] : kinds) {

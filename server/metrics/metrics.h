@@ -61,6 +61,9 @@ struct HandoverGauges {
   uint64_t sessions = 0;
   uint64_t buffers = 0;
   uint64_t registrations = 0;
+  uint64_t lams = 0;
+  uint64_t mr_objects = 0;
+  uint64_t warm_pins = 0;
   uint64_t fd_connections = 0;
   uint64_t pinned_bytes = 0;
   uint64_t attempts_total = 0;  // takeovers asked of this process

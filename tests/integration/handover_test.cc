@@ -9,8 +9,12 @@
 // mrd serves on with nothing lost.
 
 #include <dirent.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +24,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -34,6 +39,7 @@
 #include "client/lib/mrd_client.h"
 #include "client/peer/peer.h"
 #include "gtest/gtest.h"
+#include "mrd/v1/handover.pb.h"
 #include "tests/integration/mrd_process.h"
 #include "tests/integration/test_env.h"
 
@@ -260,7 +266,10 @@ class HandoverTest : public ::testing::Test {
     MrdProcessOptions o;
     o.runtime_dir = runtime_dir_;
     // mlock pinning: VmLck shows every pinned page.
-    o.extra_flags = {"--pin_method=mlock"};
+    // Warm pins on: they are handed over too.
+    o.extra_flags = {"--pin_method=mlock",
+                     "--warm_pin_bytes_per_session=67108864",
+                     "--warm_pin_bytes_total=67108864"};
     for (std::string& f : flags) o.extra_flags.push_back(std::move(f));
     return o;
   }
@@ -275,6 +284,17 @@ class HandoverTest : public ::testing::Test {
     auto c = client::Client::Connect(options);
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = std::make_unique<client::Client>(std::move(*c));
+  }
+
+  // Starts `mrd --takeover` (serving metrics if `metrics`) and waits until
+  // the old mrd has handed over and exited.
+  void TakeOver(bool metrics = false) {
+    MrdProcessOptions options = Options({"--takeover"});
+    options.metrics = metrics;
+    auto successor = MrdProcess::Start(options);
+    ASSERT_TRUE(successor.ok()) << successor.status();
+    new_ = std::move(*successor);
+    ASSERT_TRUE(old_->WaitExited(absl::Seconds(30))) << old_->Log();
   }
 
   // Registrations of 4 KiB, 64 KiB, 2 MiB and 32 MiB, each in a buffer of
@@ -325,6 +345,11 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
       *session, Range(buffers_[0], 0, 4096, kRemoteRead | kRemoteWrite));
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->id(), registrations_[0].id());
+  // A warm pin: 1 MiB registered and deregistered, its pages kept pinned.
+  absl::StatusOr<Registration> warm = Registration::Register(
+      *session, Range(buffers_[3], 0, 1 << 20, kRemoteRead));
+  ASSERT_TRUE(warm.ok()) << warm.status();
+  ASSERT_TRUE(warm->Deregister().ok());
   absl::StatusOr<client::PeerTicket> ticket =
       client::PeerTicket::Create(*session);
   ASSERT_TRUE(ticket.ok()) << ticket.status();
@@ -345,12 +370,7 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   ASSERT_TRUE(connected.ok()) << connected.status();
   EXPECT_EQ(connected->kind(), v1::Completion::PEER_CONNECTED);
 
-  MrdProcessOptions successor_options = Options({"--takeover"});
-  successor_options.metrics = true;
-  auto successor = MrdProcess::Start(successor_options);
-  ASSERT_TRUE(successor.ok()) << successor.status();
-  new_ = std::move(*successor);
-  ASSERT_TRUE(old_->WaitExited(absl::Seconds(30))) << old_->Log();
+  ASSERT_NO_FATAL_FAILURE(TakeOver(/*metrics=*/true));
   EXPECT_TRUE(absl::StrContains(old_->Log(), "handed over to the new mrd"))
       << old_->Log();
   // Its health may answer SERVING a moment before its last start line.
@@ -373,6 +393,10 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
       *scrape, "mrd_takeover_objects{kind=\"fd_connections\"} 1"))
       << *scrape;
   EXPECT_FALSE(absl::StrContains(*scrape, "mrd_takeover_seconds 0\n"));
+  EXPECT_TRUE(absl::StrContains(*scrape, "mrd_cache_warm_pins 1\n")) << *scrape;
+  EXPECT_TRUE(
+      absl::StrContains(*scrape, "mrd_takeover_objects{kind=\"warm_pins\"} 1"))
+      << *scrape;
   // The peer goes on through the new process.
   const uint64_t ops_at_handover = peer.operations();
   absl::SleepFor(absl::Milliseconds(200));
@@ -419,6 +443,15 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   EXPECT_EQ(replayed->id(), registrations_[1].id());
   EXPECT_EQ(replayed->rkey(), registrations_[1].rkey());
   replayed->Detach();  // a replay holds no reference of its own
+  // The warm pin came along: registering its range again is a warm hit.
+  absl::StatusOr<Registration> rewarm = Registration::Register(
+      *session, Range(buffers_[3], 0, 1 << 20, kRemoteRead));
+  ASSERT_TRUE(rewarm.ok()) << rewarm.status();
+  scrape = ScrapeMetrics(new_->metrics_address());
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  EXPECT_TRUE(absl::StrContains(*scrape, "mrd_cache_warm_hits_total 1\n"))
+      << *scrape;
+  ASSERT_TRUE(rewarm->Deregister().ok());
   // The fd session imports and registers anew.
   absl::StatusOr<Buffer> fresh = Buffer::Create(*session, 8192, "after");
   ASSERT_TRUE(fresh.ok()) << fresh.status();
@@ -458,6 +491,17 @@ TEST_P(HandoverFaultTest, TheOldMrdServesOnWithNothingLost) {
   absl::StatusOr<Session> session = Session::OpenFd(*client_);
   ASSERT_TRUE(session.ok()) << session.status();
   ASSERT_NO_FATAL_FAILURE(Populate(*session));
+  // A LAM and MR objects too: a new process that fails after adopting
+  // them releases them, and the old one's stay as they were.
+  client::BuildLamOptions lo;
+  lo.buffer = buffers_[2].id();
+  lo.length = 1 << 20;
+  absl::StatusOr<client::Lam> lam = client::Lam::Build(*session, lo);
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  absl::StatusOr<client::Mr> fast = client::Mr::Create(*session, true, true);
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  absl::StatusOr<client::Mr> normal = client::Mr::Create(*session, false);
+  ASSERT_TRUE(normal.ok()) << normal.status();
   absl::StatusOr<client::PeerTicket> ticket =
       client::PeerTicket::Create(*session);
   ASSERT_TRUE(ticket.ok()) << ticket.status();
@@ -501,10 +545,7 @@ TEST_P(HandoverFaultTest, TheOldMrdServesOnWithNothingLost) {
   ASSERT_TRUE(fresh_reg.ok()) << fresh_reg.status();
   // And a takeover without the fault still works afterwards.
   if (!old_side) {
-    auto successor = MrdProcess::Start(Options({"--takeover"}));
-    ASSERT_TRUE(successor.ok()) << successor.status();
-    new_ = std::move(*successor);
-    ASSERT_TRUE(old_->WaitExited(absl::Seconds(30))) << old_->Log();
+    ASSERT_NO_FATAL_FAILURE(TakeOver());
     EXPECT_EQ(Held(*session).size() > 0, true);
   }
 }
@@ -522,7 +563,165 @@ INSTANTIATE_TEST_SUITE_P(EveryStep, HandoverFaultTest,
                            return name;
                          });
 
-TEST_F(HandoverTest, WhatCannotBeHandedOverYetIsRefusedAndTheOldServesOn) {
+// A peer of `session`'s PD on the software device, retried while a
+// takeover moves the peer path's listener.
+std::unique_ptr<peer::Peer> ConnectPeerTo(const client::PeerTicket& ticket) {
+  for (int i = 0; i < 500; ++i) {
+    auto p = peer::ConnectPeer(TestDeviceKind(), ticket.peer_address(),
+                               ticket.ticket());
+    if (p.ok()) return std::move(*p);
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ADD_FAILURE() << "the peer could not connect";
+  return nullptr;
+}
+
+// A peer of `session`'s PD and the session's completion stream, past the
+// peer's PEER_CONNECTED.
+struct ConnectedPeer {
+  std::optional<client::PeerTicket> ticket;
+  std::optional<client::CompletionStream> stream;
+  std::unique_ptr<peer::Peer> peer;
+};
+
+void ConnectWithStream(const Session& session, ConnectedPeer* out) {
+  absl::StatusOr<client::PeerTicket> ticket =
+      client::PeerTicket::Create(session);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  out->ticket.emplace(std::move(*ticket));
+  out->stream.emplace(client::CompletionStream::Open(session));
+  out->peer = ConnectPeerTo(*out->ticket);
+  ASSERT_NE(out->peer, nullptr);
+  NextCompletionOfKind(*out->stream, v1::Completion::PEER_CONNECTED);
+}
+
+// LAMs (their logical addresses and privileged tokens) and MR objects
+// (normal ones with their registration; fast-register ones with their keys,
+// free or fast-registered over a LAM) go to the new process as they were:
+// the peer reads and writes through the fast registration's rkey after the
+// takeover, and the new process invalidates, releases and closes them.
+TEST_F(HandoverTest, LamsAndMrObjectsSurviveATakeover) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
+  ASSERT_NO_FATAL_FAILURE(StartOld());
+  absl::StatusOr<Session> session = Session::OpenFd(*client_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 4 * 4096, "lam");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  char* data = static_cast<char*>(buffer->data());
+  std::memcpy(data + 100, "fast bytes", 10);
+  client::BuildLamOptions lo;
+  lo.buffer = buffer->id();
+  lo.offset = 100;
+  lo.length = 5000;
+  // One released before the takeover: its logical addresses are never
+  // handed out again, not by the new process either.
+  absl::StatusOr<client::Lam> gone = client::Lam::Build(*session, lo);
+  ASSERT_TRUE(gone.ok()) << gone.status();
+  const uint64_t gone_last_page = gone->pages().back();
+  ASSERT_TRUE(gone->Release().ok());
+  absl::StatusOr<client::Lam> lam = client::Lam::Build(*session, lo);
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  absl::StatusOr<client::Mr> normal = client::Mr::Create(*session, false);
+  ASSERT_TRUE(normal.ok()) << normal.status();
+  absl::StatusOr<Registration> through_mr =
+      normal->Register(Range(*buffer, 8192, 4096, kRemoteRead));
+  ASSERT_TRUE(through_mr.ok()) << through_mr.status();
+  absl::StatusOr<client::Mr> fast = client::Mr::Create(*session, true, true);
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  absl::StatusOr<client::Mr> spare = client::Mr::Create(*session, true, true);
+  ASSERT_TRUE(spare.ok()) << spare.status();
+  ConnectedPeer connected;
+  ASSERT_NO_FATAL_FAILURE(ConnectWithStream(*session, &connected));
+  const client::PeerTicket& ticket = *connected.ticket;
+  client::CompletionStream& stream = *connected.stream;
+  std::unique_ptr<peer::Peer>& peer = connected.peer;
+  client::FastRegisterOptions fr = client::FastRegisterOptions::FromLam(*lam);
+  fr.connection = peer->connection_id();
+  fr.request_context = 77;
+  fr.base_address = 0x10000000 + fr.fbo;
+  fr.flags = kOpRemoteRead | kOpRemoteWrite;
+  ASSERT_TRUE(fast->FastRegister(fr).ok());
+  v1::Completion registered =
+      NextCompletionOfKind(stream, v1::Completion::FAST_REGISTER);
+  ASSERT_EQ(registered.status(), ::mrd::STATUS_SUCCESS) << registered.message();
+  const uint32_t rkey = registered.rkey();
+  absl::StatusOr<std::string> read = peer->Read(rkey, fr.base_address, 10);
+  ASSERT_TRUE(read.ok()) << read.status();
+  const std::string held_before = Held(*session);
+
+  ASSERT_NO_FATAL_FAILURE(TakeOver(/*metrics=*/true));
+  EXPECT_EQ(Held(*session), held_before);
+  absl::StatusOr<std::string> scrape = ScrapeMetrics(new_->metrics_address());
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  EXPECT_TRUE(
+      absl::StrContains(*scrape, "mrd_takeover_objects{kind=\"lams\"} 1"))
+      << *scrape;
+  EXPECT_TRUE(
+      absl::StrContains(*scrape, "mrd_takeover_objects{kind=\"mr_objects\"} 3"))
+      << *scrape;
+
+  // The old process closed the peer's connection; through the new one the
+  // same rkey reads and writes the same memory.
+  peer = ConnectPeerTo(ticket);
+  ASSERT_NE(peer, nullptr);
+  read = peer->Read(rkey, fr.base_address, 10);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "fast bytes");
+  ASSERT_TRUE(peer->Write(rkey, fr.base_address + 10, "+after").ok());
+  EXPECT_EQ(std::string(data + 110, 6), "+after");
+  // Normal registration through the adopted MR object: still readable.
+  read = peer->Read(through_mr->rkey(), through_mr->base_address(), 4);
+  EXPECT_TRUE(read.ok()) << read.status();
+
+  // New logical addresses lie above every one the old process handed out.
+  absl::StatusOr<client::Lam> fresh = client::Lam::Build(*session, lo);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_GT(fresh->pages().front(), gone_last_page);
+  EXPECT_GT(fresh->pages().front(), lam->pages().back());
+  ASSERT_TRUE(fresh->Release().ok());
+
+  // The new process invalidates, releases and closes what it took over.
+  NextCompletionOfKind(stream, v1::Completion::PEER_CONNECTED);
+  client::Lam second_handle = client::Lam::Adopt(*session, lam->response());
+  EXPECT_EQ(second_handle.Release().code(),
+            absl::StatusCode::kFailedPrecondition);  // fast-registered
+  ASSERT_TRUE(fast->Invalidate(peer->connection_id(), 99).ok());
+  v1::Completion invalidated =
+      NextCompletionOfKind(stream, v1::Completion::INVALIDATE);
+  EXPECT_EQ(invalidated.status(), ::mrd::STATUS_SUCCESS)
+      << invalidated.message();
+  EXPECT_FALSE(peer->Read(rkey, fr.base_address, 10).ok());
+  // A refused key breaks the connection (as a queue pair goes to error).
+  peer = ConnectPeerTo(ticket);
+  ASSERT_NE(peer, nullptr);
+  // The spare MR object registers fast, with a key of the new process.
+  fr.connection = peer->connection_id();
+  absl::StatusOr<uint64_t> posted = spare->FastRegister(fr);
+  ASSERT_TRUE(posted.ok()) << posted.status();
+  v1::Completion again =
+      NextCompletionOfKind(stream, v1::Completion::FAST_REGISTER);
+  ASSERT_EQ(again.status(), ::mrd::STATUS_SUCCESS) << again.message();
+  EXPECT_NE(again.rkey(), rkey);
+  read = peer->Read(again.rkey(), fr.base_address, 10);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "fast bytes");
+  peer.reset();
+  ASSERT_TRUE(spare->Close().ok());
+  ASSERT_TRUE(fast->Close().ok());
+  ASSERT_TRUE(lam->Release().ok());
+  ASSERT_TRUE(through_mr->Deregister().ok());
+  ASSERT_TRUE(normal->Close().ok());
+  absl::StatusOr<v1::ListRegistrationsResponse> left = session->List();
+  ASSERT_TRUE(left.ok()) << left.status();
+  EXPECT_EQ(left->registrations_size(), 0);
+  EXPECT_EQ(left->lams_size(), 0);
+  EXPECT_EQ(left->mrs_size(), 0);
+}
+
+// Work posted on a peer connection and not yet executed (deferred) does not
+// move to another process: the takeover is refused, HANDOVER_BUSY, and the
+// old mrd serves on; once the work is gone, the takeover goes through.
+TEST_F(HandoverTest, WorkInFlightRefusesTheTakeoverUntilItIsDone) {
   if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
   ASSERT_NO_FATAL_FAILURE(StartOld());
   absl::StatusOr<Session> session = Session::OpenFd(*client_);
@@ -533,20 +732,172 @@ TEST_F(HandoverTest, WhatCannotBeHandedOverYetIsRefusedAndTheOldServesOn) {
   lo.length = 4096;
   absl::StatusOr<client::Lam> lam = client::Lam::Build(*session, lo);
   ASSERT_TRUE(lam.ok()) << lam.status();
+  absl::StatusOr<client::Mr> fast = client::Mr::Create(*session, true, true);
+  ASSERT_TRUE(fast.ok()) << fast.status();
+  ConnectedPeer connected;
+  ASSERT_NO_FATAL_FAILURE(ConnectWithStream(*session, &connected));
+  client::CompletionStream& stream = *connected.stream;
+  std::unique_ptr<peer::Peer>& peer = connected.peer;
+  client::FastRegisterOptions fr = client::FastRegisterOptions::FromLam(*lam);
+  fr.connection = peer->connection_id();
+  fr.base_address = 0x20000000;
+  fr.flags = kOpRemoteRead | 0x200;  // deferred: it waits to be rung
+  ASSERT_TRUE(fast->FastRegister(fr).ok());
   const std::string held_before = Held(*session);
   absl::StatusOr<MrdExit> ended =
       MrdProcess::RunToExit(Options({"--takeover"}), 30000);
   ASSERT_TRUE(ended.ok()) << ended.status();
-  EXPECT_TRUE(absl::StrContains(ended->log, "HANDOVER_UNSUPPORTED_STATE"))
-      << ended->log;
+  EXPECT_TRUE(absl::StrContains(ended->log, "HANDOVER_BUSY")) << ended->log;
   EXPECT_FALSE(old_->WaitExited(absl::ZeroDuration()));
   EXPECT_EQ(Held(*session), held_before);
-  // Without the LAM it goes.
-  ASSERT_TRUE(lam->Release().ok());
-  auto successor = MrdProcess::Start(Options({"--takeover"}));
-  ASSERT_TRUE(successor.ok()) << successor.status();
-  new_ = std::move(*successor);
-  ASSERT_TRUE(old_->WaitExited(absl::Seconds(30))) << old_->Log();
+  for (const Registration& r : registrations_) {
+    absl::StatusOr<std::string> read =
+        peer->Read(r.rkey(), r.base_address(), 8);
+    EXPECT_TRUE(read.ok()) << read.status();
+  }
+  // The peer goes: its deferred work is flushed, nothing is in flight.
+  peer.reset();
+  v1::Completion flushed =
+      NextCompletionOfKind(stream, v1::Completion::FAST_REGISTER);
+  EXPECT_NE(flushed.status(), ::mrd::STATUS_SUCCESS);
+  ASSERT_NO_FATAL_FAILURE(TakeOver());
+  absl::StatusOr<v1::ListRegistrationsResponse> list = session->List();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->lams_size(), 1);
+  EXPECT_EQ(list->mrs_size(), 1);
+}
+
+// The handover protocol by hand (server/handover/channel.h: a 12-byte
+// header, magic "MRDH", payload length and fd count as little-endian
+// uint32s, then a serialized HandoverFrame), for what no mrd would send.
+std::string HandoverBytes(const v1::HandoverFrame& frame) {
+  const std::string payload = frame.SerializeAsString();
+  const uint32_t header[3] = {0x4844524d, static_cast<uint32_t>(payload.size()),
+                              0};
+  return std::string(reinterpret_cast<const char*>(header), sizeof(header)) +
+         payload;
+}
+
+// Connects to `path`, sends `bytes` and reads until the other side closes
+// (at most 64 KiB): only raw system calls, so that it may run in a forked
+// child of this multithreaded process. "" when it could not connect.
+std::string ExchangeRaw(const std::string& path, const std::string& bytes) {
+  static char buffer[65536];
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return "";
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) !=
+      0) {
+    ::close(fd);
+    return "";
+  }
+  // The other side may refuse and close before reading: no SIGPIPE.
+  (void)!::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  size_t got = 0;
+  while (got < sizeof(buffer)) {
+    const ssize_t n = ::read(fd, buffer + got, sizeof(buffer) - got);
+    if (n <= 0) break;
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return std::string(buffer, got);
+}
+
+// The first frame of `bytes` (as ExchangeRaw read them), parsed.
+std::optional<v1::HandoverFrame> FirstFrame(const std::string& bytes) {
+  if (bytes.size() < 12) return std::nullopt;
+  uint32_t header[3];
+  std::memcpy(header, bytes.data(), sizeof(header));
+  if (header[0] != 0x4844524d || bytes.size() < 12 + header[1]) {
+    return std::nullopt;
+  }
+  v1::HandoverFrame frame;
+  if (!frame.ParseFromArray(bytes.data() + 12, static_cast<int>(header[1]))) {
+    return std::nullopt;
+  }
+  return frame;
+}
+
+v1::HandoverFrame Hello(uint32_t version, const std::string& device_kind) {
+  v1::HandoverFrame frame;
+  frame.mutable_hello()->set_version(version);
+  frame.mutable_hello()->set_mrd_version("test");
+  frame.mutable_hello()->set_pid(static_cast<uint32_t>(::getpid()));
+  frame.mutable_hello()->set_device_kind(device_kind);
+  return frame;
+}
+
+// Who may take over, and with what: another uid (even with the socket's
+// mode opened up), another format version or another device kind is
+// refused with its reason, and the old mrd serves on and still hands over
+// to a process that may.
+TEST_F(HandoverTest, OnlyItsOwnUidWithItsFormatAndDeviceMayTakeOver) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to act as another uid";
+  ASSERT_NO_FATAL_FAILURE(StartOld());
+  absl::StatusOr<Session> session = Session::OpenFd(*client_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_NO_FATAL_FAILURE(Populate(*session));
+  const std::string held_before = Held(*session);
+  const std::string path = runtime_dir_ + "/handover.sock";
+  // The socket's mode keeps other uids out...
+  struct stat st {};
+  ASSERT_EQ(::stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // ...and behind it, SO_PEERCRED: opened to all, uid 65534 is refused.
+  ASSERT_EQ(::chmod(path.c_str(), 0666), 0);
+  ASSERT_EQ(::chmod(runtime_dir_.c_str(), 0755), 0);
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+  const std::string hello = HandoverBytes(Hello(1, "software"));
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    if (::setgid(65534) != 0 || ::setuid(65534) != 0) ::_exit(2);
+    const std::string answer = ExchangeRaw(path, hello);
+    (void)!::write(pipe_fds[1], answer.data(), answer.size());
+    ::_exit(answer.empty() ? 3 : 0);
+  }
+  ::close(pipe_fds[1]);
+  std::string answer;
+  char chunk[4096];
+  ssize_t n;
+  while ((n = ::read(pipe_fds[0], chunk, sizeof(chunk))) > 0) {
+    answer.append(chunk, static_cast<size_t>(n));
+  }
+  ::close(pipe_fds[0]);
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(child, &wstatus, 0), child);
+  ASSERT_TRUE(WIFEXITED(wstatus) && WEXITSTATUS(wstatus) == 0) << wstatus;
+  std::optional<v1::HandoverFrame> refusal = FirstFrame(answer);
+  ASSERT_TRUE(refusal.has_value());
+  EXPECT_EQ(refusal->refusal().reason(), "HANDOVER_PEER_NOT_ALLOWED")
+      << refusal->ShortDebugString();
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+
+  // Another format version, another device.
+  refusal =
+      FirstFrame(ExchangeRaw(path, HandoverBytes(Hello(999, "software"))));
+  ASSERT_TRUE(refusal.has_value());
+  EXPECT_EQ(refusal->refusal().reason(), "HANDOVER_VERSION")
+      << refusal->ShortDebugString();
+  refusal = FirstFrame(ExchangeRaw(path, HandoverBytes(Hello(1, "verbs"))));
+  ASSERT_TRUE(refusal.has_value());
+  EXPECT_EQ(refusal->refusal().reason(), "HANDOVER_DEVICE_MISMATCH")
+      << refusal->ShortDebugString();
+  // Not a frame at all.
+  refusal = FirstFrame(ExchangeRaw(path, std::string(64, 'x')));
+  ASSERT_TRUE(refusal.has_value());
+  EXPECT_EQ(refusal->refusal().reason(), "HANDOVER_BAD_FRAME")
+      << refusal->ShortDebugString();
+
+  EXPECT_FALSE(old_->WaitExited(absl::ZeroDuration()));
+  EXPECT_EQ(Held(*session), held_before);
+  EXPECT_TRUE(session->Ping().ok());
+  ASSERT_NO_FATAL_FAILURE(TakeOver());
+  EXPECT_EQ(Held(*session), held_before);
 }
 
 // The verbs device (run in the Soft-RoCE VM, label verbs): its objects

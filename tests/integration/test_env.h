@@ -27,6 +27,20 @@ inline constexpr uint32_t kOpSilentSuccess = 0x1;
 inline constexpr uint32_t kOpRemoteRead = 0x8;
 inline constexpr uint32_t kOpRemoteWrite = 0x30;
 
+// Waits for the next completion of `kind` on `stream`, skipping peer events
+// of other kinds.
+inline v1::Completion NextCompletionOfKind(client::CompletionStream& stream,
+                                           v1::Completion::Kind kind) {
+  for (int i = 0; i < 16; ++i) {
+    auto c = stream.Next(absl::Seconds(10));
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) return {};
+    if (c->kind() == kind) return *c;
+  }
+  ADD_FAILURE() << "no completion of kind " << kind;
+  return {};
+}
+
 // RegisterMr options for [offset, offset + length) of `buffer`.
 inline client::RegisterOptions Range(const client::Buffer& buffer,
                                      uint64_t offset, uint64_t length,
@@ -132,14 +146,7 @@ class MrdTest : public ::testing::Test {
   // kinds.
   v1::Completion NextOfKind(client::CompletionStream& stream,
                             v1::Completion::Kind kind) {
-    for (int i = 0; i < 16; ++i) {
-      auto c = stream.Next(absl::Seconds(10));
-      EXPECT_TRUE(c.ok()) << c.status();
-      if (!c.ok()) return {};
-      if (c->kind() == kind) return *c;
-    }
-    ADD_FAILURE() << "no completion of kind " << kind;
-    return {};
+    return NextCompletionOfKind(stream, kind);
   }
 
   std::unique_ptr<MrdProcess> mrd_;

@@ -60,6 +60,26 @@ TEST(WarmPinSetTest, TakeReturnsThePinOfExactlyThatRange) {
   EXPECT_EQ(stats.bytes, 0u);
 }
 
+TEST(WarmPinSetTest, KeptListsEveryPinLeastRecentlyKeptFirst) {
+  WarmPinSet set({10 * kPage, 10 * kPage});
+  EXPECT_TRUE(set.Kept().empty());
+  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 1)).empty());
+  EXPECT_TRUE(set.Put(Pin(Key(2, 1, 0, 2 * kPage), 2)).empty());
+  EXPECT_TRUE(set.Put(Pin(Key(1, 2, kPage), 3)).empty());
+  // Kept again: now the most recent.
+  std::vector<WarmPin> back = set.Put(Pin(Key(1, 1, 0), 4));
+  ASSERT_EQ(back.size(), 1u);
+  std::vector<std::pair<WarmKey, uint64_t>> kept = set.Kept();
+  ASSERT_EQ(kept.size(), 3u);
+  EXPECT_EQ(kept[0].first, Key(2, 1, 0, 2 * kPage));
+  EXPECT_EQ(kept[0].second, 2 * kPage);
+  EXPECT_EQ(kept[1].first, Key(1, 2, kPage));
+  EXPECT_EQ(kept[2].first, Key(1, 1, 0));
+  EXPECT_EQ(kept[2].second, kPage);
+  // Listing takes nothing out.
+  EXPECT_EQ(set.Stats().pins, 3u);
+}
+
 TEST(WarmPinSetTest, ZeroCapsKeepNothing) {
   WarmPinSet off({0, 0});
   EXPECT_FALSE(off.Admissible(kPage));
