@@ -89,8 +89,11 @@ class MrdProcess {
   bool WaitExited(absl::Duration timeout);
   // The server's stderr so far.
   std::string Log() const;
-  // The sanitizer reports written so far (every <runtime_dir>/sanitizer.*).
-  std::string SanitizerLog() const;
+  // The sanitizer reports this mrd wrote so far (<runtime_dir>/sanitizer.<pid>;
+  // another process sharing the runtime directory, a handover's other side,
+  // may be writing its own meanwhile), or those of process `pid`.
+  std::string SanitizerLog() const { return SanitizerLogOf(pid_); }
+  std::string SanitizerLogOf(pid_t pid) const;
 
  private:
   MrdProcess() = default;

@@ -315,13 +315,15 @@ TEST_F(ReloadTest, SighupHandsEverythingOverToANewProcess) {
   ASSERT_TRUE(stopping.has_value()) << skipped;
   EXPECT_EQ(stopping->pid, successor_);
   int status = 0;
+  const pid_t successor = successor_;
   ASSERT_EQ(waitpid(successor_, &status, 0), successor_);
   successor_ = 0;
   // As MrdProcess::Stop judges an mrd: exit 0, or ThreadSanitizer's 66
-  // when every report (in the shared runtime directory) is gRPC's alone.
+  // when every report of the successor's (in the shared runtime directory)
+  // is gRPC's alone.
   int library_only = 0;
   const absl::Status reports =
-      CheckSanitizerLog(old_->SanitizerLog(), &library_only);
+      CheckSanitizerLog(old_->SanitizerLogOf(successor), &library_only);
   EXPECT_TRUE(reports.ok()) << reports;
   EXPECT_TRUE(WIFEXITED(status) &&
               (WEXITSTATUS(status) == 0 ||

@@ -162,6 +162,30 @@ TEST(SanitizerLogTest, GeneratedCodeCalledByGrpcPasses) {
   EXPECT_TRUE(s.ok()) << s << log;
 }
 
+// libstdc++'s code instantiated for gRPC's types, called from gRPC's
+// (uninstrumented) header code: the stack shows no caller, and it is gRPC's
+// (clang's TSan build, a std::function gRPC's call ops construct).
+TEST(SanitizerLogTest, HeaderCodeForGrpcTypesWithoutCallerPasses) {
+  const std::string for_grpc =
+      "    #1 std::_Function_base::_Function_base() /usr/bin/../lib/gcc/"
+      "x86_64-linux-gnu/12/../../../../include/c++/12/bits/"
+      "std_function.h:252:30 (mrd+0x1266a0) (BuildId: 1b02)\n"
+      "    #2 std::function<grpc::Status (void const*)>::function() "
+      "/usr/bin/../lib/gcc/x86_64-linux-gnu/12/../../../../include/c++/12/"
+      "bits/std_function.h:369:9 (mrd+0x1266a0)\n";
+  const std::string log = Replace(kEpollReport, kReadFrame1, for_grpc);
+  absl::Status s = Check(log);
+  EXPECT_TRUE(s.ok()) << s << log;
+  // The same code called by mrd's is mrd's.
+  s = Check(InsertAfter(log, "std_function.h:369:9 (mrd+0x1266a0)\n",
+                        "    #3 mrd::service::Reply() "
+                        "../server/service/service.cc:9 (mrd+0x1)\n"));
+  EXPECT_FALSE(s.ok());
+  // Without gRPC's types it is not gRPC's.
+  s = Check(Replace(log, "grpc::Status (void const*)", "void ()"));
+  EXPECT_FALSE(s.ok());
+}
+
 // A stack of Debian's uninstrumented libraries only (here Abseil's time
 // zone code, which gRPC's threads run) is theirs, with or without gRPC.
 TEST(SanitizerLogTest, LibraryOnlyStacksPass) {
