@@ -224,7 +224,8 @@ ABSL_FLAG(absl::Duration, handover_drain_timeout, absl::Seconds(10),
           "serves on.");
 ABSL_FLAG(absl::Duration, handover_timeout, absl::Seconds(60),
           "Handing over: how long each side waits for each answer of the "
-          "other.");
+          "other, and how long --takeover keeps asking a running mrd that "
+          "says it is busy (HANDOVER_BUSY).");
 ABSL_FLAG(std::string, after_handover, "exit",
           "What this mrd does once it has handed over (and released "
           "everything): exit (exit 0) or wait (hold nothing, NOT_SERVING, "
@@ -378,8 +379,13 @@ class Daemon final : public handover::HandoverSource {
   absl::Status PreparePeers();
   absl::Status ChooseDevice();
   // --takeover: asks the running mrd to hand over and receives its
-  // snapshot; takeover_ stays null when none runs.
+  // snapshot; takeover_ stays null when none runs. A running mrd that is
+  // busy (HANDOVER_BUSY: work in flight on a peer connection, calls that
+  // did not drain) is asked again, backing off, until --handover_timeout.
   absl::Status BeginTakeover();
+  // One attempt: OK with takeover_ and snapshot_ set, or with takeover_
+  // null when no mrd runs.
+  absl::Status TryTakeover();
   // Adopts the snapshot, says ready and waits for commit.
   absl::Status AdoptSnapshot();
   // A listener the snapshot names (by index), or none.
@@ -1145,6 +1151,34 @@ UniqueFd Daemon::TakeSnapshotFd(int32_t index) {
 
 absl::Status Daemon::BeginTakeover() {
   takeover_start_ = absl::Now();
+  const absl::Time deadline =
+      takeover_start_ + absl::GetFlag(FLAGS_handover_timeout);
+  absl::Duration backoff = absl::Milliseconds(100);
+  for (;;) {
+    absl::Status attempt = TryTakeover();
+    if (attempt.ok()) return attempt;
+    if (GetErrorDetail(attempt).reason() != "HANDOVER_BUSY" ||
+        absl::Now() + backoff > deadline) {
+      return Fail(attempt.message());
+    }
+    LogWarning(attempt.message(), "; asking again in ",
+               absl::FormatDuration(backoff));
+    takeover_.reset();
+    prepared_.clear();
+    absl::SleepFor(backoff);
+    backoff = std::min(backoff * 2, absl::Seconds(2));
+  }
+}
+
+absl::Status Daemon::TryTakeover() {
+  // The reason stays (BeginTakeover retries on it); the message says that
+  // the running mrd serves on.
+  auto annotate = [](absl::string_view what, const absl::Status& s) {
+    return MrdError(
+        s.code(), GetErrorDetail(s).reason(),
+        absl::StrCat("takeover ", what,
+                     ", the running mrd serves on: ", s.ToString()));
+  };
   v1::HandoverHello hello;
   hello.set_mrd_version(MRD_VERSION);
   hello.set_pid(static_cast<uint32_t>(getpid()));
@@ -1162,10 +1196,7 @@ absl::Status Daemon::BeginTakeover() {
     LogInfo("--takeover: no mrd serves ", handover_socket_, "; starting fresh");
     return absl::OkStatus();
   }
-  if (!takeover.ok()) {
-    return Fail(absl::StrCat("takeover refused, the running mrd serves on: ",
-                             takeover.status().ToString()));
-  }
+  if (!takeover.ok()) return annotate("refused", takeover.status());
   takeover_ = std::move(*takeover);
   LogInfo("taking over from pid ", takeover_->accepted().pid(), " (mrd ",
           takeover_->accepted().mrd_version(), ")");
@@ -1173,22 +1204,15 @@ absl::Status Daemon::BeginTakeover() {
   // registered memory's page tables filled.
   absl::StatusOr<handover::HandoverChannel::Received> prepare =
       takeover_->ReceivePrepare();
-  if (!prepare.ok()) {
-    return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
-                             prepare.status().ToString()));
-  }
+  if (!prepare.ok()) return annotate("failed", prepare.status());
   prepared_ = core::PrepareBuffers(prepare->frame.prepare(), prepare->fds);
   if (takeover_->fault() == "new.prepare") _exit(3);
   if (absl::Status s = takeover_->Prepared(); !s.ok()) {
-    return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
-                             s.ToString()));
+    return annotate("failed", s);
   }
   absl::StatusOr<handover::HandoverChannel::Received> snapshot =
       takeover_->ReceiveSnapshot();
-  if (!snapshot.ok()) {
-    return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
-                             snapshot.status().ToString()));
-  }
+  if (!snapshot.ok()) return annotate("failed", snapshot.status());
   snapshot_ = std::move(*snapshot);
   LogInfo("snapshot received: ", snapshot_->frame.snapshot().sessions_size(),
           " sessions, ", snapshot_->fds.size(), " fds, ",

@@ -720,7 +720,9 @@ TEST_F(HandoverTest, LamsAndMrObjectsSurviveATakeover) {
 
 // Work posted on a peer connection and not yet executed (deferred) does not
 // move to another process: the takeover is refused, HANDOVER_BUSY, and the
-// old mrd serves on; once the work is gone, the takeover goes through.
+// old mrd serves on. The new process asks again (backing off) until
+// --handover_timeout: once the work is gone, the takeover goes through, and
+// the work's completion (flushed) reaches the client from the new process.
 TEST_F(HandoverTest, WorkInFlightRefusesTheTakeoverUntilItIsDone) {
   if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
   ASSERT_NO_FATAL_FAILURE(StartOld());
@@ -744,10 +746,12 @@ TEST_F(HandoverTest, WorkInFlightRefusesTheTakeoverUntilItIsDone) {
   fr.flags = kOpRemoteRead | 0x200;  // deferred: it waits to be rung
   ASSERT_TRUE(fast->FastRegister(fr).ok());
   const std::string held_before = Held(*session);
-  absl::StatusOr<MrdExit> ended =
-      MrdProcess::RunToExit(Options({"--takeover"}), 30000);
+  absl::StatusOr<MrdExit> ended = MrdProcess::RunToExit(
+      Options({"--takeover", "--handover_timeout=1s"}), 30000);
   ASSERT_TRUE(ended.ok()) << ended.status();
   EXPECT_TRUE(absl::StrContains(ended->log, "HANDOVER_BUSY")) << ended->log;
+  EXPECT_TRUE(absl::StrContains(ended->log, "asking again in")) << ended->log;
+  EXPECT_FALSE(WIFEXITED(ended->status) && WEXITSTATUS(ended->status) == 0);
   EXPECT_FALSE(old_->WaitExited(absl::ZeroDuration()));
   EXPECT_EQ(Held(*session), held_before);
   for (const Registration& r : registrations_) {
@@ -755,12 +759,18 @@ TEST_F(HandoverTest, WorkInFlightRefusesTheTakeoverUntilItIsDone) {
         peer->Read(r.rkey(), r.base_address(), 8);
     EXPECT_TRUE(read.ok()) << read.status();
   }
-  // The peer goes: its deferred work is flushed, nothing is in flight.
-  peer.reset();
+  // A takeover started now waits; the peer goes meanwhile: its deferred
+  // work is flushed, nothing is in flight, and the takeover goes through.
+  std::thread leave([&peer] {
+    absl::SleepFor(absl::Milliseconds(500));
+    peer.reset();
+  });
+  ASSERT_NO_FATAL_FAILURE(TakeOver());
+  leave.join();
+  EXPECT_TRUE(absl::StrContains(new_->Log(), "HANDOVER_BUSY")) << new_->Log();
   v1::Completion flushed =
       NextCompletionOfKind(stream, v1::Completion::FAST_REGISTER);
   EXPECT_NE(flushed.status(), ::mrd::STATUS_SUCCESS);
-  ASSERT_NO_FATAL_FAILURE(TakeOver());
   absl::StatusOr<v1::ListRegistrationsResponse> list = session->List();
   ASSERT_TRUE(list.ok()) << list.status();
   EXPECT_EQ(list->lams_size(), 1);
