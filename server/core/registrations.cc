@@ -490,7 +490,7 @@ absl::StatusOr<uint32_t> Registrations::DropReference(
     // The warm pin takes the pages before the MR lets go of them, so that
     // they are never unpinned in between; the key dies either way.
     std::optional<cache::WarmPin> warm =
-        MakeWarmPin(session, result.key, reg.pinned_bytes);
+        MakeWarmPin(session, WarmKeyOf(result.key), reg.pinned_bytes);
     absl::Status s = device_->DeregisterMr(reg.device_mr);
     if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
       if (warm.has_value()) {
@@ -617,7 +617,7 @@ void Registrations::DropWarm(uint64_t session, uint64_t buffer) {
 }
 
 std::optional<cache::WarmPin> Registrations::MakeWarmPin(
-    const std::shared_ptr<Session>& session, const cache::CacheKey& key,
+    const std::shared_ptr<Session>& session, const cache::WarmKey& key,
     uint64_t pinned_bytes) {
   if (!warm_.Admissible(pinned_bytes)) return std::nullopt;
   std::shared_ptr<fd_socket::MappedFile> file;
@@ -641,7 +641,7 @@ std::optional<cache::WarmPin> Registrations::MakeWarmPin(
     return std::nullopt;
   }
   cache::WarmPin pin;
-  pin.key = WarmKeyOf(key);
+  pin.key = key;
   pin.device_lam = lam->lam;
   pin.pinned_bytes = pinned_bytes;
   pin.owner = std::make_shared<WarmOwner>(WarmOwner{session, std::move(file)});
@@ -651,12 +651,7 @@ std::optional<cache::WarmPin> Registrations::MakeWarmPin(
 void Registrations::AdoptWarm(const std::shared_ptr<Session>& session,
                               const cache::WarmKey& key,
                               uint64_t pinned_bytes) {
-  cache::CacheKey full;
-  full.session = key.session;
-  full.buffer = key.buffer;
-  full.offset = key.offset;
-  full.length = key.length;
-  std::optional<cache::WarmPin> pin = MakeWarmPin(session, full, pinned_bytes);
+  std::optional<cache::WarmPin> pin = MakeWarmPin(session, key, pinned_bytes);
   if (!pin.has_value()) {
     warm_.CountDrop();
     return;

@@ -203,7 +203,7 @@ class Registrations {
   // pin; nullopt when warm pins are off, the pin would not fit, the buffer
   // or session is going, or the device refused.
   std::optional<cache::WarmPin> MakeWarmPin(
-      const std::shared_ptr<Session>& session, const cache::CacheKey& key,
+      const std::shared_ptr<Session>& session, const cache::WarmKey& key,
       uint64_t pinned_bytes);
   // Puts a warm pin in the set (its bytes stay reserved), or releases it
   // when its buffer or session went meanwhile; releases what the set evicts.

@@ -985,14 +985,25 @@ void DeviceModel::CommitAdoptedLocked(Mr* mr, const FastMrState& state,
   // The LAM references ExecuteFastRegister takes: ReleaseLam refuses while
   // this mapping lives.
   for (LamId id : resolved.lams) ++lams_.find(id)->second->fr_users;
-  FastRegisterState* fr = mr->fr();
-  mr->base = state.base_address;
-  mr->length = state.length;
-  mr->access = state.access;
-  fr->fbo = state.fbo;
-  fr->pages = std::move(resolved.pages);
-  fr->logical_pages = state.pages;
-  fr->lams = std::move(resolved.lams);
+  FastRegisterWork work;
+  work.pages = state.pages;
+  work.fbo = state.fbo;
+  work.length = state.length;
+  work.base_address = state.base_address;
+  work.access = state.access;
+  SetMappingLocked(mr, work, std::move(resolved));
+}
+
+void DeviceModel::SetMappingLocked(Mr* mr, const FastRegisterWork& fr,
+                                   ResolvedPages resolved) {
+  FastRegisterState* state = mr->fr();
+  mr->base = fr.base_address;
+  mr->length = fr.length;
+  mr->access = fr.access;
+  state->fbo = fr.fbo;
+  state->pages = std::move(resolved.pages);
+  state->logical_pages = fr.pages;
+  state->lams = std::move(resolved.lams);
   mr->valid = true;
 }
 
@@ -1356,16 +1367,8 @@ absl::Status DeviceModel::ExecuteFastRegister(const Work& work,
   // mapping down right after.
   mr->lkey = registration->lkey;
   mr->rkey = registration->rkey;
-  FastRegisterState* state = mr->fr();
-  state->mapping = std::move(registration->state);
-  mr->base = fr.base_address;
-  mr->length = fr.length;
-  mr->access = fr.access;
-  state->fbo = fr.fbo;
-  state->pages = std::move(resolved.pages);
-  state->logical_pages = fr.pages;
-  state->lams = std::move(resolved.lams);
-  mr->valid = true;
+  mr->fr()->mapping = std::move(registration->state);
+  SetMappingLocked(mr, fr, std::move(resolved));
   *rkey = mr->rkey;
   return absl::OkStatus();
 }

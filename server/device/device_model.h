@@ -464,6 +464,12 @@ class DeviceModel : public Device {
   void CommitAdoptedLocked(Mr* mr, const FastMrState& state,
                            ResolvedPages resolved)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A fast registration's mapping (`fr`'s range, access and page array,
+  // `resolved` through the LAMs) on the MR, which becomes valid: what
+  // ExecuteFastRegister and CommitAdoptedLocked both commit.
+  void SetMappingLocked(Mr* mr, const FastRegisterWork& fr,
+                        ResolvedPages resolved)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The MR of `id` (any state), or nullptr.
   Mr* LookupMrLocked(MrId id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
