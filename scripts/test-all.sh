@@ -25,20 +25,43 @@ configure() {  # dir, extra cmake args...
 
 total_passed=0
 total_failed=0
-count() {  # ctest log: adds its summary to the totals
-  local line
-  line=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' "$1" | tail -1)
+# One line per stage and the name of every test that failed, repeated at the
+# end: a CI that keeps only the tail of the log still says what failed where.
+summary=()
+why_failed() {  # test name, ctest log: the first lines of its failure
+  awk -v name="$1" '
+    index($0, ": " name " ") && $0 ~ /Test +#[0-9]+: / { mine = 1; next }
+    mine && $0 ~ /^ *[0-9]+\/[0-9]+ Test +#[0-9]+: / { exit }
+    mine && !found && ($0 ~ /: Failure$/ || $0 ~ /Sanitizer/ ||
+                       $0 ~ /ERROR/ || $0 ~ /Timeout|Exception/) { found = 1 }
+    found && shown < 4 { print substr($0, 1, 200); shown++ }
+  ' "$2"
+}
+count() {  # stage name, ctest log: adds its summary to the totals
+  local stage=$1 line
+  line=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' "$2" | tail -1)
   local failed total
   failed=$(sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/' <<<"$line")
   total=$(sed -E 's/.* failed out of ([0-9]+).*/\1/' <<<"$line")
   total_failed=$((total_failed + ${failed:-0}))
   total_passed=$((total_passed + ${total:-0} - ${failed:-0}))
+  summary+=("$stage: $((${total:-0} - ${failed:-0})) passed, ${failed:-0} failed")
+  local name line
+  while IFS= read -r name; do
+    summary+=("  failed: $name")
+    # The first lines of what the test said about why (its gtest failure or
+    # a sanitizer's report), from the output ctest printed for it.
+    while IFS= read -r line; do
+      summary+=("    $line")
+    done < <(why_failed "${name% (*}" "$2")
+  done < <(sed -n '/^The following tests FAILED:/,/^[^[:space:]]/p' "$2" |
+    grep -E '^[[:space:]]+[0-9]+ - ' | sed -E 's/^[[:space:]]+[0-9]+ - //')
 }
 run() {  # name, dir
   local name=$1 dir=$2 status=0
   echo "== $name tests ($dir)"
   scripts/run-tests.sh "$dir" || status=$?
-  count "$dir/ctest.log"
+  count "$name" "$dir/ctest.log"
   return $status
 }
 
@@ -50,10 +73,11 @@ run_tsan_mrd() {
   scripts/run-integration-vs-tsan.sh build build-tsan || status=$?
   if ! grep -qsE "tests passed, [0-9]+ tests? failed out of" build/ctest-tsan-mrd.log; then
     echo "integration vs tsan mrd: no ctest summary (status $status)"
+    summary+=("integration vs tsan mrd: no ctest summary (status $status)")
     total_failed=$((total_failed + 1))
     return 1
   fi
-  count build/ctest-tsan-mrd.log
+  count "integration vs tsan mrd" build/ctest-tsan-mrd.log
   return $status
 }
 
@@ -68,18 +92,14 @@ run_vm() {
   # tmpfs inside the VM), and ctest can write its logs.
   tests/vm/run.sh --rw "$root" --cwd "$root" --timeout "${MRD_VM_TIMEOUT:-2400}" -- \
     "$root/scripts/vm-suite.sh" "$dir" || status=$?
-  local line failed total
-  line=$(grep -E 'tests passed, [0-9]+ tests? failed out of [0-9]+' \
-    "$dir/ctest-vm.log" 2>/dev/null | tail -1)
-  if [ -z "$line" ]; then
+  if ! grep -qsE 'tests passed, [0-9]+ tests? failed out of [0-9]+' \
+    "$dir/ctest-vm.log"; then
     echo "verbs device suite: no ctest summary came back from the VM (status $status)"
+    summary+=("verbs device in the VM: no ctest summary (status $status)")
     total_failed=$((total_failed + 1))
     return 1
   fi
-  failed=$(sed -E 's/.* ([0-9]+) tests? failed out of ([0-9]+).*/\1/' <<<"$line")
-  total=$(sed -E 's/.* failed out of ([0-9]+).*/\1/' <<<"$line")
-  total_failed=$((total_failed + failed))
-  total_passed=$((total_passed + total - failed))
+  count "verbs device in the VM" "$dir/ctest-vm.log"
   return $status
 }
 
@@ -93,9 +113,11 @@ run_fuzz() {
   rm -f "$log"
   if [ -z "$line" ]; then
     echo "fuzz: the fuzz build or run failed before any target ran"
+    summary+=("fuzz: the fuzz build or run failed before any target ran")
     total_failed=$((total_failed + 1))
     return 1
   fi
+  summary+=("$line")
   total_passed=$((total_passed + $(sed -E 's/fuzz: ([0-9]+) passed.*/\1/' <<<"$line")))
   total_failed=$((total_failed + $(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$line")))
   return $status
@@ -106,6 +128,7 @@ status=0
 echo "== clang-format"
 if ! git ls-files -z '*.cc' '*.h' | xargs -0 clang-format --dry-run --Werror; then
   echo "clang-format: files above need 'make format'"
+  summary+=("clang-format: files need 'make format'")
   status=1
 fi
 configure build
@@ -129,5 +152,7 @@ if [ "${MRD_SANITIZERS:-1}" != 0 ]; then
   run_tsan_mrd || status=1
   run_fuzz || status=1
 fi
+echo "== summary"
+printf '%s\n' "${summary[@]}"
 echo "all builds: ${total_passed} passed, ${total_failed} failed"
 exit $status

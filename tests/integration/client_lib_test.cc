@@ -36,6 +36,7 @@
 #include "client/lib/mrd_client.h"
 #include "client/peer/soft_peer.h"
 #include "tests/integration/test_env.h"
+#include "tests/support/frozen_thread.h"
 
 namespace mrd::testing {
 namespace {
@@ -1200,9 +1201,10 @@ TEST_F(BatchLimitTest, ABatchOverTheLimitIsRefusedWholeNamingIt) {
 }
 
 // A RegisterMr that is a cache hit, and a DeregisterMr that leaves
-// references, are answered on the gRPC thread: with one worker busy with a
-// queue of cold registrations, they return long before the queue drains
-// (hopped to the worker they would come after all of it, in order).
+// references, are answered on the gRPC thread: with the one worker held
+// still (ptrace, tests/support/frozen_thread.h) behind a queue of cold
+// registrations, they return while none of the queue is done (hopped to the
+// worker they would wait for it to go on).
 class QuickPathTest : public ClientLibTest {
  protected:
   MrdProcessOptions ServerOptions() override {
@@ -1215,51 +1217,64 @@ class QuickPathTest : public ClientLibTest {
 
 TEST_F(QuickPathTest, HitsAndNonLastDeregistrationsDoNotWaitForTheWorkers) {
   Session session = OpenFdSession();
-  constexpr uint64_t kChunk = uint64_t{16} << 20;
   constexpr int kQueued = 12;
   absl::StatusOr<Buffer> big =
-      Buffer::Create(session, kQueued * kChunk + 4096, "queue");
+      Buffer::Create(session, (kQueued + 1) * 4096, "queue");
   ASSERT_TRUE(big.ok()) << big.status();
-  for (uint64_t i = 0; i < kQueued * kChunk; i += 4096) {
-    static_cast<char*>(big->data())[i] = 1;
-  }
   absl::StatusOr<Registration> first = Registration::Register(
-      session, Range(*big, kQueued * kChunk, 4096, kRemoteRead));
+      session, Range(*big, kQueued * 4096, 4096, kRemoteRead));
   ASSERT_TRUE(first.ok()) << first.status();
 
-  std::atomic<int> done{0};
+  absl::StatusOr<std::unique_ptr<FrozenThread>> worker =
+      FrozenThread::FreezeIdle(mrd_->pid(), "mrd-worker");
+  ASSERT_TRUE(worker.ok()) << worker.status();
   std::vector<std::future<absl::StatusOr<Registration>>> queued;
   for (int i = 0; i < kQueued; ++i) {
     queued.push_back(Registration::RegisterFuture(
-        session, Range(*big, i * kChunk, kChunk, kRemoteRead)));
+        session, Range(*big, i * 4096, 4096, kRemoteRead)));
   }
-  std::thread watcher([&] {
+  const auto done = [&] {
+    int n = 0;
     for (auto& f : queued) {
-      f.wait();
-      done.fetch_add(1);
+      if (f.wait_for(std::chrono::seconds(0)) == std::future_status::ready) {
+        ++n;
+      }
     }
-  });
-  // The same range again: a hit, answered while the worker pins.
-  absl::StatusOr<Registration> hit = Registration::Register(
-      session, Range(*big, kQueued * kChunk, 4096, kRemoteRead));
-  const int done_at_hit = done.load();
+    return n;
+  };
+  // The same range again: a hit, answered while the worker cannot move.
+  std::future<absl::StatusOr<Registration>> hit_future =
+      Registration::RegisterFuture(
+          session, Range(*big, kQueued * 4096, 4096, kRemoteRead));
+  const bool hit_answered = hit_future.wait_for(std::chrono::seconds(20)) ==
+                            std::future_status::ready;
+  EXPECT_TRUE(hit_answered) << "the hit waited for the held worker";
+  if (!hit_answered) (*worker)->Thaw();
+  absl::StatusOr<Registration> hit = hit_future.get();
   ASSERT_TRUE(hit.ok()) << hit.status();
   EXPECT_TRUE(hit->cache_hit());
   EXPECT_EQ(hit->references(), 2u);
+  EXPECT_EQ(done(), 0);
   // Its deregistration leaves the first's reference: no device call either.
-  absl::StatusOr<uint32_t> left = hit->Deregister();
-  const int done_at_deregister = done.load();
+  std::future<absl::StatusOr<uint32_t>> left_future =
+      std::async(std::launch::async, [&] { return hit->Deregister(); });
+  const bool deregister_answered =
+      left_future.wait_for(std::chrono::seconds(20)) ==
+      std::future_status::ready;
+  EXPECT_TRUE(deregister_answered)
+      << "the deregistration waited for the held worker";
+  EXPECT_EQ(done(), 0);
+  (*worker)->Thaw();
+  absl::StatusOr<uint32_t> left = left_future.get();
   ASSERT_TRUE(left.ok()) << left.status();
   EXPECT_EQ(*left, 1u);
-  watcher.join();
-  EXPECT_LT(done_at_hit, kQueued);
-  EXPECT_LT(done_at_deregister, kQueued);
-  std::cerr << done_at_hit << " and " << done_at_deregister << " of " << kQueued
-            << " queued registrations were done when the hit and "
-            << "its deregistration returned\n";
+  // Let go, the worker does the whole queue.
   for (auto& f : queued) {
     absl::StatusOr<Registration> r = f.get();
     EXPECT_TRUE(r.ok()) << r.status();
+    if (r.ok()) {
+      EXPECT_FALSE(r->cache_hit());
+    }
   }
   // The token of the remaining reference still works.
   auto peer = ConnectPeer(session);
