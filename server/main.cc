@@ -473,6 +473,7 @@ class Daemon final : public handover::HandoverSource {
   UniqueFd detached_grpc_;
   UniqueFd detached_peer_;
   bool peer_stopped_ = false;
+  bool peers_frozen_ = false;  // Export froze the peer connections
   bool streams_held_ = false;
   bool metrics_stopped_ = false;
   fd_socket::FdServerOptions fd_server_options_;  // for Resume
@@ -497,6 +498,14 @@ class Daemon final : public handover::HandoverSource {
   absl::Mutex status_mu_;
   std::string status_ ABSL_GUARDED_BY(status_mu_);
 };
+
+uint64_t PeerConnectionsOf(const v1::HandoverSnapshot& snapshot) {
+  uint64_t n = 0;
+  for (const v1::HandedOverSession& s : snapshot.sessions()) {
+    n += static_cast<uint64_t>(s.peer_connections_size());
+  }
+  return n;
+}
 
 absl::Status Fail(absl::string_view message) {
   return absl::InternalError(message);
@@ -533,6 +542,8 @@ absl::Status Daemon::Start() {
     took_over_.warm_pins = stats.warm.pins;
     took_over_.fd_connections = static_cast<uint64_t>(
         snapshot_->frame.snapshot().fd_connections_size());
+    took_over_.peer_connections =
+        PeerConnectionsOf(snapshot_->frame.snapshot());
     took_over_.pinned_bytes = device_->PinnedBytes();
   }
   MRD_RETURN_IF_ERROR(StartFdSocket());
@@ -548,8 +559,9 @@ absl::Status Daemon::Start() {
     LogInfo("took over from pid ", takeover_->accepted().pid(), " (mrd ",
             takeover_->accepted().mrd_version(), "): ", stats.sessions,
             " sessions, ", stats.buffers, " buffers, ", stats.registrations,
-            " registrations, ", snap.fd_connections_size(),
-            " fd connections in ", absl::FormatDuration(took));
+            " registrations, ", snap.fd_connections_size(), " fd connections, ",
+            PeerConnectionsOf(snap), " peer connections in ",
+            absl::FormatDuration(took));
   }
   WriteStatus("serving");
   // systemd (Type=notify): serving now; after a takeover, this is the main
@@ -1248,7 +1260,10 @@ absl::Status Daemon::AdoptSnapshot() {
     return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
                              adopted.ToString()));
   }
-  // Committed: peers that waited in the listener's backlog come in here.
+  // Committed: the peer connections handed over go on where the old
+  // process stopped them, and peers that waited in the listener's backlog
+  // come in here.
+  device_->ThawPeers();
   device_->ResumePeerAccepting();
   return absl::OkStatus();
 }
@@ -1336,7 +1351,15 @@ absl::Status Daemon::Pause() {
 
 absl::Status Daemon::Export(v1::HandoverSnapshot* snapshot,
                             std::vector<UniqueFd>* fds) {
+  // Established peer connections stop first (once no peer operation runs):
+  // nothing is read or written on them here any more unless the handover
+  // is called off (Resume thaws them).
+  absl::StatusOr<std::vector<device::Device::HandedOverPeer>> peers =
+      device_->FreezePeers(absl::GetFlag(FLAGS_handover_drain_timeout));
+  if (!peers.ok()) return peers.status();
+  peers_frozen_ = true;
   MRD_RETURN_IF_ERROR(core_->ExportState(snapshot, fds));
+  MRD_RETURN_IF_ERROR(core_->ExportPeers(std::move(*peers), snapshot, fds));
   auto add = [fds](int fd) -> absl::StatusOr<int32_t> {
     if (fd < 0) return -1;
     const int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
@@ -1366,7 +1389,13 @@ absl::Status Daemon::Export(v1::HandoverSnapshot* snapshot,
 
 absl::Status Daemon::Release() {
   // From commit on, the new process alone answers peers: a key it revokes
-  // must not stay reachable here.
+  // must not stay reachable here. The frozen connections are the new
+  // process's now: this process's fds close, nothing is shut down; any
+  // other connection (before hello, or closing) ends here.
+  if (peers_frozen_) {
+    device_->DropFrozenPeers();
+    peers_frozen_ = false;
+  }
   if (!device_->DisconnectPeers(absl::Seconds(5))) {
     return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
                     "peer connections were still closing after 5s");
@@ -1385,6 +1414,10 @@ void Daemon::Resume() {
       LogError("handover failed, metrics not served again: ", s.ToString());
     }
     metrics_stopped_ = false;
+  }
+  if (peers_frozen_) {
+    device_->ThawPeers();
+    peers_frozen_ = false;
   }
   if (peer_stopped_) {
     device_->ResumePeerAccepting();

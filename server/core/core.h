@@ -245,6 +245,13 @@ class Core final : public fd_socket::FdSessionHandler {
   // completed), HANDOVER_FD (dup failed).
   absl::Status ExportState(v1::HandoverSnapshot* out,
                            std::vector<UniqueFd>* fds);
+  // After ExportState: the peer connections the device froze
+  // (Device::FreezePeers), each added to its session in `out` with its
+  // socket appended to `fds`. A connection of a session not in `out` is
+  // left out (it closes with this process).
+  absl::Status ExportPeers(std::vector<device::Device::HandedOverPeer> peers,
+                           v1::HandoverSnapshot* out,
+                           std::vector<UniqueFd>* fds);
   // Takes over the sessions of `in`: maps each buffer from `fds`, registers
   // each registration on the device with the keys it had, and restores
   // references, request ids, queued completions, leases and tickets, all

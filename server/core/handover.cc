@@ -18,6 +18,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/btree_map.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -219,6 +220,7 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
     }
   }
   out->set_logical_address_watermark(device_->LogicalAddressWatermark());
+  out->set_next_connection_id(device_->ConnectionIdWatermark());
   out->set_next_handle(next_handle_.load());
   out->set_next_session_id(sessions_.next_id());
   out->set_registration_sequence(registrations_.NextRegistrationSequence());
@@ -431,6 +433,55 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
         session, cache::WarmKey{in.id(), w.buffer(), w.offset(), w.length()},
         w.pinned_bytes());
   }
+  for (const v1::HandedOverPeerConnection& c : in.peer_connections()) {
+    if (c.fd() < 0 || static_cast<size_t>(c.fd()) >= fds.size() ||
+        !fds[c.fd()].valid()) {
+      return fail(
+          MrdError(absl::StatusCode::kInvalidArgument, "HANDOVER_BAD_FD",
+                   absl::StrCat("peer connection ", c.id(), " names fd ",
+                                c.fd(), " of ", fds.size())));
+    }
+    device::Device::HandedOverPeer peer;
+    peer.id = c.id();
+    peer.remote = c.remote();
+    peer.socket = std::move(fds[c.fd()]);
+    peer.received = c.received();
+    peer.unsent = c.unsent();
+    if (absl::Status s = device_->AdoptPeer(*pd, std::move(peer)); !s.ok()) {
+      return fail(s);
+    }
+    session->AdoptPeerConnection(c.id(), c.remote());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::ExportPeers(
+    std::vector<device::Device::HandedOverPeer> peers,
+    v1::HandoverSnapshot* out, std::vector<UniqueFd>* fds) {
+  absl::flat_hash_map<device::PdId, uint64_t> session_of_pd;
+  for (const std::shared_ptr<Session>& session : sessions_.All()) {
+    absl::MutexLock lock(&session->mu);
+    session_of_pd[session->pd] = session->id();
+  }
+  absl::flat_hash_map<uint64_t, v1::HandedOverSession*> exported;
+  for (v1::HandedOverSession& s : *out->mutable_sessions()) {
+    exported[s.id()] = &s;
+  }
+  for (device::Device::HandedOverPeer& peer : peers) {
+    // A session that is closing was not exported: its connections close
+    // with the old process.
+    auto id = session_of_pd.find(peer.pd);
+    if (id == session_of_pd.end()) continue;
+    auto session = exported.find(id->second);
+    if (session == exported.end()) continue;
+    fds->push_back(std::move(peer.socket));
+    v1::HandedOverPeerConnection* c = session->second->add_peer_connections();
+    c->set_id(peer.id);
+    c->set_remote(peer.remote);
+    c->set_fd(static_cast<int32_t>(fds->size() - 1));
+    c->set_received(std::move(peer.received));
+    c->set_unsent(std::move(peer.unsent));
+  }
   return absl::OkStatus();
 }
 
@@ -525,6 +576,7 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
   // Before any LAM is adopted: no address the old device handed out is
   // handed out here again.
   device_->ContinueLogicalAddressesAbove(in.logical_address_watermark());
+  device_->ContinueConnectionIdsAbove(in.next_connection_id());
   std::vector<std::string> adopted;
   uint64_t registrations = 0;
   for (const v1::HandedOverSession& session : in.sessions()) {

@@ -89,6 +89,14 @@ absl::Status Session::AdmitPeerConnection() {
   return absl::OkStatus();
 }
 
+void Session::AdoptPeerConnection(device::ConnectionId connection,
+                                  const std::string& peer) {
+  tenant_->Force(TenantResource::kPeerConnections, 1);
+  admitted_peers_.fetch_add(1);
+  absl::MutexLock lock(&mu);
+  connections[connection] = peer;
+}
+
 void Session::ReleasePeerConnections() {
   tenant_->Release(TenantResource::kPeerConnections,
                    admitted_peers_.exchange(0));

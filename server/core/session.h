@@ -122,6 +122,11 @@ class Session final : public device::PdEventSink {
   // Gives back what admitted connections still hold (the session ended, so
   // their disconnects will not come).
   void ReleasePeerConnections();
+  // A connection the old process admitted, handed over with the session:
+  // charged to the tenant whatever its quota says now (it was admitted),
+  // and listed, without a PEER_CONNECTED (the client heard it).
+  void AdoptPeerConnection(device::ConnectionId connection,
+                           const std::string& peer);
 
   // Keeps `memory` (a mapping an MR or LAM of the session pointed into)
   // until the session's PD is gone, when the device's release of that MR or

@@ -59,4 +59,8 @@ absl::StatusOr<UniqueFd> Device::StopPeerAccepting() {
 
 void Device::ResumePeerAccepting() {}
 
+absl::Status Device::AdoptPeer(PdId /*pd*/, HandedOverPeer /*peer*/) {
+  return NotHandedOver(*this, "AdoptPeer");
+}
+
 }  // namespace mrd::device

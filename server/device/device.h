@@ -314,6 +314,46 @@ class Device {
     (void)timeout;
     return true;
   }
+
+  // Established peer connections, handed over where the device can (the
+  // software device: its connections are TCP sockets this process owns).
+  // One connection past hello, with what is in flight on it.
+  struct HandedOverPeer {
+    ConnectionId id = 0;
+    PdId pd = 0;
+    std::string remote;
+    UniqueFd socket;       // a duplicate
+    std::string received;  // a frame read in part
+    std::string unsent;    // a response sent in part
+  };
+  // Stops serving every peer connection once no peer operation is running
+  // (waiting up to `timeout`) and returns those past hello with no work
+  // held back on them; they stay open here, untouched, until ThawPeers
+  // (the handover was called off) or DropFrozenPeers (it committed: this
+  // process's fds close without shutdown(2)). ThawPeers in the new process
+  // takes up the adopted ones (AdoptPeer). The default hands over none.
+  // Errors: UNAVAILABLE "HANDOVER_BUSY" (an operation was still running;
+  // nothing stays stopped).
+  virtual absl::StatusOr<std::vector<HandedOverPeer>> FreezePeers(
+      absl::Duration timeout) {
+    (void)timeout;
+    return std::vector<HandedOverPeer>{};
+  }
+  virtual void ThawPeers() {}
+  virtual void DropFrozenPeers() {}
+  // The new process's side: `peer` (another process's, frozen there) is
+  // to be served in `pd` with its old connection id, as established (no
+  // OnPeerConnected; the PD's sink owner counts it itself). Nothing is read
+  // or written on it, and the device does not know it, until ThawPeers at
+  // commit takes it up (a connection it cannot take then is closed, and
+  // logged); until then a failed takeover only closes this process's fd.
+  // Errors: CanHandOver's, INVALID_ARGUMENT "BAD_PEER_CONNECTION" (no
+  // socket).
+  virtual absl::Status AdoptPeer(PdId pd, HandedOverPeer peer);
+  // Connection ids are not reused across a handover either (a client may
+  // still name a closed one): as the logical address watermark.
+  virtual uint64_t ConnectionIdWatermark() const { return 0; }
+  virtual void ContinueConnectionIdsAbove(uint64_t /*watermark*/) {}
 };
 
 }  // namespace mrd::device

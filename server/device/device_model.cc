@@ -1051,6 +1051,16 @@ void DeviceModel::ContinueLogicalAddressesAbove(uint64_t watermark) {
   iova_.ContinueAbove(watermark);
 }
 
+uint64_t DeviceModel::ConnectionIdWatermark() const {
+  absl::MutexLock lock(&mu_);
+  return next_connection_;
+}
+
+void DeviceModel::ContinueConnectionIdsAbove(uint64_t watermark) {
+  absl::MutexLock lock(&mu_);
+  next_connection_ = std::max(next_connection_, watermark);
+}
+
 absl::Status DeviceModel::FreeFastRegisterMr(MrId mr) {
   return DestroyMr(mr, true);
 }
@@ -1551,6 +1561,44 @@ void DeviceModel::ConnectionClosed(ConnectionId connection_id) {
   task.pd = connection->pd;
   task.connection = connection->id;
   tasks_.push_back(std::move(task));
+}
+
+std::optional<PdId> DeviceModel::MovableConnection(
+    ConnectionId connection_id) const {
+  absl::MutexLock lock(&mu_);
+  auto it = connections_.find(connection_id);
+  if (it == connections_.end()) return std::nullopt;
+  const Connection& connection = *it->second;
+  if (connection.state != Connection::State::kReady || !connection.announced ||
+      !connection.deferred.empty()) {
+    return std::nullopt;
+  }
+  return connection.pd;
+}
+
+absl::Status DeviceModel::AdoptConnection(ConnectionId id, PdId pd_id,
+                                          const std::string& remote) {
+  absl::MutexLock lock(&mu_);
+  MRD_RETURN_IF_ERROR(UsableLocked());
+  if (shut_down_) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "DEVICE_SHUT_DOWN",
+                    "the device is shut down: no connection is adopted");
+  }
+  if (connections_.contains(id)) {
+    return MrdError(absl::StatusCode::kAlreadyExists, "CONNECTION_EXISTS",
+                    absl::StrCat("connection ", id, " exists already"));
+  }
+  MRD_ASSIGN_OR_RETURN(Pd * pd, FindPdLocked(pd_id));
+  auto connection = std::make_unique<Connection>();
+  connection->id = id;
+  connection->remote = remote;
+  connection->pd = pd_id;
+  connection->state = Connection::State::kReady;
+  connection->announced = true;  // OnPeerDisconnected follows at its end
+  pd->connections.insert(id);
+  connections_.emplace(id, std::move(connection));
+  next_connection_ = std::max(next_connection_, id + 1);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DeviceModel::PeerAccess> DeviceModel::BeginPeerAccess(

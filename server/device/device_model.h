@@ -172,6 +172,8 @@ class DeviceModel : public Device {
                                              const FastMrState& state) final;
   uint64_t LogicalAddressWatermark() const final;
   void ContinueLogicalAddressesAbove(uint64_t watermark) final;
+  uint64_t ConnectionIdWatermark() const final;
+  void ContinueConnectionIdsAbove(uint64_t watermark) final;
 
   // Hands the connection's deferred (kWorkDefer) work to the worker now, as
   // the next non-deferred post would. Errors: FAILED_PRECONDITION
@@ -332,6 +334,19 @@ class DeviceModel : public Device {
   // completions, then the PD's sink hears OnPeerDisconnected (when it heard
   // OnPeerConnected).
   void ConnectionClosed(ConnectionId connection) ABSL_LOCKS_EXCLUDED(mu_);
+  // Handover: the PD of a connection that may move to another process —
+  // ready (announced) and with no work held back on it; nullopt otherwise.
+  std::optional<PdId> MovableConnection(ConnectionId connection) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Another process's connection `id` (MovableConnection there), ready in
+  // `pd` at once, without OnPeerConnected (its sink heard it there) and
+  // without asking the sink to admit it (the sink's owner counted it when
+  // it adopted the PD's state); OnPeerDisconnected follows at its end.
+  // Errors: ALREADY_EXISTS "CONNECTION_EXISTS", NOT_FOUND "UNKNOWN_PD",
+  // FAILED_PRECONDITION "DEVICE_SHUT_DOWN".
+  absl::Status AdoptConnection(ConnectionId id, PdId pd,
+                               const std::string& remote)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The slot of an MR in the model's MR table: at most 2^24 - 1, the same
   // for the MR's whole life. A provider may name an MR by it (the software
   // device's key table does, in 32 bits instead of 64).

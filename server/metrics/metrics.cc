@@ -488,6 +488,7 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
           {"mr_objects", h.mr_objects},
           {"warm_pins", h.warm_pins},
           {"fd_connections", h.fd_connections},
+          {"peer_connections", h.peer_connections},
           {"pinned_bytes", h.pinned_bytes}};
       for (const auto& [kind, value] : kinds) {
         prometheus::ClientMetric metric;

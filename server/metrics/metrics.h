@@ -65,6 +65,7 @@ struct HandoverGauges {
   uint64_t mr_objects = 0;
   uint64_t warm_pins = 0;
   uint64_t fd_connections = 0;
+  uint64_t peer_connections = 0;
   uint64_t pinned_bytes = 0;
   uint64_t attempts_total = 0;  // takeovers asked of this process
   uint64_t refusals_total = 0;  // of those, refused or failed: it serves on

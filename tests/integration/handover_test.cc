@@ -156,8 +156,8 @@ class PinSampler {
 
 // A remote peer that reads and writes the first bytes of each token in a
 // loop, reconnecting with the session's ticket whenever its connection
-// closes (the old mrd closes peer connections at commit). A refused token
-// (REMOTE_ACCESS_ERROR) is what must never happen.
+// closes (a takeover hands its connection over: it should not). A refused
+// token (REMOTE_ACCESS_ERROR) is what must never happen.
 class BusyPeer {
  public:
   struct Target {
@@ -178,6 +178,7 @@ class BusyPeer {
   }
   uint64_t operations() const { return ops_; }
   uint64_t reconnects() const { return reconnects_; }
+  uint64_t connection_id() const { return connection_id_; }
   std::string refusals() const {
     absl::MutexLock lock(&mu_);
     return refusals_;
@@ -196,6 +197,7 @@ class BusyPeer {
           continue;
         }
         p = std::move(*connected);
+        connection_id_ = p->connection_id();
         ++reconnects_;
       }
       const Target& t = targets_[i++ % targets_.size()];
@@ -226,6 +228,7 @@ class BusyPeer {
   std::atomic<bool> stop_{false};
   std::atomic<uint64_t> ops_{0};
   std::atomic<uint64_t> reconnects_{0};
+  std::atomic<uint64_t> connection_id_{0};
   std::thread thread_;
   mutable absl::Mutex mu_;
   std::string refusals_ ABSL_GUARDED_BY(mu_);
@@ -369,6 +372,8 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   absl::StatusOr<v1::Completion> connected = stream.Next(absl::Seconds(10));
   ASSERT_TRUE(connected.ok()) << connected.status();
   EXPECT_EQ(connected->kind(), v1::Completion::PEER_CONNECTED);
+  const uint64_t connection = peer.connection_id();
+  EXPECT_EQ(connected->connection(), connection);
 
   ASSERT_NO_FATAL_FAILURE(TakeOver(/*metrics=*/true));
   EXPECT_TRUE(absl::StrContains(old_->Log(), "handed over to the new mrd"))
@@ -392,33 +397,48 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   EXPECT_TRUE(absl::StrContains(
       *scrape, "mrd_takeover_objects{kind=\"fd_connections\"} 1"))
       << *scrape;
+  EXPECT_TRUE(absl::StrContains(
+      *scrape, "mrd_takeover_objects{kind=\"peer_connections\"} 1"))
+      << *scrape;
   EXPECT_FALSE(absl::StrContains(*scrape, "mrd_takeover_seconds 0\n"));
   EXPECT_TRUE(absl::StrContains(*scrape, "mrd_cache_warm_pins 1\n")) << *scrape;
   EXPECT_TRUE(
       absl::StrContains(*scrape, "mrd_takeover_objects{kind=\"warm_pins\"} 1"))
       << *scrape;
-  // The peer goes on through the new process.
+  // The peer goes on through the new process, which lists its connection
+  // as the session's.
   const uint64_t ops_at_handover = peer.operations();
   absl::SleepFor(absl::Milliseconds(200));
+  absl::StatusOr<v1::ListRegistrationsResponse> listed = session->List();
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->connections_size(), 1);
+  EXPECT_EQ(listed->connections(0).connection(), connection);
   peer.Stop();
   pins.Stop();
   EXPECT_GT(peer.operations(), ops_at_handover);
   EXPECT_EQ(peer.refusals(), "") << "the peer saw a refused token";
-  EXPECT_GE(peer.reconnects(), 2u);
+  // Its one TCP connection went on through the new process.
+  EXPECT_EQ(peer.reconnects(), 1u) << peer.refusals();
+  EXPECT_EQ(peer.connection_id(), connection);
   EXPECT_GT(pins.samples(), 10u);
   EXPECT_GE(pins.lowest(), registered_bytes_)
       << "pinned bytes dropped below what is registered";
   EXPECT_TRUE(pins.successor_seen_pinning_before_old_exit());
 
-  // The stream goes on (opened again by the library in the new process):
-  // the peer's connections there are reported on it.
-  bool reconnect_seen = false;
-  for (int i = 0; i < 64 && !reconnect_seen; ++i) {
+  // The stream (opened again by the library in the new process) reports
+  // the connection's end now that the peer left, and no other connection
+  // event before it: it never connected again.
+  for (int i = 0; i < 64; ++i) {
     absl::StatusOr<v1::Completion> c = stream.Next(absl::Seconds(10));
     ASSERT_TRUE(c.ok()) << c.status();
-    reconnect_seen = c->kind() == v1::Completion::PEER_CONNECTED;
+    if (c->kind() != v1::Completion::PEER_CONNECTED &&
+        c->kind() != v1::Completion::PEER_DISCONNECTED) {
+      continue;
+    }
+    EXPECT_EQ(c->kind(), v1::Completion::PEER_DISCONNECTED) << c->DebugString();
+    EXPECT_EQ(c->connection(), connection);
+    break;
   }
-  EXPECT_TRUE(reconnect_seen);
 
   // The same session, channel and fd connection, now served by the new
   // process: everything as it was, same ids, keys and references.
@@ -532,6 +552,8 @@ TEST_P(HandoverFaultTest, TheOldMrdServesOnWithNothingLost) {
   pins.Stop();
   EXPECT_GT(peer.operations(), ops) << peer.refusals();
   EXPECT_EQ(peer.refusals(), "") << "the peer saw a refused token";
+  // Frozen for the handover or not, its connection served on.
+  EXPECT_EQ(peer.reconnects(), 1u);
   EXPECT_GE(pins.lowest(), registered_bytes_);
 
   EXPECT_EQ(Held(*session), held_before);
@@ -660,10 +682,8 @@ TEST_F(HandoverTest, LamsAndMrObjectsSurviveATakeover) {
       absl::StrContains(*scrape, "mrd_takeover_objects{kind=\"mr_objects\"} 3"))
       << *scrape;
 
-  // The old process closed the peer's connection; through the new one the
-  // same rkey reads and writes the same memory.
-  peer = ConnectPeerTo(ticket);
-  ASSERT_NE(peer, nullptr);
+  // The peer's connection went on through the new process: the same rkey
+  // reads and writes the same memory.
   read = peer->Read(rkey, fr.base_address, 10);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ(*read, "fast bytes");
@@ -680,8 +700,8 @@ TEST_F(HandoverTest, LamsAndMrObjectsSurviveATakeover) {
   EXPECT_GT(fresh->pages().front(), lam->pages().back());
   ASSERT_TRUE(fresh->Release().ok());
 
-  // The new process invalidates, releases and closes what it took over.
-  NextCompletionOfKind(stream, v1::Completion::PEER_CONNECTED);
+  // The new process invalidates, releases and closes what it took over,
+  // posting on the connection it took over (same id).
   client::Lam second_handle = client::Lam::Adopt(*session, lam->response());
   EXPECT_EQ(second_handle.Release().code(),
             absl::StatusCode::kFailedPrecondition);  // fast-registered

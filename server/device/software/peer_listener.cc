@@ -283,6 +283,184 @@ void PeerListener::SetAcceptingLocked(bool accept) {
       this));
 }
 
+bool PeerListener::OnReactor(absl::AnyInvocable<void()> call) {
+  if (stopped_) return false;
+  if (!started_) {  // no reactor yet: this thread is the only one
+    std::move(call)();
+    return true;
+  }
+  uint64_t ticket = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (reactor_gone_) return false;
+    calls_.push_back(std::move(call));
+    ticket = ++calls_queued_;
+  }
+  Wake();
+  struct Wait {
+    PeerListener* self;
+    uint64_t ticket;
+  } wait{this, ticket};
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(
+      +[](Wait* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {  // Await holds mu_
+        return w->self->calls_run_ >= w->ticket || w->self->reactor_gone_;
+      },
+      &wait));
+  return calls_run_ >= ticket;
+}
+
+void PeerListener::RunCalls() {
+  std::vector<absl::AnyInvocable<void()>> calls;
+  {
+    absl::MutexLock lock(&mu_);
+    if (calls_.empty()) return;
+    calls.swap(calls_);
+  }
+  for (auto& call : calls) std::move(call)();
+  absl::MutexLock lock(&mu_);
+  calls_run_ += calls.size();
+}
+
+namespace {
+
+absl::Status ListenerStopped(const std::string& address) {
+  return MrdError(absl::StatusCode::kFailedPrecondition,
+                  "PEER_LISTENER_STOPPED",
+                  absl::StrCat("peer listener on ", address, " is stopped"));
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PeerListener::HeldConnection>>
+PeerListener::FreezeConnections(absl::Duration timeout) {
+  absl::MutexLock start_lock(&start_mu_);
+  {
+    absl::MutexLock lock(&mu_);
+    held_.reset();
+  }
+  if (!OnReactor([this] {
+        freezing_ = true;
+        frozen_ = false;  // frozen already: the connections as they are now
+        TryCompleteFreeze();
+      })) {
+    return ListenerStopped(address_);
+  }
+  std::optional<absl::StatusOr<std::vector<HeldConnection>>> held;
+  {
+    absl::MutexLock lock(&mu_);
+    (void)mu_.AwaitWithTimeout(
+        absl::Condition(
+            +[](PeerListener* self) ABSL_EXCLUSIVE_LOCKS_REQUIRED(self->mu_) {
+              return self->held_.has_value();
+            },
+            this),
+        timeout);
+    held.swap(held_);
+  }
+  if (held.has_value() && held->ok()) return *std::move(held);
+  (void)OnReactor([this] { Thaw(); });
+  if (held.has_value()) return held->status();
+  return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
+                  absl::StrCat("a peer frame was still being handled after ",
+                               absl::FormatDuration(timeout)));
+}
+
+void PeerListener::ThawConnections() {
+  absl::MutexLock start_lock(&start_mu_);
+  (void)OnReactor([this] { Thaw(); });
+}
+
+void PeerListener::DropConnections() {
+  absl::MutexLock start_lock(&start_mu_);
+  (void)OnReactor([this] {
+    std::vector<uint64_t> ids;
+    ids.reserve(conns_.size());
+    for (const auto& [id, conn] : conns_) ids.push_back(id);
+    for (uint64_t id : ids) {
+      // The open file lives on in the other process: out of this epoll set
+      // first (closing this fd alone would not take it out).
+      auto it = conns_.find(id);
+      if (it != conns_.end() && it->second->registered) {
+        epoll_ctl(epoll_fd_.get(), EPOLL_CTL_DEL, it->second->fd.get(),
+                  nullptr);
+        it->second->registered = false;
+      }
+      CloseConn(id, nullptr);
+    }
+    freezing_ = frozen_ = false;
+    Publish();
+  });
+}
+
+absl::Status PeerListener::AdoptConnection(HeldConnection held,
+                                           std::shared_ptr<void> context) {
+  auto bad = [](const std::string& why) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_CONNECTION",
+                    absl::StrCat("adopted peer connection: ", why));
+  };
+  if (!held.fd.valid()) return bad("no socket");
+  const int flags = fcntl(held.fd.get(), F_GETFL);
+  if (flags < 0 || fcntl(held.fd.get(), F_SETFL, flags | O_NONBLOCK) != 0) {
+    return bad(absl::StrCat("fcntl(O_NONBLOCK): ", std::strerror(errno)));
+  }
+  auto conn = std::make_unique<Conn>();
+  conn->fd = std::move(held.fd);
+  conn->remote = std::move(held.remote);
+  conn->context = std::move(context);
+  conn->authenticated = held.authenticated;
+  conn->accepted_at = conn->last_progress = absl::Now();
+  // The frame read in part, as if those bytes had just arrived.
+  const size_t header = std::min(held.received.size(), peer::kFrameHeaderBytes);
+  std::memcpy(conn->header, held.received.data(), header);
+  conn->header_got = header;
+  if (header == peer::kFrameHeaderBytes) {
+    uint32_t length = 0;
+    for (size_t i = 0; i < peer::kFrameHeaderBytes; ++i) {
+      length |= static_cast<uint32_t>(conn->header[i]) << (8 * i);
+    }
+    const uint32_t limit = conn->authenticated ? options_.max_frame_bytes
+                                               : options_.hello_frame_bytes;
+    const uint64_t got = held.received.size() - header;
+    if (length == 0 || length > limit || got >= length) {
+      return bad(absl::StrCat("a frame of ", length, " bytes (limit ", limit,
+                              ") with ", got,
+                              " bytes received is not one "
+                              "being read"));
+    }
+    conn->body_length = length;
+    conn->body.assign(held.received, header, std::string::npos);
+    conn->body_cap = got;  // charged below
+  }
+  if (!held.unsent.empty()) {
+    if (header != 0) return bad("a frame both being read and answered");
+    conn->out = std::move(held.unsent);
+    conn->state = Conn::State::kWriting;
+  }
+  absl::MutexLock start_lock(&start_mu_);
+  absl::Status status;
+  if (!OnReactor([this, &conn, &status] {
+        if (!freezing_) {
+          status = MrdError(absl::StatusCode::kFailedPrecondition,
+                            "PEER_LISTENER_NOT_FROZEN",
+                            absl::StrCat("peer listener on ", address_,
+                                         " adopts connections only while "
+                                         "frozen"));
+          return;
+        }
+        conn->id = next_id_++;
+        conn->charge = conn->body_cap + conn->out.size();
+        charged_ += conn->charge;  // allocated already: even past the budget
+        if (!conn->authenticated) unauthenticated_.insert(conn->id);
+        const uint64_t id = conn->id;
+        conns_.emplace(id, std::move(conn));
+        Publish();
+      })) {
+    return ListenerStopped(address_);
+  }
+  return status;
+}
+
 PeerListenerStats PeerListener::Stats() const {
   absl::MutexLock lock(&mu_);
   return stats_;
@@ -396,7 +574,7 @@ void PeerListener::CloseConn(uint64_t id, const char* why) {
   if (why != nullptr) {
     LogDebug("peer listener ", address_, ": closing ", conn.remote, ": ", why);
   }
-  handler_.close(conn.context);
+  if (handler_.close) handler_.close(conn.context);  // none before Start
   charged_ -= conn.charge;
   unauthenticated_.erase(id);
   conns_.erase(it);  // closes the fd, which leaves the epoll set
@@ -486,8 +664,9 @@ void PeerListener::AcceptBatch() {
     Conn& ref = *conn;
     conns_.emplace(ref.id, std::move(conn));
     unauthenticated_.insert(ref.id);
-    // A hello that came with the connection is handled at once.
-    ReadSome(ref);
+    // A hello that came with the connection is handled at once (frozen:
+    // at the thaw; it is not one of the connections handed over).
+    if (!freezing_) ReadSome(ref);
   }
 }
 
@@ -630,14 +809,15 @@ void PeerListener::Finish(Done done) {
     charged_ += conn.charge;
     conn.state = Conn::State::kWriting;
     conn.last_progress = absl::Now();
-    Arm(conn, EPOLLOUT);
+    if (!freezing_) Arm(conn, EPOLLOUT);  // else Thaw writes it
     return;
   }
   if (!conn.keep_open) {
     CloseConn(conn.id, nullptr);
     return;
   }
-  ReadSome(conn);  // the next request may be waiting already
+  // The next request may be waiting already (frozen: Thaw reads it).
+  if (!freezing_) ReadSome(conn);
 }
 
 void PeerListener::WriteSome(Conn& conn) {
@@ -752,6 +932,77 @@ void PeerListener::CheckDeadlines(absl::Time now) {
   }
 }
 
+PeerListener::HeldConnection PeerListener::Hold(const Conn& conn) const {
+  HeldConnection held;
+  held.fd = UniqueFd(fcntl(conn.fd.get(), F_DUPFD_CLOEXEC, 0));
+  held.remote = conn.remote;
+  held.context = conn.context;
+  held.authenticated = conn.authenticated;
+  held.received.assign(reinterpret_cast<const char*>(conn.header),
+                       conn.header_got);
+  if (conn.header_got == peer::kFrameHeaderBytes) {
+    held.received.append(conn.body);
+  }
+  if (conn.state == Conn::State::kWriting) {
+    held.unsent.assign(conn.out, conn.out_off, std::string::npos);
+  }
+  return held;
+}
+
+void PeerListener::TryCompleteFreeze() {
+  if (!freezing_ || frozen_) return;
+  for (const auto& [id, conn] : conns_) {
+    if (conn->state == Conn::State::kBusy) return;  // its Finish comes
+  }
+  frozen_ = true;
+  absl::Status failed;
+  std::vector<HeldConnection> held;
+  held.reserve(conns_.size());
+  for (const auto& [id, conn] : conns_) {
+    // One that closes after its last response is not handed over: it ends
+    // here (ThawConnections or DropConnections).
+    if (!conn->keep_open || conn->doomed) continue;
+    held.push_back(Hold(*conn));
+    if (!held.back().fd.valid()) {
+      failed = ErrnoError(errno, "fcntl(F_DUPFD_CLOEXEC)",
+                          "PEER_LISTENER_DUP_FAILED");
+      break;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (failed.ok()) {
+    held_ = std::move(held);
+  } else {
+    held_ = std::move(failed);
+  }
+}
+
+void PeerListener::Thaw() {
+  {
+    absl::MutexLock lock(&mu_);
+    held_.reset();  // a freeze that completed after its caller gave up
+  }
+  if (!freezing_) return;
+  freezing_ = frozen_ = false;
+  std::vector<uint64_t> ids;
+  ids.reserve(conns_.size());
+  for (const auto& [id, conn] : conns_) ids.push_back(id);
+  const absl::Time now = absl::Now();
+  for (uint64_t id : ids) {
+    auto it = conns_.find(id);
+    if (it == conns_.end()) continue;  // closed by an earlier one's step
+    Conn& conn = *it->second;
+    conn.last_progress = now;
+    if (conn.state == Conn::State::kReading) {
+      ReadSome(conn);
+    } else if (conn.state == Conn::State::kWriting) {
+      WriteSome(conn);
+    }
+  }
+  if (!parked_.empty()) ResumeParked();
+  Publish();
+}
+
 bool PeerListener::ArmListener() {
   epoll_event event{};
   event.events = EPOLLIN;
@@ -778,7 +1029,9 @@ void PeerListener::HandleEvents(const epoll_event* events, int n, bool stopping,
       continue;
     }
     auto it = conns_.find(id);
-    if (it == conns_.end() || stopping) continue;
+    // Frozen: the event is dropped (one-shot: the connection stays quiet);
+    // Thaw reads or writes each connection again.
+    if (it == conns_.end() || stopping || freezing_) continue;
     Conn& conn = *it->second;
     if (conn.state == Conn::State::kReading) {
       ReadSome(conn);
@@ -855,16 +1108,23 @@ void PeerListener::ReactorLoop() {
       if (stopping_) stopping = true;
     }
     for (Done& d : done) Finish(std::move(d));
-    if (!parked_.empty()) ResumeParked();
+    if (!parked_.empty() && !freezing_) ResumeParked();
+    RunCalls();
+    TryCompleteFreeze();
     if (stopping) {
       CloseEverything();
-      if (conns_.empty()) return;
+      if (conns_.empty()) {
+        absl::MutexLock lock(&mu_);
+        reactor_gone_ = true;
+        return;
+      }
       continue;
     }
     absl::Time now = absl::Now();
     if (now >= next_tick) {
       next_tick = now + absl::Milliseconds(kTickMs);
-      CheckDeadlines(now);
+      // Frozen connections make no progress by design.
+      if (!freezing_) CheckDeadlines(now);
       if (accept && !listen_armed_ && now >= accept_paused_until_) {
         ArmListener();
       }

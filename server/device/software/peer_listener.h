@@ -36,6 +36,15 @@
 // fd, never shutdown(2), so the other process's listener keeps working.
 // ResumeAccepting undoes StopAccepting (the handover was called off).
 //
+// Established connections move too: FreezeConnections stops reading and
+// writing every connection once no frame is being handled and returns
+// duplicates of their sockets with what is in flight on each (a frame read
+// in part, a response sent in part); the new process's listener, frozen
+// itself, AdoptConnection-s them and ThawConnections at commit, going on
+// exactly where this one stopped. Here, ThawConnections serves them again
+// (the handover was called off) or DropConnections closes this process's
+// fds, never with shutdown(2) (the connections are the other process's).
+//
 // Thread safety: all public methods are thread-safe. The handler's open and
 // close run on the reactor thread (or Stop's caller after the reactor ended),
 // frame on a worker.
@@ -48,12 +57,14 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -158,6 +169,40 @@ class PeerListener {
   // listening socket again). No-op when accepting or stopped.
   void ResumeAccepting();
 
+  // A connection as it stands, for another process to serve on.
+  struct HeldConnection {
+    UniqueFd fd;  // a duplicate (close-on-exec)
+    std::string remote;
+    std::shared_ptr<void> context;  // the handler's; null in AdoptConnection
+    bool authenticated = false;
+    // A frame read in part: its header bytes, then its body bytes so far.
+    std::string received;
+    // The rest of a response the socket has not taken yet.
+    std::string unsent;
+  };
+  // Stops reading and writing every connection and waits, up to `timeout`,
+  // until no frame is being handled; returns each connection (its socket
+  // duplicated). They stay open here, untouched, until ThawConnections or
+  // DropConnections; connections adopted meanwhile stay frozen too. Errors:
+  // UNAVAILABLE "HANDOVER_BUSY" (a frame was still being handled; nothing
+  // stays frozen), FAILED_PRECONDITION "PEER_LISTENER_STOPPED",
+  // "PEER_LISTENER_DUP_FAILED" (nothing stays frozen).
+  absl::StatusOr<std::vector<HeldConnection>> FreezeConnections(
+      absl::Duration timeout);
+  // Serves every connection again, from where each stopped. No-op when not
+  // frozen.
+  void ThawConnections();
+  // Forgets every connection: the handler's close runs for each and this
+  // process's fd closes (without shutdown(2)). For after a handover.
+  void DropConnections();
+  // Takes a connection another process froze, with `context` for the
+  // handler; it stays frozen until ThawConnections (the listener must be
+  // frozen: FreezeConnections first). Errors: FAILED_PRECONDITION
+  // "PEER_LISTENER_NOT_FROZEN" / "PEER_LISTENER_STOPPED", INVALID_ARGUMENT
+  // "BAD_PEER_CONNECTION" (no socket, or bytes no frame can start with).
+  absl::Status AdoptConnection(HeldConnection held,
+                               std::shared_ptr<void> context);
+
   PeerListenerStats Stats() const;
 
  private:
@@ -188,6 +233,17 @@ class PeerListener {
   // Sets accept_wanted_ and, once started, waits until the reactor acts on
   // it (accepting_).
   void SetAcceptingLocked(bool accept) ABSL_EXCLUSIVE_LOCKS_REQUIRED(start_mu_);
+  // Runs `call` on the reactor thread (or here, before Start: no reactor
+  // runs yet) and returns once it ran. False after Stop (it did not run).
+  bool OnReactor(absl::AnyInvocable<void()> call)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(start_mu_);
+  // Reactor: runs the calls OnReactor queued.
+  void RunCalls();
+  // Reactor: frozen once no frame is being handled; publishes the held
+  // connections for FreezeConnections.
+  void TryCompleteFreeze();
+  HeldConnection Hold(const Conn& conn) const;
+  void Thaw();
 
   // Reactor thread.
   void ReactorLoop();
@@ -254,6 +310,10 @@ class PeerListener {
   absl::Time last_shed_log_ = absl::InfinitePast();
   uint64_t shed_since_log_ = 0;
   PeerListenerStats local_;  // counters; Publish copies them to stats_
+  // Handover: no connection is read or written (FreezeConnections); frozen
+  // once none is busy either.
+  bool freezing_ = false;
+  bool frozen_ = false;
 
   absl::Mutex start_mu_;  // serializes Start and Stop
   bool started_ ABSL_GUARDED_BY(start_mu_) = false;
@@ -270,6 +330,14 @@ class PeerListener {
   bool accepting_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<Job> jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<Done> done_ ABSL_GUARDED_BY(mu_);
+  // OnReactor's calls, and how many have run.
+  std::vector<absl::AnyInvocable<void()>> calls_ ABSL_GUARDED_BY(mu_);
+  uint64_t calls_queued_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t calls_run_ ABSL_GUARDED_BY(mu_) = 0;
+  bool reactor_gone_ ABSL_GUARDED_BY(mu_) = false;
+  // FreezeConnections' result, set by the reactor once frozen.
+  std::optional<absl::StatusOr<std::vector<HeldConnection>>> held_
+      ABSL_GUARDED_BY(mu_);
   PeerListenerStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

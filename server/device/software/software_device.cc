@@ -299,6 +299,92 @@ absl::StatusOr<UniqueFd> SoftwareDevice::StopPeerAccepting() {
 
 void SoftwareDevice::ResumePeerAccepting() { listener_->ResumeAccepting(); }
 
+absl::StatusOr<std::vector<Device::HandedOverPeer>> SoftwareDevice::FreezePeers(
+    absl::Duration timeout) {
+  MRD_ASSIGN_OR_RETURN(std::vector<PeerListener::HeldConnection> held,
+                       listener_->FreezeConnections(timeout));
+  std::vector<HandedOverPeer> peers;
+  for (PeerListener::HeldConnection& connection : held) {
+    // Frozen: no frame handler runs, and the freeze ordered their writes
+    // of said_hello before this read.
+    auto peer = std::static_pointer_cast<Peer>(connection.context);
+    if (peer == nullptr || !peer->said_hello) continue;  // closes at commit
+    std::optional<PdId> pd = MovableConnection(peer->id);
+    if (!pd.has_value()) continue;
+    HandedOverPeer out;
+    out.id = peer->id;
+    out.pd = *pd;
+    out.remote = std::move(connection.remote);
+    out.socket = std::move(connection.fd);
+    out.received = std::move(connection.received);
+    out.unsent = std::move(connection.unsent);
+    peers.push_back(std::move(out));
+  }
+  return peers;
+}
+
+void SoftwareDevice::ThawPeers() {
+  std::vector<HandedOverPeer> adopting;
+  {
+    absl::MutexLock lock(&mu_);
+    adopting.swap(adopting_);
+  }
+  if (!adopting.empty()) {
+    // The listener takes connections only frozen (it accepted none yet:
+    // this process was taking over).
+    absl::StatusOr<std::vector<PeerListener::HeldConnection>> own =
+        listener_->FreezeConnections(absl::Seconds(5));
+    if (!own.ok()) {
+      LogError("peer connections handed over are closed: ",
+               own.status().ToString());
+      adopting.clear();
+    }
+  }
+  for (HandedOverPeer& peer : adopting) {
+    const ConnectionId id = peer.id;
+    const std::string remote = peer.remote;
+    absl::Status adopted = AdoptConnection(id, peer.pd, remote);
+    if (adopted.ok()) {
+      auto context = std::make_shared<Peer>();
+      context->id = id;
+      context->fd = peer.socket.get();
+      context->remote = remote;
+      context->said_hello = true;
+      {
+        absl::MutexLock lock(&mu_);
+        sockets_.emplace(id, context->fd);
+      }
+      PeerListener::HeldConnection held;
+      held.fd = std::move(peer.socket);
+      held.remote = remote;
+      held.authenticated = true;
+      held.received = std::move(peer.received);
+      held.unsent = std::move(peer.unsent);
+      adopted = listener_->AdoptConnection(std::move(held), context);
+      if (!adopted.ok()) CloseConnection(context);
+    }
+    if (!adopted.ok()) {
+      LogWarning("peer connection ", id, " (", remote,
+                 ") handed over is closed: ", adopted.ToString());
+    }
+  }
+  listener_->ThawConnections();
+}
+
+void SoftwareDevice::DropFrozenPeers() { listener_->DropConnections(); }
+
+absl::Status SoftwareDevice::AdoptPeer(PdId pd, HandedOverPeer peer) {
+  if (!peer.socket.valid()) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_CONNECTION",
+                    absl::StrCat("peer connection ", peer.id,
+                                 " was handed over without its socket"));
+  }
+  peer.pd = pd;
+  absl::MutexLock lock(&mu_);
+  adopting_.push_back(std::move(peer));
+  return absl::OkStatus();
+}
+
 SoftwareDevice::ResourceCounts SoftwareDevice::CountResources() const {
   ResourceCounts counts;
   static_cast<ModelCounts&>(counts) = CountModel();

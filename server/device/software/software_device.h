@@ -174,6 +174,16 @@ class SoftwareDevice final : public DeviceModel {
   absl::Status CanHandOver() const override;
   absl::StatusOr<UniqueFd> StopPeerAccepting() override;
   void ResumePeerAccepting() override;
+  // Established connections move too (PeerListener::FreezeConnections):
+  // those past hello in a ready state (DeviceModel::MovableConnection).
+  // Adopted ones wait in adopting_ until ThawPeers gives them to the model
+  // and the listener, so a takeover that fails before commit never shuts
+  // down a socket the old process still serves.
+  absl::StatusOr<std::vector<HandedOverPeer>> FreezePeers(
+      absl::Duration timeout) override;
+  void ThawPeers() override;
+  void DropFrozenPeers() override;
+  absl::Status AdoptPeer(PdId pd, HandedOverPeer peer) override;
 
   // What the device holds right now, for leak checks in tests.
   // The model's counts, and the key table's.
@@ -269,6 +279,8 @@ class SoftwareDevice final : public DeviceModel {
   // Sockets of the connections the model knows, to shut them down when
   // their PD goes (ProviderCloseConnectionsLocked).
   absl::flat_hash_map<ConnectionId, int> sockets_ ABSL_GUARDED_BY(mu_);
+  // Connections AdoptPeer took, for ThawPeers.
+  std::vector<HandedOverPeer> adopting_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace mrd::device

@@ -7,15 +7,21 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/ascii.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/peer/soft_peer.h"
@@ -104,6 +110,26 @@ class HandoverTest : public ::testing::Test {
     absl::StatusOr<std::string> ticket = device.CreatePeerTicket(pd);
     EXPECT_TRUE(ticket.ok()) << ticket.status();
     return ticket.value_or("");
+  }
+
+  // One page registered for remote access at kBase in a new PD, and the
+  // PD's ticket.
+  struct OnePage {
+    MemfdBuffer* buffer = nullptr;
+    PdId pd = 0;
+    MrKeys keys;
+    std::string ticket;
+  };
+  OnePage RegisterOnePage(SoftwareDevice& device) {
+    OnePage out;
+    out.buffer = &NewBuffer(1);
+    out.pd = NewPd(device);
+    absl::StatusOr<MrKeys> keys = device.RegisterMr(
+        out.pd, out.buffer->Span(0, PageSize()), kBase, kRemoteRw);
+    EXPECT_TRUE(keys.ok()) << keys.status();
+    if (keys.ok()) out.keys = *keys;
+    out.ticket = Ticket(device, out.pd);
+    return out;
   }
 
   static std::unique_ptr<SoftPeer> Connect(const std::string& address,
@@ -205,6 +231,275 @@ TEST_F(HandoverTest, AdoptedMrAndTicketServeAPeerThroughTheOldRkey) {
   // The new device enforces the adopted MR's bounds as its own.
   EXPECT_THAT(peer->Read(keys->rkey, kBase + length - 4, 5).status(),
               IsAccessError());
+}
+
+// A raw peer connection past hello, for frames sent in pieces.
+struct RawPeer {
+  UniqueFd fd;
+  ConnectionId id = 0;
+};
+
+RawPeer ConnectRaw(const std::string& address, const std::string& ticket) {
+  RawPeer raw;
+  absl::StatusOr<UniqueFd> fd = peer::ConnectTcp(address);
+  EXPECT_TRUE(fd.ok()) << fd.status();
+  if (!fd.ok()) return raw;
+  v1::PeerRequest hello;
+  hello.set_id(1);
+  hello.mutable_hello()->set_ticket(ticket);
+  EXPECT_TRUE(peer::WriteFrame(fd->get(), hello).ok());
+  v1::PeerResponse reply;
+  absl::Status read = peer::ReadFrame(fd->get(), 1 << 20, &reply);
+  EXPECT_TRUE(read.ok()) << read;
+  EXPECT_EQ(reply.status(), v1::PEER_SUCCESS) << reply.message();
+  raw.fd = std::move(*fd);
+  raw.id = reply.connection();
+  return raw;
+}
+
+// The bytes of a WRITE request frame (id 2: after the hello).
+std::string WriteFrameBytes(uint32_t rkey, uint64_t address,
+                            const std::string& data) {
+  v1::PeerRequest write;
+  write.set_id(2);
+  write.mutable_write()->set_rkey(rkey);
+  write.mutable_write()->set_address(address);
+  write.mutable_write()->set_data(data);
+  std::string frame;
+  EXPECT_TRUE(peer::AppendFrame(write, &frame).ok());
+  return frame;
+}
+
+void SendBytes(int fd, absl::string_view bytes) {
+  while (!bytes.empty()) {
+    ssize_t n = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    ASSERT_GT(n, 0) << std::strerror(errno);
+    bytes.remove_prefix(static_cast<size_t>(n));
+  }
+}
+
+// A raw peer past hello that has sent the first half of a WRITE frame.
+struct HalfWritten {
+  RawPeer peer;
+  std::string frame;
+  size_t half = 0;
+};
+
+HalfWritten ConnectAndWriteHalf(const std::string& peer_address,
+                                const std::string& ticket, uint32_t rkey,
+                                uint64_t address, const std::string& data) {
+  HalfWritten out;
+  out.peer = ConnectRaw(peer_address, ticket);
+  EXPECT_TRUE(out.peer.fd.valid());
+  out.frame = WriteFrameBytes(rkey, address, data);
+  out.half = out.frame.size() / 2;
+  if (out.peer.fd.valid()) {
+    SendBytes(out.peer.fd.get(), out.frame.substr(0, out.half));
+  }
+  return out;
+}
+
+// Freezes `device`'s peers until `ready` says the connection of interest is
+// in the state the test wants (the listener read the bytes sent, or the
+// socket stopped taking a response), thawing in between.
+std::vector<Device::HandedOverPeer> FreezeWhen(
+    SoftwareDevice& device,
+    const std::function<bool(const std::vector<Device::HandedOverPeer>&)>&
+        ready) {
+  for (int i = 0; i < 500; ++i) {
+    absl::StatusOr<std::vector<Device::HandedOverPeer>> frozen =
+        device.FreezePeers(absl::Seconds(5));
+    EXPECT_TRUE(frozen.ok()) << frozen.status();
+    if (!frozen.ok()) return {};
+    if (ready(*frozen)) return std::move(*frozen);
+    device.ThawPeers();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ADD_FAILURE() << "the connection never got where the test wanted it";
+  return {};
+}
+
+const Device::HandedOverPeer* PeerWithId(
+    const std::vector<Device::HandedOverPeer>& peers, ConnectionId id) {
+  for (const Device::HandedOverPeer& p : peers) {
+    if (p.id == id) return &p;
+  }
+  return nullptr;
+}
+
+// Established connections move to the new device as they stand: one in the
+// middle of a request frame, one in the middle of a response, one idle.
+// Each goes on over the same TCP connection with the same connection id,
+// without a second PEER_CONNECTED; new ones get ids above the old ones.
+TEST_F(HandoverTest, EstablishedConnectionsMoveInsideAFrameWithTheirIds) {
+  SoftwareDevice& old = NewDevice();
+  constexpr uint64_t kPages = 4096;  // 16 MiB: a response no socket holds
+  MemfdBuffer& buffer = NewBuffer(kPages);
+  const uint64_t length = kPages * PageSize();
+  PdId old_pd = NewPd(old);
+  absl::StatusOr<MrKeys> keys =
+      old.RegisterMr(old_pd, buffer.Span(0, length), kBase, kRemoteRw);
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  const std::string ticket = Ticket(old, old_pd);
+  const std::string address = old.Attributes().peer_address;
+  std::unique_ptr<SoftPeer> idle = Connect(address, ticket);
+  ASSERT_NE(idle, nullptr);
+  ASSERT_TRUE(idle->Read(keys->rkey, kBase, 16).ok());
+  // Half of a WRITE frame.
+  HalfWritten half_written = ConnectAndWriteHalf(
+      address, ticket, keys->rkey, kBase + 100, "written across the handover");
+  ASSERT_FALSE(HasFailure());
+  RawPeer& writer = half_written.peer;
+  const std::string& frame = half_written.frame;
+  const size_t half = half_written.half;
+  // A READ of 16 MiB that is not read back yet: its response waits.
+  RawPeer reader = ConnectRaw(address, ticket);
+  ASSERT_TRUE(reader.fd.valid());
+  v1::PeerRequest read;
+  read.set_id(2);
+  read.mutable_read()->set_rkey(keys->rkey);
+  read.mutable_read()->set_address(kBase);
+  read.mutable_read()->set_length(length);
+  ASSERT_TRUE(peer::WriteFrame(reader.fd.get(), read).ok());
+
+  std::vector<Device::HandedOverPeer> frozen =
+      FreezeWhen(old, [&](const std::vector<Device::HandedOverPeer>& peers) {
+        const Device::HandedOverPeer* w = PeerWithId(peers, writer.id);
+        const Device::HandedOverPeer* r = PeerWithId(peers, reader.id);
+        return w != nullptr && w->received.size() == half && r != nullptr &&
+               !r->unsent.empty();
+      });
+  ASSERT_EQ(frozen.size(), 3u);
+  EXPECT_EQ(PeerWithId(frozen, writer.id)->received, frame.substr(0, half));
+  EXPECT_EQ(PeerWithId(frozen, writer.id)->unsent, "");
+  EXPECT_EQ(PeerWithId(frozen, reader.id)->received, "");
+  ASSERT_NE(PeerWithId(frozen, idle->connection_id()), nullptr);
+  for (const Device::HandedOverPeer& p : frozen) EXPECT_EQ(p.pd, old_pd);
+
+  SoftwareDevice& next = Successor(old);
+  PdId pd = NewPd(next);
+  RecordingSink& sink = *sinks_.back();
+  ASSERT_TRUE(next.AdoptPeerTicket(pd, ticket).ok());
+  ASSERT_TRUE(next.AdoptMr(pd, buffer.Span(0, length), kBase, kRemoteRw,
+                           keys->lkey, keys->rkey)
+                  .ok());
+  next.ContinueConnectionIdsAbove(old.ConnectionIdWatermark());
+  for (Device::HandedOverPeer& p : frozen) {
+    ASSERT_TRUE(next.AdoptPeer(pd, std::move(p)).ok());
+  }
+  // The old device's fds close; the connections live on in the new one.
+  old.DropFrozenPeers();
+  next.ThawPeers();
+
+  ASSERT_NO_FATAL_FAILURE(SendBytes(writer.fd.get(), frame.substr(half)));
+  v1::PeerResponse written;
+  ASSERT_TRUE(peer::ReadFrame(writer.fd.get(), 1 << 20, &written).ok());
+  EXPECT_EQ(written.status(), v1::PEER_SUCCESS) << written.message();
+  EXPECT_EQ(written.id(), 2u);
+  EXPECT_EQ(buffer.Bytes(100, 27), "written across the handover");
+  v1::PeerResponse bytes;
+  ASSERT_TRUE(peer::ReadFrame(reader.fd.get(), 32 << 20, &bytes).ok());
+  EXPECT_EQ(bytes.status(), v1::PEER_SUCCESS) << bytes.message();
+  EXPECT_EQ(bytes.data().size(), length);
+  EXPECT_EQ(bytes.data().substr(0, 100), buffer.Bytes(0, 100));
+  EXPECT_EQ(bytes.data().substr(length - 100), buffer.Bytes(length - 100, 100));
+  absl::StatusOr<std::string> again = idle->Read(keys->rkey, kBase + 100, 27);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, "written across the handover");
+  EXPECT_EQ(sink.CountOf(RecordingSink::Event::Kind::kConnected), 0u);
+
+  std::unique_ptr<SoftPeer> fresh = Connect(address, ticket);
+  ASSERT_NE(fresh, nullptr);
+  EXPECT_GT(fresh->connection_id(), reader.id);
+  EXPECT_GT(fresh->connection_id(), writer.id);
+  EXPECT_GT(fresh->connection_id(), idle->connection_id());
+  // An adopted connection ends as any other: its PD hears it.
+  writer.fd.Reset();
+  for (int i = 0;
+       i < 500 && sink.CountOf(RecordingSink::Event::Kind::kDisconnected) == 0;
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  std::vector<RecordingSink::Event> events = sink.Events();
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back().kind, RecordingSink::Event::Kind::kDisconnected);
+  EXPECT_EQ(events.back().connection, writer.id);
+}
+
+// A handover called off after the freeze: the old device serves every
+// connection again from where it stopped.
+TEST_F(HandoverTest, ThawedConnectionsGoOnWhereTheyStopped) {
+  SoftwareDevice& old = NewDevice();
+  OnePage page = RegisterOnePage(old);
+  ASSERT_FALSE(HasFailure());
+  MemfdBuffer& buffer = *page.buffer;
+  HalfWritten w =
+      ConnectAndWriteHalf(old.Attributes().peer_address, page.ticket,
+                          page.keys.rkey, kBase + 8, "still the old one");
+  ASSERT_FALSE(HasFailure());
+  std::vector<Device::HandedOverPeer> frozen =
+      FreezeWhen(old, [&](const std::vector<Device::HandedOverPeer>& peers) {
+        const Device::HandedOverPeer* held = PeerWithId(peers, w.peer.id);
+        return held != nullptr && held->received.size() == w.half;
+      });
+  ASSERT_EQ(frozen.size(), 1u);
+  // Frozen: the rest of the frame is not read, nothing is answered.
+  ASSERT_NO_FATAL_FAILURE(SendBytes(w.peer.fd.get(), w.frame.substr(w.half)));
+  pollfd p{w.peer.fd.get(), POLLIN, 0};
+  EXPECT_EQ(::poll(&p, 1, 200), 0);
+  EXPECT_NE(buffer.Bytes(8, 17), "still the old one");
+  frozen.clear();  // the new process's copies are gone
+  old.ThawPeers();
+  v1::PeerResponse reply;
+  ASSERT_TRUE(peer::ReadFrame(w.peer.fd.get(), 1 << 20, &reply).ok());
+  EXPECT_EQ(reply.status(), v1::PEER_SUCCESS) << reply.message();
+  EXPECT_EQ(buffer.Bytes(8, 17), "still the old one");
+}
+
+// A peer operation still running when the freeze is asked for: the freeze
+// waits for it, up to its timeout, then refuses HANDOVER_BUSY and leaves
+// every connection served as before.
+TEST_F(HandoverTest, APeerOperationInFlightRefusesTheFreeze) {
+  absl::Notification entered;
+  absl::Notification open;
+  std::atomic<bool> held{false};
+  SoftwareDeviceOptions options;
+  options.peer_io_hook_for_test = [&] {
+    if (held.exchange(true)) return;
+    entered.Notify();
+    open.WaitForNotification();
+  };
+  SoftwareDevice& old = NewDevice(options);
+  OnePage page = RegisterOnePage(old);
+  ASSERT_FALSE(HasFailure());
+  MemfdBuffer& buffer = *page.buffer;
+  const MrKeys* keys = &page.keys;
+  const std::string& ticket = page.ticket;
+  std::unique_ptr<SoftPeer> busy =
+      Connect(old.Attributes().peer_address, ticket);
+  std::unique_ptr<SoftPeer> other =
+      Connect(old.Attributes().peer_address, ticket);
+  ASSERT_NE(busy, nullptr);
+  ASSERT_NE(other, nullptr);
+  absl::StatusOr<std::string> in_flight;
+  std::thread reader([&] { in_flight = busy->Read(keys->rkey, kBase, 8); });
+  entered.WaitForNotification();
+  EXPECT_THAT(old.FreezePeers(absl::Milliseconds(200)).status(),
+              IsMrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY"));
+  // Nothing stayed frozen: the other connection is served meanwhile.
+  absl::StatusOr<std::string> read = other->Read(keys->rkey, kBase, 8);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, buffer.Bytes(0, 8));
+  open.Notify();
+  reader.join();
+  ASSERT_TRUE(in_flight.ok()) << in_flight.status();
+  // Once it is done, the freeze goes through, with both connections.
+  absl::StatusOr<std::vector<Device::HandedOverPeer>> frozen =
+      old.FreezePeers(absl::Seconds(5));
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  EXPECT_EQ(frozen->size(), 2u);
+  old.ThawPeers();
+  EXPECT_TRUE(busy->Read(keys->rkey, kBase, 8).ok());
 }
 
 TEST_F(HandoverTest, RefusedAdoptionsLeaveNothingPinned) {
