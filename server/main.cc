@@ -472,6 +472,8 @@ class Daemon final : public handover::HandoverSource {
   std::optional<fd_socket::DetachedFdServer> detached_fd_;
   UniqueFd detached_grpc_;
   UniqueFd detached_peer_;
+  // Release's duplicate of the metrics listener, served again by Resume.
+  UniqueFd detached_metrics_;
   bool peer_stopped_ = false;
   bool peers_frozen_ = false;  // Export froze the peer connections
   bool streams_held_ = false;
@@ -1015,8 +1017,21 @@ absl::Status Daemon::StartMetrics() {
   });
   const std::string address = absl::GetFlag(FLAGS_metrics_address);
   if (address.empty()) return absl::OkStatus();
-  absl::Status served = metrics_->Serve(address);
-  // Taking over: the running mrd let go of the port just before commit.
+  absl::Status served = absl::UnknownError("not served yet");
+  if (snapshot_.has_value() &&
+      snapshot_->frame.snapshot().has_metrics_listener()) {
+    // Taking over: the running mrd's metrics socket, with the scrapes
+    // waiting in its backlog.
+    served = metrics_->ServeOn(
+        TakeSnapshotFd(snapshot_->frame.snapshot().metrics_listener()));
+    if (!served.ok()) {
+      LogWarning("metrics: the socket handed over cannot be served (",
+                 served.ToString(), "); binding ", address, " instead");
+    }
+  }
+  if (!served.ok()) served = metrics_->Serve(address);
+  // Taking over without it: the running mrd let go of the port just
+  // before commit.
   for (int i = 0; !served.ok() && snapshot_.has_value() && i < 50; ++i) {
     absl::SleepFor(absl::Milliseconds(100));
     served = metrics_->Serve(address);
@@ -1374,6 +1389,17 @@ absl::Status Daemon::Export(v1::HandoverSnapshot* snapshot,
   snapshot->set_fd_listener(fd_listener);
   MRD_ASSIGN_OR_RETURN(const int32_t peer, add(detached_peer_.get()));
   snapshot->set_peer_listener(peer);
+  if (metrics_ != nullptr && !absl::GetFlag(FLAGS_metrics_address).empty()) {
+    absl::StatusOr<UniqueFd> listener = metrics_->DuplicateListener();
+    if (listener.ok()) {
+      fds->push_back(std::move(*listener));
+      snapshot->set_metrics_listener(static_cast<int32_t>(fds->size() - 1));
+    } else {
+      // The new process binds the port itself once this one let go.
+      LogWarning("handover: the metrics listener stays here: ",
+                 listener.status().ToString());
+    }
+  }
   for (const fd_socket::DetachedConnection& c : detached_fd_->connections) {
     MRD_ASSIGN_OR_RETURN(const int32_t index, add(c.socket.get()));
     v1::HandedOverFdConnection* conn = snapshot->add_fd_connections();
@@ -1401,6 +1427,10 @@ absl::Status Daemon::Release() {
                     "peer connections were still closing after 5s");
   }
   if (metrics_ != nullptr && !absl::GetFlag(FLAGS_metrics_address).empty()) {
+    // The socket lives on in the new process (its copy); this one keeps a
+    // duplicate to serve again should the handover still fail.
+    absl::StatusOr<UniqueFd> kept = metrics_->DuplicateListener();
+    if (kept.ok()) detached_metrics_ = std::move(*kept);
     metrics_->StopServing();
     metrics_stopped_ = true;
   }
@@ -1409,10 +1439,14 @@ absl::Status Daemon::Release() {
 
 void Daemon::Resume() {
   if (metrics_stopped_) {
-    if (absl::Status s = metrics_->Serve(absl::GetFlag(FLAGS_metrics_address));
-        !s.ok()) {
+    absl::Status s =
+        detached_metrics_.valid()
+            ? metrics_->ServeOn(std::move(detached_metrics_))
+            : metrics_->Serve(absl::GetFlag(FLAGS_metrics_address));
+    if (!s.ok()) {
       LogError("handover failed, metrics not served again: ", s.ToString());
     }
+    detached_metrics_.Reset();
     metrics_stopped_ = false;
   }
   if (peers_frozen_) {

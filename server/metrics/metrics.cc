@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -84,6 +85,56 @@ prometheus::MetricFamily Counter(const std::string& name,
   family.type = prometheus::MetricType::Counter;
   family.metric[0].counter.value = value;
   return family;
+}
+
+// Whether `fd` is a listening TCP socket, and its port.
+bool ListeningTcpPort(int fd, int* port) {
+  int listening = 0;
+  int type = 0;
+  socklen_t length = sizeof(listening);
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &length) != 0 ||
+      listening == 0) {
+    return false;
+  }
+  length = sizeof(type);
+  if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &length) != 0 ||
+      type != SOCK_STREAM) {
+    return false;
+  }
+  sockaddr_storage address{};
+  length = sizeof(address);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    return false;
+  }
+  if (address.ss_family == AF_INET) {
+    *port = ntohs(reinterpret_cast<const sockaddr_in*>(&address)->sin_port);
+    return true;
+  }
+  if (address.ss_family == AF_INET6) {
+    *port = ntohs(reinterpret_cast<const sockaddr_in6*>(&address)->sin6_port);
+    return true;
+  }
+  return false;
+}
+
+// This process's listening TCP socket on `port` (the metrics server's:
+// nothing else of mrd listens on TCP but the peer path, on another port),
+// or -1.
+int FindListener(int port) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int found = -1;
+  while (dirent* entry = readdir(dir)) {
+    int fd = -1;
+    if (!absl::SimpleAtoi(entry->d_name, &fd) || fd == dirfd(dir)) continue;
+    int bound = 0;
+    if (ListeningTcpPort(fd, &bound) && bound == port) {
+      found = fd;
+      break;
+    }
+  }
+  closedir(dir);
+  return found;
 }
 
 absl::Status ProbeBind(const std::string& address) {
@@ -654,7 +705,47 @@ Metrics::Metrics(const core::Core* core, FdBudget* fd_budget)
 
 Metrics::~Metrics() = default;
 
-void Metrics::StopServing() { exposer_.reset(); }
+void Metrics::StopServing() {
+  exposer_.reset();  // closes listen_fd_ (close(2) only, never shutdown)
+  listen_fd_ = -1;
+}
+
+absl::Status Metrics::ServeOn(UniqueFd listener) {
+  int port = 0;
+  if (!listener.valid() || !ListeningTcpPort(listener.get(), &port)) {
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "BAD_METRICS_LISTENER",
+        absl::StrCat("inherited metrics listener fd ", listener.get(),
+                     " is not a listening TCP socket"));
+  }
+  MRD_RETURN_IF_ERROR(Serve("127.0.0.1:0"));
+  if (listen_fd_ < 0) {
+    StopServing();
+    return MrdError(absl::StatusCode::kInternal, "METRICS_LISTENER_NOT_FOUND",
+                    "the metrics server's own listening socket was not found");
+  }
+  // Atomically in place of the server's own socket (which closes), keeping
+  // close-on-exec.
+  if (dup3(listener.get(), listen_fd_, O_CLOEXEC) < 0) {
+    const int err = errno;
+    StopServing();
+    return ErrnoError(err, "dup3 of the inherited metrics listener",
+                      "METRICS_BIND_FAILED");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<UniqueFd> Metrics::DuplicateListener() const {
+  if (listen_fd_ < 0) {
+    return MrdError(absl::StatusCode::kFailedPrecondition, "METRICS_NOT_SERVED",
+                    "metrics are not served: no listener to hand over");
+  }
+  UniqueFd copy(fcntl(listen_fd_, F_DUPFD_CLOEXEC, 0));
+  if (!copy.valid()) {
+    return ErrnoError(errno, "dup of the metrics listener", "HANDOVER_FD");
+  }
+  return copy;
+}
 
 absl::Status Metrics::Serve(const std::string& address) {
   // civetweb reports a bind failure by throwing from its constructor, and
@@ -672,6 +763,7 @@ absl::Status Metrics::Serve(const std::string& address) {
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(collector_);
   exposer_->RegisterCollectable(process_);
+  listen_fd_ = FindListener(exposer_->GetListeningPorts().front());
   return absl::OkStatus();
 }
 

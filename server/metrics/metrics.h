@@ -24,6 +24,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "mrd/unique_fd.h"
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
 #include "prometheus/family.h"
@@ -97,8 +98,23 @@ class Metrics final : public RpcObserver {
   // Serves /metrics on `address` (host:port). Errors: UNAVAILABLE when the
   // port cannot be bound.
   absl::Status Serve(const std::string& address);
-  // Stops serving (a live handover: the next process serves the address).
-  // Serve may be called again.
+  // Serves /metrics on `listener`, a listening TCP socket another mrd
+  // served on (a live handover): prometheus-cpp's server cannot take a
+  // socket, so it is started on a loopback port of its own and the
+  // inherited socket put in place of that one's fd (dup3). Its server
+  // polls its listening sockets by fd number, so it accepts from the
+  // inherited one from its next poll (within 2 s); connections wait in the
+  // socket's backlog meanwhile, none is refused. Errors: INVALID_ARGUMENT
+  // "BAD_METRICS_LISTENER" (not a listening TCP socket), Serve's, INTERNAL
+  // "METRICS_LISTENER_NOT_FOUND", the errno of dup3.
+  absl::Status ServeOn(UniqueFd listener);
+  // A duplicate (close-on-exec) of the socket served on, for the next
+  // process. Errors: FAILED_PRECONDITION "METRICS_NOT_SERVED", the errno
+  // of the duplication.
+  absl::StatusOr<UniqueFd> DuplicateListener() const;
+  // Stops serving (a live handover: the next process serves the address;
+  // only this process's fd of the socket is closed). Serve or ServeOn may
+  // be called again.
   void StopServing();
 
   void OnRpcStart(absl::string_view method) override;
@@ -135,6 +151,8 @@ class Metrics final : public RpcObserver {
   absl::flat_hash_map<std::string, MethodSeries> methods_;
   absl::flat_hash_map<std::string, prometheus::Histogram*> sizes_;
   std::unique_ptr<prometheus::Exposer> exposer_;
+  // The server's listening socket (its fd, not owned); -1 when not served.
+  int listen_fd_ = -1;
 };
 
 }  // namespace mrd::metrics

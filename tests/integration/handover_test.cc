@@ -234,6 +234,40 @@ class BusyPeer {
   std::string refusals_ ABSL_GUARDED_BY(mu_);
 };
 
+// Scrapes mrd's metrics in a loop, counting the scrapes refused (nobody
+// listening) apart from those answered.
+class Scraper {
+ public:
+  explicit Scraper(std::string address) : address_(std::move(address)) {
+    thread_ = std::thread([this] {
+      while (!stop_) {
+        absl::StatusOr<std::string> scrape = ScrapeMetrics(address_);
+        if (scrape.ok()) {
+          ++answered_;
+        } else if (absl::StrContains(scrape.status().message(),
+                                     "cannot connect")) {
+          ++refused_;
+        }
+        absl::SleepFor(absl::Milliseconds(2));
+      }
+    });
+  }
+  ~Scraper() { Stop(); }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+  uint64_t answered() const { return answered_; }
+  uint64_t refused() const { return refused_; }
+
+ private:
+  const std::string address_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> answered_{0};
+  std::atomic<uint64_t> refused_{0};
+  std::thread thread_;
+};
+
 // The registrations and buffers of a session as ListRegistrations says,
 // without what a handover may change (peer connections, lease expiry).
 std::string Held(const Session& session) {
@@ -277,23 +311,27 @@ class HandoverTest : public ::testing::Test {
     return o;
   }
 
-  void StartOld(std::vector<std::string> flags = {}) {
-    auto mrd = MrdProcess::Start(Options(std::move(flags)));
+  void StartOld(std::vector<std::string> flags = {}, bool metrics = false) {
+    MrdProcessOptions options = Options(std::move(flags));
+    options.metrics = metrics;
+    auto mrd = MrdProcess::Start(options);
     ASSERT_TRUE(mrd.ok()) << mrd.status();
     old_ = std::move(*mrd);
-    client::ClientOptions options;
-    options.socket_path = old_->grpc_socket();
-    options.fd_socket_path = old_->fd_socket();
-    auto c = client::Client::Connect(options);
+    client::ClientOptions client_options;
+    client_options.socket_path = old_->grpc_socket();
+    client_options.fd_socket_path = old_->fd_socket();
+    auto c = client::Client::Connect(client_options);
     ASSERT_TRUE(c.ok()) << c.status();
     client_ = std::make_unique<client::Client>(std::move(*c));
   }
 
-  // Starts `mrd --takeover` (serving metrics if `metrics`) and waits until
-  // the old mrd has handed over and exited.
+  // Starts `mrd --takeover` (serving metrics if `metrics`: on the old mrd's
+  // address when it serves them) and waits until the old mrd has handed
+  // over and exited.
   void TakeOver(bool metrics = false) {
     MrdProcessOptions options = Options({"--takeover"});
     options.metrics = metrics;
+    if (metrics) options.metrics_address = old_->metrics_address();
     auto successor = MrdProcess::Start(options);
     ASSERT_TRUE(successor.ok()) << successor.status();
     new_ = std::move(*successor);
@@ -339,7 +377,7 @@ class HandoverTest : public ::testing::Test {
 // The software device's handover; the verbs device refuses (below).
 TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
-  ASSERT_NO_FATAL_FAILURE(StartOld());
+  ASSERT_NO_FATAL_FAILURE(StartOld({}, /*metrics=*/true));
   absl::StatusOr<Session> session = Session::OpenFd(*client_);
   ASSERT_TRUE(session.ok()) << session.status();
   ASSERT_NO_FATAL_FAILURE(Populate(*session));
@@ -366,6 +404,9 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
 
   PinSampler pins(old_->pid(), runtime_dir_);
   BusyPeer peer(ticket->peer_address(), ticket->ticket(), Targets());
+  // Scrapes throughout: the metrics socket is handed over too, so none is
+  // refused (at most one waits in its backlog a moment).
+  Scraper scraper(old_->metrics_address());
   absl::SleepFor(absl::Milliseconds(100));  // the peer at work
   const uint64_t ops_before = peer.operations();
   EXPECT_GT(ops_before, 0u) << peer.refusals();
@@ -385,7 +426,17 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   }
   EXPECT_TRUE(absl::StrContains(new_->Log(), "took over from pid"))
       << new_->Log();
-  // What the new process says it took over (docs/METRICS.md).
+  // What the new process says it took over (docs/METRICS.md), on the same
+  // metrics socket.
+  EXPECT_EQ(new_->metrics_address(), old_->metrics_address());
+  const uint64_t answered_at_handover = scraper.answered();
+  for (int i = 0; i < 500 && scraper.answered() < answered_at_handover + 3;
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  scraper.Stop();
+  EXPECT_GE(scraper.answered(), answered_at_handover + 3);
+  EXPECT_EQ(scraper.refused(), 0u) << "a scrape found nobody listening";
   absl::StatusOr<std::string> scrape = ScrapeMetrics(new_->metrics_address());
   ASSERT_TRUE(scrape.ok()) << scrape.status();
   EXPECT_TRUE(absl::StrContains(

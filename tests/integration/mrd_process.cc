@@ -402,7 +402,10 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Launch(
   };
   for (std::string& a : mrd_args) args.push_back(std::move(a));
   for (std::string& flag : DeviceFlags()) args.push_back(std::move(flag));
-  if (options.metrics) {
+  if (options.metrics && !options.metrics_address.empty()) {
+    p->metrics_address_ = options.metrics_address;
+    args.push_back("--metrics_address=" + p->metrics_address_);
+  } else if (options.metrics) {
     absl::StatusOr<int> metrics_port = PickFreePort();
     if (!metrics_port.ok()) return metrics_port.status();
     p->metrics_address_ = absl::StrCat("127.0.0.1:", *metrics_port);
@@ -461,7 +464,7 @@ absl::StatusOr<std::unique_ptr<MrdProcess>> MrdProcess::Start(
     absl::Status ready = p->WaitServing();
     if (ready.ok()) return p;
     const std::string log = p->Log();
-    if (options.metrics && attempt < 5 &&
+    if (options.metrics && options.metrics_address.empty() && attempt < 5 &&
         absl::StrContains(log, "METRICS_BIND_FAILED")) {
       continue;
     }

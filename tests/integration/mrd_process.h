@@ -37,6 +37,9 @@ namespace mrd::testing {
 struct MrdProcessOptions {
   std::vector<std::string> extra_flags;
   bool metrics = false;  // serve metrics on a free loopback port
+  // With metrics: this address instead of a free port (a successor that
+  // takes over another mrd's metrics socket says the same address).
+  std::string metrics_address;
   // --runtime_dir and --shm_dir: empty = a fresh private directory that the
   // process removes when it goes. A given one belongs to the test (not
   // removed); with a given runtime_dir the log goes to a file of its own.
