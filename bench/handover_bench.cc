@@ -21,7 +21,8 @@
 //   The servers' own figures come from their logs: the old one's "requests
 //   were paused for", the new one's "took over ... in", and the log lines'
 //   times split the handover into the new process's start, the snapshot and
-//   adoption, and the old process's exit;
+//   adoption, and the old process's exit (MRD_BENCH_SHOW_LOGS=1 in the
+//   environment prints those lines of each round);
 // - the floor, in the same run: what a restart costs the clients instead —
 //   a fresh mrd, new sessions, every memfd imported again and every
 //   registration made again (the same layout, threads and batches);
@@ -48,6 +49,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iterator>
@@ -56,6 +58,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -427,18 +430,38 @@ absl::StatusOr<Round> HandOver(std::unique_ptr<testing::MrdProcess>* current,
   if (!prober.status().ok()) return prober.status();
   if (absl::Status s = (*current)->Stop(); !s.ok()) return s;
   const std::string new_log = (*successor)->Log();
+  if (std::getenv("MRD_BENCH_SHOW_LOGS") != nullptr) {
+    // The handover's own lines of both logs, for a closer look.
+    // (The old log holds its own takeover too, from when it was new.)
+    const std::vector<const char*> old_words = {"asks to take over",
+                                                "handed over"};
+    const std::vector<const char*> new_words = {
+        "prepared", "pinned ahead", "snapshot", "adopted", "took over"};
+    for (const auto& [who, log, words] :
+         {std::tuple{"old", &old_log, &old_words},
+          std::tuple{"new", &new_log, &new_words}}) {
+      for (absl::string_view line : absl::StrSplit(*log, '\n')) {
+        for (const char* word : *words) {
+          if (absl::StrContains(line, word)) {
+            std::fprintf(stderr, "%s: %.*s\n", who,
+                         static_cast<int>(line.size()), line.data());
+            break;
+          }
+        }
+      }
+    }
+  }
   round.held = prober.longest();
   round.probes = prober.calls();
   round.paused = SecondsOf(
       LoggedDuration(old_log, "requests were paused for ", "; exiting"));
   round.took_over =
-      SecondsOf(LoggedDuration(new_log, " fd connections in ", ""));
+      SecondsOf(LoggedDuration(new_log, " peer connections in ", ""));
   const std::optional<absl::Time> hello =
       LineTime(old_log, "asks to take over");
   const std::optional<absl::Time> commit =
       LineTime(old_log, "handed over to the new mrd");
-  const std::optional<absl::Time> gone =
-      LineTime(old_log, "mrd handed over; device pinned bytes");
+  const std::optional<absl::Time> gone = LineTime(old_log, "mrd handed over;");
   round.snapshot = Between(hello, LineTime(new_log, "snapshot received"));
   round.prefault = SecondsOf(LoggedDuration(new_log, ": prefault ", ","));
   round.registrations =
@@ -669,14 +692,14 @@ int Main(int argc, char** argv) {
       "\nhandover: launch of mrd --takeover until the old mrd exited and the "
       "new one answered; held: the longest RegisterMr hit meanwhile; old "
       "gone: launch until the old exited; start: launch until the old heard "
-      "the hello; adopt: hello until commit (prepare, pause, snapshot, the "
-      "new one pins everything); snap: hello until the new one had the "
-      "snapshot (the prepare frame first: memfds mapped and page tables "
-      "filled while the old one serves); prefau, regs: the new one's "
-      "adoption after the pause (page tables not filled yet, adopting and "
-      "pinning each registration); exit: commit until the old one's last line; "
-      "new: the new "
-      "one's \"took over ... in\"; fill: the "
+      "the hello; adopt: hello until commit (prepare, pause, snapshot, "
+      "adoption); snap: hello until the new one had the snapshot (the "
+      "prepare frame first, while the old one serves: memfds mapped, page "
+      "tables filled, every registration pinned); prefau, regs: the new "
+      "one's adoption in the pause (page tables not filled yet; each "
+      "registration's key claimed and the pin made ahead taken over, or "
+      "pinned if made since); exit: commit until the old one's last line; "
+      "new: the new one's \"took over ... in\"; fill: the "
       "first registration; floor: a fresh mrd, new sessions, imports and "
       "every registration again; ratio: handover / floor\n");
   if (main_seconds.has_value()) {

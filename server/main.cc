@@ -227,10 +227,11 @@ ABSL_FLAG(absl::Duration, handover_timeout, absl::Seconds(60),
           "other, and how long --takeover keeps asking a running mrd that "
           "says it is busy (HANDOVER_BUSY).");
 ABSL_FLAG(std::string, after_handover, "exit",
-          "What this mrd does once it has handed over (and released "
-          "everything): exit (exit 0) or wait (hold nothing, NOT_SERVING, "
-          "until SIGTERM or SIGINT, then exit 0; for Kubernetes, where an "
-          "exited container would be restarted and take over back).");
+          "What this mrd does once it has handed over: exit (exit 0 at "
+          "once; the kernel drops this process's own pins and mappings) "
+          "or wait (release everything, hold nothing, NOT_SERVING, until "
+          "SIGTERM or SIGINT, then exit 0; for Kubernetes, where an exited "
+          "container would be restarted and take over back).");
 ABSL_FLAG(std::string, handover_status_file, "",
           "Write this mrd's handover state to this file, one word: "
           "taking-over, serving, handing-over, handed-over, stopping or "
@@ -462,6 +463,9 @@ class Daemon final : public handover::HandoverSource {
   std::unique_ptr<handover::Takeover> takeover_;
   std::optional<handover::HandoverChannel::Received> snapshot_;
   core::PreparedBuffers prepared_;  // from the prepare frame
+  // The old process's peer listener, from the prepare frame: the device
+  // opens on it before the old process pauses.
+  UniqueFd prepared_peer_listener_;
   absl::Time takeover_start_;
   // The old process's side: what Pause detached, for Resume.
   // handover_ and took_over_ are read by the metrics on their threads.
@@ -527,7 +531,8 @@ absl::Status Daemon::Start() {
   ConfigurePrefault(absl::GetFlag(FLAGS_prefault_threads));
   MRD_RETURN_IF_ERROR(ChooseDevice());
   if (absl::GetFlag(FLAGS_takeover)) MRD_RETURN_IF_ERROR(BeginTakeover());
-  MRD_RETURN_IF_ERROR(OpenDevice());
+  // Taking over, the device opened before the old process paused.
+  if (device_ == nullptr) MRD_RETURN_IF_ERROR(OpenDevice());
   MRD_RETURN_IF_ERROR(StartCore());
   if (takeover_ != nullptr) {
     MRD_RETURN_IF_ERROR(AdoptSnapshot());
@@ -719,7 +724,7 @@ absl::Status Daemon::OpenDevice() {
   const std::string device_flag = absl::GetFlag(FLAGS_device);
   if (use_verbs_) MRD_RETURN_IF_ERROR(OpenVerbsDevice(device_flag));
   if (!use_verbs_) MRD_RETURN_IF_ERROR(OpenSoftwareDevice());
-  if (snapshot_.has_value()) {
+  if (takeover_ != nullptr) {
     // Taking over: no peer is accepted before commit, when every ticket
     // and key is this process's (AdoptSnapshot resumes accepting).
     (void)device_->StopPeerAccepting();
@@ -793,8 +798,8 @@ absl::Status Daemon::OpenSoftwareDevice() {
   // Taking over: the running mrd's peer listener, on the same port (the
   // device keeps a duplicate).
   UniqueFd inherited;
-  if (snapshot_.has_value()) {
-    inherited = TakeSnapshotFd(snapshot_->frame.snapshot().peer_listener());
+  if (takeover_ != nullptr) {
+    inherited = std::move(prepared_peer_listener_);
     options.inherited_peer_listener = inherited.get();
   }
   absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
@@ -1191,6 +1196,7 @@ absl::Status Daemon::BeginTakeover() {
     LogWarning(attempt.message(), "; asking again in ",
                absl::FormatDuration(backoff));
     takeover_.reset();
+    if (device_ != nullptr) device_->DropPinsAhead();  // before the unmap
     prepared_.clear();
     absl::SleepFor(backoff);
     backoff = std::min(backoff * 2, absl::Seconds(2));
@@ -1221,6 +1227,9 @@ absl::Status Daemon::TryTakeover() {
   if (!takeover.ok() &&
       GetErrorDetail(takeover.status()).reason() == "HANDOVER_NOBODY") {
     LogInfo("--takeover: no mrd serves ", handover_socket_, "; starting fresh");
+    // An earlier attempt opened the device on the listener of an mrd that
+    // is gone now: the socket is this process's alone, and it accepts.
+    if (device_ != nullptr) device_->ResumePeerAccepting();
     return absl::OkStatus();
   }
   if (!takeover.ok()) return annotate("refused", takeover.status());
@@ -1232,7 +1241,20 @@ absl::Status Daemon::TryTakeover() {
   absl::StatusOr<handover::HandoverChannel::Received> prepare =
       takeover_->ReceivePrepare();
   if (!prepare.ok()) return annotate("failed", prepare.status());
-  prepared_ = core::PrepareBuffers(prepare->frame.prepare(), prepare->fds);
+  // The device opens now, on the old process's peer listener (it accepts
+  // only after commit), and what the prepare frame names is mapped and
+  // pinned: adopting it in the pause only takes those pins over.
+  if (device_ == nullptr) {
+    const int32_t listener = prepare->frame.prepare().peer_listener();
+    if (listener >= 0 && static_cast<size_t>(listener) < prepare->fds.size()) {
+      prepared_peer_listener_ = std::move(prepare->fds[listener]);
+    }
+    if (absl::Status s = OpenDevice(); !s.ok()) {
+      return annotate("failed", s);
+    }
+  }
+  prepared_ = core::PrepareBuffers(prepare->frame.prepare(), prepare->fds,
+                                   device_.get());
   if (takeover_->fault() == "new.prepare") _exit(3);
   if (absl::Status s = takeover_->Prepared(); !s.ok()) {
     return annotate("failed", s);
@@ -1251,7 +1273,9 @@ absl::Status Daemon::TryTakeover() {
 absl::Status Daemon::AdoptSnapshot() {
   const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
   absl::Status adopted = core_->AdoptState(snap, snapshot_->fds, &prepared_);
-  prepared_.clear();  // what the snapshot no longer names
+  // What the snapshot no longer names: its pins, then its mappings.
+  device_->DropPinsAhead();
+  prepared_.clear();
   if (adopted.ok() && takeover_->fault() == "new.adopt") {
     adopted = MrdError(absl::StatusCode::kAborted, "HANDOVER_TEST_FAULT",
                        "test fault point new.adopt");
@@ -1322,7 +1346,16 @@ absl::Status Daemon::Check(const v1::HandoverHello& hello) {
 
 absl::Status Daemon::Prepare(v1::HandoverSnapshot* snapshot,
                              std::vector<UniqueFd>* fds) {
-  return core_->ExportState(snapshot, fds);
+  MRD_RETURN_IF_ERROR(core_->ExportState(snapshot, fds));
+  // The new process opens its device on this socket before the pause.
+  absl::StatusOr<UniqueFd> peer = device_->DuplicatePeerListener();
+  if (!peer.ok()) return peer.status();
+  snapshot->set_peer_listener(-1);
+  if (peer->valid()) {
+    fds->push_back(std::move(*peer));
+    snapshot->set_peer_listener(static_cast<int32_t>(fds->size() - 1));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Daemon::Pause() {
@@ -1524,10 +1557,23 @@ void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
   stop_health_.Notify();
   health_watch_.Join();
   server_.reset();
-  // This process's own copies go: its registrations, pins and mappings
-  // (the new process holds its own). Nothing here touches what the clients
-  // use: the sockets, their connections and the memfds are the new
-  // process's, and only this process's fds of them are closed.
+  if (!wait) {
+    // This process's own copies of the registrations, pins and mappings
+    // (the new process holds its own) go with it: the kernel drops them at
+    // exit in bulk, sooner than releasing them one by one would (100,000
+    // registrations: docs/PERFORMANCE.md). Nothing of what clients use is
+    // touched: the sockets, their connections and the memfds are the new
+    // process's too, and exiting only closes this process's fds of them.
+    LogInfo("mrd handed over; exiting, the kernel releases this process's ",
+            device_->PinnedBytes(),
+            " pinned bytes (pinned by the new mrd as "
+            "well) and its mappings");
+    WriteStatus("handed-over");
+    std::fflush(nullptr);
+    _exit(0);
+  }
+  // --after_handover=wait: this process's own copies go now, the same way
+  // a stop releases them, and it holds nothing while it waits.
   core_->Shutdown();
   device_->Shutdown();
   LogInfo("mrd handed over; device pinned bytes: ", device_->PinnedBytes());

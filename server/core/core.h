@@ -136,11 +136,18 @@ struct CoreStats {
 // the page tables of their registered memory filled on the prefault threads
 // — the longest part of adopting them, done before the old process pauses.
 // A buffer whose fd cannot be mapped is left out (the snapshot's copy is
-// mapped instead).
+// mapped instead). With `device`, every registration, LAM and warm pin of
+// a prepared buffer is also pinned ahead (Device::PinAhead), on a thread
+// of its own while the next buffers' page tables fill, so that adopting
+// them in the pause takes these pins over instead of pinning; a pin that
+// fails is left to the adoption (which pins, or refuses, as before). The
+// caller drops what no adoption took (Device::DropPinsAhead) before the
+// prepared buffers are unmapped.
 using PreparedBuffers =
     absl::flat_hash_map<uint64_t, std::unique_ptr<fd_socket::MappedFile>>;
 PreparedBuffers PrepareBuffers(const v1::HandoverSnapshot& prepare,
-                               std::vector<UniqueFd>& fds);
+                               std::vector<UniqueFd>& fds,
+                               device::Device* device);
 
 class Core final : public fd_socket::FdSessionHandler {
  public:

@@ -11,7 +11,9 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -25,6 +27,7 @@
 #include "absl/time/time.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
+#include "server/common/thread.h"
 #include "server/core/core.h"
 #include "server/core/registrations.h"
 
@@ -282,13 +285,131 @@ bool SameFile(const fd_socket::MappedFile& file, int fd) {
          static_cast<uint64_t>(st.st_ino) == file.inode();
 }
 
+// The spans PinAhead pins, by buffer: every registration, LAM and warm pin
+// of the prepare frame, as (offset, length).
+absl::flat_hash_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>>
+SpansToPin(const v1::HandoverSnapshot& prepare) {
+  absl::flat_hash_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>>
+      spans;
+  for (const v1::HandedOverSession& session : prepare.sessions()) {
+    for (const v1::HandedOverRegistration& r : session.registrations()) {
+      spans[r.buffer()].emplace_back(r.offset(), r.length());
+    }
+    for (const v1::HandedOverLam& l : session.lams()) {
+      spans[l.buffer()].emplace_back(l.offset(), l.length());
+    }
+    for (const v1::HandedOverWarmPin& w : session.warm_pins()) {
+      spans[w.buffer()].emplace_back(w.offset(), w.length());
+    }
+  }
+  return spans;
+}
+
+// Pins ahead (Device::PinAhead) the spans of the buffers handed to it, on
+// a thread of its own, while the caller fills the next buffers' page
+// tables: the two overlap instead of following each other. Without the
+// thread (none could be started) Add pins on the caller's.
+class AheadPinner {
+ public:
+  AheadPinner(device::Device& device, const v1::HandoverSnapshot& prepare)
+      : device_(device), spans_(SpansToPin(prepare)), start_(absl::Now()) {
+    absl::StatusOr<Thread> thread =
+        Thread::Start("mrd-pin-ahead", [this] { Run(); });
+    if (thread.ok()) thread_ = *std::move(thread);
+  }
+  ~AheadPinner() { Finish(); }
+  AheadPinner(const AheadPinner&) = delete;
+  AheadPinner& operator=(const AheadPinner&) = delete;
+
+  // `file` (buffer `buffer`, its page tables filled) is pinned next; it
+  // must stay mapped until Finish returns.
+  void Add(uint64_t buffer, const fd_socket::MappedFile* file) {
+    if (!thread_.joinable()) {
+      Pin(buffer, *file);
+      return;
+    }
+    absl::MutexLock lock(&mu_);
+    queue_.emplace_back(buffer, file);
+  }
+
+  // Pins what is queued, then logs what was pinned. Idempotent.
+  void Finish() {
+    {
+      absl::MutexLock lock(&mu_);
+      if (finished_) return;
+      finished_ = true;
+    }
+    thread_.Join();
+    LogInfo("pinned ahead ", pins_, " registrations, LAMs and warm pins (",
+            bytes_, " bytes) in ", absl::FormatDuration(absl::Now() - start_),
+            " from the first page-table fill");
+    if (!first_error_.ok()) {
+      LogWarning("some could not be pinned ahead (their adoption pins them): ",
+                 first_error_.ToString());
+    }
+  }
+
+ private:
+  void Run() {
+    for (;;) {
+      std::pair<uint64_t, const fd_socket::MappedFile*> next;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &AheadPinner::HasWorkOrFinished));
+        if (queue_.empty()) return;
+        next = queue_.front();
+        queue_.pop_front();
+      }
+      Pin(next.first, *next.second);
+    }
+  }
+
+  bool HasWorkOrFinished() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return !queue_.empty() || finished_;
+  }
+
+  // One thread at a time pins: the thread, or (without it) the caller.
+  void Pin(uint64_t buffer, const fd_socket::MappedFile& file) {
+    auto it = spans_.find(buffer);
+    if (it == spans_.end()) return;
+    for (const auto& [offset, length] : it->second) {
+      absl::StatusOr<device::MemorySpan> span = file.Span(offset, length);
+      if (!span.ok()) continue;  // its adoption refuses it
+      if (absl::Status s = device_.PinAhead(*span); !s.ok()) {
+        if (first_error_.ok()) first_error_ = s;
+        continue;
+      }
+      ++pins_;
+      bytes_ += length;
+    }
+  }
+
+  device::Device& device_;
+  const absl::flat_hash_map<uint64_t,
+                            std::vector<std::pair<uint64_t, uint64_t>>>
+      spans_;
+  const absl::Time start_;
+  Thread thread_;
+  mutable absl::Mutex mu_;
+  std::deque<std::pair<uint64_t, const fd_socket::MappedFile*>> queue_
+      ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // The pinning thread's, read by Finish after the join.
+  uint64_t pins_ = 0;
+  uint64_t bytes_ = 0;
+  absl::Status first_error_;
+};
+
 }  // namespace
 
 PreparedBuffers PrepareBuffers(const v1::HandoverSnapshot& prepare,
-                               std::vector<UniqueFd>& fds) {
+                               std::vector<UniqueFd>& fds,
+                               device::Device* device) {
   PreparedBuffers prepared;
   const absl::Time start = absl::Now();
   uint64_t bytes = 0;
+  std::optional<AheadPinner> pinner;
+  if (device != nullptr) pinner.emplace(*device, prepare);
   for (const v1::HandedOverSession& session : prepare.sessions()) {
     auto runs = RegisteredRuns(session);
     for (const v1::HandedOverBuffer& b : session.buffers()) {
@@ -304,12 +425,14 @@ PreparedBuffers PrepareBuffers(const v1::HandoverSnapshot& prepare,
         PrefaultRunsOf(**file, it->second);
         for (const auto& [from, to] : it->second) bytes += to - from;
       }
+      if (pinner.has_value()) pinner->Add(b.id(), file->get());
       prepared[b.id()] = std::move(*file);
     }
   }
   LogInfo("prepared ", prepared.size(), " buffers, ", bytes,
           " registered bytes prefaulted, in ",
           absl::FormatDuration(absl::Now() - start));
+  if (pinner.has_value()) pinner->Finish();
   return prepared;
 }
 

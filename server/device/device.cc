@@ -59,6 +59,14 @@ absl::StatusOr<UniqueFd> Device::StopPeerAccepting() {
 
 void Device::ResumePeerAccepting() {}
 
+absl::StatusOr<UniqueFd> Device::DuplicatePeerListener() {
+  return NotHandedOver(*this, "DuplicatePeerListener");
+}
+
+absl::Status Device::PinAhead(const MemorySpan& /*span*/) {
+  return NotHandedOver(*this, "PinAhead");
+}
+
 absl::Status Device::AdoptPeer(PdId /*pd*/, HandedOverPeer /*peer*/) {
   return NotHandedOver(*this, "AdoptPeer");
 }

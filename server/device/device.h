@@ -304,6 +304,27 @@ class Device {
   // uses it): only close this process's fd.
   virtual absl::StatusOr<UniqueFd> StopPeerAccepting();
   virtual void ResumePeerAccepting();
+  // A duplicate of the peer path's listening socket (close-on-exec) while
+  // this device goes on accepting on it: what a new process opens its
+  // device with before this one pauses (the socket is the same; it accepts
+  // on it only after commit). An empty UniqueFd with OK when there is no
+  // listening socket; refused with CanHandOver's error by a device that
+  // cannot hand over.
+  virtual absl::StatusOr<UniqueFd> DuplicatePeerListener();
+
+  // The new process, while the old one still serves: pins `span` as a
+  // registration or LAM of exactly that span (same host address and
+  // length) pins it, so that adopting it (AdoptMr, AdoptLam; a warm pin's
+  // BuildLam) takes this pin over instead of pinning while clients wait.
+  // Each pin ahead goes to at most one registration or LAM; DropPinsAhead
+  // unpins the ones none took (and the device's end does). Errors: the pin's
+  // (RESOURCE_EXHAUSTED "PIN_FAILED", "LIMIT_MEMORY_MAPS", INVALID_ARGUMENT for
+  // a bad span); nothing stays pinned then. Refused with CanHandOver's error by
+  // a device that cannot hand over.
+  virtual absl::Status PinAhead(const MemorySpan& span);
+  virtual void DropPinsAhead() {}
+  // Pins ahead not yet taken by an adoption nor dropped.
+  virtual size_t PinsAhead() const { return 0; }
   // Closes every peer connection and waits (up to `timeout`) until each is
   // gone, its operation in flight finished: from then on no peer reaches
   // memory through this process. A live handover's old process does this

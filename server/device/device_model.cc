@@ -198,6 +198,7 @@ DeviceModel::~DeviceModel() {
 
 void DeviceModel::ShutdownAndReleaseAll() {
   Shutdown();
+  DropPinsAhead();
   std::vector<PdId> left;
   {
     absl::MutexLock lock(&mu_);
@@ -484,6 +485,51 @@ absl::StatusOr<MrKeys> DeviceModel::AdoptMr(PdId pd, const MemorySpan& span,
   return Register(pd, span, base_address, access, &adopt);
 }
 
+absl::Status DeviceModel::PinAhead(const MemorySpan& span) {
+  MRD_RETURN_IF_ERROR(CanHandOver());
+  MRD_RETURN_IF_ERROR(ValidateSpan(span, "PinAhead"));
+  MemorySpan kept = span;
+  kept.progress = nullptr;  // not the caller's to watch any more
+  MRD_RETURN_IF_ERROR(ProviderPin(kept));
+  absl::MutexLock lock(&ahead_mu_);
+  PinnedAhead& pinned =
+      pins_ahead_[{reinterpret_cast<uint64_t>(kept.host_address), kept.length}];
+  if (pinned.count == 0) pinned.span = kept;
+  ++pinned.count;
+  return absl::OkStatus();
+}
+
+absl::Status DeviceModel::PinTakingAhead(const MemorySpan& span) {
+  {
+    absl::MutexLock lock(&ahead_mu_);
+    auto it = pins_ahead_.find(std::make_pair(
+        reinterpret_cast<uint64_t>(span.host_address), span.length));
+    if (it != pins_ahead_.end()) {
+      if (--it->second.count == 0) pins_ahead_.erase(it);
+      return absl::OkStatus();
+    }
+  }
+  return ProviderPin(span);
+}
+
+void DeviceModel::DropPinsAhead() {
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, PinnedAhead> left;
+  {
+    absl::MutexLock lock(&ahead_mu_);
+    left.swap(pins_ahead_);
+  }
+  for (const auto& [key, pinned] : left) {
+    for (uint32_t i = 0; i < pinned.count; ++i) ProviderUnpin(pinned.span);
+  }
+}
+
+size_t DeviceModel::PinsAhead() const {
+  absl::MutexLock lock(&ahead_mu_);
+  size_t n = 0;
+  for (const auto& [key, pinned] : pins_ahead_) n += pinned.count;
+  return n;
+}
+
 absl::StatusOr<MrKeys> DeviceModel::Register(PdId pd, const MemorySpan& span,
                                              uint64_t base_address,
                                              uint32_t access,
@@ -505,7 +551,7 @@ absl::StatusOr<MrKeys> DeviceModel::RegisterPinned(
     uint64_t base_address, uint32_t access, const AdoptedKeys* adopt) {
   const absl::string_view call = adopt == nullptr ? "RegisterMr" : "AdoptMr";
   MRD_RETURN_IF_ERROR(CheckNotCancelled(span, call));
-  MRD_RETURN_IF_ERROR(ProviderPin(span));
+  MRD_RETURN_IF_ERROR(PinTakingAhead(span));
   MrId id = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -781,7 +827,7 @@ absl::StatusOr<LogicalMapping> DeviceModel::MapPinned(PdId pd_id,
   // L7: on any failure below, nothing stays pinned or mapped.
   MRD_RETURN_IF_ERROR(
       CheckNotCancelled(span, adopt == nullptr ? "BuildLam" : "AdoptLam"));
-  MRD_RETURN_IF_ERROR(ProviderPin(span));
+  MRD_RETURN_IF_ERROR(PinTakingAhead(span));
   LamId id = 0;
   uint64_t iova = 0;
   absl::Status status = [&]() -> absl::Status {

@@ -41,6 +41,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -174,6 +175,12 @@ class DeviceModel : public Device {
   void ContinueLogicalAddressesAbove(uint64_t watermark) final;
   uint64_t ConnectionIdWatermark() const final;
   void ContinueConnectionIdsAbove(uint64_t watermark) final;
+  // ProviderPin now, taken over by the next registration or LAM of the
+  // same span (PinTakingAhead); DropPinsAhead gives back the ones not
+  // taken.
+  absl::Status PinAhead(const MemorySpan& span) final;
+  void DropPinsAhead() final;
+  size_t PinsAhead() const final;
 
   // Hands the connection's deferred (kWorkDefer) work to the worker now, as
   // the next non-deferred post would. Errors: FAILED_PRECONDITION
@@ -436,6 +443,11 @@ class DeviceModel : public Device {
     uint32_t lkey = 0;
     uint32_t rkey = 0;
   };
+  // The pin of a registration or LAM of `span` (RegisterMr, BuildLam and
+  // their adoptions): one PinAhead made of exactly this span if one is
+  // left, else ProviderPin. Either way the caller owns a pin of `span` on
+  // OK (ProviderUnpin gives it back).
+  absl::Status PinTakingAhead(const MemorySpan& span) ABSL_LOCKS_EXCLUDED(mu_);
   // RegisterMr and AdoptMr (`adopt` non-null), from the checks on.
   absl::StatusOr<MrKeys> Register(PdId pd, const MemorySpan& span,
                                   uint64_t base_address, uint32_t access,
@@ -579,6 +591,17 @@ class DeviceModel : public Device {
   uint64_t next_connection_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_work_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t session_limit_refusals_ ABSL_GUARDED_BY(mu_) = 0;
+
+  // PinAhead's pins, by host address and length, until a registration or
+  // LAM of that span takes one (PinTakingAhead) or DropPinsAhead unpins them.
+  // Its own lock: never held across a provider call.
+  struct PinnedAhead {
+    MemorySpan span;     // what ProviderUnpin is given back
+    uint32_t count = 0;  // pins of this span not taken yet
+  };
+  mutable absl::Mutex ahead_mu_;
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, PinnedAhead> pins_ahead_
+      ABSL_GUARDED_BY(ahead_mu_);
 };
 
 }  // namespace mrd::device

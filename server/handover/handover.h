@@ -42,8 +42,10 @@
 namespace mrd::handover {
 
 // The snapshot's format. A new process that speaks another version is
-// refused (HANDOVER_VERSION) and the old one serves on.
-inline constexpr uint32_t kHandoverVersion = 1;
+// refused (HANDOVER_VERSION) and the old one serves on. Version 2: the
+// prepare frame carries the peer listener too (the new process opens its
+// device and pins before the pause).
+inline constexpr uint32_t kHandoverVersion = 2;
 
 // What the old process does at each step of a handover.
 class HandoverSource {

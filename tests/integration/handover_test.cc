@@ -426,6 +426,11 @@ TEST_F(HandoverTest, EveryRegistrationSurvivesATakeover) {
   }
   EXPECT_TRUE(absl::StrContains(new_->Log(), "took over from pid"))
       << new_->Log();
+  // Every registration and the warm pin were pinned before the old process
+  // paused, and adopting them took those pins over.
+  EXPECT_TRUE(absl::StrContains(
+      new_->Log(), "pinned ahead 5 registrations, LAMs and warm pins"))
+      << new_->Log();
   // What the new process says it took over (docs/METRICS.md), on the same
   // metrics socket.
   EXPECT_EQ(new_->metrics_address(), old_->metrics_address());
@@ -901,6 +906,10 @@ std::optional<v1::HandoverFrame> FirstFrame(const std::string& bytes) {
   return frame;
 }
 
+// The handover format this mrd speaks (server/handover/handover.h): a test
+// speaks the wire protocol as an outsider would.
+constexpr uint32_t kFormatVersion = 2;
+
 v1::HandoverFrame Hello(uint32_t version, const std::string& device_kind) {
   v1::HandoverFrame frame;
   frame.mutable_hello()->set_version(version);
@@ -932,7 +941,7 @@ TEST_F(HandoverTest, OnlyItsOwnUidWithItsFormatAndDeviceMayTakeOver) {
   ASSERT_EQ(::chmod(runtime_dir_.c_str(), 0755), 0);
   int pipe_fds[2];
   ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
-  const std::string hello = HandoverBytes(Hello(1, "software"));
+  const std::string hello = HandoverBytes(Hello(kFormatVersion, "software"));
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
@@ -964,7 +973,8 @@ TEST_F(HandoverTest, OnlyItsOwnUidWithItsFormatAndDeviceMayTakeOver) {
   ASSERT_TRUE(refusal.has_value());
   EXPECT_EQ(refusal->refusal().reason(), "HANDOVER_VERSION")
       << refusal->ShortDebugString();
-  refusal = FirstFrame(ExchangeRaw(path, HandoverBytes(Hello(1, "verbs"))));
+  refusal = FirstFrame(
+      ExchangeRaw(path, HandoverBytes(Hello(kFormatVersion, "verbs"))));
   ASSERT_TRUE(refusal.has_value());
   EXPECT_EQ(refusal->refusal().reason(), "HANDOVER_DEVICE_MISMATCH")
       << refusal->ShortDebugString();

@@ -242,6 +242,17 @@ void PeerListener::Stop() {
 
 absl::StatusOr<UniqueFd> PeerListener::StopAccepting() {
   absl::MutexLock start_lock(&start_mu_);
+  MRD_ASSIGN_OR_RETURN(UniqueFd copy, DuplicateSocketLocked());
+  SetAcceptingLocked(false);
+  return copy;
+}
+
+absl::StatusOr<UniqueFd> PeerListener::DuplicateSocket() {
+  absl::MutexLock start_lock(&start_mu_);
+  return DuplicateSocketLocked();
+}
+
+absl::StatusOr<UniqueFd> PeerListener::DuplicateSocketLocked() {
   if (stopped_) {
     return MrdError(absl::StatusCode::kFailedPrecondition,
                     "PEER_LISTENER_STOPPED",
@@ -256,7 +267,6 @@ absl::StatusOr<UniqueFd> PeerListener::StopAccepting() {
     return ErrnoError(errno, "fcntl(F_DUPFD_CLOEXEC)",
                       "PEER_LISTENER_DUP_FAILED");
   }
-  SetAcceptingLocked(false);
   return copy;
 }
 

@@ -168,6 +168,9 @@ class PeerListener {
   // Accepts again after StopAccepting (returns once the reactor watches the
   // listening socket again). No-op when accepting or stopped.
   void ResumeAccepting();
+  // A duplicate of the listening socket (close-on-exec) while this
+  // listener goes on accepting on it. Errors as StopAccepting's.
+  absl::StatusOr<UniqueFd> DuplicateSocket();
 
   // A connection as it stands, for another process to serve on.
   struct HeldConnection {
@@ -233,6 +236,8 @@ class PeerListener {
   // Sets accept_wanted_ and, once started, waits until the reactor acts on
   // it (accepting_).
   void SetAcceptingLocked(bool accept) ABSL_EXCLUSIVE_LOCKS_REQUIRED(start_mu_);
+  absl::StatusOr<UniqueFd> DuplicateSocketLocked()
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(start_mu_);
   // Runs `call` on the reactor thread (or here, before Start: no reactor
   // runs yet) and returns once it ran. False after Stop (it did not run).
   bool OnReactor(absl::AnyInvocable<void()> call)

@@ -299,6 +299,10 @@ absl::StatusOr<UniqueFd> SoftwareDevice::StopPeerAccepting() {
 
 void SoftwareDevice::ResumePeerAccepting() { listener_->ResumeAccepting(); }
 
+absl::StatusOr<UniqueFd> SoftwareDevice::DuplicatePeerListener() {
+  return listener_->DuplicateSocket();
+}
+
 absl::StatusOr<std::vector<Device::HandedOverPeer>> SoftwareDevice::FreezePeers(
     absl::Duration timeout) {
   MRD_ASSIGN_OR_RETURN(std::vector<PeerListener::HeldConnection> held,

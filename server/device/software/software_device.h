@@ -171,8 +171,11 @@ class SoftwareDevice final : public DeviceModel {
   // (PeerListener::StopAccepting; FAILED_PRECONDITION
   // "PEER_LISTENER_STOPPED" once shut down), and a device created with it
   // as options.inherited_peer_listener accepts on the same address.
+  // DuplicatePeerListener gives the same socket without stopping
+  // (PeerListener::DuplicateSocket).
   absl::Status CanHandOver() const override;
   absl::StatusOr<UniqueFd> StopPeerAccepting() override;
+  absl::StatusOr<UniqueFd> DuplicatePeerListener() override;
   void ResumePeerAccepting() override;
   // Established connections move too (PeerListener::FreezeConnections):
   // those past hello in a ready state (DeviceModel::MovableConnection).

@@ -30,6 +30,8 @@
 #include "mrd/net.h"
 #include "mrd/peer_frame.h"
 #include "server/device/iova_space.h"
+#include "server/device/software/kernel_pin_ops.h"
+#include "server/device/software/peer_listener.h"
 #include "server/device/software/software_device.h"
 #include "tests/support/kernel_pins.h"
 #include "tests/unit/device/device_test_util.h"
@@ -179,6 +181,7 @@ class HandoverTest : public ::testing::Test {
   // Declared before devices_: the devices go first.
   std::vector<std::unique_ptr<RecordingSink>> sinks_;
   std::vector<std::unique_ptr<MemfdBuffer>> buffers_;
+  std::vector<std::unique_ptr<PinOps>> pin_ops_;
   std::vector<std::unique_ptr<SoftwareDevice>> devices_;
   std::vector<std::pair<SoftwareDevice*, PdId>> pds_;
   uint64_t kernel_pinned_before_ = 0;
@@ -561,6 +564,119 @@ TEST_F(HandoverTest, RefusedAdoptionsLeaveNothingPinned) {
   ASSERT_TRUE(adopted.ok()) << adopted.status();
   EXPECT_EQ(adopted->rkey, free_key);
   EXPECT_EQ(next.PinnedBytes(), pinned + other.size());
+}
+
+// Real kernel pins (io_uring or mlock, as the device would pin), counted.
+class CountingPinOps final : public PinOps {
+ public:
+  CountingPinOps() {
+    absl::StatusOr<std::unique_ptr<KernelPinOps>> ops =
+        KernelPinOps::Create(KernelPinOptions{});
+    EXPECT_TRUE(ops.ok()) << ops.status();
+    if (ops.ok()) kernel_ = std::move(*ops);
+  }
+  int Lock(uint64_t address, uint64_t length) override {
+    ++locks;
+    return kernel_->Lock(address, length);
+  }
+  int Unlock(uint64_t address, uint64_t length) override {
+    ++unlocks;
+    return kernel_->Unlock(address, length);
+  }
+  std::atomic<int> locks{0};
+  std::atomic<int> unlocks{0};
+
+ private:
+  std::unique_ptr<KernelPinOps> kernel_;
+};
+
+// The new process pins before the old one pauses (PinAhead); adopting the
+// same span then takes that pin over and the kernel is not asked again.
+TEST_F(HandoverTest, AdoptionsTakeOverThePinsMadeAheadOfThem) {
+  const uint64_t ps = PageSize();
+  SoftwareDevice& old = NewDevice();
+  MemfdBuffer& buffer = NewBuffer(8);
+  MemfdBuffer& late = NewBuffer(2, 3);  // registered after the pins ahead
+  PdId old_pd = NewPd(old);
+  absl::StatusOr<MrKeys> a =
+      old.RegisterMr(old_pd, buffer.Span(0, 2 * ps), kBase, kRemoteRw);
+  absl::StatusOr<MrKeys> b =
+      old.RegisterMr(old_pd, buffer.Span(2 * ps, ps), kBase, kRemoteRw);
+  absl::StatusOr<LogicalMapping> lam =
+      old.BuildLam(old_pd, buffer.Span(4 * ps, 2 * ps));
+  absl::StatusOr<MrKeys> c =
+      old.RegisterMr(old_pd, late.Span(0, 2 * ps), kBase, kRemoteRw);
+  ASSERT_TRUE(a.ok() && b.ok() && lam.ok() && c.ok());
+
+  auto counting = std::make_unique<CountingPinOps>();
+  CountingPinOps& ops = *counting;
+  pin_ops_.push_back(std::move(counting));
+  SoftwareDeviceOptions options;
+  options.pin_ops = &ops;
+  SoftwareDevice& next = Successor(old, options);
+  // Ahead: a, b, the LAM, and a span the snapshot will no longer name.
+  for (const MemorySpan& span :
+       {buffer.Span(0, 2 * ps), buffer.Span(2 * ps, ps),
+        buffer.Span(4 * ps, 2 * ps), buffer.Span(7 * ps, ps)}) {
+    ASSERT_TRUE(next.PinAhead(span).ok());
+  }
+  EXPECT_EQ(ops.locks, 4);
+  EXPECT_EQ(next.PinsAhead(), 4u);
+  EXPECT_EQ(next.PinnedBytes(), 6 * ps);
+  // Bad spans pin nothing.
+  EXPECT_THAT(next.PinAhead(buffer.Span(0, 0)),
+              IsMrdError(absl::StatusCode::kInvalidArgument, "ZERO_LENGTH"));
+  EXPECT_THAT(next.PinAhead(MemorySpan{nullptr, ps, -1, 0}),
+              IsMrdError(absl::StatusCode::kInvalidArgument, "INVALID_SPAN"));
+  EXPECT_EQ(next.PinsAhead(), 4u);
+
+  PdId pd = NewPd(next);
+  absl::StatusOr<MrKeys> adopted_a = next.AdoptMr(
+      pd, buffer.Span(0, 2 * ps), kBase, kRemoteRw, a->lkey, a->rkey);
+  absl::StatusOr<MrKeys> adopted_b = next.AdoptMr(
+      pd, buffer.Span(2 * ps, ps), kBase, kRemoteRw, b->lkey, b->rkey);
+  absl::StatusOr<LogicalMapping> adopted_lam = next.AdoptLam(
+      pd, buffer.Span(4 * ps, 2 * ps), lam->pages[0], lam->privileged_key);
+  ASSERT_TRUE(adopted_a.ok()) << adopted_a.status();
+  ASSERT_TRUE(adopted_b.ok()) << adopted_b.status();
+  ASSERT_TRUE(adopted_lam.ok()) << adopted_lam.status();
+  EXPECT_EQ(ops.locks, 4);  // taken over, not pinned again
+  EXPECT_EQ(next.PinsAhead(), 1u);
+  // A registration made after the pins ahead: its adoption pins.
+  absl::StatusOr<MrKeys> c_adopted = next.AdoptMr(
+      pd, late.Span(0, 2 * ps), kBase, kRemoteRw, c->lkey, c->rkey);
+  ASSERT_TRUE(c_adopted.ok()) << c_adopted.status();
+  EXPECT_EQ(ops.locks, 5);
+  EXPECT_EQ(next.PinnedBytes(), 8 * ps);
+
+  // What no adoption took is unpinned; what was taken stays pinned.
+  next.DropPinsAhead();
+  EXPECT_EQ(next.PinsAhead(), 0u);
+  EXPECT_EQ(next.PinnedBytes(), 7 * ps);
+  EXPECT_EQ(ops.unlocks, 1);
+  // The adopted MR owns its pin: deregistering it unpins its pages.
+  ASSERT_TRUE(next.DeregisterMr(adopted_a->mr).ok());
+  EXPECT_EQ(next.PinnedBytes(), 5 * ps);
+  next.DropPinsAhead();  // nothing left: a no-op
+  EXPECT_EQ(next.PinnedBytes(), 5 * ps);
+}
+
+// Pins ahead that nobody takes or drops are given back when the device
+// goes (a takeover that died midway).
+TEST_F(HandoverTest, ADeviceGoingDropsItsPinsAhead) {
+  MemfdBuffer& buffer = NewBuffer(4);
+  const uint64_t before = KernelPinnedBytesSettled(0);
+  {
+    absl::StatusOr<std::unique_ptr<SoftwareDevice>> device =
+        SoftwareDevice::Create({});
+    ASSERT_TRUE(device.ok()) << device.status();
+    ASSERT_TRUE((*device)->Start().ok());
+    ASSERT_TRUE((*device)->PinAhead(buffer.Span(0, 4 * PageSize())).ok());
+    ASSERT_TRUE((*device)->PinAhead(buffer.Span(0, PageSize())).ok());
+    EXPECT_EQ((*device)->PinsAhead(), 2u);
+    EXPECT_EQ((*device)->PinnedBytes(), 4 * PageSize());
+  }
+  EXPECT_EQ(KernelPinnedBytesSettled(before), before);
 }
 
 TEST_F(HandoverTest, AdoptPeerTicketChecksTheTicketAndItsOwner) {
@@ -1098,6 +1214,116 @@ TEST_F(HandoverTest, DescribeFastMrKnowsOnlyMrObjects) {
 
 // ---------------------------------------------------------------------------
 // IovaSpace's handover calls.
+
+// The old device keeps accepting after DuplicatePeerListener: the new
+// process opens its device on the copy long before the old one stops.
+TEST_F(HandoverTest, DuplicatePeerListenerLeavesTheOldDeviceAccepting) {
+  SoftwareDevice& old = NewDevice();
+  OnePage page = RegisterOnePage(old);
+  ASSERT_FALSE(HasFailure());
+  absl::StatusOr<UniqueFd> copy = old.DuplicatePeerListener();
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  SoftwareDeviceOptions options;
+  options.inherited_peer_listener = copy->get();
+  absl::StatusOr<std::unique_ptr<SoftwareDevice>> next =
+      SoftwareDevice::Create(options);
+  ASSERT_TRUE(next.ok()) << next.status();
+  ASSERT_TRUE((*next)->StopPeerAccepting().ok());  // as a takeover does
+  ASSERT_TRUE((*next)->Start().ok());
+  EXPECT_EQ((*next)->Attributes().peer_address, old.Attributes().peer_address);
+  // Peers arriving now are the old device's.
+  for (int i = 0; i < 3; ++i) {
+    std::unique_ptr<SoftPeer> peer =
+        Connect(old.Attributes().peer_address, page.ticket);
+    ASSERT_NE(peer, nullptr);
+    EXPECT_TRUE(peer->Read(page.keys.rkey, kBase, 8).ok());
+  }
+  (*next)->Shutdown();
+  // The new device's end closed only its own fd of the socket.
+  std::unique_ptr<SoftPeer> after =
+      Connect(old.Attributes().peer_address, page.ticket);
+  ASSERT_NE(after, nullptr);
+  EXPECT_TRUE(after->Read(page.keys.rkey, kBase, 8).ok());
+}
+
+// AdoptPeer needs the connection's socket.
+TEST_F(HandoverTest, AdoptPeerWithoutItsSocketIsRefused) {
+  SoftwareDevice& next = NewDevice();
+  PdId pd = NewPd(next);
+  Device::HandedOverPeer peer;
+  peer.id = 5;
+  peer.remote = "127.0.0.1:1";
+  EXPECT_THAT(
+      next.AdoptPeer(pd, std::move(peer)),
+      IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_CONNECTION"));
+}
+
+// What PeerListener::AdoptConnection refuses: a connection while the
+// listener is not frozen, and one whose bytes in flight no frame can be.
+TEST(PeerListenerHandoverTest, AdoptConnectionRefusesWhatItCannotServe) {
+  PeerListenerOptions options;
+  absl::StatusOr<std::unique_ptr<PeerListener>> listener =
+      PeerListener::Bind("127.0.0.1:0", options);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  PeerListener::Handler handler;
+  handler.open = [](int, const std::string&) -> std::shared_ptr<void> {
+    return std::make_shared<int>(0);
+  };
+  handler.frame = [](const std::shared_ptr<void>&, absl::StatusOr<std::string>,
+                     std::string*) { return PeerListener::Verdict{}; };
+  handler.close = [](const std::shared_ptr<void>&) {};
+  ASSERT_TRUE((*listener)->Start(handler).ok());
+  std::vector<UniqueFd> peer_ends;
+  // A connected socket to hand in (the test keeps the other end).
+  auto held = [&](std::string received, std::string unsent = "") {
+    int pair[2] = {-1, -1};
+    EXPECT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+    peer_ends.emplace_back(pair[1]);
+    PeerListener::HeldConnection h;
+    h.fd = UniqueFd(pair[0]);
+    h.remote = "test";
+    h.authenticated = true;
+    h.received = std::move(received);
+    h.unsent = std::move(unsent);
+    return h;
+  };
+  auto header = [](uint32_t length) {
+    std::string h(peer::kFrameHeaderBytes, '\0');
+    for (size_t i = 0; i < h.size(); ++i) {
+      h[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+    }
+    return h;
+  };
+  EXPECT_THAT((*listener)->AdoptConnection(held(""), nullptr),
+              IsMrdError(absl::StatusCode::kFailedPrecondition,
+                         "PEER_LISTENER_NOT_FROZEN"));
+  absl::StatusOr<std::vector<PeerListener::HeldConnection>> frozen =
+      (*listener)->FreezeConnections(absl::Seconds(5));
+  ASSERT_TRUE(frozen.ok()) << frozen.status();
+  EXPECT_TRUE(frozen->empty());
+  const auto bad =
+      IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_CONNECTION");
+  PeerListener::HeldConnection no_socket;
+  EXPECT_THAT((*listener)->AdoptConnection(std::move(no_socket), nullptr), bad);
+  // A frame of no bytes, one past the limit, one read whole already.
+  EXPECT_THAT((*listener)->AdoptConnection(held(header(0)), nullptr), bad);
+  EXPECT_THAT((*listener)->AdoptConnection(
+                  held(header(options.max_frame_bytes + 1)), nullptr),
+              bad);
+  EXPECT_THAT((*listener)->AdoptConnection(held(header(3) + "abc"), nullptr),
+              bad);
+  // A frame both being read and answered.
+  EXPECT_THAT(
+      (*listener)->AdoptConnection(held(header(8) + "ab", "reply"), nullptr),
+      bad);
+  EXPECT_EQ((*listener)->Stats().connections, 0u);
+  // A frame read in part is fine.
+  EXPECT_TRUE(
+      (*listener)->AdoptConnection(held(header(8) + "ab"), nullptr).ok());
+  EXPECT_EQ((*listener)->Stats().connections, 1u);
+  (*listener)->ThawConnections();
+  (*listener)->Stop();
+}
 
 TEST(IovaSpaceHandoverTest, AllocateAtTakesExactlyTheRangeGiven) {
   constexpr uint64_t kPs = 4096;

@@ -1,0 +1,157 @@
+// The metrics listener's handover (Metrics::ServeOn, DuplicateListener):
+// a new process serves /metrics on the socket the old one served on, and
+// refuses a socket it cannot serve with BAD_METRICS_LISTENER, serving
+// nothing.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "mrd/status.h"
+#include "mrd/unique_fd.h"
+#include "server/common/clock.h"
+#include "server/common/log.h"
+#include "server/core/core.h"
+#include "server/device/software/software_device.h"
+#include "server/metrics/metrics.h"
+
+namespace mrd {
+namespace {
+
+// A TCP socket on 127.0.0.1 (port picked by the kernel), listening or not.
+UniqueFd TcpSocket(bool listen, int type = SOCK_STREAM) {
+  UniqueFd fd(::socket(AF_INET, type | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return fd;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&address),
+             sizeof(address)) != 0) {
+    return UniqueFd();
+  }
+  if (listen && ::listen(fd.get(), 16) != 0) return UniqueFd();
+  return fd;
+}
+
+int PortOf(int fd) {
+  sockaddr_in address{};
+  socklen_t length = sizeof(address);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    return -1;
+  }
+  return ntohs(address.sin_port);
+}
+
+// The body of GET /metrics on 127.0.0.1:`port`, or "" when nobody answers.
+std::string Scrape(int port) {
+  UniqueFd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&address),
+                sizeof(address)) != 0) {
+    return "";
+  }
+  const std::string request =
+      "GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  if (::send(fd.get(), request.data(), request.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(request.size())) {
+    return "";
+  }
+  std::string reply;
+  char chunk[4096];
+  for (;;) {
+    const ssize_t n = ::recv(fd.get(), chunk, sizeof(chunk), 0);
+    if (n <= 0) break;
+    reply.append(chunk, static_cast<size_t>(n));
+  }
+  return reply;
+}
+
+class MetricsListenerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SetMinLogLevel(LogLevel::kWarning);
+    absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> device =
+        device::SoftwareDevice::Create({});
+    ASSERT_TRUE(device.ok()) << device.status();
+    device_ = std::move(*device);
+    ASSERT_TRUE(device_->Start().ok());
+    core_ = std::make_unique<core::Core>(device_.get(), RealClock::Get(),
+                                         core::CoreOptions{});
+  }
+  void TearDown() override {
+    core_->Shutdown();
+    device_->Shutdown();
+  }
+
+  std::unique_ptr<device::SoftwareDevice> device_;
+  std::unique_ptr<core::Core> core_;
+};
+
+TEST_F(MetricsListenerTest, ASocketThatIsNotListeningTcpIsRefused) {
+  metrics::Metrics metrics(core_.get());
+  auto expect_refused = [&](UniqueFd fd, const char* what) {
+    absl::Status s = metrics.ServeOn(std::move(fd));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument)
+        << what << ": " << s;
+    EXPECT_EQ(GetErrorDetail(s).reason(), "BAD_METRICS_LISTENER") << what;
+    // Nothing is served: there is no listener to hand on.
+    EXPECT_EQ(GetErrorDetail(metrics.DuplicateListener().status()).reason(),
+              "METRICS_NOT_SERVED")
+        << what;
+  };
+  expect_refused(UniqueFd(), "no fd");
+  expect_refused(TcpSocket(/*listen=*/false), "bound, not listening");
+  expect_refused(TcpSocket(/*listen=*/false, SOCK_DGRAM), "UDP");
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  UniqueFd other(pair[1]);
+  expect_refused(UniqueFd(pair[0]), "a Unix socket");
+}
+
+// One Metrics serves, hands a duplicate of its socket to the next, which
+// serves on the same port once the first stopped.
+TEST_F(MetricsListenerTest, TheNextOneServesOnTheSameSocket) {
+  UniqueFd socket = TcpSocket(/*listen=*/true);
+  ASSERT_TRUE(socket.valid());
+  const int port = PortOf(socket.get());
+  metrics::Metrics old(core_.get());
+  ASSERT_TRUE(old.ServeOn(std::move(socket)).ok());
+  // The inherited socket is polled from the server's next round (<= 2 s).
+  std::string reply;
+  for (int i = 0; i < 50 && !absl::StrContains(reply, "200 OK"); ++i) {
+    reply = Scrape(port);
+    if (!absl::StrContains(reply, "200 OK")) {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+  EXPECT_TRUE(absl::StrContains(reply, "mrd_")) << reply;
+
+  absl::StatusOr<UniqueFd> handed = old.DuplicateListener();
+  ASSERT_TRUE(handed.ok()) << handed.status();
+  EXPECT_EQ(PortOf(handed->get()), port);
+  old.StopServing();
+  metrics::Metrics next(core_.get());
+  ASSERT_TRUE(next.ServeOn(std::move(*handed)).ok());
+  reply.clear();
+  for (int i = 0; i < 50 && !absl::StrContains(reply, "200 OK"); ++i) {
+    reply = Scrape(port);
+    if (!absl::StrContains(reply, "200 OK")) {
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+  }
+  EXPECT_TRUE(absl::StrContains(reply, "mrd_")) << reply;
+}
+
+}  // namespace
+}  // namespace mrd
