@@ -19,6 +19,7 @@
 #include "mrd/unique_fd.h"
 #include "server/common/clock.h"
 #include "server/common/log.h"
+#include "server/common/tsan.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
 #include "server/metrics/metrics.h"
@@ -122,6 +123,17 @@ TEST_F(MetricsListenerTest, ASocketThatIsNotListeningTcpIsRefused) {
 // One Metrics serves, hands a duplicate of its socket to the next, which
 // serves on the same port once the first stopped.
 TEST_F(MetricsListenerTest, TheNextOneServesOnTheSameSocket) {
+#ifdef MRD_TSAN
+  // Debian's civetweb and prometheus-cpp are not built with TSan: their
+  // locks (taken inside the library, released by a tail call TSan
+  // attributes to Metrics::Serve) and the joins of their threads in the
+  // exposer's destructor are invisible to it, so serving and stopping alone
+  // give reports about the libraries' own synchronization. The same code
+  // runs in the TSan-built mrd of the integration tests (handover_test's
+  // scraper through a takeover), where reports inside those libraries are
+  // told apart from mrd's (tests/support/tsan_server.supp).
+  GTEST_SKIP() << "civetweb and prometheus-cpp are not instrumented";
+#endif
   UniqueFd socket = TcpSocket(/*listen=*/true);
   ASSERT_TRUE(socket.valid());
   const int port = PortOf(socket.get());
