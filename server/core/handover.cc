@@ -235,23 +235,30 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
 
 namespace {
 
+// Calls fn(buffer, offset, length) for every span of `in` that holds pinned
+// memory: its registrations, LAMs and warm pins.
+template <typename Fn>
+void ForEachPinnedSpan(const v1::HandedOverSession& in, Fn fn) {
+  for (const v1::HandedOverRegistration& r : in.registrations()) {
+    fn(r.buffer(), r.offset(), r.length());
+  }
+  for (const v1::HandedOverLam& l : in.lams()) {
+    fn(l.buffer(), l.offset(), l.length());
+  }
+  for (const v1::HandedOverWarmPin& w : in.warm_pins()) {
+    fn(w.buffer(), w.offset(), w.length());
+  }
+}
+
 // The runs of pinned memory of each buffer of `in` (registrations, LAMs and
 // warm pins that overlap or touch, merged), as [offset, end).
 absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>>
 RegisteredRuns(const v1::HandedOverSession& in) {
   absl::btree_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>> runs;
-  for (const v1::HandedOverRegistration& r : in.registrations()) {
-    if (r.length() == 0 || r.offset() > UINT64_MAX - r.length()) continue;
-    runs[r.buffer()].emplace_back(r.offset(), r.offset() + r.length());
-  }
-  for (const v1::HandedOverLam& l : in.lams()) {  // pinned as well
-    if (l.length() == 0 || l.offset() > UINT64_MAX - l.length()) continue;
-    runs[l.buffer()].emplace_back(l.offset(), l.offset() + l.length());
-  }
-  for (const v1::HandedOverWarmPin& w : in.warm_pins()) {  // and these
-    if (w.length() == 0 || w.offset() > UINT64_MAX - w.length()) continue;
-    runs[w.buffer()].emplace_back(w.offset(), w.offset() + w.length());
-  }
+  ForEachPinnedSpan(in, [&](uint64_t buffer, uint64_t offset, uint64_t length) {
+    if (length == 0 || offset > UINT64_MAX - length) return;
+    runs[buffer].emplace_back(offset, offset + length);
+  });
   for (auto& [buffer, list] : runs) {
     std::sort(list.begin(), list.end());
     std::vector<std::pair<uint64_t, uint64_t>> merged;
@@ -292,15 +299,10 @@ SpansToPin(const v1::HandoverSnapshot& prepare) {
   absl::flat_hash_map<uint64_t, std::vector<std::pair<uint64_t, uint64_t>>>
       spans;
   for (const v1::HandedOverSession& session : prepare.sessions()) {
-    for (const v1::HandedOverRegistration& r : session.registrations()) {
-      spans[r.buffer()].emplace_back(r.offset(), r.length());
-    }
-    for (const v1::HandedOverLam& l : session.lams()) {
-      spans[l.buffer()].emplace_back(l.offset(), l.length());
-    }
-    for (const v1::HandedOverWarmPin& w : session.warm_pins()) {
-      spans[w.buffer()].emplace_back(w.offset(), w.length());
-    }
+    ForEachPinnedSpan(session,
+                      [&](uint64_t buffer, uint64_t offset, uint64_t length) {
+                        spans[buffer].emplace_back(offset, length);
+                      });
   }
   return spans;
 }
