@@ -262,7 +262,7 @@ void BM_Core_RegisterDeregister(benchmark::State& state) {
   core_options.max_total_pinned_bytes = 4 * kMaxSize;
   core::Core core(device->get(), RealClock::Get(), core_options);
   Memory memory;  // written through this mapping; the core maps its own
-  auto token = core.OnConnect({getpid(), getuid(), getgid()});
+  auto token = core.OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
   if (!memory.Init(size) || !token.ok() ||
       fcntl(memory.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     state.SkipWithError("session or memfd");

@@ -23,7 +23,8 @@ seconds=${1:-${FUZZ_SECONDS:-45}}
 shift || true
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-  targets=(fd_socket_fuzzer peer_fuzzer import_path_fuzzer core_fuzzer)
+  targets=(fd_socket_fuzzer peer_fuzzer import_path_fuzzer core_fuzzer
+    cgroup_fuzzer)
 fi
 dir=build-fuzz
 jobs=$(nproc)

@@ -54,13 +54,14 @@
 #include "mrd/status.h"
 #include "mrd/unique_fd.h"
 #include "mrd_revision.h"
+#include "server/common/cgroup_identity.h"
+#include "server/common/fair_scheduler.h"
 #include "server/common/fd_budget.h"
 #include "server/common/log.h"
 #include "server/common/path_trust.h"
 #include "server/common/prefault.h"
 #include "server/common/sd_notify.h"
 #include "server/common/thread.h"
-#include "server/common/thread_pool.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
 #include "server/device/verbs/verbs_device.h"
@@ -149,9 +150,10 @@ ABSL_FLAG(uint64_t, grpc_max_connections, 0,
           "gRPC connections (on --grpc_socket) mrd holds at most; more are "
           "refused with an HTTP/2 GOAWAY naming LIMIT_GRPC_CONNECTIONS. 0 = "
           "half the fd reserve.");
-ABSL_FLAG(uint64_t, grpc_max_connections_per_uid, 0,
-          "gRPC connections one client uid may hold; more are refused "
-          "(LIMIT_UID_GRPC_CONNECTIONS). 0 = --tenant_default_percent of "
+ABSL_FLAG(uint64_t, grpc_max_connections_per_tenant, 0,
+          "gRPC connections one client tenant (its pod, container or uid, as "
+          "--tenant_key says) may hold; more are refused "
+          "(LIMIT_TENANT_GRPC_CONNECTIONS). 0 = --tenant_default_percent of "
           "--grpc_max_connections.");
 ABSL_FLAG(uint64_t, max_session_fds, 0,
           "File descriptors (imported buffers) one session may make mrd "
@@ -197,7 +199,29 @@ ABSL_FLAG(absl::Duration, lease_ttl, absl::Seconds(60),
 ABSL_FLAG(absl::Duration, max_lease_ttl, absl::Hours(24),
           "Longest lease TTL a client may ask for.");
 ABSL_FLAG(int, worker_threads, 4,
-          "Threads that run registration work off the gRPC threads.");
+          "Threads that run registration work off the gRPC threads, shared "
+          "fairly between tenants (each tenant's requests wait in a queue of "
+          "its own, served by deficit round robin weighted by the tenant's "
+          "weight; a tenant holds at most its share while others wait).");
+ABSL_FLAG(int, spare_worker_threads, -1,
+          "Threads beyond --worker_threads that start only a request of a "
+          "tenant holding less than its share while every worker is busy "
+          "with other tenants' work. -1 = as many as --worker_threads.");
+ABSL_FLAG(bool, fair_scheduling, true,
+          "Share the workers fairly between tenants. false: one queue, first "
+          "come first served, no spare threads (for comparison only).");
+ABSL_FLAG(std::string, tenant_key, "pod",
+          "What a client's tenant is keyed by: pod (its Kubernetes pod, from "
+          "the cgroup of its process; a container outside Kubernetes is its "
+          "container, a process in none its uid), container, or uid.");
+ABSL_FLAG(std::string, kubelet_pod_logs_dir, "/var/log/pods",
+          "The kubelet's pod log directory (<namespace>_<name>_<uid> per "
+          "pod), where a client pod's namespace and name are read when the "
+          "tenants file names pods as <namespace>/<name>.");
+ABSL_FLAG(std::string, admin_socket, "",
+          "The administrative gRPC socket (mrd.v1.TenantAdmin), mode 0600, "
+          "for root and mrd's own uid only. Default: <runtime_dir>/admin.sock; "
+          "'none' = no administrative socket.");
 ABSL_FLAG(uint32_t, prefault_threads, mrd::kDefaultPrefaultThreads,
           "Threads (at most the online CPUs) that fill mrd's page tables "
           "before a registration or LAM of 32 MiB or more is pinned; 0 = "
@@ -253,6 +277,8 @@ namespace {
 // Readiness: the health service name that follows the device ("" is
 // liveness: the process serves).
 constexpr char kServiceName[] = "mrd.v1.MemoryRegistration";
+// How often tenants that hold nothing and have no session are forgotten.
+constexpr absl::Duration kTenantPruneInterval = absl::Seconds(30);
 
 // Whether this process may lock memory beyond RLIMIT_MEMLOCK: CAP_IPC_LOCK
 // (bit 14) in its effective set (/proc/self/status, CapEff).
@@ -421,6 +447,8 @@ class Daemon final : public handover::HandoverSource {
   absl::Status StartMetrics();
   void SetMetricsSources();
   absl::Status StartGrpc();
+  absl::Status StartAdmin();
+  void StopAdmin();
   absl::Status StartHealthWatch();
   void WatchHealth();
 
@@ -450,9 +478,15 @@ class Daemon final : public handover::HandoverSource {
   // read it, so it outlives them).
   std::atomic<bool> device_healthy_{true};
   std::unique_ptr<metrics::Metrics> metrics_;
-  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<FairScheduler> workers_;
   std::unique_ptr<service::MrdService> service_;
   std::unique_ptr<grpc::Server> server_;
+  // The administrative service (tenants' quotas and weights) on a server
+  // and socket of its own.
+  std::string admin_socket_;
+  std::unique_ptr<service::AdminService> admin_service_;
+  std::unique_ptr<grpc::Server> admin_server_;
+  std::unique_ptr<service::GrpcAcceptor> admin_acceptor_;
   grpc::HealthCheckServiceInterface* health_ = nullptr;
   absl::Notification stop_health_;
   Thread health_watch_;
@@ -653,6 +687,9 @@ absl::Status Daemon::PreparePaths() {
     handover_socket_ = runtime_dir_ + "/handover.sock";
   }
   if (grpc_socket_.empty()) grpc_socket_ = runtime_dir_ + "/mrd.sock";
+  admin_socket_ = absl::GetFlag(FLAGS_admin_socket);
+  if (admin_socket_.empty()) admin_socket_ = runtime_dir_ + "/admin.sock";
+  if (admin_socket_ == "none") admin_socket_.clear();
   if (fd_socket_.empty()) fd_socket_ = runtime_dir_ + "/fd.sock";
   shm_dir_ = absl::GetFlag(FLAGS_shm_dir);
   if (!shm_dir_.empty()) {
@@ -885,6 +922,9 @@ absl::Status Daemon::SetTenants() {
   total(core::TenantResource::kMrs) = core_options_.max_total_mrs;
   total(core::TenantResource::kPeerConnections) =
       absl::GetFlag(FLAGS_peer_max_connections);
+  // The device's budget of memory maps (0: its pins cost none).
+  total(core::TenantResource::kMemoryMaps) =
+      device_->Attributes().max_map_splits;
   std::string text;
   const std::string path = absl::GetFlag(FLAGS_tenants_file);
   if (!path.empty()) {
@@ -902,11 +942,20 @@ absl::Status Daemon::SetTenants() {
                              tenants.status().message()));
   }
   core_options_.tenants = std::move(*tenants);
+  absl::StatusOr<TenantKeyKind> key =
+      ParseTenantKeyKind(absl::GetFlag(FLAGS_tenant_key));
+  if (!key.ok()) {
+    return Fail(absl::StrCat("--tenant_key: ", key.status().message()));
+  }
+  core_options_.tenant_key = *key;
+  core_options_.kubelet_pod_logs_dir =
+      absl::GetFlag(FLAGS_kubelet_pod_logs_dir);
   return absl::OkStatus();
 }
 
 absl::Status Daemon::StartFdSocket() {
   fd_socket::FdServerOptions options;
+  options.read_cgroup = core_options_.tenant_key != TenantKeyKind::kUid;
   options.path = fd_socket_;
   options.mode = socket_mode_;
   options.allowed_uids = uids_;
@@ -957,10 +1006,21 @@ absl::Status Daemon::ListenGrpc() {
     acceptor_options_.max_connections =
         std::max<uint64_t>(1, fd_budget_->Stats().reserve / 2);
   }
-  acceptor_options_.max_connections_per_uid =
-      absl::GetFlag(FLAGS_grpc_max_connections_per_uid);
-  if (acceptor_options_.max_connections_per_uid == 0) {
-    acceptor_options_.max_connections_per_uid = std::max<uint64_t>(
+  acceptor_options_.max_connections_per_tenant =
+      absl::GetFlag(FLAGS_grpc_max_connections_per_tenant);
+  if (acceptor_options_.tenant_of == nullptr &&
+      core_options_.tenant_key != TenantKeyKind::kUid) {
+    acceptor_options_.tenant_of = [kind = core_options_.tenant_key](int socket,
+                                                                    uid_t uid) {
+      absl::StatusOr<CgroupIdentity> cgroup = ReadPeerCgroup(socket);
+      if (!cgroup.ok() || cgroup->delegated) {
+        return TenantKeyFor({}, TenantKeyKind::kUid, uid);
+      }
+      return TenantKeyFor(*cgroup, kind, uid);
+    };
+  }
+  if (acceptor_options_.max_connections_per_tenant == 0) {
+    acceptor_options_.max_connections_per_tenant = std::max<uint64_t>(
         1, acceptor_options_.max_connections *
                std::min<uint32_t>(100,
                                   absl::GetFlag(FLAGS_tenant_default_percent)) /
@@ -1079,13 +1139,20 @@ void Daemon::SetMetricsSources() {
 }
 
 absl::Status Daemon::StartGrpc() {
-  pool_ = std::make_unique<ThreadPool>();
-  if (absl::Status s = pool_->Start(absl::GetFlag(FLAGS_worker_threads));
-      !s.ok()) {
+  workers_ = std::make_unique<FairScheduler>();
+  FairSchedulerOptions scheduling;
+  scheduling.workers = absl::GetFlag(FLAGS_worker_threads);
+  scheduling.spare_workers = absl::GetFlag(FLAGS_fair_scheduling)
+                                 ? absl::GetFlag(FLAGS_spare_worker_threads)
+                                 : 0;
+  if (absl::Status s = workers_->Start(scheduling); !s.ok()) {
     return Fail(absl::StrCat("--worker_threads: ", s.ToString()));
   }
-  service_ = std::make_unique<service::MrdService>(core_.get(), pool_.get(),
-                                                   metrics_.get());
+  metrics_->SetSchedulerSource(
+      [workers = workers_.get()] { return workers->Stats(); });
+  service_ = std::make_unique<service::MrdService>(
+      core_.get(), workers_.get(), metrics_.get(),
+      absl::GetFlag(FLAGS_fair_scheduling));
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service does not link the descriptors of its messages;
   // referring to one puts health.proto in the generated pool, so reflection
@@ -1114,7 +1181,8 @@ absl::Status Daemon::StartGrpc() {
     return Fail(absl::StrCat("gRPC acceptor: ", s.ToString()));
   }
   LogInfo("gRPC connections: at most ", acceptor_options_.max_connections, ", ",
-          acceptor_options_.max_connections_per_uid, " per uid");
+          acceptor_options_.max_connections_per_tenant, " per tenant");
+  MRD_RETURN_IF_ERROR(StartAdmin());
   health_ = server_->GetHealthCheckService();
   // "" (the server) and mrd's service name: Kubernetes gRPC probes and
   // grpc_health_probe ask for a service by name.
@@ -1125,6 +1193,52 @@ absl::Status Daemon::StartGrpc() {
                              : absl::StrCat(", debug tcp ", debug_tcp_,
                                             " (port ", debug_port, ")"));
   return absl::OkStatus();
+}
+
+// The administrative service on a gRPC server and socket of its own, which
+// only root and mrd's own uid may connect to (SO_PEERCRED at accept, and
+// mode 0600). Taking over, this runs after commit: until then the old
+// process's admin socket answers, and a handover that fails leaves it so.
+absl::Status Daemon::StartAdmin() {
+  if (admin_socket_.empty()) return absl::OkStatus();
+  admin_service_ = std::make_unique<service::AdminService>(
+      core_.get(), service_.get(), workers_.get());
+  grpc::ServerBuilder builder;
+  builder.RegisterService(admin_service_.get());
+  admin_server_ = builder.BuildAndStart();
+  if (admin_server_ == nullptr) {
+    server_->Shutdown();
+    return Fail("cannot start the administrative gRPC server");
+  }
+  service::GrpcAcceptorOptions options;
+  options.socket_path = admin_socket_;
+  options.socket_mode = 0600;
+  options.max_connections = 16;
+  options.max_connections_per_tenant = 16;
+  options.allowed_uids = {0, ::geteuid()};
+  absl::StatusOr<std::unique_ptr<service::GrpcAcceptor>> acceptor =
+      service::GrpcAcceptor::Listen(options);
+  absl::Status started = acceptor.ok() ? (*acceptor)->Start(admin_server_.get())
+                                       : acceptor.status();
+  if (!started.ok()) {
+    admin_server_->Shutdown();
+    server_->Shutdown();
+    return Fail(
+        absl::StrCat("admin socket ", admin_socket_, ": ", started.ToString()));
+  }
+  admin_acceptor_ = *std::move(acceptor);
+  LogInfo("admin socket ", admin_socket_, " (root and uid ", ::geteuid(),
+          " only)");
+  return absl::OkStatus();
+}
+
+// Stops the administrative service (a stop, or a handover's old process).
+void Daemon::StopAdmin() {
+  if (admin_acceptor_ != nullptr) admin_acceptor_->Shutdown();
+  if (admin_server_ != nullptr) {
+    admin_server_->Shutdown(std::chrono::system_clock::now() +
+                            std::chrono::milliseconds(200));
+  }
 }
 
 // Liveness is "" (the server): SERVING from here until shutdown, whatever the
@@ -1154,9 +1268,18 @@ absl::Status Daemon::StartHealthWatch() {
 
 void Daemon::WatchHealth() {
   bool serving = true;
+  absl::Time pruned = absl::Now();
   while (
       !stop_health_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
     fd_budget_->Sample(absl::Seconds(1));
+    // Tenants that are gone (a pod that ended) leave the table, the
+    // workers' queues and the metrics.
+    if (absl::Now() - pruned >= kTenantPruneInterval) {
+      pruned = absl::Now();
+      for (const std::string& tenant : core_->PruneTenants()) {
+        workers_->Forget(tenant);
+      }
+    }
     device::DeviceHealth now = device_->Health();
     if (now.healthy == serving) continue;
     serving = now.healthy;
@@ -1550,6 +1673,7 @@ void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
   health_->SetServingStatus(false);
   health_->SetServingStatus(kServiceName, false);
   // Clients' channels hear GOAWAY and reconnect, to the new process.
+  StopAdmin();
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(500));
   // The health watch uses the server's health service: stopped first. The
@@ -1745,6 +1869,7 @@ void Daemon::ServeUntil(const sigset_t& signals) {
     absl::MutexLock lock(&acceptor_mu_);
     acceptor_->Shutdown();
   }
+  StopAdmin();
   fd_server_->Shutdown();
   core_->Shutdown();
   // Every session is released by now; what remains are idle client channels

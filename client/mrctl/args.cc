@@ -291,6 +291,36 @@ std::vector<CommandSpec> BuildCommands() {
         {"until-written", "STRING",
          "release once the registered range starts with STRING (a peer "
          "wrote it); prints written=STRING. stdin is not watched then"}}});
+  const std::vector<FlagSpec> admin_socket = {
+      {"admin-socket", "PATH",
+       "mrd's administrative socket (default <runtime-dir>/admin.sock)"}};
+  c.push_back({"tenant list", "", 0, false,
+               "List every tenant with its use, quotas, weight and queue "
+               "(root or mrd's uid).",
+               "Calls TenantAdmin.ListTenants on mrd's administrative socket, "
+               "which only root and the uid mrd runs as may use.",
+               admin_socket});
+  std::vector<FlagSpec> set_flags = admin_socket;
+  for (const char* resource : {"sessions", "buffers", "registrations", "lams",
+                               "mrs", "peer-connections", "memory-maps"}) {
+    set_flags.push_back({resource, "N", absl::StrCat("quota of ", resource)});
+  }
+  set_flags.push_back(
+      {"pinned-bytes", "SIZE", "quota of pinned bytes (e.g. 8G)"});
+  set_flags.push_back(
+      {"weight", "N", "share of mrd's workers relative to other tenants'"});
+  c.push_back(
+      {"tenant set", "TENANT", 1, false,
+       "Set a tenant's quotas and weight while mrd runs (root or mrd's uid).",
+       "TENANT as GetSession names it: pod:<uid>, container:<id>, uid:<uid>, "
+       "anonymous or a named tenant. Unset quotas keep their value; a quota "
+       "below what the tenant holds refuses its new work and revokes "
+       "nothing. Settings survive a live handover.",
+       set_flags});
+  c.push_back({"tenant clear", "TENANT", 1, false,
+               "Drop a tenant's settings: the tenants file's or the default "
+               "quotas and weight apply again.",
+               "", admin_socket});
   return c;
 }
 
@@ -331,7 +361,7 @@ absl::StatusOr<bool> ParseBool(absl::string_view name,
 }
 
 bool IsGroup(absl::string_view word) {
-  return word == "lease" || word == "peer";
+  return word == "lease" || word == "peer" || word == "tenant";
 }
 
 absl::Status ApplyGlobal(GlobalOptions& g, bool& help, absl::string_view name,

@@ -1,5 +1,6 @@
 #include "client/mrctl/commands.h"
 
+#include <grpcpp/grpcpp.h>
 #include <poll.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <memory>
 #include <optional>
 #include <utility>
 
@@ -18,9 +20,12 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/lib/mrd_client.h"
+#include "client/lib/options.h"
+#include "client/lib/status.h"
 #include "client/mrctl/output.h"
 #include "mrd/status.h"
 #include "mrd/status_proto.h"
+#include "mrd/v1/mrd.grpc.pb.h"
 
 namespace mrd::mrctl {
 namespace {
@@ -691,6 +696,76 @@ absl::Status PeerWriteHandler(Context& ctx) {
   return PeerWrite(ctx.inv, ctx.out, ctx.err);
 }
 
+// The administrative service on mrd's admin socket.
+absl::StatusOr<std::unique_ptr<v1::TenantAdmin::Stub>> AdminStub(
+    const Context& ctx) {
+  std::string path = ctx.flags.String("admin-socket").value_or("");
+  if (path.empty()) {
+    const std::string dir = ctx.inv.global.runtime_dir.empty()
+                                ? client::DefaultRuntimeDir()
+                                : ctx.inv.global.runtime_dir;
+    path = absl::StrCat(dir, "/admin.sock");
+  }
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateChannel(
+      absl::StrCat("unix:", path), grpc::InsecureChannelCredentials());
+  return v1::TenantAdmin::NewStub(channel);
+}
+
+template <typename Request, typename Response, typename Call>
+absl::Status CallAdmin(Context& ctx, const Request& request, Call call,
+                       Response* response) {
+  MRD_ASSIGN_OR_RETURN(std::unique_ptr<v1::TenantAdmin::Stub> stub,
+                       AdminStub(ctx));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(10));
+  grpc::Status status = ((*stub).*call)(&context, request, response);
+  return client::StatusFromGrpc(status, context);
+}
+
+absl::Status TenantList(Context& ctx) {
+  v1::ListTenantsResponse response;
+  MRD_RETURN_IF_ERROR(CallAdmin(ctx, v1::ListTenantsRequest(),
+                                &v1::TenantAdmin::Stub::ListTenants,
+                                &response));
+  return Emit(ctx, response);
+}
+
+absl::Status TenantSet(Context& ctx) {
+  v1::SetTenantRequest request;
+  request.set_tenant(ctx.inv.positional[0]);
+  for (const char* flag :
+       {"sessions", "buffers", "registrations", "lams", "mrs",
+        "peer-connections", "memory-maps", "pinned-bytes"}) {
+    if (!ctx.flags.Has(flag)) continue;
+    absl::StatusOr<uint64_t> amount = ctx.flags.Size(flag);
+    if (!amount.ok()) return FlagError(flag, amount.status());
+    v1::TenantQuotaValue* quota = request.add_quotas();
+    std::string resource = flag;
+    std::replace(resource.begin(), resource.end(), '-', '_');
+    quota->set_resource(resource);
+    quota->set_amount(*amount);
+  }
+  MRD_ASSIGN_OR_RETURN(const uint32_t weight, ctx.flags.Uint32Or("weight", 0));
+  request.set_weight(weight);
+  if (request.quotas().empty() && weight == 0) {
+    return UsageError("give at least one quota or --weight");
+  }
+  v1::TenantInfo response;
+  MRD_RETURN_IF_ERROR(
+      CallAdmin(ctx, request, &v1::TenantAdmin::Stub::SetTenant, &response));
+  return Emit(ctx, response);
+}
+
+absl::Status TenantClear(Context& ctx) {
+  v1::ClearTenantRequest request;
+  request.set_tenant(ctx.inv.positional[0]);
+  v1::TenantInfo response;
+  MRD_RETURN_IF_ERROR(
+      CallAdmin(ctx, request, &v1::TenantAdmin::Stub::ClearTenant, &response));
+  return Emit(ctx, response);
+}
+
 const std::map<std::string, Handler>& Handlers() {
   static const auto* const kHandlers = new std::map<std::string, Handler>{
       {"info", Info},
@@ -716,6 +791,9 @@ const std::map<std::string, Handler>& Handlers() {
       {"peer read", PeerReadHandler},
       {"peer write", PeerWriteHandler},
       {"hold", Hold},
+      {"tenant list", TenantList},
+      {"tenant set", TenantSet},
+      {"tenant clear", TenantClear},
   };
   return *kHandlers;
 }

@@ -15,7 +15,12 @@
 // Helper threads come from a process-wide allowance (the configured threads,
 // at most the online CPUs, minus one): concurrent registrations share it
 // instead of each starting its own set, and a thread that cannot be started
-// (the system is out of threads) only means fewer helpers. Prefault never
+// (the system is out of threads) only means fewer helpers. The allowance is
+// shared between tenants as the workers are (fair_scheduler.h: the tenant is
+// the key of the worker calling): while several tenants prefault, each takes
+// at most its share of the helpers, and a helper of a tenant over its share
+// stops between 16 MiB steps while another tenant got fewer than its share
+// (its caller fills the rest of that part itself). Prefault never
 // fails: a kernel without MADV_POPULATE_READ, a hole or a range past the end of
 // the file just leaves the faulting to the pin, which reports what is wrong.
 //

@@ -20,7 +20,15 @@
 #include <functional>
 #include <utility>
 
+#include "server/common/fair_scheduler.h"
+
 namespace mrd {
+
+// What work on `bytes` of memory costs the fair scheduler: one unit per
+// 4 KiB page, at least 1.
+inline uint64_t WorkCost(uint64_t bytes) {
+  return std::max<uint64_t>(1, (bytes + 4095) / 4096);
+}
 
 // Whether the caller of a piece of work gave up on it (a gRPC call's
 // IsCancelled). Thread-safe and cheap; empty: never.
@@ -49,6 +57,13 @@ class WorkProgress {
   }
   uint64_t pinned() const {
     return std::min(total_, pinned_.load(std::memory_order_relaxed));
+  }
+
+  // Called by the work between two of its steps, `next_bytes` being the
+  // size of the next: a worker shared between tenants may serve others
+  // first (FairScheduler::YieldCurrent). Returns when the work may go on.
+  void BetweenSteps(uint64_t next_bytes) const {
+    FairScheduler::YieldCurrent(WorkCost(next_bytes));
   }
 
   // Whether the caller gave up; once true, always true.

@@ -126,7 +126,8 @@ void Budgets::ChangeObjectTotal(TenantResource resource, uint64_t n, bool add) {
   *total = add ? *total + n : *total - std::min(n, *total);
 }
 
-absl::Status Budgets::ReserveRegistration(Session& session) {
+absl::Status Budgets::ReserveRegistration(Session& session,
+                                          uint64_t map_splits) {
   absl::MutexLock session_lock(&session.mu);
   if (session.closing) return Closing();
   if (session.device_registrations >= limits_.max_session_registrations) {
@@ -144,24 +145,35 @@ absl::Status Budgets::ReserveRegistration(Session& session) {
   }
   MRD_RETURN_IF_ERROR(
       session.tenant()->Reserve(TenantResource::kRegistrations, 1));
+  if (map_splits != 0) {
+    if (absl::Status s =
+            session.tenant()->Reserve(TenantResource::kMemoryMaps, map_splits);
+        !s.ok()) {
+      session.tenant()->Release(TenantResource::kRegistrations, 1);
+      return s;
+    }
+  }
   ++session.device_registrations;
   ++totals_.registrations;
   return absl::OkStatus();
 }
 
-void Budgets::UnreserveRegistration(Session& session) {
+void Budgets::UnreserveRegistration(Session& session, uint64_t map_splits) {
   absl::MutexLock session_lock(&session.mu);
   if (session.device_registrations > 0) {
     --session.device_registrations;
     session.tenant()->Release(TenantResource::kRegistrations, 1);
+    session.tenant()->Release(TenantResource::kMemoryMaps, map_splits);
   }
   absl::MutexLock lock(&mu_);
   if (totals_.registrations > 0) --totals_.registrations;
 }
 
 void Budgets::Adopt(Session& session, uint64_t pinned_bytes,
-                    uint64_t registrations, uint64_t buffers) {
+                    uint64_t registrations, uint64_t buffers,
+                    uint64_t map_splits) {
   Tenant& tenant = *session.tenant();
+  tenant.Force(TenantResource::kMemoryMaps, map_splits);
   tenant.Force(TenantResource::kPinnedBytes, pinned_bytes);
   tenant.Force(TenantResource::kRegistrations, registrations);
   tenant.Force(TenantResource::kBuffers, buffers);

@@ -83,10 +83,12 @@ class Budgets {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // One registration made on the device, against the session's limit, the
-  // total and the tenant's quota. WSAENOTCONN when the session is closing.
-  absl::Status ReserveRegistration(Session& session)
+  // total and the tenant's quota, with the memory maps its pin may cost
+  // (Registrations::MapSplitsOf) against the tenant's share of them.
+  // WSAENOTCONN when the session is closing.
+  absl::Status ReserveRegistration(Session& session, uint64_t map_splits = 0)
       ABSL_LOCKS_EXCLUDED(mu_, session.mu);
-  void UnreserveRegistration(Session& session)
+  void UnreserveRegistration(Session& session, uint64_t map_splits = 0)
       ABSL_LOCKS_EXCLUDED(mu_, session.mu);
 
   // Handover: what a session brings from the mrd process it came from
@@ -94,7 +96,8 @@ class Budgets {
   // the session, the totals and its tenant whatever the limits say: they
   // refuse new work, never what clients already hold.
   void Adopt(Session& session, uint64_t pinned_bytes, uint64_t registrations,
-             uint64_t buffers) ABSL_LOCKS_EXCLUDED(mu_, session.mu);
+             uint64_t buffers, uint64_t map_splits = 0)
+      ABSL_LOCKS_EXCLUDED(mu_, session.mu);
   // The same for `n` objects of `resource` (kLams, kMrs, kBuffers): what
   // TakeObject would have taken, whatever the limits say.
   void AdoptObjects(Session& session, TenantResource resource, uint64_t n)

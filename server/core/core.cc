@@ -15,7 +15,9 @@
 #include "absl/strings/str_format.h"
 #include "mrd/status.h"
 #include "mrd/status_proto.h"
+#include "server/common/fair_scheduler.h"
 #include "server/common/log.h"
+#include "server/common/progress.h"
 #include "server/core/errors.h"
 
 namespace mrd::core {
@@ -270,6 +272,24 @@ absl::StatusOr<std::string> Core::OnConnect(
   identity.verified = true;
   identity.uid = creds.uid;
   identity.gid = creds.gid;
+  if (creds.cgroup.has_value() && creds.cgroup->delegated) {
+    // Cgroups under a user's systemd delegation are named by that user:
+    // trusted, they would let one uid mint tenants (and quotas) at will.
+    identity.tenant_key = TenantKeyFor({}, TenantKeyKind::kUid, creds.uid);
+  } else if (creds.cgroup.has_value()) {
+    identity.tenant_key =
+        TenantKeyFor(*creds.cgroup, options_.tenant_key, creds.uid);
+    if (creds.cgroup->kubernetes && tenants_->names_pods_by_name()) {
+      absl::StatusOr<std::string> name =
+          KubeletPodName(options_.kubelet_pod_logs_dir, creds.cgroup->pod_uid);
+      if (name.ok()) identity.pod_name = *std::move(name);
+    }
+  } else if (options_.tenant_key != TenantKeyKind::kUid &&
+             !creds.cgroup_error.empty()) {
+    // Without its cgroup the caller can only be told apart by its uid.
+    LogWarning("fd socket: pid ", creds.pid, " uid ", creds.uid,
+               " counts as its uid's tenant: ", creds.cgroup_error);
+  }
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        NewSession(SessionKind::kFd, identity));
   {
@@ -355,6 +375,83 @@ absl::Status Core::GetSession(const v1::GetSessionRequest& req,
                        FindSession(req.session()));
   absl::MutexLock lock(&session->mu);
   session->FillInfoLocked(out);
+  return absl::OkStatus();
+}
+
+std::shared_ptr<Tenant> Core::TenantOfSession(const std::string& token) const {
+  if (token.empty()) return nullptr;
+  std::shared_ptr<Session> session = sessions_.Find(token);
+  return session == nullptr ? nullptr : session->tenant();
+}
+
+// --- tenants (the administrative calls) -------------------------------------
+
+namespace {
+
+void FillTenantInfo(const Tenant& tenant, bool configured,
+                    v1::TenantInfo* out) {
+  out->set_name(tenant.name());
+  out->set_weight(tenant.weight());
+  out->set_configured(configured);
+  const TenantQuota quotas = tenant.quotas();
+  for (int i = 0; i < kTenantResourceCount; ++i) {
+    const auto resource = static_cast<TenantResource>(i);
+    v1::TenantResourceUse* use = out->add_resources();
+    use->set_resource(std::string(TenantResourceName(resource)));
+    use->set_used(tenant.Used(resource));
+    use->set_quota(quotas[i]);
+    use->set_refused(tenant.Refused(resource));
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<TenantSettings> TenantSettingsFromProto(
+    const google::protobuf::RepeatedPtrField<v1::TenantQuotaValue>& quotas,
+    uint32_t weight) {
+  TenantSettings settings;
+  for (const v1::TenantQuotaValue& q : quotas) {
+    std::optional<TenantResource> resource = TenantResourceByName(q.resource());
+    if (!resource.has_value()) {
+      return MrdError(absl::StatusCode::kInvalidArgument, "BAD_TENANT_RESOURCE",
+                      absl::StrCat("'", q.resource(),
+                                   "' is no resource: sessions, buffers, "
+                                   "registrations, pinned_bytes, lams, mrs, "
+                                   "peer_connections, memory_maps"));
+    }
+    settings.quota[static_cast<int>(*resource)] = q.amount();
+  }
+  if (weight != 0) settings.weight = weight;
+  return settings;
+}
+
+absl::Status Core::ListTenants(v1::ListTenantsResponse* out) const {
+  for (const std::shared_ptr<Tenant>& tenant : tenants_->All()) {
+    FillTenantInfo(*tenant, tenants_->HasSettings(tenant->name()),
+                   out->add_tenants());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::SetTenant(const v1::SetTenantRequest& req,
+                             v1::TenantInfo* out) {
+  MRD_ASSIGN_OR_RETURN(TenantSettings settings,
+                       TenantSettingsFromProto(req.quotas(), req.weight()));
+  MRD_RETURN_IF_ERROR(tenants_->Set(req.tenant(), settings));
+  LogInfo("tenant ", req.tenant(), ": settings set by the administrator");
+  for (const std::shared_ptr<Tenant>& tenant : tenants_->All()) {
+    if (tenant->name() == req.tenant()) FillTenantInfo(*tenant, true, out);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Core::ClearTenant(const v1::ClearTenantRequest& req,
+                               v1::TenantInfo* out) {
+  MRD_RETURN_IF_ERROR(tenants_->Clear(req.tenant()));
+  LogInfo("tenant ", req.tenant(), ": settings cleared by the administrator");
+  for (const std::shared_ptr<Tenant>& tenant : tenants_->All()) {
+    if (tenant->name() == req.tenant()) FillTenantInfo(*tenant, false, out);
+  }
   return absl::OkStatus();
 }
 
@@ -564,12 +661,21 @@ absl::StatusOr<std::shared_ptr<Session>> Core::FindBatchSession(
   return FindSession(token);
 }
 
+// How many items of a batch go between two yields to the fair scheduler.
+constexpr int kBatchYieldItems = 16;
+
 absl::Status Core::RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
                                    v1::RegisterMrBatchResponse* out,
                                    const CancelCheck& cancelled) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindBatchSession(req.session(), req.items_size()));
+  int done = 0;
   for (const v1::RegisterMrRequest& item : req.items()) {
+    // Between items, other tenants' requests may go first (a batch is
+    // many requests in one call).
+    if (++done % kBatchYieldItems == 0) {
+      FairScheduler::YieldCurrent(kBatchYieldItems + WorkCost(item.length()));
+    }
     // The caller gave up: the items after this are not tried (those done
     // stay, for a retry with the same request ids to get back).
     if (cancelled && cancelled()) {
@@ -595,7 +701,11 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindBatchSession(req.session(), req.items_size()));
   uint64_t released = 0;
+  int done = 0;
   for (const v1::DeregisterMrRequest& item : req.items()) {
+    if (++done % kBatchYieldItems == 0) {
+      FairScheduler::YieldCurrent(kBatchYieldItems);
+    }
     v1::DeregisterMrBatchResult* result = out->add_items();
     v1::DeregisterMrResponse response;
     absl::Status status = CheckItemSession(item.session(), req.session());

@@ -86,6 +86,12 @@ struct CoreOptions {
   // Tenants (server/core/tenants.h): their quotas. Null = every tenant may
   // use everything (the library default; mrd builds one from its flags).
   std::shared_ptr<TenantTable> tenants;
+  // What an fd session's tenant is keyed by (--tenant_key): its pod, its
+  // container, or its uid; a caller in no pod or container is its uid.
+  TenantKeyKind tenant_key = TenantKeyKind::kPod;
+  // The kubelet's pod log directory, where a pod's "<namespace>/<name>" is
+  // found when the tenants file names pods so (KubeletPodName).
+  std::string kubelet_pod_logs_dir = "/var/log/pods";
   // Who an anonymous lease session (no vouching fd session) may be: anyone
   // who can reach the gRPC socket. ImportFile opens for it only files such
   // a caller could open itself. kAnyone: only what "other" may open;
@@ -112,6 +118,12 @@ struct CoreOptions {
   // buffer's fd is charged to its session here. Not owned; null = none.
   FdBudget* fd_budget = nullptr;
 };
+
+// Tenant settings as the administrative call and the handover carry them:
+// INVALID_ARGUMENT BAD_TENANT_RESOURCE for an unknown resource name.
+absl::StatusOr<TenantSettings> TenantSettingsFromProto(
+    const google::protobuf::RepeatedPtrField<v1::TenantQuotaValue>& quotas,
+    uint32_t weight);
 
 struct CoreStats {
   uint64_t sessions = 0;
@@ -231,6 +243,22 @@ class Core final : public fd_socket::FdSessionHandler {
   absl::StatusOr<std::shared_ptr<Session>> SubscribeCompletions(
       const std::string& token, std::function<void()> notify);
   void UnsubscribeCompletions(const std::shared_ptr<Session>& session);
+
+  // The tenant whose queue a request naming session `token` waits in (the
+  // fair scheduler in front of the workers); null for no live session.
+  // Renews nothing.
+  std::shared_ptr<Tenant> TenantOfSession(const std::string& token) const;
+
+  // Forgets the tenants that hold nothing and no session refers to
+  // (TenantTable::Prune); their names.
+  std::vector<std::string> PruneTenants() { return tenants_->Prune(); }
+
+  // The administrative calls (the TenantAdmin service; the caller was
+  // proven to be root or mrd's own uid).
+  absl::Status ListTenants(v1::ListTenantsResponse* out) const;
+  absl::Status SetTenant(const v1::SetTenantRequest& req, v1::TenantInfo* out);
+  absl::Status ClearTenant(const v1::ClearTenantRequest& req,
+                           v1::TenantInfo* out);
 
   CoreStats Stats() const;
   // Every tenant seen so far, for metrics.

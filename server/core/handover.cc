@@ -70,7 +70,7 @@ absl::Status Registrations::Adopt(
     return s;
   }
   budgets_->Adopt(session, r.pinned_bytes(), /*registrations=*/1,
-                  /*buffers=*/0);
+                  /*buffers=*/0, MapSplitsOf(*file));
   absl::MutexLock lock(&session.mu);
   RegistrationRecord& record = session.registrations[r.id()];
   record.implicit_refs = r.implicit_refs();
@@ -230,6 +230,18 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
   const SessionCounts counts = sessions_.Counts();
   out->set_sessions_opened_total(counts.opened_total);
   out->set_sessions_closed_total(counts.closed_total);
+  for (const auto& [name, settings] : tenants_->Settings()) {
+    v1::HandedOverTenantSettings* t = out->add_tenant_settings();
+    t->set_name(name);
+    for (int i = 0; i < kTenantResourceCount; ++i) {
+      if (!settings.quota[i].has_value()) continue;
+      v1::TenantQuotaValue* q = t->add_quotas();
+      q->set_resource(
+          std::string(TenantResourceName(static_cast<TenantResource>(i))));
+      q->set_amount(*settings.quota[i]);
+    }
+    t->set_weight(settings.weight.value_or(0));
+  }
   return absl::OkStatus();
 }
 
@@ -462,6 +474,8 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
   identity.verified = in.verified();
   identity.uid = in.uid();
   identity.gid = in.gid();
+  identity.tenant_key = in.tenant_key();
+  identity.pod_name = in.pod_name();
   std::shared_ptr<Tenant> tenant = tenants_->Resolve(identity);
   tenant->Force(TenantResource::kSessions, 1);
   auto session = std::make_shared<Session>(
@@ -698,6 +712,15 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
   MRD_RETURN_IF_ERROR(device_->CanHandOver());
   const absl::Time start = absl::Now();
   AdoptTimes times;
+  // Before any session: its tenant is made with the settings it had.
+  std::vector<std::pair<std::string, TenantSettings>> settings;
+  for (const v1::HandedOverTenantSettings& t : in.tenant_settings()) {
+    absl::StatusOr<TenantSettings> one =
+        TenantSettingsFromProto(t.quotas(), t.weight());
+    if (!one.ok()) return one.status();
+    settings.emplace_back(t.name(), *std::move(one));
+  }
+  tenants_->Restore(settings);
   // Before any LAM is adopted: no address the old device handed out is
   // handed out here again.
   device_->ContinueLogicalAddressesAbove(in.logical_address_watermark());

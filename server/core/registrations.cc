@@ -295,13 +295,14 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   call.set_length(req.length());
   const LongPin long_pin(options_.progress, session, span, plan.cancelled,
                          call);
-  MRD_RETURN_IF_ERROR(budgets_->ReserveRegistration(*session));
+  const uint64_t map_splits = MapSplitsOf(*plan.file);
+  MRD_RETURN_IF_ERROR(budgets_->ReserveRegistration(*session, map_splits));
   // A warm pin of exactly these pages: its reservation becomes this
   // registration's, and the device pins nothing anew.
   std::optional<cache::WarmPin> warm = warm_.Take(WarmKeyOf(plan.key));
   if (!warm.has_value()) {
     if (absl::Status s = ReservePinned(*session, plan.pin_bytes); !s.ok()) {
-      budgets_->UnreserveRegistration(*session);
+      budgets_->UnreserveRegistration(*session, map_splits);
       return s;
     }
   }
@@ -325,7 +326,7 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
     } else {
       budgets_->UnreservePinned(*session, plan.pin_bytes);
     }
-    budgets_->UnreserveRegistration(*session);
+    budgets_->UnreserveRegistration(*session, map_splits);
     return keys.status();
   }
   if (warm.has_value()) ReleaseWarmAfterHit(session, std::move(*warm));
@@ -514,7 +515,7 @@ absl::StatusOr<uint32_t> Registrations::DropReference(
     }
     // NOT_FOUND: the PD is being torn down and unpins the MR itself.
     if (!s.ok()) session->KeepUntilPdGone(reg.memory);
-    budgets_->UnreserveRegistration(*session);
+    budgets_->UnreserveRegistration(*session, MapSplitsOf(reg));
     if (warm.has_value()) {
       KeepWarm(session, std::move(*warm));  // the reservation moves to it
     } else {
@@ -571,8 +572,23 @@ void Registrations::DeregisterCached(Session& session,
   if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
     LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
   }
-  budgets_->UnreserveRegistration(session);
+  budgets_->UnreserveRegistration(session, MapSplitsOf(reg));
   budgets_->UnreservePinned(session, reg.pinned_bytes);
+}
+
+uint64_t Registrations::MapSplitsOf(const fd_socket::MappedFile& file) const {
+  const device::DeviceAttributes& a = device_->Attributes();
+  return file.writable() ? a.map_splits_per_writable_pin
+                         : a.map_splits_per_read_only_pin;
+}
+
+uint64_t Registrations::MapSplitsOf(
+    const cache::CachedRegistration& reg) const {
+  // Every registration the core makes keeps its buffer's MappedFile there
+  // (RegisterOnDevice, Adopt).
+  const auto* file =
+      static_cast<const fd_socket::MappedFile*>(reg.memory.get());
+  return file == nullptr ? 0 : MapSplitsOf(*file);
 }
 
 // --- pinned bytes and warm pins ---------------------------------------------

@@ -199,6 +199,12 @@ class Registrations {
       TakenReference* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
   void DeregisterCached(Session& session, const cache::CachedRegistration& reg);
+  // The memory maps a pin of `file`'s memory may cost (the device's
+  // attributes: read-only memory is mlocked on the software device), charged
+  // to the tenant with each registration.
+  uint64_t MapSplitsOf(const fd_socket::MappedFile& file) const;
+  // The same for a registration made: its memory is its buffer's file.
+  uint64_t MapSplitsOf(const cache::CachedRegistration& reg) const;
   // Pins the pages of a registration about to be deregistered as a warm
   // pin; nullopt when warm pins are off, the pin would not fit, the buffer
   // or session is going, or the device refused.

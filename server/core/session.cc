@@ -193,6 +193,8 @@ void Session::ExportLocked(absl::Time now, v1::HandedOverSession* out) const {
   out->set_verified(identity_.verified);
   out->set_uid(identity_.uid);
   out->set_gid(identity_.gid);
+  out->set_tenant_key(identity_.tenant_key);
+  out->set_pod_name(identity_.pod_name);
   out->set_peer_uid(peer_uid_);
   out->set_peer_pid(peer_pid_);
   if (kind_ == SessionKind::kLease) {

@@ -73,6 +73,14 @@ struct DeviceAttributes {
   // which is what makes the core's warm pins worth keeping. Verbs pins per
   // registration, so there a warm pin would only add a registration.
   bool shares_pins = false;
+  // Memory maps (VMA splits) one pin may cost mrd's process, of read-only
+  // and of writable memory (the software device mlocks what io_uring
+  // cannot pin, and mlock of a part of a mapping splits it: at most two per
+  // pin), and how many the device allows in all (--pin_max_map_splits);
+  // 0: pins cost none.
+  uint32_t map_splits_per_read_only_pin = 0;
+  uint32_t map_splits_per_writable_pin = 0;
+  uint64_t max_map_splits = 0;
 };
 
 struct DeviceHealth {

@@ -640,6 +640,14 @@ void FdServer::Accept(UniqueFd sock) {
   creds.pid = cred.pid;
   creds.uid = cred.uid;
   creds.gid = cred.gid;
+  if (options_.read_cgroup) {
+    absl::StatusOr<CgroupIdentity> cgroup = ReadPeerCgroup(sock.get());
+    if (cgroup.ok()) {
+      creds.cgroup = *std::move(cgroup);
+    } else {
+      creds.cgroup_error = std::string(cgroup.status().message());
+    }
+  }
   absl::StatusOr<FdCharge> charge = AdmitPeer(creds);
   absl::StatusOr<std::string> session =
       charge.ok() ? handler_->OnConnect(creds)

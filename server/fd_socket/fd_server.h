@@ -62,17 +62,24 @@
 #include "mrd/unique_fd.h"
 #include "mrd/v1/fd.pb.h"
 #include "mrd/v1/mrd.pb.h"
+#include "server/common/cgroup_identity.h"
 #include "server/common/fd_budget.h"
 #include "server/common/thread.h"
 #include "server/common/unix_socket.h"
 
 namespace mrd::fd_socket {
 
-// The peer of a connection as the kernel saw it at connect() (SO_PEERCRED).
+// The peer of a connection as the kernel saw it at connect() (SO_PEERCRED),
+// and the cgroup of its process (read race-free at accept: ReadPeerCgroup).
 struct PeerCredentials {
   pid_t pid = 0;
   uid_t uid = 0;
   gid_t gid = 0;
+  // The pod or container the process runs in (empty fields: none); unset
+  // when it was not read (FdServerOptions::read_cgroup) or could not be,
+  // and then `cgroup_error` says why.
+  std::optional<CgroupIdentity> cgroup;
+  std::string cgroup_error;
 };
 
 // What the rest of mrd does with fd-socket sessions. Implemented by the
@@ -129,6 +136,8 @@ struct FdServerOptions {
   std::vector<uint32_t> allowed_gids;
   // Connections beyond this are refused with TOO_MANY_SESSIONS.
   size_t max_connections = 1024;
+  // Read each peer's cgroup at accept (pod and container identity).
+  bool read_cgroup = true;
   // Each connection's socket is charged here (shared owner: the total only)
   // and refused with LIMIT_TOTAL_FDS when it does not fit. Not owned; null =
   // no budgeting.

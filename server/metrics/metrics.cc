@@ -10,6 +10,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <iterator>
+#include <limits>
 #include <map>
 #include <vector>
 
@@ -557,6 +559,7 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                             "logged).",
                             d(h.refusals_total)));
     }
+    if (scheduler) AddSchedulerFamilies(scheduler(), out);
     if (grpc_connections) {
       const GrpcConnectionStats g = grpc_connections();
       out.push_back(Gauge("mrd_grpc_connections",
@@ -566,20 +569,20 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                           "gRPC connections allowed at once "
                           "(--grpc_max_connections).",
                           d(g.max_connections)));
-      out.push_back(Gauge("mrd_grpc_max_connections_per_uid",
-                          "gRPC connections allowed per client uid "
-                          "(--grpc_max_connections_per_uid).",
-                          d(g.max_connections_per_uid)));
+      out.push_back(Gauge("mrd_grpc_max_connections_per_tenant",
+                          "gRPC connections allowed per client tenant "
+                          "(--grpc_max_connections_per_tenant).",
+                          d(g.max_connections_per_tenant)));
       out.push_back(Counter("mrd_grpc_connections_accepted_total",
                             "gRPC connections accepted.", d(g.accepted_total)));
       out.push_back(Counter("mrd_grpc_connections_refused_total",
                             "gRPC connections refused at the total limit "
                             "(LIMIT_GRPC_CONNECTIONS).",
                             d(g.refused_total_limit)));
-      out.push_back(Counter("mrd_grpc_connections_refused_uid_total",
-                            "gRPC connections refused at the per-uid limit "
-                            "(LIMIT_UID_GRPC_CONNECTIONS).",
-                            d(g.refused_uid_limit)));
+      out.push_back(Counter("mrd_grpc_connections_refused_tenant_total",
+                            "gRPC connections refused at the per-tenant "
+                            "limit (LIMIT_TENANT_GRPC_CONNECTIONS).",
+                            d(g.refused_tenant_limit)));
       out.push_back(Counter("mrd_grpc_connections_refused_no_fd_total",
                             "gRPC connections refused because mrd had no "
                             "file descriptor left.",
@@ -589,6 +592,77 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
   }
 
  private:
+  // Each tenant's queue in front of the workers, one series per tenant.
+  static void AddSchedulerFamilies(const std::vector<FairQueueStats>& queues,
+                                   std::vector<prometheus::MetricFamily>& out) {
+    auto family = [&](const char* name, const char* help,
+                      prometheus::MetricType type, auto value) {
+      prometheus::MetricFamily f;
+      f.name = name;
+      f.help = help;
+      f.type = type;
+      for (const FairQueueStats& q : queues) {
+        prometheus::ClientMetric metric;
+        metric.label.push_back({"tenant", q.key});
+        const double v = value(q);
+        if (type == prometheus::MetricType::Counter) {
+          metric.counter.value = v;
+        } else {
+          metric.gauge.value = v;
+        }
+        f.metric.push_back(std::move(metric));
+      }
+      out.push_back(std::move(f));
+    };
+    auto d = [](uint64_t v) { return static_cast<double>(v); };
+    family("mrd_tenant_queue_depth",
+           "Requests of the tenant waiting for a worker now.",
+           prometheus::MetricType::Gauge,
+           [&](const FairQueueStats& q) { return d(q.queued); });
+    family("mrd_tenant_queue_running",
+           "Requests of the tenant on a worker now.",
+           prometheus::MetricType::Gauge,
+           [&](const FairQueueStats& q) { return d(q.running); });
+    family("mrd_tenant_weight",
+           "The tenant's weight: its share of the workers relative to the "
+           "other tenants' while they compete.",
+           prometheus::MetricType::Gauge,
+           [&](const FairQueueStats& q) { return d(q.weight); });
+    family("mrd_tenant_service_seconds_total",
+           "Seconds the tenant's requests spent on a worker.",
+           prometheus::MetricType::Counter,
+           [](const FairQueueStats& q) { return q.service_seconds_total; });
+    family("mrd_tenant_queue_yields_total",
+           "Times a long request of the tenant gave its worker up between "
+           "steps for another tenant's waiting request.",
+           prometheus::MetricType::Counter,
+           [&](const FairQueueStats& q) { return d(q.yields_total); });
+    prometheus::MetricFamily wait;
+    wait.name = "mrd_tenant_queue_wait_seconds";
+    wait.help =
+        "How long the tenant's requests waited for a worker (a yield's "
+        "wait counts as one more).";
+    wait.type = prometheus::MetricType::Histogram;
+    for (const FairQueueStats& q : queues) {
+      prometheus::ClientMetric metric;
+      metric.label.push_back({"tenant", q.key});
+      uint64_t count = 0;
+      for (size_t i = 0; i < q.wait_bucket_counts.size(); ++i) {
+        prometheus::ClientMetric::Bucket bucket;
+        bucket.cumulative_count = q.wait_bucket_counts[i];
+        bucket.upper_bound = i < std::size(kFairWaitBucketsSeconds)
+                                 ? kFairWaitBucketsSeconds[i]
+                                 : std::numeric_limits<double>::infinity();
+        count = q.wait_bucket_counts[i];
+        metric.histogram.bucket.push_back(bucket);
+      }
+      metric.histogram.sample_count = count;
+      metric.histogram.sample_sum = q.wait_seconds_total;
+      wait.metric.push_back(std::move(metric));
+    }
+    out.push_back(std::move(wait));
+  }
+
   // One series per tenant and resource: {tenant="...",resource="..."}.
   template <typename ValueFn>
   prometheus::MetricFamily TenantFamily(prometheus::MetricType type,
@@ -626,6 +700,7 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
   std::function<PeerPathGauges()> peer_path;
   std::function<HandoverGauges()> handover;
   std::function<GrpcConnectionStats()> grpc_connections;
+  std::function<std::vector<FairQueueStats>()> scheduler;
   ServerInfo server_info;
   std::function<bool()> device_healthy;
   std::vector<std::pair<std::string, double>> limits;
@@ -649,6 +724,11 @@ void Metrics::SetPeerPathSource(std::function<PeerPathGauges()> source) {
 
 void Metrics::SetHandoverSource(std::function<HandoverGauges()> source) {
   collector_->handover = std::move(source);
+}
+
+void Metrics::SetSchedulerSource(
+    std::function<std::vector<FairQueueStats>()> source) {
+  collector_->scheduler = std::move(source);
 }
 
 void Metrics::SetGrpcConnectionsSource(

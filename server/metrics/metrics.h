@@ -30,6 +30,7 @@
 #include "prometheus/family.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
+#include "server/common/fair_scheduler.h"
 #include "server/common/fd_budget.h"
 #include "server/core/core.h"
 #include "server/metrics/rpc_observer.h"
@@ -132,6 +133,9 @@ class Metrics final : public RpcObserver {
   // Adds the gRPC socket's connection gauges (GrpcConnectionStats)
   // to every scrape.
   void SetGrpcConnectionsSource(std::function<GrpcConnectionStats()> source);
+  // Adds each tenant's queue in front of the workers (FairScheduler) to
+  // every scrape: depth, running, wait and service time.
+  void SetSchedulerSource(std::function<std::vector<FairQueueStats>()> source);
 
  private:
   static constexpr size_t kGrpcCodes = 17;  // OK .. UNAUTHENTICATED

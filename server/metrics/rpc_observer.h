@@ -33,11 +33,11 @@ class RpcObserver {
 struct GrpcConnectionStats {
   uint64_t connections = 0;  // handed to gRPC and still open
   uint64_t accepted_total = 0;
-  uint64_t refused_total_limit = 0;  // LIMIT_GRPC_CONNECTIONS
-  uint64_t refused_uid_limit = 0;    // LIMIT_UID_GRPC_CONNECTIONS
-  uint64_t refused_no_fd = 0;        // accepted and closed: no fd left
+  uint64_t refused_total_limit = 0;   // LIMIT_GRPC_CONNECTIONS
+  uint64_t refused_tenant_limit = 0;  // LIMIT_TENANT_GRPC_CONNECTIONS
+  uint64_t refused_no_fd = 0;         // accepted and closed: no fd left
   uint64_t max_connections = 0;
-  uint64_t max_connections_per_uid = 0;
+  uint64_t max_connections_per_tenant = 0;
 };
 
 }  // namespace mrd::metrics

@@ -11,6 +11,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <set>
@@ -80,17 +81,17 @@ void SendGoaway(int fd, absl::string_view why) {
 GrpcAcceptor::GrpcAcceptor(const GrpcAcceptorOptions& options)
     : options_(options) {
   stats_.max_connections = options.max_connections;
-  stats_.max_connections_per_uid = options.max_connections_per_uid;
+  stats_.max_connections_per_tenant = options.max_connections_per_tenant;
 }
 
 GrpcAcceptor::~GrpcAcceptor() { Shutdown(); }
 
 absl::StatusOr<std::unique_ptr<GrpcAcceptor>> GrpcAcceptor::Listen(
     const GrpcAcceptorOptions& options) {
-  if (options.max_connections == 0 || options.max_connections_per_uid == 0) {
+  if (options.max_connections == 0 || options.max_connections_per_tenant == 0) {
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_GRPC_LIMITS",
                     "--grpc_max_connections and "
-                    "--grpc_max_connections_per_uid must be at least 1");
+                    "--grpc_max_connections_per_tenant must be at least 1");
   }
   std::unique_ptr<GrpcAcceptor> a(new GrpcAcceptor(options));
   sockaddr_un addr{};
@@ -133,10 +134,10 @@ absl::StatusOr<std::unique_ptr<GrpcAcceptor>> GrpcAcceptor::Listen(
 
 absl::StatusOr<std::unique_ptr<GrpcAcceptor>> GrpcAcceptor::Adopt(
     const GrpcAcceptorOptions& options, UniqueFd listener) {
-  if (options.max_connections == 0 || options.max_connections_per_uid == 0) {
+  if (options.max_connections == 0 || options.max_connections_per_tenant == 0) {
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_GRPC_LIMITS",
                     "--grpc_max_connections and "
-                    "--grpc_max_connections_per_uid must be at least 1");
+                    "--grpc_max_connections_per_tenant must be at least 1");
   }
   MRD_RETURN_IF_ERROR(PrepareHandedOverSocket(listener.get(), SOCK_STREAM,
                                               /*listening=*/true,
@@ -262,12 +263,12 @@ void GrpcAcceptor::RefuseForLackOfFds(int err) {
            "lower --grpc_max_connections");
 }
 
-std::string GrpcAcceptor::Admit(uint32_t uid, uint64_t inode) {
+std::string GrpcAcceptor::Admit(const std::string& tenant, uint64_t inode) {
   auto at_limit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto of_uid = per_uid_.find(uid);
+    auto of_tenant = per_tenant_.find(tenant);
     return live_.size() >= options_.max_connections ||
-           (of_uid != per_uid_.end() &&
-            of_uid->second >= options_.max_connections_per_uid);
+           (of_tenant != per_tenant_.end() &&
+            of_tenant->second >= options_.max_connections_per_tenant);
   };
   bool refresh = false;
   {
@@ -277,22 +278,24 @@ std::string GrpcAcceptor::Admit(uint32_t uid, uint64_t inode) {
   // Connections gRPC closed since the last look may have made room.
   if (refresh) Refresh(kRefreshBeforeRefusal);
   absl::MutexLock lock(&mu_);
-  const uint64_t of_uid = per_uid_.count(uid) != 0 ? per_uid_[uid] : 0;
+  auto found = per_tenant_.find(tenant);
+  const uint64_t of_tenant = found != per_tenant_.end() ? found->second : 0;
   if (live_.size() >= options_.max_connections) {
     ++stats_.refused_total_limit;
     return absl::StrCat("mrd: LIMIT_GRPC_CONNECTIONS: mrd holds ", live_.size(),
                         " gRPC connections, its limit (--grpc_max_connections=",
                         options_.max_connections, ")");
   }
-  if (of_uid >= options_.max_connections_per_uid) {
-    ++stats_.refused_uid_limit;
+  if (of_tenant >= options_.max_connections_per_tenant) {
+    ++stats_.refused_tenant_limit;
     return absl::StrCat(
-        "mrd: LIMIT_UID_GRPC_CONNECTIONS: uid ", uid, " holds ", of_uid,
-        " gRPC connections, its limit (--grpc_max_connections_per_uid=",
-        options_.max_connections_per_uid, ")");
+        "mrd: LIMIT_TENANT_GRPC_CONNECTIONS: tenant ", tenant, " holds ",
+        of_tenant,
+        " gRPC connections, its limit (--grpc_max_connections_per_tenant=",
+        options_.max_connections_per_tenant, ")");
   }
-  live_[inode] = uid;
-  ++per_uid_[uid];
+  live_[inode] = tenant;
+  ++per_tenant_[tenant];
   ++stats_.accepted_total;
   return std::string();
 }
@@ -319,10 +322,24 @@ void GrpcAcceptor::AcceptAll(grpc::Server* server) {
         ::fstat(conn.get(), &st) != 0) {
       continue;  // the client is already gone
     }
-    const std::string refusal = Admit(cred.uid, st.st_ino);
+    const auto& allowed = options_.allowed_uids;
+    if (!allowed.empty() &&
+        std::find(allowed.begin(), allowed.end(), cred.uid) == allowed.end()) {
+      LogWarning("connection of pid ", cred.pid, " uid ", cred.uid, " to ",
+                 options_.socket_path, " refused: not allowed");
+      SendGoaway(
+          conn.get(),
+          absl::StrCat("mrd: PEER_NOT_ALLOWED: uid ", cred.uid, " may not use ",
+                       options_.socket_path, " (root and mrd's own uid only)"));
+      continue;  // closes it
+    }
+    const std::string tenant = options_.tenant_of
+                                   ? options_.tenant_of(conn.get(), cred.uid)
+                                   : absl::StrCat("uid:", cred.uid);
+    const std::string refusal = Admit(tenant, st.st_ino);
     if (!refusal.empty()) {
       LogWarning("gRPC connection of pid ", cred.pid, " uid ", cred.uid,
-                 " refused: ", refusal.substr(5));
+                 " (tenant ", tenant, ")", " refused: ", refusal.substr(5));
       SendGoaway(conn.get(), refusal);
       continue;  // closes it
     }
@@ -348,8 +365,10 @@ void GrpcAcceptor::Refresh(absl::Duration min_interval) {
       ++it;
       continue;
     }
-    auto uid = per_uid_.find(it->second);
-    if (uid != per_uid_.end() && --uid->second == 0) per_uid_.erase(uid);
+    auto tenant = per_tenant_.find(it->second);
+    if (tenant != per_tenant_.end() && --tenant->second == 0) {
+      per_tenant_.erase(tenant);
+    }
     it = live_.erase(it);
   }
 }

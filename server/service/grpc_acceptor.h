@@ -7,8 +7,9 @@
 // the client's uid (SO_PEERCRED), and either hands the connection to gRPC
 // (grpc::AddInsecureChannelFromFd) or refuses it: the client then reads an
 // HTTP/2 GOAWAY (ENHANCE_YOUR_CALM) whose debug text names the limit, and
-// the connection is closed. Limits: connections in total, and per uid (so
-// that one tenant's connections cannot lock out another's). When mrd is out
+// the connection is closed. Limits: connections in total, and per tenant
+// (its pod, container or uid, so that one tenant's connections cannot lock
+// out another's). When mrd is out
 // of fds, a spare fd is given up to accept and close the connection, and the
 // listening socket stays alive.
 //
@@ -31,10 +32,12 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -55,8 +58,15 @@ namespace mrd::service {
 struct GrpcAcceptorOptions {
   std::string socket_path;
   mode_t socket_mode = 0660;
-  uint64_t max_connections = 512;          // in total
-  uint64_t max_connections_per_uid = 128;  // per client uid
+  uint64_t max_connections = 512;             // in total
+  uint64_t max_connections_per_tenant = 128;  // per client tenant
+  // The tenant key of a connection's client (its pod, container or uid:
+  // server/common/cgroup_identity.h), from its socket and SO_PEERCRED uid;
+  // empty: "uid:<uid>".
+  std::function<std::string(int socket, uid_t uid)> tenant_of;
+  // Non-empty: only these uids may connect (the admin socket: root and
+  // mrd's own uid); any other is refused with PEER_NOT_ALLOWED.
+  std::vector<uid_t> allowed_uids;
 };
 
 using GrpcAcceptorStats = metrics::GrpcConnectionStats;
@@ -111,9 +121,10 @@ class GrpcAcceptor {
   // accept4 failed for lack of fds: the spare fd takes the connection and
   // refuses it (LIMIT_OPEN_FILES).
   void RefuseForLackOfFds(int err);
-  // Counts a connection of `uid` (socket inode `inode`) against the total
-  // and per-uid caps: an empty string, or the refusal to send.
-  std::string Admit(uint32_t uid, uint64_t inode) ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts a connection of `tenant` (socket inode `inode`) against the
+  // total and per-tenant caps: an empty string, or the refusal to send.
+  std::string Admit(const std::string& tenant, uint64_t inode)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Forgets the connections whose fds gRPC has closed (at most every
   // `min_interval`).
   void Refresh(absl::Duration min_interval) ABSL_LOCKS_EXCLUDED(mu_);
@@ -129,9 +140,9 @@ class GrpcAcceptor {
   bool detached_ = false;  // Detach gave the listening socket away
 
   mutable absl::Mutex mu_;
-  // Socket inode -> client uid of each connection handed to gRPC.
-  std::map<ino_t, uid_t> live_ ABSL_GUARDED_BY(mu_);
-  std::map<uid_t, uint64_t> per_uid_ ABSL_GUARDED_BY(mu_);
+  // Socket inode -> client tenant of each connection handed to gRPC.
+  std::map<ino_t, std::string> live_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, uint64_t> per_tenant_ ABSL_GUARDED_BY(mu_);
   absl::Time last_refresh_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   GrpcAcceptorStats stats_ ABSL_GUARDED_BY(mu_);
 };

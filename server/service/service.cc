@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "mrd/status.h"
+#include "server/common/progress.h"
 #include "server/common/tsan.h"
 #include "server/service/grpc_status.h"
 
@@ -232,32 +233,54 @@ void MrdService::ThroughGate(CallEnd end, Go go) {
   });
 }
 
+void MrdService::Dispatch(const Work& work,
+                          absl::AnyInvocable<void() &&> task) {
+  if (!fair_) {
+    workers_->Schedule("", 1, work.cost, std::move(task));
+    return;
+  }
+  std::shared_ptr<core::Tenant> tenant =
+      work.session == nullptr ? nullptr : core_->TenantOfSession(*work.session);
+  if (tenant == nullptr) {
+    workers_->Schedule("anonymous", core::kDefaultTenantWeight, work.cost,
+                       std::move(task));
+    return;
+  }
+  workers_->Schedule(tenant->name(), tenant->weight(), work.cost,
+                     std::move(task));
+}
+
 template <typename Fn>
-grpc::ServerUnaryReactor* MrdService::Run(grpc::CallbackServerContext* ctx,
-                                          absl::string_view method, Where where,
-                                          Fn fn) {
+grpc::ServerUnaryReactor* MrdService::RunInline(
+    grpc::CallbackServerContext* ctx, absl::string_view method, Fn fn) {
   const CallEnd begun = Begin(ctx, method);
-  ThroughGate(begun, [this, where, fn = std::move(fn)](const CallEnd& end) {
-    if (where == Where::kPool) {
-      pool_->Schedule([end, fn = std::move(fn)]() { end(fn()); });
-    } else {
-      end(fn());
-    }
+  ThroughGate(begun,
+              [fn = std::move(fn)](const CallEnd& end) mutable { end(fn()); });
+  return begun.reactor;
+}
+
+template <typename Fn>
+grpc::ServerUnaryReactor* MrdService::RunOnWorker(
+    grpc::CallbackServerContext* ctx, absl::string_view method, Work work,
+    Fn fn) {
+  const CallEnd begun = Begin(ctx, method);
+  ThroughGate(begun, [this, work, fn = std::move(fn)](const CallEnd& end) {
+    Dispatch(work, [end, fn = std::move(fn)]() { end(fn()); });
   });
   return begun.reactor;
 }
 
 template <typename Quick, typename Fn>
-grpc::ServerUnaryReactor* MrdService::RunQuickOrPool(
-    grpc::CallbackServerContext* ctx, absl::string_view method, Quick quick,
-    Fn fn) {
+grpc::ServerUnaryReactor* MrdService::RunQuickOrWorker(
+    grpc::CallbackServerContext* ctx, absl::string_view method, Work work,
+    Quick quick, Fn fn) {
   const CallEnd begun = Begin(ctx, method);
-  ThroughGate(begun, [this, quick = std::move(quick),
+  ThroughGate(begun, [this, work, quick = std::move(quick),
                       fn = std::move(fn)](const CallEnd& end) {
     if (std::optional<absl::Status> answered = quick(); answered.has_value()) {
       end(*answered);
     } else {
-      pool_->Schedule([end, fn = std::move(fn)]() { end(fn()); });
+      Dispatch(work, [end, fn = std::move(fn)]() { end(fn()); });
     }
   });
   return begun.reactor;
@@ -274,64 +297,67 @@ absl::Status MrdService::Registered(absl::string_view method, uint64_t bytes,
 grpc::ServerUnaryReactor* MrdService::GetDeviceInfo(
     grpc::CallbackServerContext* ctx, const v1::GetDeviceInfoRequest*,
     v1::DeviceInfo* resp) {
-  return Run(ctx, "GetDeviceInfo", Where::kInline,
-             [this, resp] { return core_->GetDeviceInfo(resp); });
+  return RunInline(ctx, "GetDeviceInfo",
+                   [this, resp] { return core_->GetDeviceInfo(resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::OpenLeaseSession(
     grpc::CallbackServerContext* ctx, const v1::OpenLeaseSessionRequest* req,
     v1::SessionInfo* resp) {
-  return Run(ctx, "OpenLeaseSession", Where::kPool,
-             [this, req, resp] { return core_->OpenLeaseSession(*req, resp); });
+  return RunOnWorker(
+      ctx, "OpenLeaseSession", Work{&req->vouching_session(), 1},
+      [this, req, resp] { return core_->OpenLeaseSession(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::GetSession(
     grpc::CallbackServerContext* ctx, const v1::GetSessionRequest* req,
     v1::SessionInfo* resp) {
-  return Run(ctx, "GetSession", Where::kInline,
-             [this, req, resp] { return core_->GetSession(*req, resp); });
+  return RunInline(ctx, "GetSession",
+                   [this, req, resp] { return core_->GetSession(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::CloseSession(
     grpc::CallbackServerContext* ctx, const v1::CloseSessionRequest* req,
     v1::CloseSessionResponse*) {
-  return Run(ctx, "CloseSession", Where::kPool,
-             [this, req] { return core_->CloseSession(*req); });
+  return RunOnWorker(ctx, "CloseSession", Work{&req->session(), 1},
+                     [this, req] { return core_->CloseSession(*req); });
 }
 
 grpc::ServerUnaryReactor* MrdService::ImportFile(
     grpc::CallbackServerContext* ctx, const v1::ImportFileRequest* req,
     v1::BufferInfo* resp) {
-  return Run(ctx, "ImportFile", Where::kPool,
-             [this, req, resp] { return core_->ImportFile(*req, resp); });
+  return RunOnWorker(
+      ctx, "ImportFile", Work{&req->session(), 1},
+      [this, req, resp] { return core_->ImportFile(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::ReleaseBuffer(
     grpc::CallbackServerContext* ctx, const v1::ReleaseBufferRequest* req,
     v1::ReleaseBufferResponse* resp) {
-  return Run(ctx, "ReleaseBuffer", Where::kPool,
-             [this, req, resp] { return core_->ReleaseBuffer(*req, resp); });
+  return RunOnWorker(
+      ctx, "ReleaseBuffer", Work{&req->session(), 1},
+      [this, req, resp] { return core_->ReleaseBuffer(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::CreateMr(grpc::CallbackServerContext* ctx,
                                                const v1::CreateMrRequest* req,
                                                v1::MrInfo* resp) {
-  return Run(ctx, "CreateMr", Where::kPool,
-             [this, req, resp] { return core_->CreateMr(*req, resp); });
+  return RunOnWorker(ctx, "CreateMr", Work{&req->session(), 1},
+                     [this, req, resp] { return core_->CreateMr(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::CloseMr(grpc::CallbackServerContext* ctx,
                                               const v1::CloseMrRequest* req,
                                               v1::CloseMrResponse*) {
-  return Run(ctx, "CloseMr", Where::kPool,
-             [this, req] { return core_->CloseMr(*req); });
+  return RunOnWorker(ctx, "CloseMr", Work{&req->session(), 1},
+                     [this, req] { return core_->CloseMr(*req); });
 }
 
 grpc::ServerUnaryReactor* MrdService::RegisterMr(
     grpc::CallbackServerContext* ctx, const v1::RegisterMrRequest* req,
     v1::RegisterMrResponse* resp) {
-  return RunQuickOrPool(
-      ctx, "RegisterMr",
+  return RunQuickOrWorker(
+      ctx, "RegisterMr", Work{&req->session(), WorkCost(req->length())},
       [this, req, resp]() -> std::optional<absl::Status> {
         std::optional<absl::Status> hit = core_->TryRegisterMrHit(*req, resp);
         if (!hit.has_value()) return std::nullopt;
@@ -348,8 +374,8 @@ grpc::ServerUnaryReactor* MrdService::RegisterMr(
 grpc::ServerUnaryReactor* MrdService::DeregisterMr(
     grpc::CallbackServerContext* ctx, const v1::DeregisterMrRequest* req,
     v1::DeregisterMrResponse* resp) {
-  return RunQuickOrPool(
-      ctx, "DeregisterMr",
+  return RunQuickOrWorker(
+      ctx, "DeregisterMr", Work{&req->session(), 1},
       [this, req, resp] { return core_->TryDeregisterMrNotLast(*req, resp); },
       [this, req, resp] { return core_->DeregisterMr(*req, resp); });
 }
@@ -357,59 +383,70 @@ grpc::ServerUnaryReactor* MrdService::DeregisterMr(
 grpc::ServerUnaryReactor* MrdService::RegisterMrBatch(
     grpc::CallbackServerContext* ctx, const v1::RegisterMrBatchRequest* req,
     v1::RegisterMrBatchResponse* resp) {
-  return Run(ctx, "RegisterMrBatch", Where::kPool, [this, ctx, req, resp] {
-    absl::Status status = core_->RegisterMrBatch(
-        *req, resp, [ctx] { return ctx->IsCancelled(); });
-    // Each registration made counts as one of its size.
-    for (int i = 0; i < resp->items_size(); ++i) {
-      if (resp->items(i).status().code() == 0) {
-        (void)Registered("RegisterMrBatch", req->items(i).length(),
-                         absl::OkStatus());
-      }
-    }
-    return status;
-  });
+  uint64_t cost = static_cast<uint64_t>(req->items_size());
+  for (const v1::RegisterMrRequest& item : req->items()) {
+    cost += WorkCost(item.length());
+  }
+  return RunOnWorker(ctx, "RegisterMrBatch", Work{&req->session(), cost},
+                     [this, ctx, req, resp] {
+                       absl::Status status = core_->RegisterMrBatch(
+                           *req, resp, [ctx] { return ctx->IsCancelled(); });
+                       // Each registration made counts as one of its size.
+                       for (int i = 0; i < resp->items_size(); ++i) {
+                         if (resp->items(i).status().code() == 0) {
+                           (void)Registered("RegisterMrBatch",
+                                            req->items(i).length(),
+                                            absl::OkStatus());
+                         }
+                       }
+                       return status;
+                     });
 }
 
 grpc::ServerUnaryReactor* MrdService::DeregisterMrBatch(
     grpc::CallbackServerContext* ctx, const v1::DeregisterMrBatchRequest* req,
     v1::DeregisterMrBatchResponse* resp) {
-  return Run(ctx, "DeregisterMrBatch", Where::kPool, [this, req, resp] {
-    return core_->DeregisterMrBatch(*req, resp);
-  });
+  const uint64_t cost = static_cast<uint64_t>(req->items_size());
+  return RunOnWorker(
+      ctx, "DeregisterMrBatch", Work{&req->session(), cost},
+      [this, req, resp] { return core_->DeregisterMrBatch(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::BuildLam(grpc::CallbackServerContext* ctx,
                                                const v1::BuildLamRequest* req,
                                                v1::BuildLamResponse* resp) {
-  return Run(ctx, "BuildLam", Where::kPool, [this, ctx, req, resp] {
-    return Registered(
-        "BuildLam", req->length(),
-        core_->BuildLam(*req, resp, [ctx] { return ctx->IsCancelled(); }));
-  });
+  return RunOnWorker(
+      ctx, "BuildLam", Work{&req->session(), WorkCost(req->length())},
+      [this, ctx, req, resp] {
+        return Registered(
+            "BuildLam", req->length(),
+            core_->BuildLam(*req, resp, [ctx] { return ctx->IsCancelled(); }));
+      });
 }
 
 grpc::ServerUnaryReactor* MrdService::ReleaseLam(
     grpc::CallbackServerContext* ctx, const v1::ReleaseLamRequest* req,
     v1::ReleaseLamResponse*) {
-  return Run(ctx, "ReleaseLam", Where::kPool,
-             [this, req] { return core_->ReleaseLam(*req); });
+  return RunOnWorker(ctx, "ReleaseLam", Work{&req->session(), 1},
+                     [this, req] { return core_->ReleaseLam(*req); });
 }
 
 grpc::ServerUnaryReactor* MrdService::FastRegister(
     grpc::CallbackServerContext* ctx, const v1::FastRegisterRequest* req,
     v1::FastRegisterResponse* resp) {
-  return Run(ctx, "FastRegister", Where::kPool, [this, req, resp] {
-    return Registered("FastRegister", req->length(),
-                      core_->FastRegister(*req, resp));
-  });
+  return RunOnWorker(ctx, "FastRegister", Work{&req->session(), 1},
+                     [this, req, resp] {
+                       return Registered("FastRegister", req->length(),
+                                         core_->FastRegister(*req, resp));
+                     });
 }
 
 grpc::ServerUnaryReactor* MrdService::InvalidateMr(
     grpc::CallbackServerContext* ctx, const v1::InvalidateMrRequest* req,
     v1::InvalidateMrResponse* resp) {
-  return Run(ctx, "InvalidateMr", Where::kPool,
-             [this, req, resp] { return core_->InvalidateMr(*req, resp); });
+  return RunOnWorker(
+      ctx, "InvalidateMr", Work{&req->session(), 1},
+      [this, req, resp] { return core_->InvalidateMr(*req, resp); });
 }
 
 grpc::ServerWriteReactor<v1::Completion>* MrdService::StreamCompletions(
@@ -423,15 +460,59 @@ grpc::ServerWriteReactor<v1::Completion>* MrdService::StreamCompletions(
 grpc::ServerUnaryReactor* MrdService::CreatePeerTicket(
     grpc::CallbackServerContext* ctx, const v1::CreatePeerTicketRequest* req,
     v1::PeerTicket* resp) {
-  return Run(ctx, "CreatePeerTicket", Where::kPool,
-             [this, req, resp] { return core_->CreatePeerTicket(*req, resp); });
+  return RunOnWorker(
+      ctx, "CreatePeerTicket", Work{&req->session(), 1},
+      [this, req, resp] { return core_->CreatePeerTicket(*req, resp); });
 }
 
 grpc::ServerUnaryReactor* MrdService::ListRegistrations(
     grpc::CallbackServerContext* ctx, const v1::ListRegistrationsRequest* req,
     v1::ListRegistrationsResponse* resp) {
-  return Run(ctx, "ListRegistrations", Where::kInline, [this, req, resp] {
+  return RunInline(ctx, "ListRegistrations", [this, req, resp] {
     return core_->ListRegistrations(*req, resp);
+  });
+}
+
+// --- the administrative service ---------------------------------------------
+
+void AdminService::AddQueueFigures(v1::TenantInfo* tenant) const {
+  if (workers_ == nullptr) return;
+  for (const FairQueueStats& queue : workers_->Stats()) {
+    if (queue.key != tenant->name()) continue;
+    tenant->set_queued(queue.queued);
+    tenant->set_running(queue.running);
+  }
+}
+
+grpc::ServerUnaryReactor* AdminService::ListTenants(
+    grpc::CallbackServerContext* ctx, const v1::ListTenantsRequest*,
+    v1::ListTenantsResponse* resp) {
+  return calls_->RunInline(ctx, "ListTenants", [this, resp] {
+    absl::Status status = core_->ListTenants(resp);
+    for (v1::TenantInfo& tenant : *resp->mutable_tenants()) {
+      AddQueueFigures(&tenant);
+    }
+    return status;
+  });
+}
+
+grpc::ServerUnaryReactor* AdminService::SetTenant(
+    grpc::CallbackServerContext* ctx, const v1::SetTenantRequest* req,
+    v1::TenantInfo* resp) {
+  return calls_->RunInline(ctx, "SetTenant", [this, req, resp] {
+    absl::Status status = core_->SetTenant(*req, resp);
+    AddQueueFigures(resp);
+    return status;
+  });
+}
+
+grpc::ServerUnaryReactor* AdminService::ClearTenant(
+    grpc::CallbackServerContext* ctx, const v1::ClearTenantRequest* req,
+    v1::TenantInfo* resp) {
+  return calls_->RunInline(ctx, "ClearTenant", [this, req, resp] {
+    absl::Status status = core_->ClearTenant(*req, resp);
+    AddQueueFigures(resp);
+    return status;
   });
 }
 

@@ -1,13 +1,24 @@
 // MrdService: the gRPC edge. A thin adapter over core::Core: decode, hand to
 // the core, convert the status once (ToGrpcStatus), finish. Work that can take
-// long (pinning, registration, teardown) runs on the worker pool, never on a
+// long (pinning, registration, teardown) runs on the workers, never on a
 // gRPC thread; quick reads run inline, and so do a RegisterMr that is a cache
 // hit and a DeregisterMr that leaves references (the core's Try* forms say
 // when a call can be answered without blocking).
 //
-// Thread safety: gRPC calls the handlers concurrently; the service holds no
-// state of its own besides pointers fixed at construction and the call gate
-// (call_gate.h) a live handover closes.
+// The workers are shared fairly between tenants (server/common/
+// fair_scheduler.h): a call waits in the queue of its session's tenant, with
+// a cost that reflects its work (pages to pin, items of a batch), so that
+// one tenant's small request is not held up behind another's big ones.
+//
+// AdminService: the administrative calls (mrd.v1.TenantAdmin), served by a
+// grpc::Server of their own on the admin socket, which only root and mrd's
+// own uid may connect to (GrpcAcceptorOptions::allowed_uids). Answered
+// inline, through MrdService's call gate: a handover's snapshot holds every
+// setting made before it.
+//
+// Thread safety: gRPC calls the handlers concurrently; the services hold no
+// state of their own besides pointers fixed at construction and the call
+// gate (call_gate.h) a live handover closes.
 #ifndef MRD_SERVER_SERVICE_SERVICE_H_
 #define MRD_SERVER_SERVICE_SERVICE_H_
 
@@ -16,7 +27,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "mrd/v1/mrd.grpc.pb.h"
-#include "server/common/thread_pool.h"
+#include "server/common/fair_scheduler.h"
 #include "server/core/core.h"
 #include "server/metrics/rpc_observer.h"
 #include "server/service/call_gate.h"
@@ -30,8 +41,11 @@ struct CallEnd;  // service.cc
 class MrdService final : public v1::MemoryRegistration::CallbackService {
  public:
   // All pointers must outlive the service; `observer` may be null.
-  MrdService(core::Core* core, ThreadPool* pool, RpcObserver* observer)
-      : core_(core), pool_(pool), observer_(observer) {}
+  // `fair` false: every call waits in one queue, first come first served
+  // (for comparison: bench/tenant_bench).
+  MrdService(core::Core* core, FairScheduler* workers, RpcObserver* observer,
+             bool fair = true)
+      : core_(core), workers_(workers), observer_(observer), fair_(fair) {}
 
   // What a live handover pauses (unary calls; completion streams go on).
   CallGate& gate() { return gate_; }
@@ -94,20 +108,35 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
       grpc::CallbackServerContext* ctx, const v1::ListRegistrationsRequest* req,
       v1::ListRegistrationsResponse* resp) override;
 
+  // Runs `fn` inline for another service's call, through this service's
+  // gate and observer (AdminService).
+  template <typename Fn>
+  grpc::ServerUnaryReactor* RunInline(grpc::CallbackServerContext* ctx,
+                                      absl::string_view method, Fn fn);
+
  private:
+  // Whose queue a call waits in and what it costs (FairScheduler).
+  struct Work {
+    const std::string* session;  // the session the request names
+    uint64_t cost;
+  };
   // Starts a unary call: the observer told, the reactor made; the returned
   // CallEnd finishes it.
   CallEnd Begin(grpc::CallbackServerContext* ctx, absl::string_view method);
-  enum class Where { kInline, kPool };
+  // `fn` on a worker, in the queue of the tenant of `work.session`.
   template <typename Fn>
-  grpc::ServerUnaryReactor* Run(grpc::CallbackServerContext* ctx,
-                                absl::string_view method, Where where, Fn fn);
+  grpc::ServerUnaryReactor* RunOnWorker(grpc::CallbackServerContext* ctx,
+                                        absl::string_view method, Work work,
+                                        Fn fn);
   // `quick` first, on the gRPC thread: it answers what never blocks and
-  // returns nullopt for the rest, which `fn` then answers on the pool.
+  // returns nullopt for the rest, which `fn` then answers on a worker.
   template <typename Quick, typename Fn>
-  grpc::ServerUnaryReactor* RunQuickOrPool(grpc::CallbackServerContext* ctx,
-                                           absl::string_view method,
-                                           Quick quick, Fn fn);
+  grpc::ServerUnaryReactor* RunQuickOrWorker(grpc::CallbackServerContext* ctx,
+                                             absl::string_view method,
+                                             Work work, Quick quick, Fn fn);
+  // Queues `task` for the tenant of `work.session` ("anonymous" when no
+  // live session is named).
+  void Dispatch(const Work& work, absl::AnyInvocable<void() &&> task);
   // Runs `go(end)` once the call gate lets the call in (at once, unless a
   // handover holds it), or answers it with the gate's refusal.
   template <typename Go>
@@ -118,9 +147,37 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
                           absl::Status status);
 
   core::Core* const core_;
-  ThreadPool* const pool_;
+  FairScheduler* const workers_;
   RpcObserver* const observer_;
+  const bool fair_;
   CallGate gate_;
+};
+
+class AdminService final : public v1::TenantAdmin::CallbackService {
+ public:
+  // All pointers must outlive the service; `workers` may be null (no
+  // queue figures then).
+  AdminService(core::Core* core, MrdService* calls,
+               const FairScheduler* workers)
+      : core_(core), calls_(calls), workers_(workers) {}
+
+  grpc::ServerUnaryReactor* ListTenants(grpc::CallbackServerContext* ctx,
+                                        const v1::ListTenantsRequest* req,
+                                        v1::ListTenantsResponse* resp) override;
+  grpc::ServerUnaryReactor* SetTenant(grpc::CallbackServerContext* ctx,
+                                      const v1::SetTenantRequest* req,
+                                      v1::TenantInfo* resp) override;
+  grpc::ServerUnaryReactor* ClearTenant(grpc::CallbackServerContext* ctx,
+                                        const v1::ClearTenantRequest* req,
+                                        v1::TenantInfo* resp) override;
+
+ private:
+  // The scheduler's queued and running requests of each tenant listed.
+  void AddQueueFigures(v1::TenantInfo* tenant) const;
+
+  core::Core* const core_;
+  MrdService* const calls_;
+  const FairScheduler* const workers_;
 };
 
 }  // namespace mrd::service

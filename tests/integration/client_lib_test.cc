@@ -50,17 +50,6 @@ using client::RegisterOptions;
 using client::Registration;
 using client::Session;
 
-// Polls `condition` until it holds or `timeout` passes (no fixed sleeps: the
-// loop only paces itself while it waits for mrd's asynchronous teardown).
-bool WaitFor(const std::function<bool()>& condition,
-             absl::Duration timeout = absl::Seconds(10)) {
-  const absl::Time deadline = absl::Now() + timeout;
-  while (absl::Now() < deadline) {
-    if (condition()) return true;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  return condition();
-}
 
 // MrdTest with mrd's metrics on, so that each test can also check mrd's own
 // count of sessions, buffers, registrations, LAMs and MR objects: each test
@@ -1210,6 +1199,7 @@ class QuickPathTest : public ClientLibTest {
   MrdProcessOptions ServerOptions() override {
     MrdProcessOptions o = ClientLibTest::ServerOptions();
     o.extra_flags.push_back("--worker_threads=1");
+    o.extra_flags.push_back("--spare_worker_threads=0");
     o.extra_flags.push_back("--warm_pin_bytes_total=0");
     return o;
   }
@@ -1225,9 +1215,15 @@ TEST_F(QuickPathTest, HitsAndNonLastDeregistrationsDoNotWaitForTheWorkers) {
       session, Range(*big, kQueued * 4096, 4096, kRemoteRead));
   ASSERT_TRUE(first.ok()) << first.status();
 
-  absl::StatusOr<std::unique_ptr<FrozenThread>> worker =
-      FrozenThread::FreezeIdle(mrd_->pid(), "mrd-worker");
-  ASSERT_TRUE(worker.ok()) << worker.status();
+  // Every worker thread (the one worker's slot and the threads yielders
+  // use) held still: the first registration queued is handed to one of
+  // them, the rest wait for the worker's slot.
+  absl::StatusOr<std::vector<std::unique_ptr<FrozenThread>>> workers =
+      FrozenThread::FreezeAllIdle(mrd_->pid(), "mrd-worker");
+  ASSERT_TRUE(workers.ok()) << workers.status();
+  const auto thaw = [&] {
+    for (auto& w : *workers) w->Thaw();
+  };
   std::vector<std::future<absl::StatusOr<Registration>>> queued;
   for (int i = 0; i < kQueued; ++i) {
     queued.push_back(Registration::RegisterFuture(
@@ -1249,7 +1245,7 @@ TEST_F(QuickPathTest, HitsAndNonLastDeregistrationsDoNotWaitForTheWorkers) {
   const bool hit_answered = hit_future.wait_for(std::chrono::seconds(20)) ==
                             std::future_status::ready;
   EXPECT_TRUE(hit_answered) << "the hit waited for the held worker";
-  if (!hit_answered) (*worker)->Thaw();
+  if (!hit_answered) thaw();
   absl::StatusOr<Registration> hit = hit_future.get();
   ASSERT_TRUE(hit.ok()) << hit.status();
   EXPECT_TRUE(hit->cache_hit());
@@ -1264,7 +1260,7 @@ TEST_F(QuickPathTest, HitsAndNonLastDeregistrationsDoNotWaitForTheWorkers) {
   EXPECT_TRUE(deregister_answered)
       << "the deregistration waited for the held worker";
   EXPECT_EQ(done(), 0);
-  (*worker)->Thaw();
+  thaw();
   absl::StatusOr<uint32_t> left = left_future.get();
   ASSERT_TRUE(left.ok()) << left.status();
   EXPECT_EQ(*left, 1u);

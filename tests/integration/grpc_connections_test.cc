@@ -113,7 +113,7 @@ class GrpcConnectionsTest : public MrdTest {
   MrdProcessOptions ServerOptions() override {
     MrdProcessOptions o;
     o.extra_flags = {"--grpc_max_connections=12",
-                     "--grpc_max_connections_per_uid=6", "--socket_mode=0666"};
+                     "--grpc_max_connections_per_tenant=6", "--socket_mode=0666"};
     return o;
   }
   void SetUp() override {
@@ -133,10 +133,10 @@ TEST_F(GrpcConnectionsTest, AUidPastItsShareIsRefusedAndOthersGetIn) {
   // The test's own channel holds one of the uid's six.
   EXPECT_EQ(Accepted(flood), 5u);
   EXPECT_TRUE(
-      absl::StrContains(flood.back().text, "LIMIT_UID_GRPC_CONNECTIONS"))
+      absl::StrContains(flood.back().text, "LIMIT_TENANT_GRPC_CONNECTIONS"))
       << flood.back().text;
   EXPECT_TRUE(
-      absl::StrContains(flood.back().text, "--grpc_max_connections_per_uid=6"))
+      absl::StrContains(flood.back().text, "--grpc_max_connections_per_tenant=6"))
       << flood.back().text;
   absl::Status same_uid = HealthCheckOnNewConnection(*mrd_);
   EXPECT_FALSE(same_uid.ok());
@@ -183,7 +183,7 @@ class GrpcTotalConnectionsTest : public MrdTest {
     MrdProcessOptions o;
     o.metrics = true;
     o.extra_flags = {"--grpc_max_connections=6",
-                     "--grpc_max_connections_per_uid=100"};
+                     "--grpc_max_connections_per_tenant=100"};
     return o;
   }
 };
@@ -222,7 +222,7 @@ class GrpcConnectionsOutOfFdsTest : public MrdTest {
     MrdProcessOptions o;
     o.nofile = "1024";
     o.extra_flags = {"--grpc_max_connections=4000",
-                     "--grpc_max_connections_per_uid=4000"};
+                     "--grpc_max_connections_per_tenant=4000"};
     return o;
   }
   void SetUp() override {

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -167,9 +168,21 @@ class PinMapsBudgetTest : public PinMapsTest {
  protected:
   MrdProcessOptions ServerOptions() override {
     MrdProcessOptions options;
-    options.extra_flags = {"--pin_max_map_splits=200"};
+    // The test's uid may spend more than the device allows: this test is
+    // about the device's budget, not the tenant's share of it.
+    tenants_ =
+        ::testing::TempDir() + "/pin-maps-tenants-" + std::to_string(getpid());
+    std::ofstream(tenants_)
+        << "tenant mapper uids=" << getuid() << " memory_maps=100000\n";
+    options.extra_flags = {"--pin_max_map_splits=200",
+                           "--tenants_file=" + tenants_};
     return options;
   }
+  void TearDown() override {
+    PinMapsTest::TearDown();
+    std::remove(tenants_.c_str());
+  }
+  std::string tenants_;
 };
 
 TEST_F(PinMapsBudgetTest, ReadOnlyPinsPastTheMapBudgetAreRefused) {
@@ -214,6 +227,84 @@ TEST_F(PinMapsBudgetTest, ReadOnlyPinsPastTheMapBudgetAreRefused) {
   ASSERT_TRUE(bystander.Close().ok());
   EXPECT_EQ(KernelPinnedBytesSettled(pinned_before, Pid(), absl::Seconds(30)),
             pinned_before);
+}
+
+// Issue 24, item 3: the map budget is the node's, and one tenant used to
+// spend it all (every other page of a read-only memfd), after which every
+// other tenant's read-only registration was refused LIMIT_MEMORY_MAPS. Now
+// each tenant may spend its share (--tenant_default_percent, 25 %): past it
+// LIMIT_TENANT_MEMORY_MAPS, and another tenant still pins read-only memory.
+class PinMapsTenantShareTest : public PinMapsTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions options;
+    options.extra_flags = {"--pin_max_map_splits=200"};
+    return options;
+  }
+};
+
+TEST_F(PinMapsTenantShareTest, OneTenantSpendsOnlyItsShareOfTheMapBudget) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
+  const uint64_t ps = PageSize();
+  client::Session session = OpenFdSession();
+  auto read_only = client::Buffer::Create(session, 1024 * ps, "ro", false);
+  ASSERT_TRUE(read_only.ok()) << read_only.status();
+
+  // A quarter of 200 splits, two per read-only registration: 25 fit.
+  for (uint64_t i = 0; i < 25; ++i) {
+    auto reply =
+        client_->RegisterMr(Request(session, *read_only, 2 * i * ps, ps));
+    ASSERT_TRUE(reply.ok()) << i << ": " << reply.status();
+  }
+  auto refused =
+      client_->RegisterMr(Request(session, *read_only, 2 * 25 * ps, ps));
+  ASSERT_FALSE(refused.ok()) << "the 26th read-only registration was made";
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted)
+      << refused.status();
+  EXPECT_EQ(GetErrorDetail(refused.status()).reason(),
+            "LIMIT_TENANT_MEMORY_MAPS")
+      << refused.status();
+
+  // Another tenant (a lease nobody vouched for: "anonymous") pins
+  // read-only memory of its own.
+  const std::string path = mrd_->shm_dir() + "/shared";
+  {
+    std::ofstream file(path);
+    file << std::string(64 * ps, 'x');
+  }
+  v1::OpenLeaseSessionRequest open;
+  open.set_ttl_seconds(60);
+  absl::StatusOr<v1::SessionInfo> lease = client_->OpenLeaseSession(open);
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->tenant(), "anonymous");
+  v1::ImportFileRequest import;
+  import.set_session(lease->session());
+  import.set_path("shared");
+  import.set_writable(false);
+  absl::StatusOr<v1::BufferInfo> buffer = client_->ImportFile(import);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  for (uint64_t i = 0; i < 10; ++i) {
+    v1::RegisterMrRequest request;
+    request.set_session(lease->session());
+    request.set_buffer(buffer->buffer());
+    request.set_offset(2 * i * ps);
+    request.set_length(ps);
+    request.set_flags(kRemoteRead);
+    auto reply = client_->RegisterMr(request);
+    ASSERT_TRUE(reply.ok()) << i << ": " << reply.status();
+  }
+  // Deregistration gives the share back.
+  ASSERT_TRUE(session.Close().ok());
+  client::Session again = OpenFdSession();
+  auto other = client::Buffer::Create(again, 64 * ps, "ro2", false);
+  ASSERT_TRUE(other.ok()) << other.status();
+  for (uint64_t i = 0; i < 25; ++i) {
+    auto reply = client_->RegisterMr(Request(again, *other, 2 * i * ps, ps));
+    ASSERT_TRUE(reply.ok()) << i << ": " << reply.status();
+  }
+  v1::CloseSessionRequest close;
+  close.set_session(lease->session());
+  EXPECT_TRUE(client_->CloseSession(close).ok());
 }
 
 }  // namespace

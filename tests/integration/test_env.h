@@ -7,11 +7,14 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <iostream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/lib/mrd_client.h"
 #include "client/peer/peer.h"
 #include "mrd/status.h"
@@ -39,6 +42,18 @@ inline v1::Completion NextCompletionOfKind(client::CompletionStream& stream,
   }
   ADD_FAILURE() << "no completion of kind " << kind;
   return {};
+}
+
+// Polls `condition` until it holds or `timeout` passes (no fixed sleeps: the
+// loop only paces itself while it waits for what mrd does asynchronously).
+inline bool WaitFor(const std::function<bool()>& condition,
+                    absl::Duration timeout = absl::Seconds(10)) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (absl::Now() < deadline) {
+    if (condition()) return true;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return condition();
 }
 
 // RegisterMr options for [offset, offset + length) of `buffer`.

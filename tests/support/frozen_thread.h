@@ -54,7 +54,32 @@ class FrozenThread {
           absl::StrCat(tids.size(), " threads of ", pid, " are named '", name,
                        "', not one"));
     }
-    const pid_t tid = tids[0];
+    return FreezeIdleThread(pid, tids[0], name, patience);
+  }
+
+  // Freezes every thread of `pid` named `name`, each once it is found idle
+  // (a pool of workers held still together).
+  static absl::StatusOr<std::vector<std::unique_ptr<FrozenThread>>>
+  FreezeAllIdle(pid_t pid, absl::string_view name,
+                absl::Duration patience = absl::Seconds(20)) {
+    std::vector<pid_t> tids = ThreadsNamed(pid, name);
+    if (tids.empty()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("no thread of ", pid, " is named '", name, "'"));
+    }
+    std::vector<std::unique_ptr<FrozenThread>> frozen;
+    for (pid_t tid : tids) {
+      absl::StatusOr<std::unique_ptr<FrozenThread>> one =
+          FreezeIdleThread(pid, tid, name, patience);
+      if (!one.ok()) return one.status();
+      frozen.push_back(*std::move(one));
+    }
+    return frozen;
+  }
+
+  // Freezes thread `tid` of `pid` once it is found idle.
+  static absl::StatusOr<std::unique_ptr<FrozenThread>> FreezeIdleThread(
+      pid_t pid, pid_t tid, absl::string_view name, absl::Duration patience) {
     const absl::Time deadline = absl::Now() + patience;
     std::string last;
     while (absl::Now() < deadline) {

@@ -80,8 +80,46 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
   }
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (last & ~(page_size_ - 1)) + page_size_;
+  if (progress == nullptr) {
+    absl::MutexLock lock(&mu_);
+    return PinLocked(start, end, huge_pages, nullptr, address, length);
+  }
+  // A long pin goes a step at a time, each step pinned and counted whole
+  // under the lock, which is let go in between: other pins (other tenants'
+  // small ones among them) are not held up for the whole range, progress
+  // can be seen, and a cancellation takes effect between steps. A step that
+  // fails undoes itself; the steps before it are then unpinned.
+  for (uint64_t at = start; at < end;) {
+    const uint64_t next = std::min(end, (at & ~(kPinStep - 1)) + kPinStep);
+    absl::Status status;
+    {
+      absl::MutexLock lock(&mu_);
+      status = PinLocked(at, next, huge_pages, progress, address, length);
+    }
+    // What this pin holds counted so far: [start, committed).
+    const uint64_t committed = status.ok() ? next : at;
+    if (status.ok() && next < end) {
+      if (progress->Cancelled()) {
+        status = absl::CancelledError(
+            absl::StrCat("pinning ", length, " bytes at ", Hex(address),
+                         " was cancelled after ", progress->pinned(),
+                         " bytes; they are unpinned again"));
+      } else {
+        progress->BetweenSteps(std::min(end, next + kPinStep) - next);
+      }
+    }
+    if (!status.ok()) {
+      if (committed > start) Unpin(start, committed - start);
+      return status;
+    }
+    at = next;
+  }
+  return absl::OkStatus();
+}
 
-  absl::MutexLock lock(&mu_);
+absl::Status PinTracker::PinLocked(uint64_t start, uint64_t end,
+                                   bool huge_pages, WorkProgress* progress,
+                                   uint64_t address, uint64_t length) {
   // The parts of [start, end) that no one pins yet: only these need mlock.
   std::vector<std::pair<uint64_t, uint64_t>> gaps;
   uint64_t cursor = start;
@@ -92,20 +130,9 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
     cursor = std::max(cursor, it->second.end);
   }
   if (cursor < end) gaps.emplace_back(cursor, end);
-  // Long gaps are pinned a step at a time, so that progress can be seen and
-  // a cancellation takes effect between steps.
   if (progress != nullptr) {
-    std::vector<std::pair<uint64_t, uint64_t>> steps;
     uint64_t new_bytes = 0;
-    for (const auto& [from, to] : gaps) {
-      new_bytes += to - from;
-      for (uint64_t at = from; at < to;) {
-        const uint64_t next = std::min(to, (at & ~(kPinStep - 1)) + kPinStep);
-        steps.emplace_back(at, next);
-        at = next;
-      }
-    }
-    gaps = std::move(steps);
+    for (const auto& [from, to] : gaps) new_bytes += to - from;
     progress->AddPinned((end - start) - new_bytes);  // pinned by others
   }
 
@@ -119,12 +146,6 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
         err == 0 ? FaultPoint(faults_, "pin.mlock") : absl::OkStatus();
     if (err == 0 && injected.ok() && progress != nullptr) {
       progress->AddPinned(gap_end - gap_start);
-      if (i + 1 < gaps.size() && progress->Cancelled()) {
-        injected = absl::CancelledError(
-            absl::StrCat("pinning ", length, " bytes at ", Hex(address),
-                         " was cancelled after ", progress->pinned(),
-                         " bytes; they are unpinned again"));
-      }
     }
     if (err == 0 && injected.ok()) continue;
     // mlock locks the mappings before a hole and then fails with ENOMEM

@@ -14,7 +14,8 @@
 // unlocked again before the error returns.
 //
 // Thread-safe. Pin holds the tracker's lock across Lock, which faults pages
-// in, so callers must not hold locks of their own that the data path needs.
+// in, so callers must not hold locks of their own that the data path needs;
+// a pin with progress holds it one step (kPinStep) at a time.
 #ifndef MRD_SERVER_DEVICE_SOFTWARE_PIN_TRACKER_H_
 #define MRD_SERVER_DEVICE_SOFTWARE_PIN_TRACKER_H_
 
@@ -85,9 +86,11 @@ class PinTracker {
   // budget (kErrMapBudget). On error no page's
   // count or lock state has changed. `huge_pages`: the memory is in huge
   // pages (hugetlbfs); new runs are pinned with PinOps::LockHugePages.
-  // With `progress`: pins kPinStep at a time, adding the bytes pinned
-  // (pages others pin count at once), and once progress->Cancelled() between
-  // steps unpins what it pinned and fails with CANCELLED.
+  // With `progress`: pins kPinStep at a time, each step counted when it is
+  // pinned and the lock let go in between (progress->BetweenSteps: other
+  // work may go first), adding the bytes pinned (pages others pin count
+  // at once), and once progress->Cancelled() between steps unpins what it
+  // pinned and fails with CANCELLED.
   absl::Status Pin(uint64_t address, uint64_t length, bool huge_pages = false,
                    WorkProgress* progress = nullptr);
   // Drops the references a successful Pin of the same range took. Unpinning
@@ -110,6 +113,11 @@ class PinTracker {
 
   // Splits the run that strictly contains `at` into two with equal counts.
   void SplitLocked(uint64_t at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pin of the page-aligned [start, end) in one hold of the lock
+  // (`address` and `length` are the caller's range, for messages).
+  absl::Status PinLocked(uint64_t start, uint64_t end, bool huge_pages,
+                         WorkProgress* progress, uint64_t address,
+                         uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Merges touching runs with equal counts between `from` and `to`.
   void CoalesceLocked(uint64_t from, uint64_t to)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -229,6 +229,17 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   attributes.name = "software";
   attributes.kind = "software";
   attributes.shares_pins = true;  // PinTracker: page refcounts
+  if (own_pin_ops != nullptr) {
+    // Read-only memory is mlocked (io_uring pins for writing); all of it
+    // when io_uring is not used.
+    const PinMethod method = options.pin_options.method;
+    const bool uring =
+        method != PinMethod::kMlock && own_pin_ops->io_uring_available();
+    attributes.map_splits_per_read_only_pin =
+        method == PinMethod::kIoUring ? 0 : 2;
+    attributes.map_splits_per_writable_pin = uring ? 0 : 2;
+    attributes.max_map_splits = own_pin_ops->max_map_splits();
+  }
   // Software moves bytes with pread/pwrite: any registered memory can be
   // the sink of a read, so RDMA_READ_SINK is never needed (R9).
   attributes.adapter_flags = kAdapterFlagReadSinkNotRequired;

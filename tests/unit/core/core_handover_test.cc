@@ -68,7 +68,7 @@ class CoreHandoverTest : public ::testing::Test {
     ASSERT_NE(old_.core, nullptr);
     ASSERT_NE(next_.core, nullptr);
     absl::StatusOr<std::string> token =
-        old_.core->OnConnect({getpid(), getuid(), getgid()});
+        old_.core->OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
     ASSERT_TRUE(token.ok()) << token.status();
     session_ = *token;
     v1::ImportMemfd import;

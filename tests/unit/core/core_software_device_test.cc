@@ -92,7 +92,7 @@ class SoftwareCoreTest : public ::testing::Test {
     core_ =
         std::make_unique<core::Core>(device_.get(), RealClock::Get(), options);
     absl::StatusOr<std::string> token =
-        core_->OnConnect({getpid(), getuid(), getgid()});
+        core_->OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
     ASSERT_TRUE(token.ok()) << token.status();
     session_ = *token;
     // The test keeps its own descriptor of the memfd to check the bytes.
@@ -285,7 +285,7 @@ TEST_F(SoftwareCoreConcurrentTest, SessionsAndBuffersGoWhileWarmPinsCome) {
   auto open = [&]() -> Slot {
     Slot slot;
     absl::StatusOr<std::string> token =
-        core_->OnConnect({getpid(), getuid(), getgid()});
+        core_->OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
     if (!token.ok()) return slot;
     slot.session = *token;
     for (int b = 0; b < 2; ++b) {

@@ -1,0 +1,592 @@
+// server/common/fair_scheduler.h: tenants share the workers by deficit round
+// robin under a share cap, work-conserving when alone, with spare slots for
+// tenants below their share and yields between steps of long work.
+//
+// Every test is about order, never timing: tasks held on notifications build
+// a backlog, the test releases them, and the start order it records is the
+// one deficit round robin dictates (with one worker, each pick happens only
+// after the previous task is accounted for, so the order is exact).
+#include "server/common/fair_scheduler.h"
+
+#include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "mrd/status.h"
+#include "server/common/clock.h"
+#include "server/common/thread_pool.h"
+
+namespace mrd {
+namespace {
+
+// Long enough never to be reached by a passing test; only a hang ends there.
+constexpr absl::Duration kHang = absl::Seconds(10);
+constexpr uint64_t k256MiB = 65536;  // pages
+constexpr uint64_t k64MiB = 16384;
+
+// Records the order tasks start in; a held task waits for Release(name).
+class Lab {
+ public:
+  absl::AnyInvocable<void() &&> Task(const std::string& name,
+                                     bool hold = false) {
+    absl::Notification* gate = hold ? Gate(name) : nullptr;
+    return [this, name, gate] {
+      Record(name);
+      if (gate != nullptr) {
+        EXPECT_TRUE(gate->WaitForNotificationWithTimeout(kHang)) << name;
+      }
+    };
+  }
+  absl::Notification* Gate(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    std::unique_ptr<absl::Notification>& gate = gates_[name];
+    if (gate == nullptr) gate = std::make_unique<absl::Notification>();
+    return gate.get();
+  }
+  void Release(const std::string& name) { Gate(name)->Notify(); }
+  void Record(const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    order_.push_back(name);
+  }
+  // True once `n` names were recorded.
+  bool WaitForStarts(size_t n) {
+    absl::MutexLock lock(&mu_);
+    struct Arg {
+      Lab* lab;
+      size_t n;
+    } arg{this, n};
+    return mu_.AwaitWithTimeout(
+        absl::Condition(
+            +[](Arg* a) ABSL_EXCLUSIVE_LOCKS_REQUIRED(a->lab->mu_) {
+              return a->lab->order_.size() >= a->n;
+            },
+            &arg),
+        kHang);
+  }
+  std::vector<std::string> Order() {
+    absl::MutexLock lock(&mu_);
+    return order_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<std::string> order_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::unique_ptr<absl::Notification>> gates_
+      ABSL_GUARDED_BY(mu_);
+};
+
+FairQueueStats StatsOf(const FairScheduler& scheduler, const std::string& key) {
+  for (FairQueueStats& s : scheduler.Stats()) {
+    if (s.key == key) return s;
+  }
+  ADD_FAILURE() << "no queue " << key;
+  return FairQueueStats();
+}
+
+// One worker and no extra slots or threads: the start order is exactly the
+// pick order.
+FairSchedulerOptions OneWorker() {
+  FairSchedulerOptions options;
+  options.workers = 1;
+  options.spare_workers = 0;
+  options.yield_threads = 0;
+  return options;
+}
+
+std::vector<std::string> Names(const std::string& prefix, int first, int last) {
+  std::vector<std::string> names;
+  for (int i = first; i <= last; ++i) names.push_back(absl::StrCat(prefix, i));
+  return names;
+}
+
+std::vector<std::string> Concat(
+    std::initializer_list<std::vector<std::string>> parts) {
+  std::vector<std::string> all;
+  for (const auto& part : parts)
+    all.insert(all.end(), part.begin(), part.end());
+  return all;
+}
+
+// The baseline the scheduler replaces: one pool in arrival order serves A's
+// whole flood before B's one small task.
+TEST(FairSchedulerTest, FifoPoolServesTheWholeFloodFirst) {
+  Lab lab;
+  {
+    ThreadPool pool;
+    ASSERT_TRUE(pool.Start(1).ok());
+    pool.Schedule(lab.Task("A0", /*hold=*/true));
+    ASSERT_TRUE(lab.WaitForStarts(1));
+    for (int i = 1; i <= 9; ++i) pool.Schedule(lab.Task(absl::StrCat("A", i)));
+    pool.Schedule(lab.Task("B0"));
+    lab.Release("A0");
+    ASSERT_TRUE(lab.WaitForStarts(11));
+  }
+  EXPECT_EQ(lab.Order(), Concat({Names("A", 0, 9), {"B0"}}));
+}
+
+TEST(FairSchedulerTest, SmallTaskOfAnotherTenantStartsRightAfterTheRunningOne) {
+  Lab lab;
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneWorker()).ok());
+  scheduler.Schedule("A", 1, k256MiB, lab.Task("A0", /*hold=*/true));
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  for (int i = 1; i <= 9; ++i) {
+    scheduler.Schedule("A", 1, k256MiB, lab.Task(absl::StrCat("A", i)));
+  }
+  scheduler.Schedule("B", 1, 1, lab.Task("B0"));
+  EXPECT_EQ(StatsOf(scheduler, "A").queued, 9u);
+  EXPECT_EQ(StatsOf(scheduler, "A").running, 1u);
+  EXPECT_EQ(StatsOf(scheduler, "B").queued, 1u);
+  lab.Release("A0");
+  ASSERT_TRUE(lab.WaitForStarts(11));
+  // A's 256 MiB needs four grants; B's 4 KiB fits in its first.
+  EXPECT_EQ(lab.Order(), Concat({{"A0", "B0"}, Names("A", 1, 9)}));
+}
+
+TEST(FairSchedulerTest, CheapTasksGoAheadOfCostlyOnesByDeficit) {
+  Lab lab;
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneWorker()).ok());
+  scheduler.Schedule("A", 1, k256MiB, lab.Task("A0", /*hold=*/true));
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  for (int i = 1; i <= 3; ++i) {
+    scheduler.Schedule("A", 1, k256MiB, lab.Task(absl::StrCat("A", i)));
+  }
+  for (int i = 0; i <= 19; ++i) {
+    scheduler.Schedule("B", 1, k64MiB / 2, lab.Task(absl::StrCat("B", i)));
+  }
+  lab.Release("A0");
+  ASSERT_TRUE(lab.WaitForStarts(24));
+  // Each round grants both 16384: B starts two of its 8192, A one of its
+  // 65536 every fourth round; once B is empty A goes on alone.
+  EXPECT_EQ(lab.Order(), Concat({{"A0"},
+                                 Names("B", 0, 5),
+                                 {"A1"},
+                                 Names("B", 6, 13),
+                                 {"A2"},
+                                 Names("B", 14, 19),
+                                 {"A3"}}));
+}
+
+TEST(FairSchedulerTest,
+     CostlierThanEveryGrantStillStartsWhileOthersKeepComing) {
+  Lab lab;
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneWorker()).ok());
+  // B never runs dry: each of its tasks schedules the next, 200 in all.
+  constexpr int kStream = 200;
+  struct Stream {
+    static void Next(FairScheduler* s, Lab* lab, int i) {
+      s->Schedule("B", 1, k64MiB, [s, lab, i] {
+        lab->Record(absl::StrCat("B", i));
+        if (i == 0) {
+          EXPECT_TRUE(lab->Gate("B0")->WaitForNotificationWithTimeout(kHang));
+        }
+        if (i + 1 < kStream) Next(s, lab, i + 1);
+      });
+    }
+  };
+  Stream::Next(&scheduler, &lab, 0);
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  scheduler.Schedule("C", 1, 50 * k64MiB, lab.Task("C0"));
+  lab.Release("B0");
+  ASSERT_TRUE(lab.WaitForStarts(kStream + 1));
+  // C's deficit grows by one grant per round and B takes one task a round:
+  // C starts after B's fiftieth (B0 was running already), not never.
+  const std::vector<std::string> order = lab.Order();
+  EXPECT_EQ(order[50], "C0");
+  EXPECT_EQ(order,
+            Concat({Names("B", 0, 49), {"C0"}, Names("B", 50, kStream - 1)}));
+}
+
+TEST(FairSchedulerTest, LargestCostStartsAtOnceWhenAlone) {
+  Lab lab;
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneWorker()).ok());
+  // Rounds that cannot start anything are granted at once, not looped over.
+  scheduler.Schedule("A", std::numeric_limits<uint32_t>::max(),
+                     std::numeric_limits<uint64_t>::max(), lab.Task("A0"));
+  scheduler.Schedule("B", 1, std::numeric_limits<uint64_t>::max() - 1,
+                     lab.Task("B0"));
+  scheduler.Schedule("C", 1, 0, lab.Task("C0"));  // taken as cost 1
+  ASSERT_TRUE(lab.WaitForStarts(3));
+  EXPECT_EQ(StatsOf(scheduler, "C").cost_total, 1u);
+}
+
+TEST(FairSchedulerTest, TenantHoldsNoMoreThanItsShareWhileAnotherWaits) {
+  Lab lab;
+  FairScheduler scheduler;
+  FairSchedulerOptions options;
+  options.workers = 4;
+  options.spare_workers = 0;
+  options.yield_threads = 0;
+  ASSERT_TRUE(scheduler.Start(options).ok());
+  for (int i = 0; i <= 11; ++i) {
+    scheduler.Schedule("A", 1, 1, lab.Task(absl::StrCat("A", i), true));
+  }
+  // Alone, A is work-conserving: all four workers run its tasks at once.
+  ASSERT_TRUE(lab.WaitForStarts(4));
+  EXPECT_EQ(StatsOf(scheduler, "A").running, 4u);
+  EXPECT_EQ(StatsOf(scheduler, "A").queued, 8u);
+  for (int i = 0; i <= 2; ++i) {
+    scheduler.Schedule("B", 1, 1, lab.Task(absl::StrCat("B", i), true));
+  }
+  EXPECT_EQ(StatsOf(scheduler, "B").running, 0u);
+  EXPECT_EQ(StatsOf(scheduler, "B").queued, 3u);
+
+  // Each step releases one running task; the freed worker goes to the next
+  // task the rules pick, and the running counts follow (share = 2 each while
+  // both are active).
+  struct Step {
+    const char* release;
+    const char* starts;
+    uint64_t a_running, b_running;
+  };
+  const Step steps[] = {
+      {"A0", "B0", 3, 1},  // B below its share, A over it
+      {"A1", "B1", 2, 2},  //
+      {"A2", "A4", 2, 2},  // B at its share: A takes its own back
+      {"A3", "A5", 2, 2},  //
+      {"B0", "B2", 2, 2},  //
+      {"B1", "A6", 3, 1},  // nothing of B waits: A may go over its share
+      {"B2", "A7", 4, 0},  // B inactive: A has every worker again
+  };
+  size_t started = 4;
+  for (const Step& step : steps) {
+    SCOPED_TRACE(step.release);
+    lab.Release(step.release);
+    ASSERT_TRUE(lab.WaitForStarts(++started));
+    EXPECT_EQ(lab.Order().back(), step.starts);
+    EXPECT_EQ(StatsOf(scheduler, "A").running, step.a_running);
+    EXPECT_EQ(StatsOf(scheduler, "B").running, step.b_running);
+  }
+  for (int i = 4; i <= 11; ++i) lab.Release(absl::StrCat("A", i));
+  ASSERT_TRUE(lab.WaitForStarts(15));
+}
+
+TEST(FairSchedulerTest, SpareWorkerStartsATenantBelowItsShare) {
+  Lab lab;
+  FairScheduler scheduler;
+  FairSchedulerOptions options;
+  options.workers = 4;  // and 4 spare slots
+  options.yield_threads = 0;
+  ASSERT_TRUE(scheduler.Start(options).ok());
+  for (int i = 0; i <= 5; ++i) {
+    scheduler.Schedule("A", 1, k256MiB, lab.Task(absl::StrCat("A", i), true));
+  }
+  ASSERT_TRUE(lab.WaitForStarts(4));
+  // A holds its whole share: the spare slots are not for it.
+  EXPECT_EQ(StatsOf(scheduler, "A").running, 4u);
+  EXPECT_EQ(StatsOf(scheduler, "A").queued, 2u);
+  // B starts at once on spare slots, while every A task is still held, up to
+  // its share (2 of 4 workers).
+  scheduler.Schedule("B", 1, 1, lab.Task("B0", true));
+  ASSERT_TRUE(lab.WaitForStarts(5));
+  scheduler.Schedule("B", 1, 1, lab.Task("B1", true));
+  ASSERT_TRUE(lab.WaitForStarts(6));
+  scheduler.Schedule("B", 1, 1, lab.Task("B2", true));
+  EXPECT_EQ(StatsOf(scheduler, "B").running, 2u);
+  EXPECT_EQ(StatsOf(scheduler, "B").queued, 1u);
+  // C's share is 1 of 4 now; one spare slot is left for it.
+  scheduler.Schedule("C", 1, 1, lab.Task("C0", true));
+  ASSERT_TRUE(lab.WaitForStarts(7));
+  const std::vector<std::string> order = lab.Order();
+  EXPECT_EQ(std::vector<std::string>(order.begin() + 4, order.end()),
+            (std::vector<std::string>{"B0", "B1", "C0"}));
+  EXPECT_EQ(StatsOf(scheduler, "A").running, 4u);
+  EXPECT_EQ(StatsOf(scheduler, "B").queued, 1u);
+  for (const std::string& name :
+       Concat({Names("A", 0, 5), Names("B", 0, 2), {"C0"}})) {
+    lab.Release(name);
+  }
+  ASSERT_TRUE(lab.WaitForStarts(10));
+}
+
+TEST(FairSchedulerTest, WeightThreeAgainstOneStartsThreeToOne) {
+  Lab lab;
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneWorker()).ok());
+  scheduler.Schedule("A", 3, k64MiB, lab.Task("A0", /*hold=*/true));
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  for (int i = 1; i <= 30; ++i) {
+    scheduler.Schedule("A", 3, k64MiB, lab.Task(absl::StrCat("A", i)));
+  }
+  for (int i = 0; i <= 9; ++i) {
+    scheduler.Schedule("B", 1, k64MiB, lab.Task(absl::StrCat("B", i)));
+  }
+  lab.Release("A0");
+  ASSERT_TRUE(lab.WaitForStarts(41));
+  std::vector<std::string> expected = {"A0"};
+  for (int round = 0; round < 10; ++round) {
+    for (int i = 1; i <= 3; ++i)
+      expected.push_back(absl::StrCat("A", 3 * round + i));
+    expected.push_back(absl::StrCat("B", round));
+  }
+  EXPECT_EQ(lab.Order(), expected);
+  EXPECT_EQ(StatsOf(scheduler, "A").weight, 3u);
+}
+
+TEST(FairSchedulerTest, LatestWeightForAKeyWins) {
+  Lab lab;
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneWorker()).ok());
+  scheduler.Schedule("H", 1, 1, lab.Task("H0", /*hold=*/true));
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  // A's tasks came with weight 1, its last with 2: all of A is weighted 2.
+  for (int i = 0; i <= 3; ++i) {
+    scheduler.Schedule("A", i == 3 ? 2 : 1, k64MiB,
+                       lab.Task(absl::StrCat("A", i)));
+  }
+  for (int i = 0; i <= 1; ++i) {
+    scheduler.Schedule("B", 1, k64MiB, lab.Task(absl::StrCat("B", i)));
+  }
+  EXPECT_EQ(StatsOf(scheduler, "A").weight, 2u);
+  lab.Release("H0");
+  ASSERT_TRUE(lab.WaitForStarts(7));
+  EXPECT_EQ(lab.Order(), (std::vector<std::string>{"H0", "A0", "A1", "B0", "A2",
+                                                   "A3", "B1"}));
+}
+
+TEST(FairSchedulerTest, YieldHandsTheSlotToAWaitingTenant) {
+  Lab lab;
+  FairScheduler scheduler;
+  FairSchedulerOptions options = OneWorker();
+  options.yield_threads = 1;
+  ASSERT_TRUE(scheduler.Start(options).ok());
+  absl::Notification b_waits;
+  std::string key_after;
+  scheduler.Schedule("A", 1, k64MiB, [&] {
+    lab.Record("A0");
+    EXPECT_TRUE(b_waits.WaitForNotificationWithTimeout(kHang));
+    FairScheduler::YieldCurrent(k64MiB);  // between two 64 MiB steps
+    key_after = std::string(FairScheduler::CurrentKey());  // before Record
+    lab.Record("A0-after-yield");
+  });
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  scheduler.Schedule("B", 1, 1, lab.Task("B0"));
+  EXPECT_EQ(StatsOf(scheduler, "B").queued, 1u);  // no slot for it
+  b_waits.Notify();
+  ASSERT_TRUE(lab.WaitForStarts(3));
+  EXPECT_EQ(lab.Order(),
+            (std::vector<std::string>{"A0", "B0", "A0-after-yield"}));
+  EXPECT_EQ(key_after, "A");
+  const FairQueueStats a = StatsOf(scheduler, "A");
+  EXPECT_EQ(a.yields_total, 1u);
+  EXPECT_EQ(a.started_total, 1u);  // a resumed yielder is not a new start
+  EXPECT_EQ(a.cost_total, 2 * k64MiB);
+}
+
+TEST(FairSchedulerTest, YieldOutsideASchedulerThreadReturnsAtOnce) {
+  FairScheduler::YieldCurrent(k64MiB);
+  EXPECT_EQ(FairScheduler::CurrentKey(), "");
+  // Nor on a thread of another pool.
+  Lab lab;
+  {
+    ThreadPool pool;
+    ASSERT_TRUE(pool.Start(1).ok());
+    pool.Schedule([&] {
+      FairScheduler::YieldCurrent(1);
+      lab.Record(std::string(FairScheduler::CurrentKey()));
+    });
+  }
+  EXPECT_EQ(lab.Order(), (std::vector<std::string>{""}));
+}
+
+TEST(FairSchedulerTest, YieldWhenAloneReturnsAtOnce) {
+  Lab lab;
+  FairScheduler scheduler;
+  FairSchedulerOptions options = OneWorker();
+  options.yield_threads = 1;
+  ASSERT_TRUE(scheduler.Start(options).ok());
+  absl::Notification more_of_a;
+  scheduler.Schedule("A", 1, k64MiB, [&] {
+    lab.Record("A0");
+    EXPECT_TRUE(more_of_a.WaitForNotificationWithTimeout(kHang));
+    FairScheduler::YieldCurrent(k64MiB);  // only A's own task waits
+    lab.Record("A0-after-yield");
+  });
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  scheduler.Schedule("A", 1, 1, lab.Task("A1"));
+  more_of_a.Notify();
+  ASSERT_TRUE(lab.WaitForStarts(3));
+  EXPECT_EQ(lab.Order(),
+            (std::vector<std::string>{"A0", "A0-after-yield", "A1"}));
+  EXPECT_EQ(StatsOf(scheduler, "A").yields_total, 0u);
+}
+
+TEST(FairSchedulerTest, YieldKeepsTheSlotWhenTheWaitingTenantHoldsItsShare) {
+  Lab lab;
+  FairScheduler scheduler;
+  FairSchedulerOptions options;
+  options.workers = 2;
+  options.spare_workers = 0;
+  options.yield_threads = 2;
+  ASSERT_TRUE(scheduler.Start(options).ok());
+  absl::Notification b_waits;
+  scheduler.Schedule("A", 1, k64MiB, [&] {
+    lab.Record("A0");
+    EXPECT_TRUE(b_waits.WaitForNotificationWithTimeout(kHang));
+    FairScheduler::YieldCurrent(k64MiB);
+    lab.Record("A0-after-yield");
+  });
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  scheduler.Schedule("B", 1, 1, lab.Task("B0", /*hold=*/true));
+  ASSERT_TRUE(lab.WaitForStarts(2));
+  scheduler.Schedule("B", 1, 1, lab.Task("B1"));
+  EXPECT_EQ(StatsOf(scheduler, "B").queued, 1u);
+  // B holds its share (1 of 2): A's slot would only go back to A.
+  b_waits.Notify();
+  ASSERT_TRUE(lab.WaitForStarts(4));
+  EXPECT_EQ(lab.Order(),
+            (std::vector<std::string>{"A0", "B0", "A0-after-yield", "B1"}));
+  EXPECT_EQ(StatsOf(scheduler, "A").yields_total, 0u);
+  lab.Release("B0");
+}
+
+TEST(FairSchedulerTest, DestructorRunsEveryQueuedTask) {
+  Lab lab;
+  {
+    FairScheduler scheduler;
+    ASSERT_TRUE(scheduler.Start(OneWorker()).ok());
+    scheduler.Schedule("H", 1, 1, lab.Task("H0", /*hold=*/true));
+    ASSERT_TRUE(lab.WaitForStarts(1));
+    for (int i = 0; i < 20; ++i) {
+      scheduler.Schedule(absl::StrCat("T", i % 3), 1, k64MiB,
+                         lab.Task(absl::StrCat("T", i)));
+    }
+    // A task scheduled by a task while the destructor waits runs too.
+    scheduler.Schedule("C", 1, 1, [&] {
+      lab.Record("C0");
+      scheduler.Schedule("C", 1, 1, lab.Task("C1"));
+    });
+    lab.Release("H0");
+  }
+  EXPECT_EQ(lab.Order().size(), 23u);
+}
+
+TEST(FairSchedulerTest, DestructorRunsTasksOfASchedulerNeverStarted) {
+  Lab lab;
+  {
+    FairScheduler scheduler;
+    scheduler.Schedule("A", 1, 1, lab.Task("A0"));
+    scheduler.Schedule("B", 1, 1, lab.Task("B0"));
+  }
+  EXPECT_EQ(lab.Order().size(), 2u);
+}
+
+TEST(FairSchedulerTest, StatsCountTasksCostsAndWaits) {
+  Lab lab;
+  FakeClock clock;
+  FairScheduler scheduler;
+  FairSchedulerOptions options = OneWorker();
+  options.clock = &clock;
+  ASSERT_TRUE(scheduler.Start(options).ok());
+  scheduler.Schedule("A", 1, 5, lab.Task("A0", /*hold=*/true));
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  scheduler.Schedule("A", 1, 7, lab.Task("A1"));
+  scheduler.Schedule("B", 2, 3, lab.Task("B0"));
+  scheduler.Schedule("B", 2, 2, lab.Task("B1", /*hold=*/true));
+  {
+    const FairQueueStats a = StatsOf(scheduler, "A");
+    EXPECT_EQ(a.queued, 1u);
+    EXPECT_EQ(a.running, 1u);
+    EXPECT_EQ(a.started_total, 1u);
+    EXPECT_EQ(a.finished_total, 0u);
+    EXPECT_EQ(a.cost_total, 5u);
+    const FairQueueStats b = StatsOf(scheduler, "B");
+    EXPECT_EQ(b.queued, 2u);
+    EXPECT_EQ(b.running, 0u);
+    EXPECT_EQ(b.weight, 2u);
+  }
+  clock.Advance(absl::Milliseconds(2));
+  lab.Release("A0");
+  ASSERT_TRUE(lab.WaitForStarts(4));  // B1 holds the worker now
+  EXPECT_EQ(lab.Order(), (std::vector<std::string>{"A0", "A1", "B0", "B1"}));
+
+  const FairQueueStats a = StatsOf(scheduler, "A");
+  EXPECT_EQ(a.key, "A");
+  EXPECT_EQ(a.queued, 0u);
+  EXPECT_EQ(a.running, 0u);
+  EXPECT_EQ(a.started_total, 2u);
+  EXPECT_EQ(a.finished_total, 2u);
+  EXPECT_EQ(a.yields_total, 0u);
+  EXPECT_EQ(a.cost_total, 12u);
+  // A0 waited 0, A1 2 ms; A0 held the worker 2 ms, A1 no time (the clock
+  // stood still).
+  EXPECT_DOUBLE_EQ(a.wait_seconds_total, 0.002);
+  EXPECT_DOUBLE_EQ(a.service_seconds_total, 0.002);
+  EXPECT_EQ(a.wait_bucket_counts,
+            (std::vector<uint64_t>{1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2}));
+
+  const FairQueueStats b = StatsOf(scheduler, "B");
+  EXPECT_EQ(b.queued, 0u);
+  EXPECT_EQ(b.running, 1u);
+  EXPECT_EQ(b.started_total, 2u);
+  EXPECT_EQ(b.finished_total, 1u);
+  EXPECT_EQ(b.cost_total, 5u);
+  EXPECT_EQ(b.wait_bucket_counts,
+            (std::vector<uint64_t>{0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2}));
+  for (const FairQueueStats& s : {a, b}) {
+    ASSERT_EQ(s.wait_bucket_counts.size(),
+              std::size(kFairWaitBucketsSeconds) + 1);
+    for (size_t i = 1; i < s.wait_bucket_counts.size(); ++i) {
+      EXPECT_LE(s.wait_bucket_counts[i - 1], s.wait_bucket_counts[i]);
+    }
+    EXPECT_EQ(s.wait_bucket_counts.back(), s.started_total);
+  }
+  EXPECT_EQ(a.wait_bucket_counts.back(), a.finished_total);
+  lab.Release("B1");
+}
+
+TEST(FairSchedulerTest, CurrentKeyNamesTheRunningTasksQueue) {
+  Lab lab;
+  {
+    FairScheduler scheduler;
+    ASSERT_TRUE(scheduler.Start(FairSchedulerOptions()).ok());
+    scheduler.Schedule("tenant-7", 1, 1, [&] {
+      lab.Record(std::string(FairScheduler::CurrentKey()));
+    });
+  }
+  EXPECT_EQ(lab.Order(), (std::vector<std::string>{"tenant-7"}));
+}
+
+TEST(FairSchedulerTest, StartRefusesBadOptionsAndASecondStart) {
+  const auto refused = [](FairSchedulerOptions options) {
+    FairScheduler scheduler;
+    return scheduler.Start(options);
+  };
+  FairSchedulerOptions options;
+  options.workers = 0;
+  absl::Status status = refused(options);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GetErrorDetail(status).reason(), "BAD_OPTIONS");
+  options = FairSchedulerOptions();
+  options.spare_workers = -2;
+  EXPECT_EQ(refused(options).code(), absl::StatusCode::kInvalidArgument);
+  options = FairSchedulerOptions();
+  options.quantum = 0;
+  EXPECT_EQ(refused(options).code(), absl::StatusCode::kInvalidArgument);
+  options = FairSchedulerOptions();
+  options.workers = 40000;
+  EXPECT_EQ(refused(options).code(), absl::StatusCode::kInvalidArgument);
+
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneWorker()).ok());
+  status = scheduler.Start(OneWorker());
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(GetErrorDetail(status).reason(), "ALREADY_STARTED");
+}
+
+}  // namespace
+}  // namespace mrd
