@@ -60,6 +60,18 @@ inline uint64_t Flag(int argc, char** argv, const char* name, uint64_t fallback,
   return std::max(minimum, fallback);
 }
 
+// The value of `--<name>=TEXT` among the arguments, or `fallback`.
+inline std::string StringFlag(int argc, char** argv, const char* name,
+                              const std::string& fallback) {
+  const size_t n = std::strlen(name);
+  for (int i = 1; i < argc; ++i) {
+    if (std::strncmp(argv[i], name, n) == 0 && argv[i][n] == '=') {
+      return argv[i] + n + 1;
+    }
+  }
+  return fallback;
+}
+
 // mrd's flags for a benchmark: `pinned_bytes` may be pinned per session and
 // in all, `registrations` live per session, no warm pins kept after the last
 // deregistration (so every new registration pins), one tenant may take it

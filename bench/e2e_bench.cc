@@ -431,17 +431,6 @@ std::string SizeName(uint64_t bytes) {
   return std::to_string(bytes / 1024) + " KiB";
 }
 
-// The value of `--<name>=TEXT`, or `fallback`.
-std::string StringFlag(int argc, char** argv, const char* name,
-                       const std::string& fallback) {
-  const size_t n = std::strlen(name);
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], name, n) == 0 && argv[i][n] == '=') {
-      return argv[i] + n + 1;
-    }
-  }
-  return fallback;
-}
 
 bool HasFlag(int argc, char** argv, const char* name) {
   for (int i = 1; i < argc; ++i) {

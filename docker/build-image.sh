@@ -75,6 +75,7 @@ buildah "${storage[@]}" config \
   --label "org.opencontainers.image.description=Node-local RDMA memory-registration service (mrd) and its CLI (mrctl)" \
   --label "org.opencontainers.image.version=$version" \
   --label "org.opencontainers.image.revision=$(git -C "$root" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)" \
+  --env PATH=/usr/local/bin:/usr/bin:/bin \
   --port 9464 --user 0:0 --stop-signal SIGTERM \
   --entrypoint '["/usr/local/bin/mrd", "--runtime_dir=/run/mrd", "--shm_dir=/dev/shm/mrd", "--metrics_address=0.0.0.0:9464"]' \
   --cmd '[]' "$ctr"

@@ -38,7 +38,7 @@ PinTracker::PinTracker(uint64_t page_size, PinOps* ops, FaultPoints* faults)
 PinTracker::~PinTracker() {
   absl::MutexLock lock(&mu_);
   if (runs_.empty()) return;
-  LogWarning("pin tracker destroyed with ", pinned_bytes_,
+  LogWarning("pin tracker destroyed with ", pinned_bytes_.load(),
              " bytes still pinned; unlocking them");
   for (const auto& [start, run] : runs_) ops_->Unlock(start, run.end - start);
 }
@@ -80,17 +80,14 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
   }
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (last & ~(page_size_ - 1)) + page_size_;
-  if (progress == nullptr) {
-    absl::MutexLock lock(&mu_);
-    return PinLocked(start, end, huge_pages, nullptr, address, length);
-  }
-  // A long pin goes a step at a time, each step pinned and counted whole
-  // under the lock, which is let go in between: other pins (other tenants'
-  // small ones among them) are not held up for the whole range, progress
-  // can be seen, and a cancellation takes effect between steps. A step that
-  // fails undoes itself; the steps before it are then unpinned.
+  // A long pin goes a step (kLockStep) at a time, each step pinned and
+  // counted whole under the lock, which is let go in between: other pins
+  // (other tenants' small ones among them) wait for one step, not for the
+  // whole range. Every kPinStep, progress can be seen, a cancellation takes
+  // effect and the worker may serve another tenant first. A step that fails
+  // undoes itself; the steps before it are then unpinned.
   for (uint64_t at = start; at < end;) {
-    const uint64_t next = std::min(end, (at & ~(kPinStep - 1)) + kPinStep);
+    const uint64_t next = std::min(end, (at & ~(kLockStep - 1)) + kLockStep);
     absl::Status status;
     {
       absl::MutexLock lock(&mu_);
@@ -98,7 +95,8 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
     }
     // What this pin holds counted so far: [start, committed).
     const uint64_t committed = status.ok() ? next : at;
-    if (status.ok() && next < end) {
+    if (status.ok() && next < end && progress != nullptr &&
+        next % kPinStep == 0) {
       if (progress->Cancelled()) {
         status = absl::CancelledError(
             absl::StrCat("pinning ", length, " bytes at ", Hex(address),
@@ -185,7 +183,7 @@ absl::Status PinTracker::PinLocked(uint64_t start, uint64_t end,
   }
   for (const auto& [gap_start, gap_end] : gaps) {
     runs_.emplace(gap_start, Run{gap_end, 1});
-    pinned_bytes_ += gap_end - gap_start;
+    pinned_bytes_.fetch_add(gap_end - gap_start, std::memory_order_relaxed);
   }
   CoalesceLocked(start, end);
   return absl::OkStatus();
@@ -197,8 +195,18 @@ void PinTracker::Unpin(uint64_t address, uint64_t length) {
             last <= UINT64_MAX - page_size_);
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (last & ~(page_size_ - 1)) + page_size_;
+  // A step at a time, each whole under the lock (the caller holds every
+  // page's reference until its step, so the steps are independent): a
+  // long unpin does not hold up other pins for its whole range.
+  for (uint64_t at = start; at < end;) {
+    const uint64_t next = std::min(end, (at & ~(kLockStep - 1)) + kLockStep);
+    absl::MutexLock lock(&mu_);
+    UnpinLocked(at, next);
+    at = next;
+  }
+}
 
-  absl::MutexLock lock(&mu_);
+void PinTracker::UnpinLocked(uint64_t start, uint64_t end) {
   SplitLocked(start);
   SplitLocked(end);
   // Every page must be pinned: a hole means the caller unpins what it never
@@ -226,7 +234,7 @@ void PinTracker::Unpin(uint64_t address, uint64_t length) {
     run = runs_.erase(run);
   }
   for (const auto& [from, to] : released) {
-    pinned_bytes_ -= to - from;
+    pinned_bytes_.fetch_sub(to - from, std::memory_order_relaxed);
     if (int err = ops_->Unlock(from, to - from); err != 0) {
       // The pages may have been unmapped under a registration; the kernel
       // drops the lock with the mapping, so there is nothing left to undo.
@@ -238,8 +246,7 @@ void PinTracker::Unpin(uint64_t address, uint64_t length) {
 }
 
 uint64_t PinTracker::PinnedBytes() const {
-  absl::MutexLock lock(&mu_);
-  return pinned_bytes_;
+  return pinned_bytes_.load(std::memory_order_relaxed);
 }
 
 uint64_t PinTracker::RefCount(uint64_t address) const {

@@ -15,10 +15,11 @@
 //
 // Thread-safe. Pin holds the tracker's lock across Lock, which faults pages
 // in, so callers must not hold locks of their own that the data path needs;
-// a pin with progress holds it one step (kPinStep) at a time.
+// pins and unpins hold it one step (kLockStep) at a time.
 #ifndef MRD_SERVER_DEVICE_SOFTWARE_PIN_TRACKER_H_
 #define MRD_SERVER_DEVICE_SOFTWARE_PIN_TRACKER_H_
 
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <map>
@@ -34,6 +35,10 @@ namespace mrd::device {
 // A pin with progress is made in steps of at most this many bytes (whole
 // io_uring slots: kernel_pin_ops.h).
 inline constexpr uint64_t kPinStep = uint64_t{64} << 20;
+// Pins and unpins hold the tracker's lock for at most this many bytes at a
+// time (a whole io_uring slot span: kernel_pin_ops.h), so that one tenant's
+// long pin or unpin keeps another's small one waiting for one step only.
+inline constexpr uint64_t kLockStep = uint64_t{16} << 20;
 
 // Lock's error when pinning would cost more memory maps (VMAs) than the
 // pinning method's budget; the tracker refuses with LIMIT_MEMORY_MAPS.
@@ -118,6 +123,9 @@ class PinTracker {
   absl::Status PinLocked(uint64_t start, uint64_t end, bool huge_pages,
                          WorkProgress* progress, uint64_t address,
                          uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unpin of the page-aligned [start, end) in one hold of the lock.
+  void UnpinLocked(uint64_t start, uint64_t end)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Merges touching runs with equal counts between `from` and `to`.
   void CoalesceLocked(uint64_t from, uint64_t to)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -127,7 +135,8 @@ class PinTracker {
   FaultPoints* const faults_;
   mutable absl::Mutex mu_;
   RunMap runs_ ABSL_GUARDED_BY(mu_);  // disjoint, refs >= 1
-  uint64_t pinned_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Written under mu_; read without it (GetDeviceInfo answers inline).
+  std::atomic<uint64_t> pinned_bytes_{0};
 };
 
 }  // namespace mrd::device

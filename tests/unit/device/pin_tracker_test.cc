@@ -268,24 +268,30 @@ TEST(PinTrackerSystemTest, PinPastEndOfFileLeavesNothingLocked) {
   EXPECT_EQ(tracker.PinnedBytes(), 0u);
 }
 
-// With progress, a long pin goes kPinStep at a time, counting pages others
-// pinned at once, and reports every byte by the end.
+// A long pin goes kLockStep at a time (the lock let go in between),
+// counting pages others pinned at once, and reports every byte by the end.
 TEST_F(PinTrackerTest, PinWithProgressGoesInStepsAndCountsEveryByte) {
-  const uint64_t pages_per_step = kPinStep / PageSize();
+  const uint64_t pages_per_step = kLockStep / PageSize();
   const uint64_t start = kBase;  // step-aligned (kBase is 1 TiB)
   ASSERT_TRUE(tracker_.Pin(start, PageSize()).ok());  // pinned by another
   ops_.TakeLocks();
+  const uint64_t steps = 2 * kPinStep / kLockStep;
   const uint64_t length = 2 * kPinStep + 3 * PageSize();
   WorkProgress progress(length);
   ASSERT_TRUE(tracker_.Pin(start, length, false, &progress).ok());
-  EXPECT_THAT(ops_.TakeLocks(),
-              ElementsAre(Pair(P(1), kPinStep - PageSize()),
-                          Pair(P(pages_per_step), kPinStep),
-                          Pair(P(2 * pages_per_step), 3 * PageSize())));
+  std::vector<std::pair<uint64_t, uint64_t>> expected = {
+      {P(1), kLockStep - PageSize()}};
+  for (uint64_t i = 1; i < steps; ++i) {
+    expected.emplace_back(P(i * pages_per_step), kLockStep);
+  }
+  expected.emplace_back(P(steps * pages_per_step), 3 * PageSize());
+  EXPECT_EQ(ops_.TakeLocks(), expected);
   EXPECT_EQ(progress.pinned(), length);
   tracker_.Unpin(start, length);
   tracker_.Unpin(start, PageSize());
-  ops_.TakeUnlocks();
+  // The unpin went a step at a time as well (the steps, the tail, then the
+  // other pin's page).
+  EXPECT_EQ(ops_.TakeUnlocks().size(), steps + 2);
 }
 
 // Cancelled between steps: CANCELLED, every step pinned is unpinned again,
@@ -298,7 +304,8 @@ TEST_F(PinTrackerTest, CancelledPinUndoesEveryStep) {
   WorkProgress progress(length, [&asked] { return ++asked >= 2; });
   absl::Status s = tracker_.Pin(P(0), length, false, &progress);
   EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << s;
-  EXPECT_EQ(ops_.TakeLocks().size(), 2u);  // two steps, then the answer
+  // Two progress steps (each kPinStep of lock steps), then the answer.
+  EXPECT_EQ(ops_.TakeLocks().size(), 2 * kPinStep / kLockStep);
   // Each step was counted when pinned; the undo releases both at once
   // (their pages are one run by then): every page the pin locked.
   uint64_t unlocked = 0;
