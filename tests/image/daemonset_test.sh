@@ -41,9 +41,10 @@
 # (restartPolicy Never), played with the ConfigMap of configmap.yaml (its
 # flag file as is); `image: mrd` becomes the local image (kustomize's
 # `images:` does that in a cluster); the hostPath directories /run/mrd,
-# /dev/shm/mrd and /dev/infiniband become directories of the test's work
-# dir (the shm one a tmpfs, as the host's /dev/shm is; the infiniband one
-# empty, so --device=auto picks the software device); NODE_IP, from
+# /dev/shm/mrd, /dev/infiniband and /var/log/pods become directories of the
+# test's work dir (the shm one a tmpfs, as the host's /dev/shm is; the
+# infiniband one empty, so --device=auto picks the software device; the pod
+# logs one empty: podman pods are named by their ids); NODE_IP, from
 # status.hostIP, becomes 127.0.0.1 and `$(NODE_IP)` in args is expanded
 # (the kubelet's work: podman 4.3 refuses that fieldRef and passes
 # `$(NODE_IP)` on literally); mrd's two ports become 0 (any free one: this
@@ -97,7 +98,7 @@ within() {
     sleep 0.1
   done
 }
-mkdir -m 0755 "$work/run" "$work/shm" "$work/infiniband"
+mkdir -m 0755 "$work/run" "$work/shm" "$work/infiniband" "$work/pod-logs"
 mount -t tmpfs -o mode=1777,size=64m tmpfs "$work/shm"
 sed '/^\[containers\]/a pidns = "host"' "$CONTAINERS_CONF" >"$work/hostpid.conf"
 
@@ -110,7 +111,8 @@ import yaml
 deploy, work, image, ds_name = sys.argv[1:5]
 clients = [a.rsplit(":", 1) for a in sys.argv[5:]]
 host_dirs = {"/run/mrd": work + "/run", "/dev/shm/mrd": work + "/shm",
-             "/dev/infiniband": work + "/infiniband"}
+             "/dev/infiniband": work + "/infiniband",
+             "/var/log/pods": work + "/pod-logs"}
 
 def to_pod(name, template, spec):
     spec["restartPolicy"] = "Never"
