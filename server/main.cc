@@ -448,7 +448,9 @@ class Daemon final : public handover::HandoverSource {
   void SetMetricsSources();
   absl::Status StartGrpc();
   absl::Status StartAdmin();
-  void StopAdmin();
+  // `handed_over`: the new process serves the admin socket's path (or is
+  // about to bind it), so the socket file is left alone.
+  void StopAdmin(bool handed_over = false);
   absl::Status StartHealthWatch();
   void WatchHealth();
 
@@ -1233,8 +1235,14 @@ absl::Status Daemon::StartAdmin() {
 }
 
 // Stops the administrative service (a stop, or a handover's old process).
-void Daemon::StopAdmin() {
-  if (admin_acceptor_ != nullptr) admin_acceptor_->Shutdown();
+void Daemon::StopAdmin(bool handed_over) {
+  if (admin_acceptor_ != nullptr) {
+    if (handed_over) {
+      // Closed without looking at the path, which the new process binds.
+      (void)admin_acceptor_->Detach();
+    }
+    admin_acceptor_->Shutdown();
+  }
   if (admin_server_ != nullptr) {
     admin_server_->Shutdown(std::chrono::system_clock::now() +
                             std::chrono::milliseconds(200));
@@ -1673,7 +1681,7 @@ void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
   health_->SetServingStatus(false);
   health_->SetServingStatus(kServiceName, false);
   // Clients' channels hear GOAWAY and reconnect, to the new process.
-  StopAdmin();
+  StopAdmin(/*handed_over=*/true);
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(500));
   // The health watch uses the server's health service: stopped first. The
