@@ -139,7 +139,8 @@ struct Mrd {
     options.warm_pin_bytes_total = warm ? uint64_t{1} << 30 : 0;
     core =
         std::make_unique<core::Core>(device.get(), RealClock::Get(), options);
-    auto token = core->OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
+    auto token =
+        core->OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
     if (!token.ok()) return false;
     session = *token;
     v1::ImportMemfd import;

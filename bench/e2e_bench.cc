@@ -431,7 +431,6 @@ std::string SizeName(uint64_t bytes) {
   return std::to_string(bytes / 1024) + " KiB";
 }
 
-
 bool HasFlag(int argc, char** argv, const char* name) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], name) == 0) return true;

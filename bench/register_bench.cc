@@ -54,7 +54,8 @@ struct Fixture {
     core_options.max_total_pinned_bytes = uint64_t{1} << 40;
     core = std::make_unique<core::Core>(device.get(), RealClock::Get(),
                                         core_options);
-    auto token = core->OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
+    auto token =
+        core->OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
     if (!token.ok()) return false;
     session = *token;
     v1::ImportMemfd import;

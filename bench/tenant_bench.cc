@@ -148,7 +148,6 @@ bool KindFromName(absl::string_view name, FloodKind* kind) {
   return false;
 }
 
-
 struct Settings {
   uint64_t samples = 300;
   uint64_t seconds = 4;

@@ -1155,6 +1155,12 @@ absl::Status Daemon::StartGrpc() {
   service_ = std::make_unique<service::MrdService>(
       core_.get(), workers_.get(), metrics_.get(),
       absl::GetFlag(FLAGS_fair_scheduling));
+  // Made before any gRPC thread exists (the servers below start them): its
+  // handlers are then made before every thread that calls them.
+  if (!admin_socket_.empty()) {
+    admin_service_ = std::make_unique<service::AdminService>(
+        core_.get(), service_.get(), workers_.get());
+  }
   grpc::EnableDefaultHealthCheckService(true);
   // gRPC's health service does not link the descriptors of its messages;
   // referring to one puts health.proto in the generated pool, so reflection
@@ -1202,9 +1208,7 @@ absl::Status Daemon::StartGrpc() {
 // mode 0600). Taking over, this runs after commit: until then the old
 // process's admin socket answers, and a handover that fails leaves it so.
 absl::Status Daemon::StartAdmin() {
-  if (admin_socket_.empty()) return absl::OkStatus();
-  admin_service_ = std::make_unique<service::AdminService>(
-      core_.get(), service_.get(), workers_.get());
+  if (admin_service_ == nullptr) return absl::OkStatus();
   grpc::ServerBuilder builder;
   builder.RegisterService(admin_service_.get());
   admin_server_ = builder.BuildAndStart();
@@ -1246,6 +1250,8 @@ void Daemon::StopAdmin(bool handed_over) {
   if (admin_server_ != nullptr) {
     admin_server_->Shutdown(std::chrono::system_clock::now() +
                             std::chrono::milliseconds(200));
+    // Gone whole, its threads joined (a handed-over process exits next).
+    if (handed_over) admin_server_.reset();
   }
 }
 

@@ -50,7 +50,6 @@ using client::RegisterOptions;
 using client::Registration;
 using client::Session;
 
-
 // MrdTest with mrd's metrics on, so that each test can also check mrd's own
 // count of sessions, buffers, registrations, LAMs and MR objects: each test
 // is a leak test of the library.

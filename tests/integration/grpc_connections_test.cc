@@ -113,7 +113,8 @@ class GrpcConnectionsTest : public MrdTest {
   MrdProcessOptions ServerOptions() override {
     MrdProcessOptions o;
     o.extra_flags = {"--grpc_max_connections=12",
-                     "--grpc_max_connections_per_tenant=6", "--socket_mode=0666"};
+                     "--grpc_max_connections_per_tenant=6",
+                     "--socket_mode=0666"};
     return o;
   }
   void SetUp() override {
@@ -135,8 +136,8 @@ TEST_F(GrpcConnectionsTest, AUidPastItsShareIsRefusedAndOthersGetIn) {
   EXPECT_TRUE(
       absl::StrContains(flood.back().text, "LIMIT_TENANT_GRPC_CONNECTIONS"))
       << flood.back().text;
-  EXPECT_TRUE(
-      absl::StrContains(flood.back().text, "--grpc_max_connections_per_tenant=6"))
+  EXPECT_TRUE(absl::StrContains(flood.back().text,
+                                "--grpc_max_connections_per_tenant=6"))
       << flood.back().text;
   absl::Status same_uid = HealthCheckOnNewConnection(*mrd_);
   EXPECT_FALSE(same_uid.ok());
