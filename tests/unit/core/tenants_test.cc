@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
+#include "server/core/core.h"
 
 namespace mrd::core {
 namespace {
@@ -262,6 +263,24 @@ TEST(TenantTableTest, TheFileNamesPodsByNamespaceAndName) {
                           "tenant a pods=a/\n", "tenant a pods=a_b/c\n"}) {
     EXPECT_FALSE(TenantTable::Create(Options(25), bad).ok()) << bad;
   }
+}
+
+// The administrative call's (and the handover's) quotas by resource name.
+TEST(TenantTableTest, SettingsFromTheWireNameResources) {
+  google::protobuf::RepeatedPtrField<v1::TenantQuotaValue> quotas;
+  v1::TenantQuotaValue* q = quotas.Add();
+  q->set_resource("memory_maps");
+  q->set_amount(40);
+  absl::StatusOr<TenantSettings> settings = TenantSettingsFromProto(quotas, 2);
+  ASSERT_TRUE(settings.ok()) << settings.status();
+  EXPECT_EQ(settings->quota[static_cast<int>(TenantResource::kMemoryMaps)],
+            40u);
+  EXPECT_EQ(settings->weight, 2u);
+  EXPECT_FALSE(TenantSettingsFromProto(quotas, 0)->weight.has_value());
+  quotas.Add()->set_resource("frobs");
+  EXPECT_EQ(
+      GetErrorDetail(TenantSettingsFromProto(quotas, 1).status()).reason(),
+      "BAD_TENANT_RESOURCE");
 }
 
 // A handover carries the settings; the next table restores them before any
