@@ -15,9 +15,11 @@
 #include <map>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "google/protobuf/descriptor.h"
 #include "mrd/status.h"
 #include "mrd/v1/mrd.grpc.pb.h"
@@ -322,6 +324,9 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
   CoreCollector(const core::Core* core, FdBudget* fd_budget)
       : core_(core), fd_budget_(fd_budget) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
+    const Sources src = Snapshot();
+    const auto& [peer_path, handover, grpc_connections, scheduler, server_info,
+                 device_healthy, limits] = src;
     core::CoreStats s = core_->Stats();
     auto d = [](uint64_t v) { return static_cast<double>(v); };
     std::vector<prometheus::MetricFamily> out = {
@@ -696,44 +701,69 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
   FdBudget* const fd_budget_;
 
  public:
-  // Set before the exposer starts; read-only afterwards.
-  std::function<PeerPathGauges()> peer_path;
-  std::function<HandoverGauges()> handover;
-  std::function<GrpcConnectionStats()> grpc_connections;
-  std::function<std::vector<FairQueueStats>()> scheduler;
-  ServerInfo server_info;
-  std::function<bool()> device_healthy;
-  std::vector<std::pair<std::string, double>> limits;
+  // What the collector reads besides the core. Set while the exposer may
+  // already scrape (a source can arrive after the metrics socket is served),
+  // so a scrape copies them under the lock and calls them outside it.
+  struct Sources {
+    std::function<PeerPathGauges()> peer_path;
+    std::function<HandoverGauges()> handover;
+    std::function<GrpcConnectionStats()> grpc_connections;
+    std::function<std::vector<FairQueueStats>()> scheduler;
+    ServerInfo server_info;
+    std::function<bool()> device_healthy;
+    std::vector<std::pair<std::string, double>> limits;
+  };
+  template <typename F>
+  void Update(F f) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    f(sources_);
+  }
+
+ private:
+  Sources Snapshot() const ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return sources_;
+  }
+
+  mutable absl::Mutex mu_;
+  Sources sources_ ABSL_GUARDED_BY(mu_);
 };
 
 void Metrics::SetServerInfo(const ServerInfo& info) {
-  collector_->server_info = info;
+  collector_->Update([&](CoreCollector::Sources& s) { s.server_info = info; });
 }
 
 void Metrics::SetDeviceHealthSource(std::function<bool()> source) {
-  collector_->device_healthy = std::move(source);
+  collector_->Update(
+      [&](CoreCollector::Sources& s) { s.device_healthy = std::move(source); });
 }
 
 void Metrics::SetLimits(std::vector<std::pair<std::string, double>> limits) {
-  collector_->limits = std::move(limits);
+  collector_->Update(
+      [&](CoreCollector::Sources& s) { s.limits = std::move(limits); });
 }
 
 void Metrics::SetPeerPathSource(std::function<PeerPathGauges()> source) {
-  collector_->peer_path = std::move(source);
+  collector_->Update(
+      [&](CoreCollector::Sources& s) { s.peer_path = std::move(source); });
 }
 
 void Metrics::SetHandoverSource(std::function<HandoverGauges()> source) {
-  collector_->handover = std::move(source);
+  collector_->Update(
+      [&](CoreCollector::Sources& s) { s.handover = std::move(source); });
 }
 
 void Metrics::SetSchedulerSource(
     std::function<std::vector<FairQueueStats>()> source) {
-  collector_->scheduler = std::move(source);
+  collector_->Update(
+      [&](CoreCollector::Sources& s) { s.scheduler = std::move(source); });
 }
 
 void Metrics::SetGrpcConnectionsSource(
     std::function<GrpcConnectionStats()> source) {
-  collector_->grpc_connections = std::move(source);
+  collector_->Update([&](CoreCollector::Sources& s) {
+    s.grpc_connections = std::move(source);
+  });
 }
 
 Metrics::Metrics(const core::Core* core, FdBudget* fd_budget)

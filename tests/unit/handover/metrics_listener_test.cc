@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -19,6 +20,7 @@
 #include "mrd/unique_fd.h"
 #include "server/common/clock.h"
 #include "server/common/log.h"
+#include "server/common/thread.h"
 #include "server/common/tsan.h"
 #include "server/core/core.h"
 #include "server/device/software/software_device.h"
@@ -163,6 +165,37 @@ TEST_F(MetricsListenerTest, TheNextOneServesOnTheSameSocket) {
     }
   }
   EXPECT_TRUE(absl::StrContains(reply, "mrd_")) << reply;
+}
+
+// A source may arrive once /metrics is served already (mrd serves the
+// metrics before it starts its workers, whose queues a scrape reports):
+// setting one while a scrape runs is safe (TSan saw this race in a
+// handover test against the TSan build's mrd).
+TEST_F(MetricsListenerTest, SourcesMayBeSetWhileAScrapeRuns) {
+  metrics::Metrics metrics(core_.get());
+  std::atomic<bool> done{false};
+  std::atomic<int> scrapes{0};
+  absl::StatusOr<Thread> scraper = Thread::Start("scraper", [&] {
+    while (!done.load()) {
+      if (absl::StrContains(metrics.Render(), "mrd_sessions")) ++scrapes;
+    }
+  });
+  ASSERT_TRUE(scraper.ok()) << scraper.status();
+  for (int i = 0; i < 200 || scrapes.load() < 2; ++i) {
+    metrics.SetSchedulerSource([] { return std::vector<FairQueueStats>{}; });
+    metrics.SetHandoverSource([] { return metrics::HandoverGauges{}; });
+    metrics.SetPeerPathSource([] { return metrics::PeerPathGauges{}; });
+    metrics.SetGrpcConnectionsSource(
+        [] { return metrics::GrpcConnectionStats{}; });
+    metrics.SetDeviceHealthSource([] { return true; });
+    metrics.SetLimits({{"max_sessions", 1.0}});
+    metrics::ServerInfo info;
+    info.version = "test";
+    metrics.SetServerInfo(info);
+  }
+  done = true;
+  scraper->Join();
+  EXPECT_TRUE(absl::StrContains(metrics.Render(), "mrd_device_healthy 1"));
 }
 
 }  // namespace
