@@ -813,10 +813,52 @@ Metrics::Metrics(const core::Core* core, FdBudget* fd_budget)
   }
 }
 
-Metrics::~Metrics() = default;
+Metrics::~Metrics() { StopServing(); }
+
+namespace {
+
+// Wakes a thread blocked in poll(2) on the listening socket `fd` and makes
+// every later poll of that fd number return at once, without shutting the
+// socket down (after a handover it is the new process's socket too):
+// `fd` is swapped (dup3) for a fresh socket that never listened, which
+// polls as hung up, and a connection to the socket's own address wakes the
+// poll already waiting on it (a process that serves the socket later takes
+// that connection and sees it closed).
+void WakeListenerPoll(int fd) {
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  const bool named =
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  UniqueFd dead(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!dead.valid() || ::dup3(dead.get(), fd, O_CLOEXEC) < 0 || !named) {
+    return;
+  }
+  if (address.ss_family == AF_INET) {
+    auto* in = reinterpret_cast<sockaddr_in*>(&address);
+    if (in->sin_addr.s_addr == htonl(INADDR_ANY)) {
+      in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    }
+  } else if (address.ss_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<sockaddr_in6*>(&address);
+    if (IN6_IS_ADDR_UNSPECIFIED(&in6->sin6_addr))
+      in6->sin6_addr = in6addr_loopback;
+  } else {
+    return;
+  }
+  UniqueFd knock(::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (knock.valid()) {
+    (void)::connect(knock.get(), reinterpret_cast<sockaddr*>(&address), length);
+  }
+}
+
+}  // namespace
 
 void Metrics::StopServing() {
-  exposer_.reset();  // closes listen_fd_ (close(2) only, never shutdown)
+  // The server's thread polls its listening socket with a 2 s timeout and
+  // stopping waits for that poll to end: up to 2 s at every stop, and
+  // inside a handover's pause (Release), were it not woken.
+  if (listen_fd_ >= 0) WakeListenerPoll(listen_fd_);
+  exposer_.reset();  // closes listen_fd_ (the fresh socket, if swapped in)
   listen_fd_ = -1;
 }
 
