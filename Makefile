@@ -3,6 +3,10 @@
 #   make test  installs what is missing, builds, and runs every test (plain,
 #              ASan+UBSan and TSan builds, the integration tests against
 #              the TSan build's mrd, the fuzz targets)
+# For the edit-build-test loop:
+#   make check builds the plain build and runs its unit, integration and
+#              device-suite tests (not the lint, model, adversary, image,
+#              deploy, install and Python tests: make test runs those)
 # Both are incremental: a second run rebuilds only what changed.
 #   make fuzz  runs each libFuzzer target (tests/fuzz) for FUZZ_SECONDS
 #              (default 600) in build-fuzz (clang-14, ASan+UBSan)
@@ -22,7 +26,7 @@ FUZZ_SECONDS ?= 600
 FUZZ_RUNS ?=
 FUZZ_JOBS ?=
 
-.PHONY: all deps build run test test-plain test-asan test-tsan fuzz bench image format clean
+.PHONY: all deps build run test check test-plain test-asan test-tsan fuzz bench image format clean
 
 all: build
 
@@ -45,12 +49,17 @@ run: deps $(BUILD_DIR)/build.ninja
 test: deps
 	scripts/test-all.sh
 
+# The quick tier (scripts/run-tests.sh --quick).
+check: build
+	scripts/run-tests.sh --quick $(BUILD_DIR)
+
 # One build's tests only.
 test-plain: build
 	scripts/run-tests.sh $(BUILD_DIR)
+# Both sanitizer builds are clang's (make test says why: scripts/test-all.sh).
 test-asan: deps
-	$(MAKE) BUILD_DIR=build-asan CMAKE_ARGS=-DMRD_SANITIZE=address test-plain
-# The TSan build is clang's (make test explains why: scripts/test-all.sh).
+	$(MAKE) BUILD_DIR=build-asan CMAKE_ARGS="-DMRD_SANITIZE=address \
+	  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14" test-plain
 test-tsan: deps
 	$(MAKE) BUILD_DIR=build-tsan CMAKE_ARGS="-DMRD_SANITIZE=thread \
 	  -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14" test-plain

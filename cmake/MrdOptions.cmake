@@ -17,6 +17,14 @@ endif()
 if(MRD_SANITIZE STREQUAL "address")
   add_compile_options(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
   add_link_options(-fsanitize=address,undefined)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+    # clang's dynamic-type check (-fsanitize=vptr) reads each object's
+    # memory through a pipe before it trusts the vtable: at the open-file
+    # limit, which the fd-exhaustion tests hold on purpose, it gets no pipe
+    # and calls every valid object "invalid vptr". make test's ASan build is
+    # clang's (a third of GCC's build time); the check is left out there.
+    add_compile_options(-fno-sanitize=vptr)
+  endif()
 elseif(MRD_SANITIZE STREQUAL "thread")
   add_compile_options(-fsanitize=thread -fno-omit-frame-pointer)
   add_link_options(-fsanitize=thread)

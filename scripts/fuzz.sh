@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets (tests/fuzz) in build-fuzz with clang-14,
 # ASan+UBSan and libFuzzer's coverage (incrementally), then runs each target
-# for a bounded time on a working copy of its seed corpus.
+# for a bounded time on a working copy of its seed corpus, as many targets
+# at once as there are cores.
 #   scripts/fuzz.sh [SECONDS_PER_TARGET] [TARGET...]
 # SECONDS_PER_TARGET defaults to $FUZZ_SECONDS or 45. The seed corpora in
 # tests/fuzz/corpus/<target> are copied to build-fuzz/corpus/<target> (the
@@ -47,10 +48,11 @@ mkdir -p "$dir/artifacts" "$dir/corpus"
 # whose allocations do not balance, except where noted below).
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1:symbolize=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-passed=0
-failed=0
-summary=()
-for t in "${targets[@]}"; do
+# One target: its output (the lines below, plus its whole log on failure)
+# goes to $dir/artifacts/<target>.out and its summary line to
+# $dir/artifacts/<target>.result, "ok ..." or "FAILED ...".
+fuzz_one() {
+  local t=$1 corpus log status started execs repro why extra
   corpus="$dir/corpus/$t"
   mkdir -p "$corpus"
   if [ -d "tests/fuzz/corpus/$t" ]; then
@@ -85,22 +87,50 @@ for t in "${targets[@]}"; do
     execs=$(sed -n 's/^#\([0-9]*\): cov:.*/\1/p' "$log" | tail -1)
   fi
   if [ "$status" -eq 0 ]; then
-    passed=$((passed + 1))
-    summary+=("$t: ok, ${execs:-?} executions in $((SECONDS - started))s")
+    echo "$t: ok, ${execs:-?} executions in $((SECONDS - started))s" \
+      >"$dir/artifacts/$t.result"
     echo "$t: ok, ${execs:-?} executions"
   else
-    failed=$((failed + 1))
     repro=$(grep -oE "Test unit written to [^ ]+" "$log" | tail -1 |
       sed 's/Test unit written to //')
     # The first line that says why, repeated in the summary (the end of a
     # CI log may be all that is kept).
     why=$(grep -m1 -E "invariant violated|ERROR:|runtime error|deadly signal" "$log" || true)
-    summary+=("$t: FAILED (exit $status) after ${execs:-?} executions: ${why:-see the log}; reproducer: ${repro:-none written}; log: $log")
+    echo "$t: FAILED (exit $status) after ${execs:-?} executions: ${why:-see the log}; reproducer: ${repro:-none written}; log: $log" \
+      >"$dir/artifacts/$t.result"
     echo "$t: FAILED (exit $status); last lines of $log:"
     grep -E "invariant violated|ERROR:|SUMMARY:|runtime error" "$log" | head -5 || true
     tail -n 20 "$log"
     echo "reproducer: ${repro:-none written}"
   fi
+}
+
+# As many targets at once as there are cores (each libFuzzer process is one
+# thread; fork mode's workers count), each target's output printed whole
+# when it ends.
+parallel=$((jobs / ${fork:-1}))
+[ "$parallel" -ge 1 ] || parallel=1
+running=0
+for t in "${targets[@]}"; do
+  rm -f "$dir/artifacts/$t.result"
+  if [ "$running" -ge "$parallel" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  { fuzz_one "$t" >"$dir/artifacts/$t.out" 2>&1; cat "$dir/artifacts/$t.out"; } &
+  running=$((running + 1))
+done
+wait || true
+passed=0
+failed=0
+summary=()
+for t in "${targets[@]}"; do
+  line=$(cat "$dir/artifacts/$t.result" 2>/dev/null || echo "$t: FAILED: the run ended without a result")
+  summary+=("$line")
+  case "$line" in
+    "$t: ok"*) passed=$((passed + 1)) ;;
+    *) failed=$((failed + 1)) ;;
+  esac
 done
 echo "== fuzz summary"
 printf '%s\n' "${summary[@]}"

@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # Runs the tests of one build directory with ctest, in parallel, with the
 # sanitizer runtime options that build needs, and prints ctest's summary.
-#   scripts/run-tests.sh BUILD_DIR [extra ctest args]
+#   scripts/run-tests.sh [--quick] BUILD_DIR [extra ctest args]
+# --quick (make check): the unit, integration and device-suite tests only,
+# leaving out the lint and the slow whole-system tests (model, adversary,
+# image, deploy, install, Python, docs) that make test runs.
 set -euo pipefail
+quick=0
+if [ "${1:-}" = --quick ]; then
+  quick=1
+  shift
+fi
 build_dir=$1
 shift
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,5 +35,8 @@ case "$sanitize" in
     args=(-LE "integration|device_suite|verbs|deploy|docs|install|python|image|lint")
     ;;
 esac
+if [ "$quick" = 1 ]; then
+  args=(-LE "verbs|lint|model|adversary|image|deploy|install|python|docs")
+fi
 cd "$build_dir"
 ctest --output-on-failure -j "$(nproc)" --timeout 300 "${args[@]}" "$@" | tee ctest.log

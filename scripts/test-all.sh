@@ -2,12 +2,13 @@
 # The README's test command (make test): builds and runs every test in the
 # plain build, then the device suite on the verbs device inside the Soft-RoCE
 # VM (tests/vm), then every test in the ASan+UBSan build and the TSan build
-# (clang-14), then the plain build's integration tests and device suite
+# (both clang-14), then the plain build's integration tests and device suite
 # against the TSan build's mrd (see docs/RELIABILITY.md "Sanitizers"), then
 # each libFuzzer target for a short while (scripts/fuzz.sh, clang-14,
 # build-fuzz; each target counts as one test). Each build directory is
 # incremental. MRD_SANITIZERS=0 skips the sanitizer builds and the fuzzers;
-# MRD_FUZZ_SECONDS sets the seconds per fuzz target (default 45).
+# MRD_FUZZ_SECONDS sets the seconds per fuzz target (default 45). The summary
+# gives each stage's time (build and tests) and the total.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -124,6 +125,14 @@ run_fuzz() {
 }
 
 status=0
+# Each stage's time (its build and its tests), printed in the summary.
+times=()
+stage_start=$SECONDS
+stage_done() {  # stage name
+  local took=$((SECONDS - stage_start))
+  times+=("$(printf '%-28s %2dm%02ds' "$1:" $((took / 60)) $((took % 60)))")
+  stage_start=$SECONDS
+}
 # Style: every C++ file as clang-format (.clang-format, Google style) has it.
 echo "== clang-format"
 if ! git ls-files -z '*.cc' '*.h' | xargs -0 clang-format --dry-run --Werror; then
@@ -132,26 +141,43 @@ if ! git ls-files -z '*.cc' '*.h' | xargs -0 clang-format --dry-run --Werror; th
   status=1
 fi
 configure build
+stage_done "plain build"
 run plain build || status=1
+stage_done "plain tests"
 run_vm || status=1
+stage_done "verbs device in the VM"
 if [ "${MRD_SANITIZERS:-1}" != 0 ]; then
-  # Benchmarks are not built with sanitizers: they are not tests.
-  configure build-asan -DMRD_SANITIZE=address -DMRD_BUILD_BENCH=OFF
+  # Benchmarks are not built with sanitizers: they are not tests. Both
+  # sanitizer builds are clang's: it builds them in a third of GCC's time,
+  # and it leaves gRPC's header code uninstrumented for TSan like the
+  # libgrpc behind it (tests/support/tsan_ignorelist.txt). A build directory
+  # GCC configured before is configured afresh.
+  for dir in build-asan build-tsan; do
+    if [ -f "$dir/CMakeCache.txt" ] &&
+      ! grep -q '^CMAKE_CXX_COMPILER:FILEPATH=.*clang' "$dir/CMakeCache.txt"; then
+      rm -rf "$dir"
+    fi
+  done
+  configure build-asan -DCMAKE_C_COMPILER=clang-14 \
+    -DCMAKE_CXX_COMPILER=clang++-14 -DMRD_SANITIZE=address \
+    -DMRD_BUILD_BENCH=OFF
+  stage_done "asan+ubsan build"
   run "asan+ubsan" build-asan || status=1
-  # The TSan build is clang's: it leaves gRPC's header code uninstrumented
-  # like the libgrpc behind it (tests/support/tsan_ignorelist.txt). A
-  # GCC-configured build-tsan from before is configured afresh.
-  if [ -f build-tsan/CMakeCache.txt ] &&
-    ! grep -q '^CMAKE_CXX_COMPILER:FILEPATH=.*clang' build-tsan/CMakeCache.txt; then
-    rm -rf build-tsan
-  fi
+  stage_done "asan+ubsan tests"
   configure build-tsan -DCMAKE_C_COMPILER=clang-14 \
     -DCMAKE_CXX_COMPILER=clang++-14 -DMRD_SANITIZE=thread \
     -DMRD_BUILD_BENCH=OFF
+  stage_done "tsan build"
   run tsan build-tsan || status=1
+  stage_done "tsan tests"
   run_tsan_mrd || status=1
+  stage_done "integration vs tsan mrd"
   run_fuzz || status=1
+  stage_done "fuzz (build and run)"
 fi
+echo "== stage times"
+printf '%s\n' "${times[@]}"
+printf '%-28s %2dm%02ds\n' "all stages:" $((SECONDS / 60)) $((SECONDS % 60))
 echo "== summary"
 printf '%s\n' "${summary[@]}"
 echo "all builds: ${total_passed} passed, ${total_failed} failed"
