@@ -73,5 +73,6 @@ execute_process(COMMAND /usr/bin/python3 -c
 if(python_rc EQUAL 0)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/client/python/mrd_client
     ${MRD_PYTHON_GEN}/mrd ${MRD_PYTHON_GEN}/mrd_client_health
+    ${MRD_PYTHON_GEN}/mrd_client_policy
     DESTINATION ${MRD_PYTHON_DIR} FILES_MATCHING PATTERN "*.py")
 endif()

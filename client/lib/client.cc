@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "client/lib/client_core.h"
 #include "client/lib/deferred_release.h"
+#include "client/lib/retry_policy.h"  // generated
 #include "client/lib/status.h"
 #include "mrd/status.h"
 #include "mrd/unique_fd.h"
@@ -140,20 +141,6 @@ absl::string_view ServingStatusName(ServingStatus status) {
   return "UNKNOWN";
 }
 
-// Every call of the service: up to 5 attempts on UNAVAILABLE.
-constexpr char kRetryServiceConfig[] = R"json({
-  "methodConfig": [{
-    "name": [{"service": "mrd.v1.MemoryRegistration"}],
-    "retryPolicy": {
-      "maxAttempts": 5,
-      "initialBackoff": "0.05s",
-      "maxBackoff": "0.5s",
-      "backoffMultiplier": 2,
-      "retryableStatusCodes": ["UNAVAILABLE"]
-    }
-  }]
-})json";
-
 absl::StatusOr<Client> Client::Connect(const ClientOptions& options) {
   auto core = std::make_shared<internal::ClientCore>();
   core->options = options;
@@ -169,7 +156,7 @@ absl::StatusOr<Client> Client::Connect(const ClientOptions& options) {
   // UNAVAILABLE HANDED_OVER with a retry hint: retried here, on the
   // channel's new connection to the new process, they cost a short pause.
   // mrd marks every other UNAVAILABLE answer final (a negative hint).
-  args.SetServiceConfigJSON(kRetryServiceConfig);
+  args.SetServiceConfigJSON(internal::kRetryServiceConfig);
   core->channel = grpc::CreateCustomChannel(
       core->target, grpc::InsecureChannelCredentials(), args);
   if (core->channel == nullptr) {

@@ -1,15 +1,19 @@
 // The mrd client library in one include. See each header for ownership,
-// thread safety and error codes.
+// thread safety and error codes. A registration, start to end:
 //
-//   auto client = mrd::client::Client::Connect();          //
-//   unix:<runtime>/mrd.sock auto session =
-//   mrd::client::Session::OpenFd(*client);  // lives with the object auto
-//   buffer = mrd::client::Buffer::Create(*session, 1 << 20, "data"); auto reg =
-//   mrd::client::Registration::Register(
-//       *session, {.buffer = buffer->id(), .length = buffer->size(),
+//   namespace mc = mrd::client;
+//   // unix:<runtime dir>/mrd.sock
+//   auto client = mc::Client::Connect();
+//   // An fd session lives as long as the object.
+//   auto session = mc::Session::OpenFd(*client);
+//   auto buffer = mc::Buffer::Create(*session, 1 << 20, "data");
+//   auto reg = mc::Registration::Register(
+//       *session, {.buffer = buffer->id(),
+//                  .length = buffer->size(),
 //                  .flags = mrd::v1::NDK_MR_FLAG_ALLOW_REMOTE_READ});
 //   // reg->rkey(), reg->base_address(): hand them to the peer.
-//   // Leaving scope deregisters, releases the buffer and closes the session.
+//   // Leaving scope deregisters, releases the buffer and closes the
+//   // session.
 #ifndef MRD_CLIENT_LIB_MRD_CLIENT_H_
 #define MRD_CLIENT_LIB_MRD_CLIENT_H_
 

@@ -5,7 +5,6 @@ call: close(), release(), deregister()); errors are MrdError."""
 
 import array
 import fcntl
-import json
 import mmap
 import os
 import socket
@@ -15,6 +14,7 @@ import grpc
 
 from mrd.v1 import fd_pb2, mrd_pb2, mrd_pb2_grpc
 from mrd_client_health import health_pb2  # grpc.health.v1, generated here
+from mrd_client_policy import RETRY_SERVICE_CONFIG  # client/retry_policy.json
 
 from . import errors
 from .errors import MrdError
@@ -47,20 +47,6 @@ def default_runtime_dir():
     return "/tmp/mrd-%d" % os.geteuid()
 
 
-_RETRY_SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": "mrd.v1.MemoryRegistration"}],
-        "retryPolicy": {
-            "maxAttempts": 5,
-            "initialBackoff": "0.05s",
-            "maxBackoff": "0.5s",
-            "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
-        },
-    }]
-})
-
-
 class Client:
     """A connection to mrd's gRPC socket (and the path of its fd socket)."""
 
@@ -75,7 +61,7 @@ class Client:
         # of mrd is final (a negative hint).
         self._channel = grpc.insecure_channel(
             "unix:" + self.socket_path,
-            options=[("grpc.service_config", _RETRY_SERVICE_CONFIG)])
+            options=[("grpc.service_config", RETRY_SERVICE_CONFIG)])
         self._stub = mrd_pb2_grpc.MemoryRegistrationStub(self._channel)
 
     def call(self, method, request, timeout=None):
