@@ -20,6 +20,8 @@ configure() {  # dir, extra cmake args...
   if [ ! -f "$dir/build.ninja" ]; then
     cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       -DMRD_WERROR=ON "$@"
+  elif [ $# -gt 0 ]; then
+    cmake -B "$dir" "$@" >/dev/null  # options added since it was configured
   fi
   cmake --build "$dir" -j "$jobs"
 }
@@ -125,12 +127,24 @@ run_fuzz() {
 }
 
 status=0
-# Each stage's time (its build and its tests), printed in the summary.
+# Each stage's time (its build and its tests) and how busy the machine's
+# cores were meanwhile (from /proc/stat, guest time counted once: a stage
+# well below 100 % leaves cores idle), printed in the summary.
 times=()
+cpu_jiffies() {  # prints "busy total" of all cores so far
+  awk '/^cpu / { t = 0; for (i = 2; i <= 9; i++) t += $i;
+                 print t - $5 - $6, t; exit }' /proc/stat
+}
+read -r stage_busy stage_total < <(cpu_jiffies)
 stage_start=$SECONDS
 stage_done() {  # stage name
-  local took=$((SECONDS - stage_start))
-  times+=("$(printf '%-28s %2dm%02ds' "$1:" $((took / 60)) $((took % 60)))")
+  local took=$((SECONDS - stage_start)) busy total
+  read -r busy total < <(cpu_jiffies)
+  local dt=$((total - stage_total))
+  times+=("$(printf '%-28s %2dm%02ds  cores busy %3d%%' "$1:" $((took / 60)) \
+    $((took % 60)) $((dt > 0 ? 100 * (busy - stage_busy) / dt : 0)))")
+  stage_busy=$busy
+  stage_total=$total
   stage_start=$SECONDS
 }
 # Style: every C++ file as clang-format (.clang-format, Google style) has it.
@@ -164,9 +178,11 @@ if [ "${MRD_SANITIZERS:-1}" != 0 ]; then
   stage_done "asan+ubsan build"
   run "asan+ubsan" build-asan || status=1
   stage_done "asan+ubsan tests"
+  # The TSan build's own tests are the unit, model and stress tests; the
+  # system tests run from the plain build against its mrd (run_tsan_mrd).
   configure build-tsan -DCMAKE_C_COMPILER=clang-14 \
     -DCMAKE_CXX_COMPILER=clang++-14 -DMRD_SANITIZE=thread \
-    -DMRD_BUILD_BENCH=OFF
+    -DMRD_BUILD_BENCH=OFF -DMRD_SYSTEM_TESTS=OFF
   stage_done "tsan build"
   run tsan build-tsan || status=1
   stage_done "tsan tests"
