@@ -73,6 +73,7 @@
 #include "bench/bench_util.h"
 #include "bench/big_memory.h"
 #include "client/lib/mrd_client.h"
+#include "mrd/byte_size.h"
 #include "tests/integration/mrd_process.h"
 
 namespace mrd::bench {
@@ -100,33 +101,6 @@ bool BoolFlag(int argc, char** argv, const char* name) {
     if (std::strcmp(argv[i], name) == 0) return true;
   }
   return false;
-}
-
-// "8G", "512M", "4096K" or a number of bytes; 0 when unreadable.
-uint64_t ParseBytes(absl::string_view text) {
-  uint64_t unit = 1;
-  if (!text.empty()) {
-    switch (text.back()) {
-      case 'G':
-      case 'g':
-        unit = uint64_t{1} << 30;
-        break;
-      case 'M':
-      case 'm':
-        unit = uint64_t{1} << 20;
-        break;
-      case 'K':
-      case 'k':
-        unit = uint64_t{1} << 10;
-        break;
-      default:
-        break;
-    }
-    if (unit != 1) text.remove_suffix(1);
-  }
-  uint64_t n = 0;
-  if (!absl::SimpleAtoi(text, &n)) return 0;
-  return n * unit;
 }
 
 std::string Gib(uint64_t bytes) {
@@ -625,7 +599,8 @@ void PrintRow(const Case& c, const CaseResult& r) {
 int Main(int argc, char** argv) {
   const uint64_t registrations = Flag(argc, argv, "--registrations", 100000, 1);
   const uint64_t bytes =
-      ParseBytes(StringFlag(argc, argv, "--bytes").value_or("8G"));
+      ParseByteSize(StringFlag(argc, argv, "--bytes").value_or("8G"))
+          .value_or(0);
   const uint64_t buffer_bytes = Flag(argc, argv, "--buffer_mib", 128, 1) << 20;
   const uint64_t sessions = Flag(argc, argv, "--sessions", 8, 1);
   const uint64_t rounds = Flag(argc, argv, "--rounds", 3, 1);

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "mrd/byte_size.h"
 
 namespace mrd::mrctl {
 namespace {
@@ -787,43 +788,9 @@ absl::StatusOr<uint64_t> ParseUint64(absl::string_view text) {
 }
 
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text) {
-  absl::string_view t = absl::StripAsciiWhitespace(text);
-  size_t digits = 0;
-  while (digits < t.size() &&
-         std::isdigit(static_cast<unsigned char>(t[digits])) != 0) {
-    ++digits;
-  }
-  absl::string_view unit = t.substr(digits);
-  if (absl::StartsWithIgnoreCase(t, "0x") || unit.empty()) {
-    return ParseUint64(text);
-  }
-  struct Unit {
-    const char* name;
-    uint64_t base;
-    int power;
-  };
-  static constexpr Unit kUnits[] = {
-      {"K", 1024, 1},   {"KiB", 1024, 1}, {"KB", 1000, 1},  {"M", 1024, 2},
-      {"MiB", 1024, 2}, {"MB", 1000, 2},  {"G", 1024, 3},   {"GiB", 1024, 3},
-      {"GB", 1000, 3},  {"T", 1024, 4},   {"TiB", 1024, 4}, {"TB", 1000, 4},
-      {"P", 1024, 5},   {"PiB", 1024, 5}, {"PB", 1000, 5},  {"k", 1024, 1}};
-  uint64_t number = 0;
-  for (const Unit& u : kUnits) {
-    if (unit != u.name) continue;
-    if (digits == 0 || !absl::SimpleAtoi(t.substr(0, digits), &number)) break;
-    uint64_t value = number;
-    for (int i = 0; i < u.power; ++i) {
-      if (value > UINT64_MAX / u.base) {
-        return UsageError(absl::StrCat("'", text, "' exceeds 64 bits"));
-      }
-      value *= u.base;
-    }
-    return value;
-  }
-  return UsageError(absl::StrCat(
-      "'", text,
-      "' is not a size (bytes, 0x hex, or a whole number with K, M, G, T, P, "
-      "KiB, ..., PiB (1024s) or KB, ..., PB (1000s))"));
+  absl::StatusOr<uint64_t> size = ParseByteSize(text);
+  if (!size.ok()) return UsageError(size.status().message());
+  return size;
 }
 
 absl::StatusOr<uint64_t> FlagValues::Size(absl::string_view name) const {

@@ -112,9 +112,8 @@ class FlagValues {
 // Value parsers.
 // Decimal, or hex with 0x.
 absl::StatusOr<uint64_t> ParseUint64(absl::string_view text);
-// A byte count: a ParseUint64 number, or a decimal number with a unit:
-// K, M, G, T, P or KiB, MiB, GiB, TiB, PiB (powers of 1024; "k" too), or
-// KB, MB, GB, TB, PB (powers of 1000). "8G" is 8 GiB.
+// A byte count as mrd/byte_size.h reads it (ParseByteSize: "8G" is 8 GiB),
+// its error a usage error.
 absl::StatusOr<uint64_t> ParseSize(absl::string_view text);
 // NDK_MR_FLAG_*: a number, or names joined by ',' or '|': local_read (0),
 // local_write (0x1), remote_read (0x2), remote_write (0x5), read_sink (0x8).

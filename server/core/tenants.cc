@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "mrd/byte_size.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
 
@@ -24,34 +25,6 @@ std::optional<TenantResource> ResourceByName(absl::string_view name) {
     if (kResourceNames[i] == name) return static_cast<TenantResource>(i);
   }
   return std::nullopt;
-}
-
-// "4096", "64K", "8G", "1T" (binary multiples).
-std::optional<uint64_t> ParseAmount(absl::string_view text) {
-  uint64_t shift = 0;
-  if (!text.empty()) {
-    switch (absl::ascii_toupper(text.back())) {
-      case 'K':
-        shift = 10;
-        break;
-      case 'M':
-        shift = 20;
-        break;
-      case 'G':
-        shift = 30;
-        break;
-      case 'T':
-        shift = 40;
-        break;
-      default:
-        break;
-    }
-  }
-  if (shift != 0) text.remove_suffix(1);
-  uint64_t value = 0;
-  if (text.empty() || !absl::SimpleAtoi(text, &value)) return std::nullopt;
-  if (shift != 0 && value > (~uint64_t{0} >> shift)) return std::nullopt;
-  return value << shift;
 }
 
 // A pod as the tenants file and the cgroup name it: a Kubernetes pod UID
@@ -288,8 +261,8 @@ absl::StatusOr<std::unique_ptr<TenantTable>> TenantTable::Create(
       if (!resource.has_value()) {
         return bad(absl::StrCat("unknown key '", kv.first, "'"));
       }
-      std::optional<uint64_t> amount = ParseAmount(kv.second);
-      if (!amount.has_value()) {
+      absl::StatusOr<uint64_t> amount = ParseByteSize(kv.second);
+      if (!amount.ok()) {
         return bad(absl::StrCat("'", kv.second, "' is not an amount"));
       }
       tenant.quota[static_cast<int>(*resource)] = *amount;
