@@ -63,12 +63,18 @@
 #include "server/common/sd_notify.h"
 #include "server/common/thread.h"
 #include "server/core/core.h"
+#include "server/core/handover_participant.h"
 #include "server/device/software/software_device.h"
 #include "server/device/verbs/verbs_device.h"
 #include "server/fd_socket/fd_server.h"
-#include "server/handover/handover.h"
+#include "server/fd_socket/handover_participant.h"
+#include "server/handover/participant.h"
+#include "server/handover/process_handover.h"
+#include "server/handover/status_file.h"
+#include "server/metrics/handover_participant.h"
 #include "server/metrics/metrics.h"
 #include "server/service/grpc_acceptor.h"
+#include "server/service/handover_participants.h"
 #include "server/service/service.h"
 
 ABSL_FLAG(std::string, runtime_dir, "",
@@ -379,7 +385,10 @@ bool IsLoopback(const std::string& address) {
 // Everything mrd runs, in the order it starts (and, reversed, the order the
 // members are destroyed in when a start fails part-way). Each step returns
 // the error to log, with the text that names the flag or path at fault.
-class Daemon final : public handover::HandoverSource {
+// A live handover is the process handover's (server/handover); the daemon
+// hands it the pieces that take part, and takes part itself with the gRPC
+// server, health and admin socket it runs (Retire).
+class Daemon final : public handover::Participant {
  public:
   // How this mrd was started, for the successor a reload starts.
   struct Invocation {
@@ -387,7 +396,9 @@ class Daemon final : public handover::HandoverSource {
     std::string unresolved;  // ...and why
     std::vector<std::string> args;  // argv[1..]
   };
-  explicit Daemon(Invocation invocation) : invocation_(std::move(invocation)) {}
+  explicit Daemon(Invocation invocation)
+      : status_(absl::GetFlag(FLAGS_handover_status_file)),
+        invocation_(std::move(invocation)) {}
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
@@ -398,26 +409,16 @@ class Daemon final : public handover::HandoverSource {
   void ServeUntil(const sigset_t& signals);
   // Writes `state` to --handover_status_file (if set): taking-over,
   // serving, handing-over, handed-over, stopping, stopped.
-  void WriteStatus(absl::string_view state) ABSL_LOCKS_EXCLUDED(status_mu_);
+  void WriteStatus(absl::string_view state) { status_.Write(state); }
 
  private:
   absl::Status PrepareFdBudget();
   absl::Status PreparePaths();
   absl::Status PreparePeers();
   absl::Status ChooseDevice();
-  // --takeover: asks the running mrd to hand over and receives its
-  // snapshot; takeover_ stays null when none runs. A running mrd that is
-  // busy (HANDOVER_BUSY: work in flight on a peer connection, calls that
-  // did not drain) is asked again, backing off, until --handover_timeout.
+  // --takeover: asks the running mrd to hand over (the device opens on
+  // its peer listener meanwhile).
   absl::Status BeginTakeover();
-  // One attempt: OK with takeover_ and snapshot_ set, or with takeover_
-  // null when no mrd runs.
-  absl::Status TryTakeover();
-  // Adopts the snapshot, says ready and waits for commit.
-  absl::Status AdoptSnapshot();
-  // A listener the snapshot names (by index), or none.
-  UniqueFd TakeSnapshotFd(int32_t index);
-  absl::Status StartHandover();
   // SIGHUP: starts the successor, mrd --takeover with this mrd's binary and
   // arguments; it takes over through the handover socket like any other.
   void Reload();
@@ -425,20 +426,14 @@ class Daemon final : public handover::HandoverSource {
   // this mrd serves on, and says so).
   void ReapSuccessor();
 
-  // --- handover::HandoverSource (the old process's side) ---
-  absl::Status Check(const v1::HandoverHello& hello) override;
-  absl::Status Prepare(v1::HandoverSnapshot* snapshot,
-                       std::vector<UniqueFd>* fds) override;
-  absl::Status Pause() override;
-  absl::Status Export(v1::HandoverSnapshot* snapshot,
-                      std::vector<UniqueFd>* fds) override;
-  absl::Status Release() override;
-  void Resume() override;
-  void Finish(const v1::HandoverReady& ready, absl::Duration paused) override;
+  // Committed: clients' channels hear GOAWAY, the server and the health
+  // watch stop, the admin socket closes (its path is the new process's).
+  void Retire() override;
 
-  absl::Status OpenDevice();
+  // `peer_listener`: taking over, the running mrd's.
+  absl::Status OpenDevice(UniqueFd peer_listener = UniqueFd());
   absl::Status OpenVerbsDevice(const std::string& device_flag);
-  absl::Status OpenSoftwareDevice();
+  absl::Status OpenSoftwareDevice(UniqueFd peer_listener);
   absl::Status StartCore();
   void SetCoreLimits();
   absl::Status SetTenants();
@@ -470,12 +465,11 @@ class Daemon final : public handover::HandoverSource {
   bool device_fallback_ = false;  // auto: RDMA devices, software device
   core::CoreOptions core_options_;
   std::unique_ptr<core::Core> core_;
+  // Replaced only by a handover that failed (the fd socket's Thaw).
   std::unique_ptr<fd_socket::FdServer> fd_server_;
   service::GrpcAcceptorOptions acceptor_options_;
-  // Replaced only by a handover that failed (Resume), under acceptor_mu_.
-  absl::Mutex acceptor_mu_;
-  std::unique_ptr<service::GrpcAcceptor> acceptor_
-      ABSL_GUARDED_BY(acceptor_mu_);
+  // The gRPC socket's acceptor, replaced only by a handover that failed.
+  service::GrpcAcceptorParticipant acceptor_;
   // Readiness's view of the device (the health watch keeps it; the metrics
   // read it, so it outlives them).
   std::atomic<bool> device_healthy_{true};
@@ -493,68 +487,28 @@ class Daemon final : public handover::HandoverSource {
   absl::Notification stop_health_;
   Thread health_watch_;
 
-  // Live handover. The new process's side: the takeover in progress and
-  // the snapshot it received (fds taken out as they are adopted).
+  // Live handover: the pieces that take part, in the order they freeze
+  // (server/handover/participant.h), and the handover that runs them.
   std::string handover_socket_;
-  std::unique_ptr<handover::Takeover> takeover_;
-  std::optional<handover::HandoverChannel::Received> snapshot_;
-  core::PreparedBuffers prepared_;  // from the prepare frame
-  // The old process's peer listener, from the prepare frame: the device
-  // opens on it before the old process pauses.
-  UniqueFd prepared_peer_listener_;
-  absl::Time takeover_start_;
-  // The old process's side: what Pause detached, for Resume.
-  // handover_ and took_over_ are read by the metrics on their threads.
-  absl::Mutex handover_mu_;
-  std::unique_ptr<handover::HandoverServer> handover_
-      ABSL_GUARDED_BY(handover_mu_);
-  metrics::HandoverGauges took_over_ ABSL_GUARDED_BY(handover_mu_);
-  std::optional<fd_socket::DetachedFdServer> detached_fd_;
-  UniqueFd detached_grpc_;
-  UniqueFd detached_peer_;
-  // Release's duplicate of the metrics listener, served again by Resume.
-  UniqueFd detached_metrics_;
-  bool peer_stopped_ = false;
-  bool peers_frozen_ = false;  // Export froze the peer connections
-  bool streams_held_ = false;
-  bool metrics_stopped_ = false;
-  fd_socket::FdServerOptions fd_server_options_;  // for Resume
-  // The new process's pid, from its hello (handover thread only): systemd
-  // is told to follow it at commit.
-  pid_t taker_pid_ = 0;
-  // Commit was sent: Finish runs and this process serves no more.
-  std::atomic<bool> committed_{false};
-  // Finish has released everything (--after_handover=wait keeps the
-  // process until SIGTERM).
-  absl::Notification handed_over_;
-  // SIGTERM or SIGINT came: a handover that commits from now on ends the
-  // process once it released everything, whatever --after_handover says.
-  absl::Notification exit_requested_;
+  handover::StatusFile status_;  // --handover_status_file
+  service::CallGateParticipant gate_handover_{
+      absl::GetFlag(FLAGS_handover_drain_timeout)};
+  fd_socket::FdSocketParticipant fd_handover_;
+  core::CoreParticipant core_handover_{
+      absl::GetFlag(FLAGS_handover_drain_timeout)};
+  metrics::MetricsParticipant metrics_handover_;
+  std::unique_ptr<handover::ProcessHandover> handover_;
 
   // Reload (main thread only): the successor while it runs, or 0.
   const Invocation invocation_;
   pid_t successor_ = 0;
-
-  // --handover_status_file; written by the main and the handover thread.
-  std::string status_file_;
-  absl::Mutex status_mu_;
-  std::string status_ ABSL_GUARDED_BY(status_mu_);
 };
-
-uint64_t PeerConnectionsOf(const v1::HandoverSnapshot& snapshot) {
-  uint64_t n = 0;
-  for (const v1::HandedOverSession& s : snapshot.sessions()) {
-    n += static_cast<uint64_t>(s.peer_connections_size());
-  }
-  return n;
-}
 
 absl::Status Fail(absl::string_view message) {
   return absl::InternalError(message);
 }
 
 absl::Status Daemon::Start() {
-  status_file_ = absl::GetFlag(FLAGS_handover_status_file);
   const std::string after = absl::GetFlag(FLAGS_after_handover);
   if (after != "exit" && after != "wait") {
     return Fail(absl::StrCat("--after_handover must be exit or wait, not '",
@@ -566,78 +520,39 @@ absl::Status Daemon::Start() {
   MRD_RETURN_IF_ERROR(PreparePeers());
   ConfigurePrefault(absl::GetFlag(FLAGS_prefault_threads));
   MRD_RETURN_IF_ERROR(ChooseDevice());
+  handover::ProcessHandoverOptions options;
+  options.socket = handover_socket_;
+  options.mrd_version = MRD_VERSION;
+  options.timeout = absl::GetFlag(FLAGS_handover_timeout);
+  options.fault = absl::GetFlag(FLAGS_handover_test_fault);
+  options.stay = after == "wait";
+  options.status = &status_;
+  options.pinned_bytes = [this] { return device_->PinnedBytes(); };
+  handover_ = std::make_unique<handover::ProcessHandover>(
+      std::move(options), std::vector<handover::Participant*>{
+                              &gate_handover_, &fd_handover_, &acceptor_,
+                              &core_handover_, &metrics_handover_, this});
   if (absl::GetFlag(FLAGS_takeover)) MRD_RETURN_IF_ERROR(BeginTakeover());
   // Taking over, the device opened before the old process paused.
   if (device_ == nullptr) MRD_RETURN_IF_ERROR(OpenDevice());
   MRD_RETURN_IF_ERROR(StartCore());
-  if (takeover_ != nullptr) {
-    MRD_RETURN_IF_ERROR(AdoptSnapshot());
-    // What the metrics say was taken over, before they serve.
-    const core::CoreStats stats = core_->Stats();
-    absl::MutexLock lock(&handover_mu_);
-    took_over_.takeover_seconds =
-        absl::ToDoubleSeconds(absl::Now() - takeover_start_);
-    took_over_.sessions = stats.sessions;
-    took_over_.buffers = stats.buffers;
-    took_over_.registrations = stats.registrations;
-    took_over_.lams = stats.lams;
-    took_over_.mr_objects = stats.mrs;
-    took_over_.warm_pins = stats.warm.pins;
-    took_over_.fd_connections = static_cast<uint64_t>(
-        snapshot_->frame.snapshot().fd_connections_size());
-    took_over_.peer_connections =
-        PeerConnectionsOf(snapshot_->frame.snapshot());
-    took_over_.pinned_bytes = device_->PinnedBytes();
-  }
+  const bool taking_over = handover_->taking_over();
+  if (taking_over) MRD_RETURN_IF_ERROR(handover_->AdoptAndCommit());
   MRD_RETURN_IF_ERROR(StartFdSocket());
   MRD_RETURN_IF_ERROR(ListenGrpc());
   MRD_RETURN_IF_ERROR(StartMetrics());
   MRD_RETURN_IF_ERROR(StartGrpc());
   MRD_RETURN_IF_ERROR(StartHealthWatch());
-  MRD_RETURN_IF_ERROR(StartHandover());
-  if (takeover_ != nullptr) {
-    const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
-    const absl::Duration took = absl::Now() - takeover_start_;
-    const core::CoreStats stats = core_->Stats();
-    LogInfo("took over from pid ", takeover_->accepted().pid(), " (mrd ",
-            takeover_->accepted().mrd_version(), "): ", stats.sessions,
-            " sessions, ", stats.buffers, " buffers, ", stats.registrations,
-            " registrations, ", snap.fd_connections_size(), " fd connections, ",
-            PeerConnectionsOf(snap), " peer connections in ",
-            absl::FormatDuration(took));
-  }
+  handover_->Listen();
+  handover_->EndTakeover();
   WriteStatus("serving");
   // systemd (Type=notify): serving now; after a takeover, this is the main
   // process (the old one says so too, at commit, before it exits).
-  absl::Status notified = SdNotify(
-      takeover_ != nullptr ? absl::StrCat("MAINPID=", getpid(), "\nREADY=1")
+  absl::Status notified =
+      SdNotify(taking_over ? absl::StrCat("MAINPID=", getpid(), "\nREADY=1")
                            : "READY=1");
   if (!notified.ok()) LogWarning("sd_notify: ", notified.ToString());
-  takeover_.reset();
-  snapshot_.reset();
   return absl::OkStatus();
-}
-
-void Daemon::WriteStatus(absl::string_view state) {
-  if (status_file_.empty()) return;
-  absl::MutexLock lock(&status_mu_);
-  if (status_ == state) return;
-  status_ = std::string(state);
-  // Written whole and renamed into place: a reader sees the old state or
-  // the new one, never a part.
-  const std::string temporary = absl::StrCat(status_file_, ".tmp");
-  const std::string text = absl::StrCat(state, "\n");
-  UniqueFd fd(::open(temporary.c_str(),
-                     O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW,
-                     0644));
-  const bool written = fd.valid() &&
-                       ::write(fd.get(), text.data(), text.size()) ==
-                           static_cast<ssize_t>(text.size()) &&
-                       ::rename(temporary.c_str(), status_file_.c_str()) == 0;
-  if (!written) {
-    LogWarning("--handover_status_file=", status_file_, ": cannot write '",
-               state, "': ", std::strerror(errno));
-  }
 }
 
 // File descriptors (docs/RELIABILITY.md): the highest open-file limit we may
@@ -759,11 +674,14 @@ absl::Status Daemon::ChooseDevice() {
   return absl::OkStatus();
 }
 
-absl::Status Daemon::OpenDevice() {
+absl::Status Daemon::OpenDevice(UniqueFd peer_listener) {
   const std::string device_flag = absl::GetFlag(FLAGS_device);
   if (use_verbs_) MRD_RETURN_IF_ERROR(OpenVerbsDevice(device_flag));
-  if (!use_verbs_) MRD_RETURN_IF_ERROR(OpenSoftwareDevice());
-  if (takeover_ != nullptr) {
+  if (!use_verbs_) {
+    MRD_RETURN_IF_ERROR(OpenSoftwareDevice(std::move(peer_listener)));
+  }
+  core_handover_.SetDevice(device_.get());
+  if (handover_->taking_over()) {
     // Taking over: no peer is accepted before commit, when every ticket
     // and key is this process's (AdoptSnapshot resumes accepting).
     (void)device_->StopPeerAccepting();
@@ -806,7 +724,7 @@ absl::Status Daemon::OpenVerbsDevice(const std::string& device_flag) {
   return absl::OkStatus();
 }
 
-absl::Status Daemon::OpenSoftwareDevice() {
+absl::Status Daemon::OpenSoftwareDevice(UniqueFd peer_listener) {
   device::SoftwareDeviceOptions options;
   options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
   options.pin_options.method = pin_method_;
@@ -836,10 +754,8 @@ absl::Status Daemon::OpenSoftwareDevice() {
   options.peer_workers = absl::GetFlag(FLAGS_peer_workers);
   // Taking over: the running mrd's peer listener, on the same port (the
   // device keeps a duplicate).
-  UniqueFd inherited;
-  if (takeover_ != nullptr) {
-    inherited = std::move(prepared_peer_listener_);
-    options.inherited_peer_listener = inherited.get();
+  if (handover_->taking_over()) {
+    options.inherited_peer_listener = peer_listener.get();
   }
   absl::StatusOr<std::unique_ptr<device::SoftwareDevice>> software =
       device::SoftwareDevice::Create(options);
@@ -869,6 +785,7 @@ absl::Status Daemon::StartCore() {
   WarnIfMemlockTooLow(core_options_.max_total_pinned_bytes);
   core_ = std::make_unique<core::Core>(device_.get(), RealClock::Get(),
                                        core_options_);
+  core_handover_.SetCore(core_.get());
   if (absl::Status s = core_->Start(); !s.ok()) {
     return Fail(absl::StrCat("core: ", s.ToString()));
   }
@@ -963,36 +880,27 @@ absl::Status Daemon::StartFdSocket() {
   options.allowed_uids = uids_;
   options.allowed_gids = gids_;
   options.fd_budget = fd_budget_.get();
-  fd_server_options_ = options;
-  absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> server;
-  if (snapshot_.has_value()) {
-    // Taking over: the listener and every session's connection, which
-    // their clients keep using as if nothing happened.
-    const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
-    fd_socket::DetachedFdServer detached;
-    detached.listener = TakeSnapshotFd(snap.fd_listener());
-    for (const v1::HandedOverFdConnection& c : snap.fd_connections()) {
-      fd_socket::DetachedConnection conn;
-      conn.socket = TakeSnapshotFd(c.fd());
-      conn.session = c.session();
-      conn.creds.pid = static_cast<pid_t>(c.pid());
-      conn.creds.uid = c.uid();
-      conn.creds.gid = c.gid();
-      conn.pending_reply = c.pending_reply();
-      if (conn.socket.valid()) detached.connections.push_back(std::move(conn));
-    }
-    server =
-        fd_socket::FdServer::Adopt(options, core_.get(), std::move(detached));
-  } else {
-    server = fd_socket::FdServer::Start(options, core_.get());
-  }
+  absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> server =
+      handover_->taking_over()
+          // Taking over: the listener and every session's connection,
+          // which their clients keep using as if nothing happened.
+          ? fd_socket::FdServer::Adopt(
+                options, core_.get(),
+                fd_socket::DetachedFromSnapshot(handover_->snapshot(),
+                                                handover_->snapshot_fds()))
+          : fd_socket::FdServer::Start(options, core_.get());
   if (!server.ok()) {
     return Fail(absl::StrCat("fd socket: ", server.status().ToString()));
   }
   fd_server_ = std::move(*server);
-  core_->SetFdHangup([server = fd_server_.get()](const std::string& token) {
-    server->Hangup(token);
-  });
+  // The core hangs up a session's connection through the server serving
+  // it (a handover that fails makes a new one).
+  auto served = [core = core_.get()](fd_socket::FdServer* serving) {
+    core->SetFdHangup(
+        [serving](const std::string& token) { serving->Hangup(token); });
+  };
+  served(fd_server_.get());
+  fd_handover_.Attach(&fd_server_, options, core_.get(), served);
   return absl::OkStatus();
 }
 
@@ -1029,16 +937,16 @@ absl::Status Daemon::ListenGrpc() {
                100);
   }
   absl::StatusOr<std::unique_ptr<service::GrpcAcceptor>> acceptor =
-      snapshot_.has_value()
+      handover_->taking_over()
           ? service::GrpcAcceptor::Adopt(
                 acceptor_options_,
-                TakeSnapshotFd(snapshot_->frame.snapshot().grpc_listener()))
+                handover::TakeFd(handover_->snapshot_fds(),
+                                 handover_->snapshot().grpc_listener()))
           : service::GrpcAcceptor::Listen(acceptor_options_);
   if (!acceptor.ok()) {
     return Fail(absl::StrCat("gRPC socket: ", acceptor.status().ToString()));
   }
-  absl::MutexLock lock(&acceptor_mu_);
-  acceptor_ = std::move(*acceptor);
+  acceptor_.Set(acceptor_options_, *std::move(acceptor));
   return absl::OkStatus();
 }
 
@@ -1083,14 +991,15 @@ absl::Status Daemon::StartMetrics() {
       {"max_lease_ttl_seconds", absl::ToDoubleSeconds(o.max_lease_ttl)},
   });
   const std::string address = absl::GetFlag(FLAGS_metrics_address);
+  metrics_handover_.Set(metrics_.get(), address);
   if (address.empty()) return absl::OkStatus();
   absl::Status served = absl::UnknownError("not served yet");
-  if (snapshot_.has_value() &&
-      snapshot_->frame.snapshot().has_metrics_listener()) {
+  const bool taking_over = handover_->taking_over();
+  if (taking_over && handover_->snapshot().has_metrics_listener()) {
     // Taking over: the running mrd's metrics socket, with the scrapes
     // waiting in its backlog.
-    served = metrics_->ServeOn(
-        TakeSnapshotFd(snapshot_->frame.snapshot().metrics_listener()));
+    served = metrics_->ServeOn(handover::TakeFd(
+        handover_->snapshot_fds(), handover_->snapshot().metrics_listener()));
     if (!served.ok()) {
       LogWarning("metrics: the socket handed over cannot be served (",
                  served.ToString(), "); binding ", address, " instead");
@@ -1099,7 +1008,7 @@ absl::Status Daemon::StartMetrics() {
   if (!served.ok()) served = metrics_->Serve(address);
   // Taking over without it: the running mrd let go of the port just
   // before commit.
-  for (int i = 0; !served.ok() && snapshot_.has_value() && i < 50; ++i) {
+  for (int i = 0; !served.ok() && taking_over && i < 50; ++i) {
     absl::SleepFor(absl::Milliseconds(100));
     served = metrics_->Serve(address);
   }
@@ -1116,10 +1025,7 @@ void Daemon::SetMetricsSources() {
         [device = software_device_] { return PeerPathGaugesOf(*device); });
   }
   // A handover that fails replaces the acceptor (Resume).
-  metrics_->SetGrpcConnectionsSource([this] {
-    absl::MutexLock lock(&acceptor_mu_);
-    return acceptor_->Stats();
-  });
+  metrics_->SetGrpcConnectionsSource([this] { return acceptor_.Stats(); });
   metrics::ServerInfo info;
   info.version = MRD_VERSION;
   info.revision = MRD_REVISION;
@@ -1128,16 +1034,8 @@ void Daemon::SetMetricsSources() {
   metrics_->SetServerInfo(info);
   metrics_->SetDeviceHealthSource(
       [this] { return device_healthy_.load(std::memory_order_relaxed); });
-  metrics_->SetHandoverSource([this] {
-    absl::MutexLock lock(&handover_mu_);
-    metrics::HandoverGauges gauges = took_over_;
-    if (handover_ != nullptr) {
-      const handover::HandoverServer::Stats stats = handover_->stats();
-      gauges.attempts_total = stats.attempts;
-      gauges.refusals_total = stats.refusals;
-    }
-    return gauges;
-  });
+  metrics_->SetHandoverSource(
+      [this] { return metrics::GaugesOf(handover_->counts()); });
 }
 
 absl::Status Daemon::StartGrpc() {
@@ -1155,6 +1053,7 @@ absl::Status Daemon::StartGrpc() {
   service_ = std::make_unique<service::MrdService>(
       core_.get(), workers_.get(), metrics_.get(),
       absl::GetFlag(FLAGS_fair_scheduling));
+  gate_handover_.SetGate(&service_->gate());
   // Made before any gRPC thread exists (the servers below start them): its
   // handlers are then made before every thread that calls them.
   if (!admin_socket_.empty()) {
@@ -1179,12 +1078,7 @@ absl::Status Daemon::StartGrpc() {
     return Fail(absl::StrCat("cannot start the gRPC server",
                              debug_tcp_.empty() ? "" : " on ", debug_tcp_));
   }
-  absl::Status accepting;
-  {
-    absl::MutexLock lock(&acceptor_mu_);
-    accepting = acceptor_->Start(server_.get());
-  }
-  if (absl::Status s = accepting; !s.ok()) {
+  if (absl::Status s = acceptor_.Start(server_.get()); !s.ok()) {
     server_->Shutdown();
     return Fail(absl::StrCat("gRPC acceptor: ", s.ToString()));
   }
@@ -1266,10 +1160,7 @@ absl::Status Daemon::StartHealthWatch() {
   absl::StatusOr<Thread> watch =
       Thread::Start("mrd-health", [this] { WatchHealth(); });
   if (!watch.ok()) {
-    {
-      absl::MutexLock lock(&acceptor_mu_);
-      acceptor_->Shutdown();
-    }
+    acceptor_.Shutdown();
     server_->Shutdown();
     fd_server_->Shutdown();
     core_->Shutdown();
@@ -1310,380 +1201,19 @@ void Daemon::WatchHealth() {
 
 // --- live handover -----------------------------------------------------------
 
-UniqueFd Daemon::TakeSnapshotFd(int32_t index) {
-  if (!snapshot_.has_value() || index < 0 ||
-      static_cast<size_t>(index) >= snapshot_->fds.size()) {
-    return UniqueFd();
-  }
-  return std::move(snapshot_->fds[static_cast<size_t>(index)]);
-}
-
 absl::Status Daemon::BeginTakeover() {
-  takeover_start_ = absl::Now();
-  const absl::Time deadline =
-      takeover_start_ + absl::GetFlag(FLAGS_handover_timeout);
-  absl::Duration backoff = absl::Milliseconds(100);
-  for (;;) {
-    absl::Status attempt = TryTakeover();
-    if (attempt.ok()) return attempt;
-    if (GetErrorDetail(attempt).reason() != "HANDOVER_BUSY" ||
-        absl::Now() + backoff > deadline) {
-      return Fail(attempt.message());
-    }
-    LogWarning(attempt.message(), "; asking again in ",
-               absl::FormatDuration(backoff));
-    takeover_.reset();
-    if (device_ != nullptr) device_->DropPinsAhead();  // before the unmap
-    prepared_.clear();
-    absl::SleepFor(backoff);
-    backoff = std::min(backoff * 2, absl::Seconds(2));
-  }
-}
-
-absl::Status Daemon::TryTakeover() {
-  // The reason stays (BeginTakeover retries on it); the message says that
-  // the running mrd serves on.
-  auto annotate = [](absl::string_view what, const absl::Status& s) {
-    return MrdError(
-        s.code(), GetErrorDetail(s).reason(),
-        absl::StrCat("takeover ", what,
-                     ", the running mrd serves on: ", s.ToString()));
-  };
   v1::HandoverHello hello;
-  hello.set_mrd_version(MRD_VERSION);
-  hello.set_pid(static_cast<uint32_t>(getpid()));
   hello.set_device_kind(use_verbs_ ? "verbs" : "software");
   hello.set_device_name(use_verbs_ ? absl::GetFlag(FLAGS_verbs_device)
                                    : "software");
-  handover::TakeoverOptions options;
-  options.path = handover_socket_;
-  options.timeout = absl::GetFlag(FLAGS_handover_timeout);
-  options.fault = absl::GetFlag(FLAGS_handover_test_fault);
-  absl::StatusOr<std::unique_ptr<handover::Takeover>> takeover =
-      handover::Takeover::Begin(options, std::move(hello));
-  if (!takeover.ok() &&
-      GetErrorDetail(takeover.status()).reason() == "HANDOVER_NOBODY") {
-    LogInfo("--takeover: no mrd serves ", handover_socket_, "; starting fresh");
-    // An earlier attempt opened the device on the listener of an mrd that
-    // is gone now: the socket is this process's alone, and it accepts.
-    if (device_ != nullptr) device_->ResumePeerAccepting();
-    return absl::OkStatus();
-  }
-  if (!takeover.ok()) return annotate("refused", takeover.status());
-  takeover_ = std::move(*takeover);
-  LogInfo("taking over from pid ", takeover_->accepted().pid(), " (mrd ",
-          takeover_->accepted().mrd_version(), ")");
-  // While the old process still serves: its memfds mapped here and their
-  // registered memory's page tables filled.
-  absl::StatusOr<handover::HandoverChannel::Received> prepare =
-      takeover_->ReceivePrepare();
-  if (!prepare.ok()) return annotate("failed", prepare.status());
-  // The device opens now, on the old process's peer listener (it accepts
-  // only after commit), and what the prepare frame names is mapped and
-  // pinned: adopting it in the pause only takes those pins over.
-  if (device_ == nullptr) {
-    const int32_t listener = prepare->frame.prepare().peer_listener();
-    if (listener >= 0 && static_cast<size_t>(listener) < prepare->fds.size()) {
-      prepared_peer_listener_ = std::move(prepare->fds[listener]);
-    }
-    if (absl::Status s = OpenDevice(); !s.ok()) {
-      return annotate("failed", s);
-    }
-  }
-  prepared_ = core::PrepareBuffers(prepare->frame.prepare(), prepare->fds,
-                                   device_.get());
-  if (takeover_->fault() == "new.prepare") _exit(3);
-  if (absl::Status s = takeover_->Prepared(); !s.ok()) {
-    return annotate("failed", s);
-  }
-  absl::StatusOr<handover::HandoverChannel::Received> snapshot =
-      takeover_->ReceiveSnapshot();
-  if (!snapshot.ok()) return annotate("failed", snapshot.status());
-  snapshot_ = std::move(*snapshot);
-  LogInfo("snapshot received: ", snapshot_->frame.snapshot().sessions_size(),
-          " sessions, ", snapshot_->fds.size(), " fds, ",
-          absl::FormatDuration(absl::Now() - takeover_start_),
-          " after the takeover began");
-  return absl::OkStatus();
-}
-
-absl::Status Daemon::AdoptSnapshot() {
-  const v1::HandoverSnapshot& snap = snapshot_->frame.snapshot();
-  absl::Status adopted = core_->AdoptState(snap, snapshot_->fds, &prepared_);
-  // What the snapshot no longer names: its pins, then its mappings.
-  device_->DropPinsAhead();
-  prepared_.clear();
-  if (adopted.ok() && takeover_->fault() == "new.adopt") {
-    adopted = MrdError(absl::StatusCode::kAborted, "HANDOVER_TEST_FAULT",
-                       "test fault point new.adopt");
-  }
-  if (takeover_->fault() == "new.crash") _exit(3);
-  if (adopted.ok()) {
-    const core::CoreStats stats = core_->Stats();
-    v1::HandoverReady ready;
-    ready.set_sessions(stats.sessions);
-    ready.set_buffers(stats.buffers);
-    ready.set_registrations(stats.registrations);
-    ready.set_pinned_bytes(device_->PinnedBytes());
-    adopted = takeover_->Ready(ready);
-  } else {
-    takeover_->Refuse(adopted);
-  }
-  if (!adopted.ok()) {
-    // Let go of everything adopted; the shared peer listener is left alone
-    // (this process never accepted on it).
-    core_->Shutdown();
-    return Fail(absl::StrCat("takeover failed, the running mrd serves on: ",
-                             adopted.ToString()));
-  }
-  // Committed: the peer connections handed over go on where the old
-  // process stopped them, and peers that waited in the listener's backlog
-  // come in here.
-  device_->ThawPeers();
-  device_->ResumePeerAccepting();
-  return absl::OkStatus();
-}
-
-absl::Status Daemon::StartHandover() {
-  handover::HandoverServerOptions options;
-  options.path = handover_socket_;
-  options.mrd_version = MRD_VERSION;
-  options.timeout = absl::GetFlag(FLAGS_handover_timeout);
-  options.fault = absl::GetFlag(FLAGS_handover_test_fault);
-  UniqueFd inherited;
-  if (snapshot_.has_value()) {
-    inherited = TakeSnapshotFd(snapshot_->frame.snapshot().handover_listener());
-  }
-  absl::StatusOr<std::unique_ptr<handover::HandoverServer>> server =
-      handover::HandoverServer::Start(options, this, std::move(inherited));
-  if (!server.ok()) {
-    // Serving matters more than the next upgrade: say so and go on.
-    LogError("handover socket ", handover_socket_, ": ",
-             server.status().ToString(),
-             "; this mrd cannot hand over (mrd --takeover will not find it)");
-    return absl::OkStatus();
-  }
-  absl::MutexLock lock(&handover_mu_);
-  handover_ = std::move(*server);
-  return absl::OkStatus();
-}
-
-absl::Status Daemon::Check(const v1::HandoverHello& hello) {
-  taker_pid_ = static_cast<pid_t>(hello.pid());
-  MRD_RETURN_IF_ERROR(device_->CanHandOver());
-  if (hello.device_kind() != device_->Attributes().kind) {
-    return MrdError(
-        absl::StatusCode::kFailedPrecondition, "HANDOVER_DEVICE_MISMATCH",
-        absl::StrCat("this mrd runs the ", device_->Attributes().kind,
-                     " device; the new process would run the ",
-                     hello.device_kind(), " device"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Daemon::Prepare(v1::HandoverSnapshot* snapshot,
-                             std::vector<UniqueFd>* fds) {
-  MRD_RETURN_IF_ERROR(core_->ExportState(snapshot, fds));
-  // The new process opens its device on this socket before the pause.
-  absl::StatusOr<UniqueFd> peer = device_->DuplicatePeerListener();
-  if (!peer.ok()) return peer.status();
-  snapshot->set_peer_listener(-1);
-  if (peer->valid()) {
-    fds->push_back(std::move(*peer));
-    snapshot->set_peer_listener(static_cast<int32_t>(fds->size() - 1));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Daemon::Pause() {
-  WriteStatus("handing-over");
-  const absl::Duration drain = absl::GetFlag(FLAGS_handover_drain_timeout);
-  if (!service_->gate().Pause(drain)) {
-    WriteStatus("serving");
-    return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
-                    absl::StrCat(service_->gate().in_flight(),
-                                 " requests were still running after ",
-                                 absl::FormatDuration(drain),
-                                 " (--handover_drain_timeout); try again"));
-  }
-  absl::StatusOr<fd_socket::DetachedFdServer> fd = fd_server_->Detach();
-  if (!fd.ok()) {
-    Resume();
-    return fd.status();
-  }
-  detached_fd_ = std::move(*fd);
-  absl::StatusOr<UniqueFd> grpc;
-  {
-    absl::MutexLock lock(&acceptor_mu_);
-    grpc = acceptor_->Detach();
-  }
-  if (!grpc.ok()) {
-    Resume();
-    return grpc.status();
-  }
-  detached_grpc_ = std::move(*grpc);
-  absl::StatusOr<UniqueFd> peer = device_->StopPeerAccepting();
-  if (!peer.ok()) {
-    Resume();
-    return peer.status();
-  }
-  detached_peer_ = std::move(*peer);
-  peer_stopped_ = true;
-  core_->HoldStreams(true);
-  streams_held_ = true;
-  return absl::OkStatus();
-}
-
-absl::Status Daemon::Export(v1::HandoverSnapshot* snapshot,
-                            std::vector<UniqueFd>* fds) {
-  // Established peer connections stop first (once no peer operation runs):
-  // nothing is read or written on them here any more unless the handover
-  // is called off (Resume thaws them).
-  absl::StatusOr<std::vector<device::Device::HandedOverPeer>> peers =
-      device_->FreezePeers(absl::GetFlag(FLAGS_handover_drain_timeout));
-  if (!peers.ok()) return peers.status();
-  peers_frozen_ = true;
-  MRD_RETURN_IF_ERROR(core_->ExportState(snapshot, fds));
-  MRD_RETURN_IF_ERROR(core_->ExportPeers(std::move(*peers), snapshot, fds));
-  auto add = [fds](int fd) -> absl::StatusOr<int32_t> {
-    if (fd < 0) return -1;
-    const int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (dup < 0) return ErrnoError(errno, "dup", "HANDOVER_FD");
-    fds->emplace_back(dup);
-    return static_cast<int32_t>(fds->size() - 1);
-  };
-  MRD_ASSIGN_OR_RETURN(const int32_t grpc, add(detached_grpc_.get()));
-  snapshot->set_grpc_listener(grpc);
-  MRD_ASSIGN_OR_RETURN(const int32_t fd_listener,
-                       add(detached_fd_->listener.get()));
-  snapshot->set_fd_listener(fd_listener);
-  MRD_ASSIGN_OR_RETURN(const int32_t peer, add(detached_peer_.get()));
-  snapshot->set_peer_listener(peer);
-  if (metrics_ != nullptr && !absl::GetFlag(FLAGS_metrics_address).empty()) {
-    absl::StatusOr<UniqueFd> listener = metrics_->DuplicateListener();
-    if (listener.ok()) {
-      fds->push_back(std::move(*listener));
-      snapshot->set_metrics_listener(static_cast<int32_t>(fds->size() - 1));
-    } else {
-      // The new process binds the port itself once this one let go.
-      LogWarning("handover: the metrics listener stays here: ",
-                 listener.status().ToString());
-    }
-  }
-  for (const fd_socket::DetachedConnection& c : detached_fd_->connections) {
-    MRD_ASSIGN_OR_RETURN(const int32_t index, add(c.socket.get()));
-    v1::HandedOverFdConnection* conn = snapshot->add_fd_connections();
-    conn->set_fd(index);
-    conn->set_session(c.session);
-    conn->set_pid(static_cast<uint32_t>(c.creds.pid));
-    conn->set_uid(c.creds.uid);
-    conn->set_gid(c.creds.gid);
-    conn->set_pending_reply(c.pending_reply);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Daemon::Release() {
-  // From commit on, the new process alone answers peers: a key it revokes
-  // must not stay reachable here. The frozen connections are the new
-  // process's now: this process's fds close, nothing is shut down; any
-  // other connection (before hello, or closing) ends here.
-  if (peers_frozen_) {
-    device_->DropFrozenPeers();
-    peers_frozen_ = false;
-  }
-  if (!device_->DisconnectPeers(absl::Seconds(5))) {
-    return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
-                    "peer connections were still closing after 5s");
-  }
-  if (metrics_ != nullptr && !absl::GetFlag(FLAGS_metrics_address).empty()) {
-    // The socket lives on in the new process (its copy); this one keeps a
-    // duplicate to serve again should the handover still fail.
-    absl::StatusOr<UniqueFd> kept = metrics_->DuplicateListener();
-    if (kept.ok()) detached_metrics_ = std::move(*kept);
-    metrics_->StopServing();
-    metrics_stopped_ = true;
-  }
-  return absl::OkStatus();
-}
-
-void Daemon::Resume() {
-  if (metrics_stopped_) {
-    absl::Status s =
-        detached_metrics_.valid()
-            ? metrics_->ServeOn(std::move(detached_metrics_))
-            : metrics_->Serve(absl::GetFlag(FLAGS_metrics_address));
-    if (!s.ok()) {
-      LogError("handover failed, metrics not served again: ", s.ToString());
-    }
-    detached_metrics_.Reset();
-    metrics_stopped_ = false;
-  }
-  if (peers_frozen_) {
-    device_->ThawPeers();
-    peers_frozen_ = false;
-  }
-  if (peer_stopped_) {
-    device_->ResumePeerAccepting();
-    detached_peer_.Reset();
-    peer_stopped_ = false;
-  }
-  if (detached_grpc_.valid()) {
-    absl::StatusOr<std::unique_ptr<service::GrpcAcceptor>> acceptor =
-        service::GrpcAcceptor::Adopt(acceptor_options_,
-                                     std::move(detached_grpc_));
-    absl::Status started =
-        acceptor.ok() ? (*acceptor)->Start(server_.get()) : acceptor.status();
-    if (started.ok()) {
-      absl::MutexLock lock(&acceptor_mu_);
-      acceptor_ = std::move(*acceptor);
-    } else {
-      LogError("handover failed and the gRPC socket cannot be served again: ",
-               started.ToString());
-    }
-  }
-  if (detached_fd_.has_value()) {
-    fd_socket::FdServerOptions options = fd_server_options_;
-    absl::StatusOr<std::unique_ptr<fd_socket::FdServer>> server =
-        fd_socket::FdServer::Adopt(options, core_.get(),
-                                   std::move(*detached_fd_));
-    detached_fd_.reset();
-    if (server.ok()) {
-      fd_server_ = std::move(*server);
-      core_->SetFdHangup([server = fd_server_.get()](const std::string& token) {
-        server->Hangup(token);
+  return handover_->BeginTakeover(
+      std::move(hello), [this](UniqueFd peer_listener) -> absl::Status {
+        if (device_ != nullptr) return absl::OkStatus();
+        return OpenDevice(std::move(peer_listener));
       });
-    } else {
-      LogError("handover failed and the fd socket cannot be served again: ",
-               server.status().ToString());
-    }
-  }
-  if (streams_held_) {
-    core_->HoldStreams(false);
-    streams_held_ = false;
-  }
-  service_->gate().Resume();
-  WriteStatus("serving");
-  LogInfo("handover failed: serving again as before");
 }
 
-void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
-  committed_ = true;
-  service_->gate().HandOver();
-  core_->MarkHandedOver();  // completion streams end: HANDED_OVER
-  // systemd follows the new main process from here; said before this one
-  // exits, so that systemd never sees its main process gone (it reads
-  // notifications before exits).
-  if (absl::Status s = SdNotify(absl::StrCat("MAINPID=", taker_pid_));
-      !s.ok()) {
-    LogWarning("sd_notify: ", s.ToString());
-  }
-  const bool wait = absl::GetFlag(FLAGS_after_handover) == "wait";
-  LogInfo("handed over to the new mrd (", ready.sessions(), " sessions, ",
-          ready.buffers(), " buffers, ", ready.registrations(),
-          " registrations, ", ready.pinned_bytes(),
-          " bytes pinned there); requests were paused for ",
-          absl::FormatDuration(paused), wait ? "" : "; exiting");
+void Daemon::Retire() {
   health_->SetServingStatus(false);
   health_->SetServingStatus(kServiceName, false);
   // Clients' channels hear GOAWAY and reconnect, to the new process.
@@ -1695,40 +1225,6 @@ void Daemon::Finish(const v1::HandoverReady& ready, absl::Duration paused) {
   stop_health_.Notify();
   health_watch_.Join();
   server_.reset();
-  if (!wait) {
-    // This process's own copies of the registrations, pins and mappings
-    // (the new process holds its own) go with it: the kernel drops them at
-    // exit in bulk, sooner than releasing them one by one would (100,000
-    // registrations: docs/PERFORMANCE.md). Nothing of what clients use is
-    // touched: the sockets, their connections and the memfds are the new
-    // process's too, and exiting only closes this process's fds of them.
-    LogInfo("mrd handed over; exiting, the kernel releases this process's ",
-            device_->PinnedBytes(),
-            " pinned bytes (pinned by the new mrd as "
-            "well) and its mappings");
-    WriteStatus("handed-over");
-    std::fflush(nullptr);
-    _exit(0);
-  }
-  // --after_handover=wait: this process's own copies go now, the same way
-  // a stop releases them, and it holds nothing while it waits.
-  core_->Shutdown();
-  device_->Shutdown();
-  LogInfo("mrd handed over; device pinned bytes: ", device_->PinnedBytes());
-  WriteStatus("handed-over");
-  handed_over_.Notify();
-  if (wait && !exit_requested_.HasBeenNotified()) {
-    // Nothing is held any more; the process stays until SIGTERM or SIGINT
-    // (the main thread's ServeUntil wakes this thread, which exits).
-    LogInfo(
-        "--after_handover=wait: holding nothing, NOT_SERVING, until "
-        "SIGTERM");
-    std::fflush(nullptr);
-    exit_requested_.WaitForNotification();
-    LogInfo("handed over before; exiting");
-  }
-  std::fflush(nullptr);
-  _exit(0);
 }
 
 // Starts `binary` with `args` (argv[0] = binary) as a process of its own
@@ -1780,7 +1276,7 @@ absl::StatusOr<pid_t> Spawn(const std::string& binary,
 }
 
 void Daemon::Reload() {
-  if (committed_) {
+  if (handover_->committed()) {
     LogInfo("SIGHUP: this mrd has handed over; nothing to reload");
     return;
   }
@@ -1794,12 +1290,7 @@ void Daemon::Reload() {
              invocation_.unresolved);
     return;
   }
-  bool listening;
-  {
-    absl::MutexLock lock(&handover_mu_);
-    listening = handover_ != nullptr;
-  }
-  if (!listening) {
+  if (!handover_->listening()) {
     LogError("SIGHUP: cannot reload, this mrd does not listen on ",
              handover_socket_, " (see the error at start)");
     return;
@@ -1838,7 +1329,7 @@ void Daemon::ReapSuccessor() {
   if (reaped == 0 || (reaped < 0 && errno == EINTR)) return;  // still runs
   const pid_t pid = successor_;
   successor_ = 0;
-  if (committed_) {
+  if (handover_->committed()) {
     LogInfo("pid ", pid, ", which took over from this mrd, ",
             DescribeExit(status));
     return;
@@ -1864,25 +1355,19 @@ void Daemon::ServeUntil(const sigset_t& signals) {
   // A handover that commits (or committed, --after_handover=wait) ends the
   // process in Finish, once everything is released: Shutdown below waits
   // for it.
-  exit_requested_.Notify();
-  if (!committed_) {
+  handover_->RequestExit();
+  if (!handover_->committed()) {
     (void)SdNotify("STOPPING=1");
     WriteStatus("stopping");
   }
   // A reload in progress ends with this mrd (which it would take over from).
   if (successor_ != 0) kill(successor_, SIGTERM);
-  {
-    absl::MutexLock lock(&handover_mu_);
-    if (handover_ != nullptr) handover_->Shutdown();
-  }
+  handover_->Shutdown();
   stop_health_.Notify();
   health_watch_.Join();
   health_->SetServingStatus(false);
   health_->SetServingStatus(kServiceName, false);
-  {
-    absl::MutexLock lock(&acceptor_mu_);
-    acceptor_->Shutdown();
-  }
+  acceptor_.Shutdown();
   StopAdmin();
   fd_server_->Shutdown();
   core_->Shutdown();

@@ -5,8 +5,8 @@
 //
 // Both ends are here, as the protocol's steps; what each step does to mrd
 // (pausing the gRPC service, detaching sockets, exporting and adopting the
-// core's state) is the daemon's, through HandoverSource on the old side
-// and plain calls on the new side (server/main.cc).
+// core's state) is the process handover's (process_handover.h), through
+// HandoverSource on the old side and its own steps on the new side.
 //
 // Guarantee: until the old process sends commit, any failure — a refusal
 // from either side, a closed socket, a timeout, a crash of the new process
@@ -17,9 +17,10 @@
 // one step fail: old side "old.hello" (refuses the hello), "old.pause",
 // "old.export", "old.commit" (refuses instead of committing, after the new
 // process is ready); new side "new.version" (says hello with a version
-// nobody speaks), "new.adopt" (adoption fails once everything was adopted),
-// "new.prepare" (the new process dies after the prepare frame, before the
-// old one paused), "new.crash" (it dies before it is ready).
+// nobody speaks), and in process_handover.cc "new.adopt" (adoption fails
+// once everything was adopted), "new.prepare" (the new process dies after
+// the prepare frame, before the old one paused), "new.crash" (it dies
+// before it is ready).
 #ifndef MRD_SERVER_HANDOVER_HANDOVER_H_
 #define MRD_SERVER_HANDOVER_HANDOVER_H_
 
