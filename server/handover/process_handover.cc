@@ -30,6 +30,12 @@ ProcessHandover::ProcessHandover(ProcessHandoverOptions options,
 
 ProcessHandover::~ProcessHandover() { Shutdown(); }
 
+absl::Status ProcessHandover::Fault(absl::string_view point) const {
+  if (options_.fault != point) return absl::OkStatus();
+  return MrdError(absl::StatusCode::kAborted, "HANDOVER_TEST_FAULT",
+                  absl::StrCat("test fault point ", point));
+}
+
 void ProcessHandover::WriteStatus(absl::string_view state) {
   if (options_.status != nullptr) options_.status->Write(state);
 }
@@ -74,7 +80,8 @@ absl::Status ProcessHandover::TryTakeover(
   TakeoverOptions options;
   options.path = options_.socket;
   options.timeout = options_.timeout;
-  options.fault = options_.fault;
+  options.version = options_.fault == "new.version" ? kHandoverVersion + 1000
+                                                    : kHandoverVersion;
   absl::StatusOr<std::unique_ptr<Takeover>> takeover =
       Takeover::Begin(options, hello);
   if (!takeover.ok() &&
@@ -124,10 +131,7 @@ absl::Status ProcessHandover::AdoptAndCommit() {
     adopted = p->Adopt(snap, snapshot_->fds);
     if (!adopted.ok()) break;
   }
-  if (adopted.ok() && options_.fault == "new.adopt") {
-    adopted = MrdError(absl::StatusCode::kAborted, "HANDOVER_TEST_FAULT",
-                       "test fault point new.adopt");
-  }
+  if (adopted.ok()) adopted = Fault("new.adopt");
   if (options_.fault == "new.crash") _exit(3);
   AdoptedCounts counts;
   if (adopted.ok()) {
@@ -182,7 +186,6 @@ void ProcessHandover::Listen() {
   options.path = options_.socket;
   options.mrd_version = options_.mrd_version;
   options.timeout = options_.timeout;
-  options.fault = options_.fault;
   UniqueFd inherited;
   if (snapshot_.has_value()) {
     inherited = TakeFd(snapshot_->fds, snapshot().handover_listener());
@@ -221,6 +224,7 @@ HandoverCounts ProcessHandover::counts() const {
 }
 
 absl::Status ProcessHandover::Check(const v1::HandoverHello& hello) {
+  MRD_RETURN_IF_ERROR(Fault("old.hello"));
   taker_pid_ = static_cast<pid_t>(hello.pid());
   for (Participant* p : participants_) MRD_RETURN_IF_ERROR(p->Check(hello));
   return absl::OkStatus();
@@ -238,6 +242,7 @@ absl::Status ProcessHandover::Prepare(v1::HandoverSnapshot* snapshot,
 // the ones before it thaw: with none frozen yet (the call gate did not
 // drain) this process merely serves on.
 absl::Status ProcessHandover::Pause() {
+  MRD_RETURN_IF_ERROR(Fault("old.pause"));
   WriteStatus("handing-over");
   frozen_ = 0;
   for (Participant* p : participants_) {
@@ -256,6 +261,7 @@ absl::Status ProcessHandover::Pause() {
 
 absl::Status ProcessHandover::Export(v1::HandoverSnapshot* snapshot,
                                      std::vector<UniqueFd>* fds) {
+  MRD_RETURN_IF_ERROR(Fault("old.export"));
   for (Participant* p : participants_) {
     MRD_RETURN_IF_ERROR(p->Export(snapshot, fds));
   }
@@ -263,6 +269,7 @@ absl::Status ProcessHandover::Export(v1::HandoverSnapshot* snapshot,
 }
 
 absl::Status ProcessHandover::Release() {
+  MRD_RETURN_IF_ERROR(Fault("old.commit"));
   for (Participant* p : participants_) MRD_RETURN_IF_ERROR(p->Release());
   return absl::OkStatus();
 }

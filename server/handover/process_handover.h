@@ -5,17 +5,35 @@
 // class decides, at each of their steps, what every piece of mrd does,
 // through one interface (participant.h), and undoes it when a step fails.
 //
-// The old process:
+// The old process, one handover at a time on the handover thread (each
+// step: what the participants do, the test fault point that fails it, and
+// what a failure undoes):
 //
-//   serving --Check, Prepare--> prepared --Freeze (in order)--> frozen
-//     --Export--> exported --Release--> released --commit--> retired
-//   and from frozen, exported or released, on any failure: Thaw (in
-//   reverse order) --> serving.
+//   serving   --hello------> Check each (fault old.hello)      fail: serving
+//             --prepare----> Prepare each: the state while it serves
+//   prepared  --prepared---> Freeze each in order (old.pause; status
+//                            handing-over)  fail: Thaw the frozen ones in
+//                            reverse; none frozen: status serving
+//   frozen    --snapshot---> Export each (old.export)  fail: Thaw all
+//   exported  --ready------> Release each (old.commit)  fail: Thaw all
+//   released  --commit-----> Retire each (status handed-over), then exit 0,
+//                            or (--after_handover=wait) Discard each and
+//                            wait for RequestExit
 //
-// A participant whose Freeze fails is not thawed; the ones before it are.
-// The fault points of the steps (old.hello, old.pause, old.export,
-// old.commit) are the protocol's (handover.cc); new.version too, while
-// new.prepare, new.adopt and new.crash are here, in the new process's steps.
+// Thaw is Resume: every participant that froze thaws, in reverse order,
+// and the status file says serving again.
+//
+// The new process, on the main thread while mrd starts:
+//
+//   BeginTakeover:  hello (fault new.version: a version nobody speaks);
+//                   none listens: StartFresh each; the prepare frame: the
+//                   device opens on the old peer listener, Preload each;
+//                   (new.prepare: the process dies here); the snapshot.
+//                   HANDOVER_BUSY: Unload each and ask again, backing off.
+//   AdoptAndCommit: Adopt each (new.adopt fails it; new.crash: the process
+//                   dies here); ready, Count each; no commit: Abandon each
+//                   in reverse, exit 1; commit: Commit each.
+//   EndTakeover:    the wiring served on the snapshot's sockets; log.
 #ifndef MRD_SERVER_HANDOVER_PROCESS_HANDOVER_H_
 #define MRD_SERVER_HANDOVER_PROCESS_HANDOVER_H_
 
@@ -123,6 +141,9 @@ class ProcessHandover final : private HandoverSource {
       const v1::HandoverHello& hello,
       const std::function<absl::Status(UniqueFd peer_listener)>& open_device);
   void WriteStatus(absl::string_view state);
+  // The test fault point `point` (--handover_test_fault) as the error it
+  // fails its step with, or OK when another one (or none) is set.
+  absl::Status Fault(absl::string_view point) const;
 
   const ProcessHandoverOptions options_;
   const std::vector<Participant*> participants_;
