@@ -218,7 +218,7 @@ absl::Status Daemon::OpenDevice(UniqueFd peer_listener) {
   if (handover_->taking_over()) {
     // Taking over: no peer is accepted before commit, when every ticket
     // and key is this process's (AdoptSnapshot resumes accepting).
-    (void)device_->StopPeerAccepting();
+    (void)device_->handover().StopPeerAccepting();
   }
   const std::string kind = device_->Attributes().kind;
   if (absl::Status s = device_->Start(); !s.ok()) {

@@ -8,7 +8,7 @@
 namespace mrd::core {
 
 absl::Status CoreParticipant::Check(const v1::HandoverHello& hello) {
-  MRD_RETURN_IF_ERROR(device_->CanHandOver());
+  MRD_RETURN_IF_ERROR(device_->handover().CanHandOver());
   if (hello.device_kind() != device_->Attributes().kind) {
     return MrdError(
         absl::StatusCode::kFailedPrecondition, "HANDOVER_DEVICE_MISMATCH",
@@ -23,7 +23,7 @@ absl::Status CoreParticipant::Prepare(v1::HandoverSnapshot* prepare,
                                       std::vector<UniqueFd>* fds) {
   MRD_RETURN_IF_ERROR(core_->ExportState(prepare, fds));
   // The new process opens its device on this socket before the pause.
-  absl::StatusOr<UniqueFd> peer = device_->DuplicatePeerListener();
+  absl::StatusOr<UniqueFd> peer = device_->handover().DuplicatePeerListener();
   if (!peer.ok()) return peer.status();
   prepare->set_peer_listener(-1);
   if (peer->valid()) {
@@ -34,7 +34,7 @@ absl::Status CoreParticipant::Prepare(v1::HandoverSnapshot* prepare,
 }
 
 absl::Status CoreParticipant::Freeze() {
-  absl::StatusOr<UniqueFd> peer = device_->StopPeerAccepting();
+  absl::StatusOr<UniqueFd> peer = device_->handover().StopPeerAccepting();
   if (!peer.ok()) return peer.status();
   detached_peer_ = std::move(*peer);
   peer_stopped_ = true;
@@ -48,8 +48,8 @@ absl::Status CoreParticipant::Export(v1::HandoverSnapshot* snapshot,
   // Established peer connections stop first (once no peer operation runs):
   // nothing is read or written on them here any more unless the handover
   // is called off (Thaw).
-  absl::StatusOr<std::vector<device::Device::HandedOverPeer>> peers =
-      device_->FreezePeers(drain_);
+  absl::StatusOr<std::vector<device::DeviceHandover::HandedOverPeer>> peers =
+      device_->handover().FreezePeers(drain_);
   if (!peers.ok()) return peers.status();
   peers_frozen_ = true;
   MRD_RETURN_IF_ERROR(core_->ExportState(snapshot, fds));
@@ -66,10 +66,10 @@ absl::Status CoreParticipant::Release() {
   // process's now: this process's fds close, nothing is shut down; any
   // other connection (before hello, or closing) ends here.
   if (peers_frozen_) {
-    device_->DropFrozenPeers();
+    device_->handover().DropFrozenPeers();
     peers_frozen_ = false;
   }
-  if (!device_->DisconnectPeers(absl::Seconds(5))) {
+  if (!device_->handover().DisconnectPeers(absl::Seconds(5))) {
     return MrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY",
                     "peer connections were still closing after 5s");
   }
@@ -78,11 +78,11 @@ absl::Status CoreParticipant::Release() {
 
 void CoreParticipant::Thaw() {
   if (peers_frozen_) {
-    device_->ThawPeers();
+    device_->handover().ThawPeers();
     peers_frozen_ = false;
   }
   if (peer_stopped_) {
-    device_->ResumePeerAccepting();
+    device_->handover().ResumePeerAccepting();
     detached_peer_.Reset();
     peer_stopped_ = false;
   }
@@ -107,21 +107,22 @@ void CoreParticipant::Preload(const v1::HandoverSnapshot& prepare,
 }
 
 void CoreParticipant::Unload() {
-  if (device_ != nullptr) device_->DropPinsAhead();  // before the unmap
+  if (device_ != nullptr)
+    device_->handover().DropPinsAhead();  // before the unmap
   prepared_.clear();
 }
 
 void CoreParticipant::StartFresh() {
   // An earlier attempt opened the device on the listener of an mrd that
   // is gone now: the socket is this process's alone, and it accepts.
-  if (device_ != nullptr) device_->ResumePeerAccepting();
+  if (device_ != nullptr) device_->handover().ResumePeerAccepting();
 }
 
 absl::Status CoreParticipant::Adopt(const v1::HandoverSnapshot& snapshot,
                                     std::vector<UniqueFd>& fds) {
   absl::Status adopted = core_->AdoptState(snapshot, fds, &prepared_);
   // What the snapshot no longer names: its pins, then its mappings.
-  device_->DropPinsAhead();
+  device_->handover().DropPinsAhead();
   prepared_.clear();
   return adopted;
 }
@@ -146,8 +147,8 @@ void CoreParticipant::Abandon() {
 void CoreParticipant::Commit() {
   // The peer connections handed over go on where the old process stopped
   // them, and peers that waited in the listener's backlog come in here.
-  device_->ThawPeers();
-  device_->ResumePeerAccepting();
+  device_->handover().ThawPeers();
+  device_->handover().ResumePeerAccepting();
 }
 
 }  // namespace mrd::core

@@ -12,6 +12,7 @@
 #include "mrd/v1/handover.pb.h"
 #include "server/core/core.h"
 #include "server/device/device.h"
+#include "server/device/device_handover.h"
 #include "server/handover/participant.h"
 
 namespace mrd::core {

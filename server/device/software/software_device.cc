@@ -302,20 +302,24 @@ absl::Status SoftwareDevice::ProviderStart() {
 // being handled.
 void SoftwareDevice::ProviderStop() { listener_->Stop(); }
 
-absl::Status SoftwareDevice::CanHandOver() const { return absl::OkStatus(); }
+absl::Status SoftwareDevice::ProviderCanHandOver() const {
+  return absl::OkStatus();
+}
 
-absl::StatusOr<UniqueFd> SoftwareDevice::StopPeerAccepting() {
+absl::StatusOr<UniqueFd> SoftwareDevice::ProviderStopPeerAccepting() {
   return listener_->StopAccepting();
 }
 
-void SoftwareDevice::ResumePeerAccepting() { listener_->ResumeAccepting(); }
+void SoftwareDevice::ProviderResumePeerAccepting() {
+  listener_->ResumeAccepting();
+}
 
-absl::StatusOr<UniqueFd> SoftwareDevice::DuplicatePeerListener() {
+absl::StatusOr<UniqueFd> SoftwareDevice::ProviderDuplicatePeerListener() {
   return listener_->DuplicateSocket();
 }
 
-absl::StatusOr<std::vector<Device::HandedOverPeer>> SoftwareDevice::FreezePeers(
-    absl::Duration timeout) {
+absl::StatusOr<std::vector<DeviceHandover::HandedOverPeer>>
+SoftwareDevice::ProviderFreezePeers(absl::Duration timeout) {
   MRD_ASSIGN_OR_RETURN(std::vector<PeerListener::HeldConnection> held,
                        listener_->FreezeConnections(timeout));
   std::vector<HandedOverPeer> peers;
@@ -338,7 +342,7 @@ absl::StatusOr<std::vector<Device::HandedOverPeer>> SoftwareDevice::FreezePeers(
   return peers;
 }
 
-void SoftwareDevice::ThawPeers() {
+void SoftwareDevice::ProviderThawPeers() {
   std::vector<HandedOverPeer> adopting;
   {
     absl::MutexLock lock(&mu_);
@@ -386,9 +390,9 @@ void SoftwareDevice::ThawPeers() {
   listener_->ThawConnections();
 }
 
-void SoftwareDevice::DropFrozenPeers() { listener_->DropConnections(); }
+void SoftwareDevice::ProviderDropFrozenPeers() { listener_->DropConnections(); }
 
-absl::Status SoftwareDevice::AdoptPeer(PdId pd, HandedOverPeer peer) {
+absl::Status SoftwareDevice::ProviderAdoptPeer(PdId pd, HandedOverPeer peer) {
   if (!peer.socket.valid()) {
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_CONNECTION",
                     absl::StrCat("peer connection ", peer.id,
