@@ -46,7 +46,8 @@
 #include "server/daemon/config.h"
 #include "server/daemon/flags.h"
 #include "server/daemon/process.h"
-#include "server/device/software/software_device.h"
+#include "server/device/device.h"
+#include "server/device/device_handover.h"
 #include "server/fd_socket/fd_server.h"
 #include "server/fd_socket/handover_participant.h"
 #include "server/handover/participant.h"
@@ -117,7 +118,6 @@ class Daemon final : public handover::Participant {
   std::unique_ptr<FdBudget> fd_budget_;
   daemon::Config config_;  // paths, peers, the device chosen
   std::unique_ptr<device::Device> device_;
-  device::SoftwareDevice* software_device_ = nullptr;  // owned by device_
   core::CoreOptions core_options_;
   std::unique_ptr<core::Core> core_;
   // Replaced only by a handover that failed (the fd socket's Thaw).
@@ -211,8 +211,8 @@ absl::Status Daemon::OpenDevice(UniqueFd peer_listener) {
   }
   if (!config_.use_verbs) {
     MRD_RETURN_IF_ERROR(daemon::OpenSoftwareDevice(
-        config_, handover_->taking_over() ? peer_listener.get() : -1, &device_,
-        &software_device_));
+        config_, handover_->taking_over() ? peer_listener.get() : -1,
+        &device_));
   }
   core_handover_.SetDevice(device_.get());
   if (handover_->taking_over()) {
@@ -355,9 +355,11 @@ absl::Status Daemon::StartMetrics() {
 }
 
 void Daemon::SetMetricsSources() {
-  if (software_device_ != nullptr) {
-    metrics_->SetPeerPathSource([device = software_device_] {
-      return daemon::PeerPathGaugesOf(*device);
+  if (device_->PeerPath().has_value()) {
+    // A device that keeps its peer path's gauges (the software device).
+    metrics_->SetPeerPathSource([device = device_.get()] {
+      return daemon::PeerPathGaugesOf(
+          device->PeerPath().value_or(device::PeerPathCounts()));
     });
   }
   // A handover that fails replaces the acceptor (Resume).

@@ -364,8 +364,7 @@ absl::Status OpenVerbsDevice(Config* config, const std::string& device_flag,
 }
 
 absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
-                                std::unique_ptr<device::Device>* device,
-                                device::SoftwareDevice** software_device) {
+                                std::unique_ptr<device::Device>* device) {
   device::SoftwareDeviceOptions options;
   options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
   options.pin_options.method = config.pin_method;
@@ -402,7 +401,6 @@ absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
     return Fail(
         absl::StrCat("software device: ", software.status().ToString()));
   }
-  *software_device = software->get();
   *device = std::move(*software);
   return absl::OkStatus();
 }
@@ -447,23 +445,22 @@ std::vector<std::pair<std::string, double>> LimitsOf(
   };
 }
 
-metrics::PeerPathGauges PeerPathGaugesOf(const device::SoftwareDevice& device) {
-  const device::SoftwareDevice::PeerPathStats s = device.PeerStats();
+metrics::PeerPathGauges PeerPathGaugesOf(const device::PeerPathCounts& c) {
   metrics::PeerPathGauges g;
-  g.connections = s.listener.connections;
-  g.unauthenticated = s.listener.unauthenticated;
-  g.buffered_bytes = s.listener.buffered_bytes;
-  g.threads = s.listener.threads;
-  g.accepted_total = s.listener.accepted;
-  g.refused_total = s.listener.refused;
-  g.shed_total = s.listener.shed;
-  g.hello_timeouts_total = s.listener.hello_timeouts;
-  g.stall_timeouts_total = s.listener.stall_timeouts;
-  g.session_limit_refusals_total = s.session_limit_refusals;
-  g.max_connections = s.listener.max_connections;
-  g.max_unauthenticated = s.listener.max_unauthenticated;
-  g.max_buffer_bytes = s.listener.max_buffer_bytes;
-  g.max_session_connections = s.max_session_connections;
+  g.connections = c.connections;
+  g.unauthenticated = c.unauthenticated;
+  g.buffered_bytes = c.buffered_bytes;
+  g.threads = c.threads;
+  g.accepted_total = c.accepted;
+  g.refused_total = c.refused;
+  g.shed_total = c.shed;
+  g.hello_timeouts_total = c.hello_timeouts;
+  g.stall_timeouts_total = c.stall_timeouts;
+  g.session_limit_refusals_total = c.session_limit_refusals;
+  g.max_connections = c.max_connections;
+  g.max_unauthenticated = c.max_unauthenticated;
+  g.max_buffer_bytes = c.max_buffer_bytes;
+  g.max_session_connections = c.max_session_connections;
   return g;
 }
 

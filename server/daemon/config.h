@@ -61,8 +61,7 @@ absl::Status OpenVerbsDevice(Config* config, const std::string& device_flag,
 // the running mrd's peer listener, on the same port (the device keeps a
 // duplicate).
 absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
-                                std::unique_ptr<device::Device>* device,
-                                device::SoftwareDevice** software_device);
+                                std::unique_ptr<device::Device>* device);
 // The core's options: limits, tenants, who an anonymous lease session may
 // be; warns when mrd cannot pin what its limits allow.
 absl::Status MakeCoreOptions(const Config& config, const device::Device& device,
@@ -72,8 +71,8 @@ absl::Status MakeCoreOptions(const Config& config, const device::Device& device,
 // the metrics.
 std::vector<std::pair<std::string, double>> LimitsOf(
     const core::CoreOptions& options);
-// The software device's peer path, for the metrics.
-metrics::PeerPathGauges PeerPathGaugesOf(const device::SoftwareDevice& device);
+// A device's peer path gauges, for the metrics.
+metrics::PeerPathGauges PeerPathGaugesOf(const device::PeerPathCounts& counts);
 
 // A configuration file of at most 1 MiB.
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path);

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,26 @@ struct DeviceAttributes {
 struct DeviceHealth {
   bool healthy = true;
   std::string message;
+};
+
+// The peer path's gauges, where a device keeps them (the software device's
+// TCP listener; docs/RELIABILITY.md, "Peer path").
+struct PeerPathCounts {
+  uint64_t connections = 0;      // open now
+  uint64_t unauthenticated = 0;  // open now, no hello yet
+  uint64_t buffered_bytes = 0;   // frame and response memory now
+  uint64_t threads = 0;          // serving the peer path
+  uint64_t accepted = 0;         // totals from the start
+  uint64_t refused = 0;          // at the total cap with nobody to shed
+  uint64_t shed = 0;             // closed to admit a new connection
+  uint64_t hello_timeouts = 0;
+  uint64_t stall_timeouts = 0;
+  uint64_t session_limit_refusals = 0;  // hellos refused: PD at its cap
+  // The limits in force.
+  uint64_t max_connections = 0;
+  uint64_t max_unauthenticated = 0;
+  uint64_t max_buffer_bytes = 0;
+  uint64_t max_session_connections = 0;
 };
 
 // Client memory as the device sees it: mrd's own mapping of part of a file.
@@ -178,6 +199,10 @@ class Device {
   virtual DeviceHealth Health() const = 0;
   // Bytes pinned by the device right now (each page counted once).
   virtual uint64_t PinnedBytes() const = 0;
+  // The peer path's gauges; nullopt from a device that keeps none.
+  virtual std::optional<PeerPathCounts> PeerPath() const {
+    return std::nullopt;
+  }
 
   // Starts the peer listener and any device threads. Called once before use.
   virtual absl::Status Start() = 0;

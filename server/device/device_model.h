@@ -107,6 +107,10 @@ class DeviceModel : public Device, public DeviceHandover {
   DeviceModel& operator=(const DeviceModel&) = delete;
 
   const DeviceAttributes& Attributes() const final { return attributes_; }
+  // The provider's (ProviderPeerPath).
+  std::optional<PeerPathCounts> PeerPath() const final {
+    return ProviderPeerPath();
+  }
 
   // Starts the worker, then the provider (ProviderStart). Errors:
   // FAILED_PRECONDITION "ALREADY_STARTED", or the provider's.
@@ -333,6 +337,10 @@ class DeviceModel : public Device, public DeviceHandover {
   virtual void ProviderCloseConnectionsLocked(
       const std::vector<ConnectionId>& connections)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  // The peer path's gauges, if the provider keeps them.
+  virtual std::optional<PeerPathCounts> ProviderPeerPath() const {
+    return std::nullopt;
+  }
   // Handover (device_handover.h, where each call is described): whether
   // this provider can re-create its objects in another process, and its
   // peer path's listener and established connections. The defaults are

@@ -421,6 +421,26 @@ SoftwareDevice::PeerPathStats SoftwareDevice::PeerStats() const {
   return stats;
 }
 
+std::optional<PeerPathCounts> SoftwareDevice::ProviderPeerPath() const {
+  const PeerPathStats s = PeerStats();
+  PeerPathCounts c;
+  c.connections = s.listener.connections;
+  c.unauthenticated = s.listener.unauthenticated;
+  c.buffered_bytes = s.listener.buffered_bytes;
+  c.threads = s.listener.threads;
+  c.accepted = s.listener.accepted;
+  c.refused = s.listener.refused;
+  c.shed = s.listener.shed;
+  c.hello_timeouts = s.listener.hello_timeouts;
+  c.stall_timeouts = s.listener.stall_timeouts;
+  c.session_limit_refusals = s.session_limit_refusals;
+  c.max_connections = s.listener.max_connections;
+  c.max_unauthenticated = s.listener.max_unauthenticated;
+  c.max_buffer_bytes = s.listener.max_buffer_bytes;
+  c.max_session_connections = s.max_session_connections;
+  return c;
+}
+
 // ---------------------------------------------------------------------------
 // Pins and keys.
 

@@ -191,6 +191,8 @@ class SoftwareDevice final : public DeviceModel {
   // DuplicatePeerListener gives the same socket without stopping
   // (PeerListener::DuplicateSocket).
   absl::Status ProviderCanHandOver() const override;
+  // PeerStats, as the device's peer path gauges.
+  std::optional<PeerPathCounts> ProviderPeerPath() const override;
   absl::StatusOr<UniqueFd> ProviderStopPeerAccepting() override;
   absl::StatusOr<UniqueFd> ProviderDuplicatePeerListener() override;
   void ProviderResumePeerAccepting() override;
