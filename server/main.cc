@@ -6,8 +6,12 @@
 // starts its successor (its own binary, its arguments and --takeover), which
 // takes over everything through the live handover.
 //
-// Every flag can also come from a flag file: mrd --flagfile=/etc/mrd/mrd.flags
-// (one --name=value per line; see docs/CONFIG.md).
+// The flags, what is read from them before anything is made, and the
+// successor of a reload are server/daemon's; the live handover itself is
+// server/handover's (ProcessHandover), which reaches each piece wired here
+// through the participant it serves. Every flag can also come from a flag
+// file: mrd --flagfile=/etc/mrd/mrd.flags (one --name=value per line; see
+// docs/CONFIG.md).
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
