@@ -59,6 +59,7 @@
 #include "server/core/session_table.h"
 #include "server/core/tenants.h"
 #include "server/device/device.h"
+#include "server/device/device_handover.h"
 #include "server/fd_socket/fd_server.h"
 
 namespace mrd::core {
@@ -284,9 +285,9 @@ class Core final : public fd_socket::FdSessionHandler {
   // (Device::FreezePeers), each added to its session in `out` with its
   // socket appended to `fds`. A connection of a session not in `out` is
   // left out (it closes with this process).
-  absl::Status ExportPeers(std::vector<device::Device::HandedOverPeer> peers,
-                           v1::HandoverSnapshot* out,
-                           std::vector<UniqueFd>* fds);
+  absl::Status ExportPeers(
+      std::vector<device::DeviceHandover::HandedOverPeer> peers,
+      v1::HandoverSnapshot* out, std::vector<UniqueFd>* fds);
   // Takes over the sessions of `in`: maps each buffer from `fds`, registers
   // each registration on the device with the keys it had, and restores
   // references, request ids, queued completions, leases and tickets, all
@@ -352,7 +353,7 @@ class Core final : public fd_socket::FdSessionHandler {
   // MR objects' device state is asked of the device first, outside the
   // session's lock (DescribeFastMrs).
   using FastMrStates =
-      absl::flat_hash_map<uint64_t, device::Device::FastMrState>;
+      absl::flat_hash_map<uint64_t, device::DeviceHandover::FastMrState>;
   absl::StatusOr<FastMrStates> DescribeFastMrs(Session& session);
   static absl::Status ExportFastRegistrationLocked(const Session& session,
                                                    const FastMrStates& fast,

@@ -52,9 +52,10 @@ absl::Status Registrations::Adopt(
   MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
                        file->Span(r.offset(), r.length()));
   file->Prefault(r.offset(), r.length());
-  MRD_ASSIGN_OR_RETURN(device::MrKeys keys,
-                       device_->AdoptMr(pd, span, r.base_address(), r.access(),
-                                        r.lkey(), r.rkey()));
+  MRD_ASSIGN_OR_RETURN(
+      device::MrKeys keys,
+      device_->handover().AdoptMr(pd, span, r.base_address(), r.access(),
+                                  r.lkey(), r.rkey()));
   cache::CachedRegistration reg;
   reg.device_mr = keys.mr;
   reg.lkey = keys.lkey;
@@ -106,8 +107,8 @@ absl::StatusOr<Core::FastMrStates> Core::DescribeFastMrs(Session& session) {
   }
   FastMrStates states;
   for (const auto& [id, device_mr] : objects) {
-    absl::StatusOr<device::Device::FastMrState> state =
-        device_->DescribeFastMr(device_mr);
+    absl::StatusOr<device::DeviceHandover::FastMrState> state =
+        device_->handover().DescribeFastMr(device_mr);
     if (!state.ok()) {
       if (absl::IsFailedPrecondition(state.status())) return Busy(session, id);
       return state.status();
@@ -149,7 +150,7 @@ absl::Status Core::ExportFastRegistrationLocked(const Session& session,
         it->second.rkey != mr.rkey) {
       return Busy(session, id);
     }
-    const device::Device::FastMrState& state = it->second;
+    const device::DeviceHandover::FastMrState& state = it->second;
     m->set_has_device_mr(true);
     m->set_reported_lkey(mr.lkey);
     m->set_lkey(state.lkey);
@@ -222,8 +223,9 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
       w->set_pinned_bytes(bytes);
     }
   }
-  out->set_logical_address_watermark(device_->LogicalAddressWatermark());
-  out->set_next_connection_id(device_->ConnectionIdWatermark());
+  out->set_logical_address_watermark(
+      device_->handover().LogicalAddressWatermark());
+  out->set_next_connection_id(device_->handover().ConnectionIdWatermark());
   out->set_next_handle(next_handle_.load());
   out->set_next_session_id(sessions_.next_id());
   out->set_registration_sequence(registrations_.NextRegistrationSequence());
@@ -389,7 +391,7 @@ class AheadPinner {
     for (const auto& [offset, length] : it->second) {
       absl::StatusOr<device::MemorySpan> span = file.Span(offset, length);
       if (!span.ok()) continue;  // its adoption refuses it
-      if (absl::Status s = device_.PinAhead(*span); !s.ok()) {
+      if (absl::Status s = device_.handover().PinAhead(*span); !s.ok()) {
         if (first_error_.ok()) first_error_ = s;
         continue;
       }
@@ -503,7 +505,8 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
     return s;
   };
   if (!in.peer_ticket().empty()) {
-    if (absl::Status s = device_->AdoptPeerTicket(*pd, in.peer_ticket());
+    if (absl::Status s =
+            device_->handover().AdoptPeerTicket(*pd, in.peer_ticket());
         !s.ok()) {
       return fail(s);
     }
@@ -580,13 +583,14 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
                    absl::StrCat("peer connection ", c.id(), " names fd ",
                                 c.fd(), " of ", fds.size())));
     }
-    device::Device::HandedOverPeer peer;
+    device::DeviceHandover::HandedOverPeer peer;
     peer.id = c.id();
     peer.remote = c.remote();
     peer.socket = std::move(fds[c.fd()]);
     peer.received = c.received();
     peer.unsent = c.unsent();
-    if (absl::Status s = device_->AdoptPeer(*pd, std::move(peer)); !s.ok()) {
+    if (absl::Status s = device_->handover().AdoptPeer(*pd, std::move(peer));
+        !s.ok()) {
       return fail(s);
     }
     session->AdoptPeerConnection(c.id(), c.remote());
@@ -595,7 +599,7 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
 }
 
 absl::Status Core::ExportPeers(
-    std::vector<device::Device::HandedOverPeer> peers,
+    std::vector<device::DeviceHandover::HandedOverPeer> peers,
     v1::HandoverSnapshot* out, std::vector<UniqueFd>* fds) {
   absl::flat_hash_map<device::PdId, uint64_t> session_of_pd;
   for (const std::shared_ptr<Session>& session : sessions_.All()) {
@@ -606,7 +610,7 @@ absl::Status Core::ExportPeers(
   for (v1::HandedOverSession& s : *out->mutable_sessions()) {
     exported[s.id()] = &s;
   }
-  for (device::Device::HandedOverPeer& peer : peers) {
+  for (device::DeviceHandover::HandedOverPeer& peer : peers) {
     // A session that is closing was not exported: its connections close
     // with the old process.
     auto id = session_of_pd.find(peer.pd);
@@ -642,9 +646,9 @@ absl::Status Core::AdoptLams(Session& session, device::PdId pd,
     MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
                          file->Span(l.offset(), l.length()));
     file->Prefault(l.offset(), l.length());
-    MRD_ASSIGN_OR_RETURN(
-        device::LogicalMapping mapping,
-        device_->AdoptLam(pd, span, l.first_page(), l.privileged_key()));
+    MRD_ASSIGN_OR_RETURN(device::LogicalMapping mapping,
+                         device_->handover().AdoptLam(pd, span, l.first_page(),
+                                                      l.privileged_key()));
     if (mapping.pages.size() != l.page_count() || mapping.fbo != l.fbo()) {
       (void)device_->ReleaseLam(mapping.lam);
       return MrdError(absl::StatusCode::kInvalidArgument,
@@ -678,7 +682,7 @@ absl::Status Core::AdoptMrObjects(Session& session, device::PdId pd,
     mr.allow_remote = m.allow_remote();
     mr.registration = m.registration();
     if (mr.fast_register && m.has_device_mr()) {
-      device::Device::FastMrState state;
+      device::DeviceHandover::FastMrState state;
       state.allow_remote = m.allow_remote();
       state.max_pages = m.max_pages();
       state.lkey = m.lkey();
@@ -690,7 +694,7 @@ absl::Status Core::AdoptMrObjects(Session& session, device::PdId pd,
       state.base_address = m.base_address();
       state.access = m.access();
       MRD_ASSIGN_OR_RETURN(device::MrKeys keys,
-                           device_->AdoptFastRegisterMr(pd, state));
+                           device_->handover().AdoptFastRegisterMr(pd, state));
       mr.device_mr = keys.mr;
       mr.lkey = m.reported_lkey();
       mr.rkey = keys.rkey;
@@ -709,7 +713,7 @@ absl::Status Core::AdoptMrObjects(Session& session, device::PdId pd,
 absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
                               std::vector<UniqueFd>& fds,
                               PreparedBuffers* prepared) {
-  MRD_RETURN_IF_ERROR(device_->CanHandOver());
+  MRD_RETURN_IF_ERROR(device_->handover().CanHandOver());
   const absl::Time start = absl::Now();
   AdoptTimes times;
   // Before any session: its tenant is made with the settings it had.
@@ -723,8 +727,9 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
   tenants_->Restore(settings);
   // Before any LAM is adopted: no address the old device handed out is
   // handed out here again.
-  device_->ContinueLogicalAddressesAbove(in.logical_address_watermark());
-  device_->ContinueConnectionIdsAbove(in.next_connection_id());
+  device_->handover().ContinueLogicalAddressesAbove(
+      in.logical_address_watermark());
+  device_->handover().ContinueConnectionIdsAbove(in.next_connection_id());
   std::vector<std::string> adopted;
   uint64_t registrations = 0;
   for (const v1::HandedOverSession& session : in.sessions()) {

@@ -316,6 +316,31 @@ absl::StatusOr<PdId> DeviceModel::AllocatePd(PdEventSink* sink) {
   return id;
 }
 
+absl::Status DeviceModel::CanHandOver() const { return ProviderCanHandOver(); }
+
+absl::StatusOr<UniqueFd> DeviceModel::StopPeerAccepting() {
+  return ProviderStopPeerAccepting();
+}
+
+void DeviceModel::ResumePeerAccepting() { ProviderResumePeerAccepting(); }
+
+absl::StatusOr<UniqueFd> DeviceModel::DuplicatePeerListener() {
+  return ProviderDuplicatePeerListener();
+}
+
+absl::StatusOr<std::vector<DeviceHandover::HandedOverPeer>>
+DeviceModel::FreezePeers(absl::Duration timeout) {
+  return ProviderFreezePeers(timeout);
+}
+
+void DeviceModel::ThawPeers() { ProviderThawPeers(); }
+
+void DeviceModel::DropFrozenPeers() { ProviderDropFrozenPeers(); }
+
+absl::Status DeviceModel::AdoptPeer(PdId pd, HandedOverPeer peer) {
+  return ProviderAdoptPeer(pd, std::move(peer));
+}
+
 bool DeviceModel::DisconnectPeers(absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   std::vector<ConnectionId> closing;
@@ -1053,7 +1078,7 @@ void DeviceModel::SetMappingLocked(Mr* mr, const FastRegisterWork& fr,
   mr->valid = true;
 }
 
-absl::StatusOr<Device::FastMrState> DeviceModel::DescribeFastMr(
+absl::StatusOr<DeviceHandover::FastMrState> DeviceModel::DescribeFastMr(
     MrId mr_id) const {
   MRD_RETURN_IF_ERROR(CanHandOver());
   absl::MutexLock lock(&mu_);

@@ -55,6 +55,7 @@
 #include "server/common/slab.h"
 #include "server/common/thread.h"
 #include "server/device/device.h"
+#include "server/device/device_handover.h"
 #include "server/device/fault_points.h"
 #include "server/device/iova_space.h"
 #include "server/device/secure_random.h"
@@ -96,13 +97,20 @@ struct DeviceModelOptions {
   FaultPoints* fault_points = nullptr;
 };
 
-class DeviceModel : public Device {
+// The model is also the device's part in a handover (device_handover.h):
+// what differs there between providers (whether they can, the peer path's
+// listener and connections) is asked of the provider too.
+class DeviceModel : public Device, public DeviceHandover {
  public:
   ~DeviceModel() override;
   DeviceModel(const DeviceModel&) = delete;
   DeviceModel& operator=(const DeviceModel&) = delete;
 
   const DeviceAttributes& Attributes() const final { return attributes_; }
+  // The provider's (ProviderPeerPath).
+  std::optional<PeerPathCounts> PeerPath() const final {
+    return ProviderPeerPath();
+  }
 
   // Starts the worker, then the provider (ProviderStart). Errors:
   // FAILED_PRECONDITION "ALREADY_STARTED", or the provider's.
@@ -113,7 +121,6 @@ class DeviceModel : public Device {
 
   absl::StatusOr<PdId> AllocatePd(PdEventSink* sink) final;
   absl::Status DeallocatePd(PdId pd) final;
-  bool DisconnectPeers(absl::Duration timeout) final;
   absl::StatusOr<std::string> CreatePeerTicket(PdId pd) final;
 
   absl::StatusOr<MrKeys> RegisterMr(PdId pd, const MemorySpan& span,
@@ -135,8 +142,23 @@ class DeviceModel : public Device {
   absl::StatusOr<uint64_t> PostInvalidate(ConnectionId connection,
                                           const InvalidateWork& work) final;
 
-  // Handover. Both refuse with CanHandOver's error first (the provider
-  // says whether it can).
+  // --- DeviceHandover ---
+  DeviceHandover& handover() final { return *this; }
+  // The provider's (ProviderCanHandOver).
+  absl::Status CanHandOver() const final;
+  bool DisconnectPeers(absl::Duration timeout) final;
+  // The peer path's listener and established connections are the
+  // provider's (ProviderStopPeerAccepting and the like).
+  absl::StatusOr<UniqueFd> StopPeerAccepting() final;
+  void ResumePeerAccepting() final;
+  absl::StatusOr<UniqueFd> DuplicatePeerListener() final;
+  absl::StatusOr<std::vector<HandedOverPeer>> FreezePeers(
+      absl::Duration timeout) final;
+  void ThawPeers() final;
+  void DropFrozenPeers() final;
+  absl::Status AdoptPeer(PdId pd, HandedOverPeer peer) final;
+
+  // The adoptions refuse with CanHandOver's error first.
   //
   // AdoptMr is RegisterMr (same checks, pinning, undo on failure: a refusal
   // leaves nothing pinned), except that the provider is asked for exactly
@@ -315,6 +337,33 @@ class DeviceModel : public Device {
   virtual void ProviderCloseConnectionsLocked(
       const std::vector<ConnectionId>& connections)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) = 0;
+  // The peer path's gauges, if the provider keeps them.
+  virtual std::optional<PeerPathCounts> ProviderPeerPath() const {
+    return std::nullopt;
+  }
+  // Handover (device_handover.h, where each call is described): whether
+  // this provider can re-create its objects in another process, and its
+  // peer path's listener and established connections. The defaults are
+  // those of a provider that cannot (DeviceHandover's).
+  virtual absl::Status ProviderCanHandOver() const {
+    return DeviceHandover::CanHandOver();
+  }
+  virtual absl::StatusOr<UniqueFd> ProviderStopPeerAccepting() {
+    return DeviceHandover::StopPeerAccepting();
+  }
+  virtual void ProviderResumePeerAccepting() {}
+  virtual absl::StatusOr<UniqueFd> ProviderDuplicatePeerListener() {
+    return DeviceHandover::DuplicatePeerListener();
+  }
+  virtual absl::StatusOr<std::vector<HandedOverPeer>> ProviderFreezePeers(
+      absl::Duration /*timeout*/) {
+    return std::vector<HandedOverPeer>{};
+  }
+  virtual void ProviderThawPeers() {}
+  virtual void ProviderDropFrozenPeers() {}
+  virtual absl::Status ProviderAdoptPeer(PdId pd, HandedOverPeer peer) {
+    return DeviceHandover::AdoptPeer(pd, std::move(peer));
+  }
 
   // --- What providers call -------------------------------------------------
 

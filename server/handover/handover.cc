@@ -20,11 +20,6 @@
 namespace mrd::handover {
 namespace {
 
-absl::Status Fault(absl::string_view point) {
-  return MrdError(absl::StatusCode::kAborted, "HANDOVER_TEST_FAULT",
-                  absl::StrCat("test fault point ", point));
-}
-
 absl::Status Unexpected(const v1::HandoverFrame& frame,
                         absl::string_view wanted) {
   if (frame.has_refusal()) return StatusOfRefusal(frame.refusal());
@@ -211,7 +206,6 @@ absl::Status HandoverServer::ServeSteps(HandoverChannel& channel, bool* paused,
   const v1::HandoverHello& h = hello.frame.hello();
   LogInfo("handover: pid ", h.pid(), " (mrd ", h.mrd_version(),
           ") asks to take over");
-  if (options_.fault == "old.hello") return Fault(options_.fault);
   if (h.version() != kHandoverVersion) {
     return MrdError(
         absl::StatusCode::kFailedPrecondition, "HANDOVER_VERSION",
@@ -243,13 +237,11 @@ absl::Status HandoverServer::ServeSteps(HandoverChannel& channel, bool* paused,
     return Unexpected(prepared.frame, "prepared");
   }
   *paused_at = absl::Now();
-  if (options_.fault == "old.pause") return Fault(options_.fault);
   MRD_RETURN_IF_ERROR(source_->Pause());
   *paused = true;
 
   v1::HandoverFrame snapshot;
   std::vector<UniqueFd> owned;
-  if (options_.fault == "old.export") return Fault(options_.fault);
   MRD_RETURN_IF_ERROR(source_->Export(snapshot.mutable_snapshot(), &owned));
   std::vector<int> fds;
   fds.reserve(owned.size() + 1);
@@ -264,7 +256,6 @@ absl::Status HandoverServer::ServeSteps(HandoverChannel& channel, bool* paused,
   MRD_ASSIGN_OR_RETURN(HandoverChannel::Received ready,
                        channel.Receive(absl::Now() + options_.timeout));
   if (!ready.frame.has_ready()) return Unexpected(ready.frame, "ready");
-  if (options_.fault == "old.commit") return Fault(options_.fault);
   MRD_RETURN_IF_ERROR(source_->Release());
   v1::HandoverFrame commit;
   commit.mutable_commit();
@@ -280,8 +271,7 @@ absl::StatusOr<std::unique_ptr<Takeover>> Takeover::Begin(
     const TakeoverOptions& options, v1::HandoverHello hello) {
   MRD_ASSIGN_OR_RETURN(UniqueFd socket, ConnectUnix(options.path));
   std::unique_ptr<Takeover> takeover(new Takeover(options, std::move(socket)));
-  hello.set_version(options.fault == "new.version" ? kHandoverVersion + 1000
-                                                   : kHandoverVersion);
+  hello.set_version(options.version);
   v1::HandoverFrame frame;
   *frame.mutable_hello() = std::move(hello);
   MRD_RETURN_IF_ERROR(

@@ -5,21 +5,16 @@
 //
 // Both ends are here, as the protocol's steps; what each step does to mrd
 // (pausing the gRPC service, detaching sockets, exporting and adopting the
-// core's state) is the daemon's, through HandoverSource on the old side
-// and plain calls on the new side (server/main.cc).
+// core's state) is the process handover's (process_handover.h), through
+// HandoverSource on the old side and its own steps on the new side.
 //
 // Guarantee: until the old process sends commit, any failure — a refusal
 // from either side, a closed socket, a timeout, a crash of the new process
 // — leaves the old process serving as before (HandoverSource::Resume).
 // After commit the new process serves and the old one exits 0.
 //
-// Test-only fault points (mrd --handover_test_fault=<point>), each making
-// one step fail: old side "old.hello" (refuses the hello), "old.pause",
-// "old.export", "old.commit" (refuses instead of committing, after the new
-// process is ready); new side "new.version" (says hello with a version
-// nobody speaks), "new.adopt" (adoption fails once everything was adopted),
-// "new.prepare" (the new process dies after the prepare frame, before the
-// old one paused), "new.crash" (it dies before it is ready).
+// The test-only fault points (mrd --handover_test_fault=<point>) are the
+// process handover's, at the steps they fail (process_handover.h).
 #ifndef MRD_SERVER_HANDOVER_HANDOVER_H_
 #define MRD_SERVER_HANDOVER_HANDOVER_H_
 
@@ -83,7 +78,6 @@ struct HandoverServerOptions {
   // How long the new process may take for each of its answers (adopting a
   // snapshot of a million registrations takes seconds).
   absl::Duration timeout = absl::Seconds(60);
-  std::string fault;  // test only: an "old.*" fault point
 };
 
 // The old process's end: listens on `path` (mode 0600; a peer of another
@@ -138,7 +132,9 @@ class HandoverServer {
 struct TakeoverOptions {
   std::string path;  // the old process's handover socket
   absl::Duration timeout = absl::Seconds(60);
-  std::string fault;  // test only: a "new.*" fault point
+  // The format version said in hello: kHandoverVersion but for a test
+  // (fault point new.version).
+  uint32_t version = kHandoverVersion;
 };
 
 // The new process's end, step by step.
@@ -162,8 +158,6 @@ class Takeover {
   absl::Status Ready(const v1::HandoverReady& ready);
   // Adoption failed: tells the old process why (it serves on).
   void Refuse(const absl::Status& why);
-
-  const std::string& fault() const { return options_.fault; }
 
  private:
   Takeover(const TakeoverOptions& options, UniqueFd socket)

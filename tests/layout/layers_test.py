@@ -36,6 +36,7 @@ MODULES = [
     "server/service",
     "server/metrics",
     "server/handover",
+    "server/daemon",
     "server/main.cc",
     "client/lib",
     "client/peer",

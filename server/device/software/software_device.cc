@@ -302,20 +302,24 @@ absl::Status SoftwareDevice::ProviderStart() {
 // being handled.
 void SoftwareDevice::ProviderStop() { listener_->Stop(); }
 
-absl::Status SoftwareDevice::CanHandOver() const { return absl::OkStatus(); }
+absl::Status SoftwareDevice::ProviderCanHandOver() const {
+  return absl::OkStatus();
+}
 
-absl::StatusOr<UniqueFd> SoftwareDevice::StopPeerAccepting() {
+absl::StatusOr<UniqueFd> SoftwareDevice::ProviderStopPeerAccepting() {
   return listener_->StopAccepting();
 }
 
-void SoftwareDevice::ResumePeerAccepting() { listener_->ResumeAccepting(); }
+void SoftwareDevice::ProviderResumePeerAccepting() {
+  listener_->ResumeAccepting();
+}
 
-absl::StatusOr<UniqueFd> SoftwareDevice::DuplicatePeerListener() {
+absl::StatusOr<UniqueFd> SoftwareDevice::ProviderDuplicatePeerListener() {
   return listener_->DuplicateSocket();
 }
 
-absl::StatusOr<std::vector<Device::HandedOverPeer>> SoftwareDevice::FreezePeers(
-    absl::Duration timeout) {
+absl::StatusOr<std::vector<DeviceHandover::HandedOverPeer>>
+SoftwareDevice::ProviderFreezePeers(absl::Duration timeout) {
   MRD_ASSIGN_OR_RETURN(std::vector<PeerListener::HeldConnection> held,
                        listener_->FreezeConnections(timeout));
   std::vector<HandedOverPeer> peers;
@@ -338,7 +342,7 @@ absl::StatusOr<std::vector<Device::HandedOverPeer>> SoftwareDevice::FreezePeers(
   return peers;
 }
 
-void SoftwareDevice::ThawPeers() {
+void SoftwareDevice::ProviderThawPeers() {
   std::vector<HandedOverPeer> adopting;
   {
     absl::MutexLock lock(&mu_);
@@ -386,9 +390,9 @@ void SoftwareDevice::ThawPeers() {
   listener_->ThawConnections();
 }
 
-void SoftwareDevice::DropFrozenPeers() { listener_->DropConnections(); }
+void SoftwareDevice::ProviderDropFrozenPeers() { listener_->DropConnections(); }
 
-absl::Status SoftwareDevice::AdoptPeer(PdId pd, HandedOverPeer peer) {
+absl::Status SoftwareDevice::ProviderAdoptPeer(PdId pd, HandedOverPeer peer) {
   if (!peer.socket.valid()) {
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_CONNECTION",
                     absl::StrCat("peer connection ", peer.id,
@@ -415,6 +419,26 @@ SoftwareDevice::PeerPathStats SoftwareDevice::PeerStats() const {
   stats.max_session_connections = options_.max_session_connections;
   stats.session_limit_refusals = CountModel().session_limit_refusals;
   return stats;
+}
+
+std::optional<PeerPathCounts> SoftwareDevice::ProviderPeerPath() const {
+  const PeerPathStats s = PeerStats();
+  PeerPathCounts c;
+  c.connections = s.listener.connections;
+  c.unauthenticated = s.listener.unauthenticated;
+  c.buffered_bytes = s.listener.buffered_bytes;
+  c.threads = s.listener.threads;
+  c.accepted = s.listener.accepted;
+  c.refused = s.listener.refused;
+  c.shed = s.listener.shed;
+  c.hello_timeouts = s.listener.hello_timeouts;
+  c.stall_timeouts = s.listener.stall_timeouts;
+  c.session_limit_refusals = s.session_limit_refusals;
+  c.max_connections = s.listener.max_connections;
+  c.max_unauthenticated = s.listener.max_unauthenticated;
+  c.max_buffer_bytes = s.listener.max_buffer_bytes;
+  c.max_session_connections = s.max_session_connections;
+  return c;
 }
 
 // ---------------------------------------------------------------------------

@@ -159,35 +159,6 @@ class SoftwareDevice final : public DeviceModel {
   DeviceHealth Health() const override;
   uint64_t PinnedBytes() const override;
 
-  // Handover: every object of this device is its key (lkey == rkey) and
-  // model state, so another process's software device can re-create it:
-  // CanHandOver is OK. AdoptMr, AdoptLam and AdoptFastRegisterMr claim
-  // exactly the key (KeyTable::Claim; INVALID_ARGUMENT "BAD_KEY" when
-  // lkey != rkey or the key names no slot of this table,
-  // FAILED_PRECONDITION "KEY_IN_USE" when held); an adopted
-  // fast-registered MR object needs nothing else, since its mapping is
-  // the model's page array and its key.
-  // StopPeerAccepting hands over the peer listener's socket
-  // (PeerListener::StopAccepting; FAILED_PRECONDITION
-  // "PEER_LISTENER_STOPPED" once shut down), and a device created with it
-  // as options.inherited_peer_listener accepts on the same address.
-  // DuplicatePeerListener gives the same socket without stopping
-  // (PeerListener::DuplicateSocket).
-  absl::Status CanHandOver() const override;
-  absl::StatusOr<UniqueFd> StopPeerAccepting() override;
-  absl::StatusOr<UniqueFd> DuplicatePeerListener() override;
-  void ResumePeerAccepting() override;
-  // Established connections move too (PeerListener::FreezeConnections):
-  // those past hello in a ready state (DeviceModel::MovableConnection).
-  // Adopted ones wait in adopting_ until ThawPeers gives them to the model
-  // and the listener, so a takeover that fails before commit never shuts
-  // down a socket the old process still serves.
-  absl::StatusOr<std::vector<HandedOverPeer>> FreezePeers(
-      absl::Duration timeout) override;
-  void ThawPeers() override;
-  void DropFrozenPeers() override;
-  absl::Status AdoptPeer(PdId pd, HandedOverPeer peer) override;
-
   // What the device holds right now, for leak checks in tests.
   // The model's counts, and the key table's.
   struct ResourceCounts : ModelCounts {
@@ -205,6 +176,37 @@ class SoftwareDevice final : public DeviceModel {
   PeerPathStats PeerStats() const;
 
  protected:
+  // Handover: every object of this device is its key (lkey == rkey) and
+  // model state, so another process's software device can re-create it:
+  // ProviderCanHandOver is OK. AdoptMr, AdoptLam and AdoptFastRegisterMr claim
+  // exactly the key (KeyTable::Claim; INVALID_ARGUMENT "BAD_KEY" when
+  // lkey != rkey or the key names no slot of this table,
+  // FAILED_PRECONDITION "KEY_IN_USE" when held); an adopted
+  // fast-registered MR object needs nothing else, since its mapping is
+  // the model's page array and its key.
+  // StopPeerAccepting hands over the peer listener's socket
+  // (PeerListener::StopAccepting; FAILED_PRECONDITION
+  // "PEER_LISTENER_STOPPED" once shut down), and a device created with it
+  // as options.inherited_peer_listener accepts on the same address.
+  // DuplicatePeerListener gives the same socket without stopping
+  // (PeerListener::DuplicateSocket).
+  absl::Status ProviderCanHandOver() const override;
+  // PeerStats, as the device's peer path gauges.
+  std::optional<PeerPathCounts> ProviderPeerPath() const override;
+  absl::StatusOr<UniqueFd> ProviderStopPeerAccepting() override;
+  absl::StatusOr<UniqueFd> ProviderDuplicatePeerListener() override;
+  void ProviderResumePeerAccepting() override;
+  // Established connections move too (PeerListener::FreezeConnections):
+  // those past hello in a ready state (DeviceModel::MovableConnection).
+  // Adopted ones wait in adopting_ until ThawPeers gives them to the model
+  // and the listener, so a takeover that fails before commit never shuts
+  // down a socket the old process still serves.
+  absl::StatusOr<std::vector<HandedOverPeer>> ProviderFreezePeers(
+      absl::Duration timeout) override;
+  void ProviderThawPeers() override;
+  void ProviderDropFrozenPeers() override;
+  absl::Status ProviderAdoptPeer(PdId pd, HandedOverPeer peer) override;
+
   absl::Status ProviderStart() override;
   void ProviderStop() override;
   absl::Status ProviderPin(const MemorySpan& span) override;

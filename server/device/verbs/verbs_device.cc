@@ -395,7 +395,7 @@ uint64_t VerbsDevice::PinnedBytes() const {
   return pinned_bytes_;
 }
 
-absl::Status VerbsDevice::CanHandOver() const {
+absl::Status VerbsDevice::ProviderCanHandOver() const {
   return MrdError(
       absl::StatusCode::kFailedPrecondition, "HANDOVER_UNSUPPORTED_DEVICE",
       absl::StrCat("the verbs device ", Attributes().name,

@@ -162,17 +162,16 @@ class VerbsDevice final : public DeviceModel {
   // the accept reply.
   uint64_t max_message_size() const;
 
+ protected:
   // Handover: never. Its objects are the adapter's (the ibv_context, PDs,
   // MRs and queue pairs of this process's rdma_cm id), and another process
   // could only take them over by importing them through the context's
   // command fd (ibv_import_device / ibv_import_pd / ibv_import_mr), which
   // rxe refuses (EOPNOTSUPP) on the kernels mrd runs on; nor can an MR be
-  // registered again with a given rkey. So CanHandOver is
+  // registered again with a given rkey. So ProviderCanHandOver is
   // FAILED_PRECONDITION "HANDOVER_UNSUPPORTED_DEVICE", and AdoptMr,
   // AdoptPeerTicket and StopPeerAccepting refuse with it.
-  absl::Status CanHandOver() const override;
-
- protected:
+  absl::Status ProviderCanHandOver() const override;
   absl::Status ProviderStart() override;
   void ProviderStop() override;
   absl::Status ProviderUsable() const override;

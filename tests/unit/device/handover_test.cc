@@ -29,6 +29,7 @@
 #include "gtest/gtest.h"
 #include "mrd/net.h"
 #include "mrd/peer_frame.h"
+#include "server/device/device_handover.h"
 #include "server/device/iova_space.h"
 #include "server/device/software/kernel_pin_ops.h"
 #include "server/device/software/peer_listener.h"
@@ -86,7 +87,7 @@ class HandoverTest : public ::testing::Test {
   // The new process's device, on the old one's listening socket.
   SoftwareDevice& Successor(SoftwareDevice& old,
                             SoftwareDeviceOptions options = {}) {
-    absl::StatusOr<UniqueFd> listener = old.StopPeerAccepting();
+    absl::StatusOr<UniqueFd> listener = old.handover().StopPeerAccepting();
     EXPECT_TRUE(listener.ok()) << listener.status();
     EXPECT_TRUE(listener->valid());
     options.inherited_peer_listener = listener->get();
@@ -200,12 +201,12 @@ TEST_F(HandoverTest, AdoptedMrAndTicketServeAPeerThroughTheOldRkey) {
       Connect(old.Attributes().peer_address, ticket);
   ASSERT_NE(old_peer, nullptr);
 
-  ASSERT_TRUE(old.CanHandOver().ok());
+  ASSERT_TRUE(old.handover().CanHandOver().ok());
   SoftwareDevice& next = Successor(old);
   EXPECT_EQ(next.Attributes().peer_address, old.Attributes().peer_address);
   PdId pd = NewPd(next);
-  ASSERT_TRUE(next.AdoptPeerTicket(pd, ticket).ok());
-  absl::StatusOr<MrKeys> adopted = next.AdoptMr(
+  ASSERT_TRUE(next.handover().AdoptPeerTicket(pd, ticket).ok());
+  absl::StatusOr<MrKeys> adopted = next.handover().AdoptMr(
       pd, buffer.Span(50, length), kBase, kRemoteRw, keys->lkey, keys->rkey);
   ASSERT_TRUE(adopted.ok()) << adopted.status();
   EXPECT_EQ(adopted->lkey, keys->lkey);
@@ -305,26 +306,26 @@ HalfWritten ConnectAndWriteHalf(const std::string& peer_address,
 // Freezes `device`'s peers until `ready` says the connection of interest is
 // in the state the test wants (the listener read the bytes sent, or the
 // socket stopped taking a response), thawing in between.
-std::vector<Device::HandedOverPeer> FreezeWhen(
+std::vector<DeviceHandover::HandedOverPeer> FreezeWhen(
     SoftwareDevice& device,
-    const std::function<bool(const std::vector<Device::HandedOverPeer>&)>&
-        ready) {
+    const std::function<
+        bool(const std::vector<DeviceHandover::HandedOverPeer>&)>& ready) {
   for (int i = 0; i < 500; ++i) {
-    absl::StatusOr<std::vector<Device::HandedOverPeer>> frozen =
-        device.FreezePeers(absl::Seconds(5));
+    absl::StatusOr<std::vector<DeviceHandover::HandedOverPeer>> frozen =
+        device.handover().FreezePeers(absl::Seconds(5));
     EXPECT_TRUE(frozen.ok()) << frozen.status();
     if (!frozen.ok()) return {};
     if (ready(*frozen)) return std::move(*frozen);
-    device.ThawPeers();
+    device.handover().ThawPeers();
     absl::SleepFor(absl::Milliseconds(10));
   }
   ADD_FAILURE() << "the connection never got where the test wanted it";
   return {};
 }
 
-const Device::HandedOverPeer* PeerWithId(
-    const std::vector<Device::HandedOverPeer>& peers, ConnectionId id) {
-  for (const Device::HandedOverPeer& p : peers) {
+const DeviceHandover::HandedOverPeer* PeerWithId(
+    const std::vector<DeviceHandover::HandedOverPeer>& peers, ConnectionId id) {
+  for (const DeviceHandover::HandedOverPeer& p : peers) {
     if (p.id == id) return &p;
   }
   return nullptr;
@@ -365,10 +366,10 @@ TEST_F(HandoverTest, EstablishedConnectionsMoveInsideAFrameWithTheirIds) {
   read.mutable_read()->set_length(length);
   ASSERT_TRUE(peer::WriteFrame(reader.fd.get(), read).ok());
 
-  std::vector<Device::HandedOverPeer> frozen =
-      FreezeWhen(old, [&](const std::vector<Device::HandedOverPeer>& peers) {
-        const Device::HandedOverPeer* w = PeerWithId(peers, writer.id);
-        const Device::HandedOverPeer* r = PeerWithId(peers, reader.id);
+  std::vector<DeviceHandover::HandedOverPeer> frozen = FreezeWhen(
+      old, [&](const std::vector<DeviceHandover::HandedOverPeer>& peers) {
+        const DeviceHandover::HandedOverPeer* w = PeerWithId(peers, writer.id);
+        const DeviceHandover::HandedOverPeer* r = PeerWithId(peers, reader.id);
         return w != nullptr && w->received.size() == half && r != nullptr &&
                !r->unsent.empty();
       });
@@ -377,22 +378,25 @@ TEST_F(HandoverTest, EstablishedConnectionsMoveInsideAFrameWithTheirIds) {
   EXPECT_EQ(PeerWithId(frozen, writer.id)->unsent, "");
   EXPECT_EQ(PeerWithId(frozen, reader.id)->received, "");
   ASSERT_NE(PeerWithId(frozen, idle->connection_id()), nullptr);
-  for (const Device::HandedOverPeer& p : frozen) EXPECT_EQ(p.pd, old_pd);
+  for (const DeviceHandover::HandedOverPeer& p : frozen)
+    EXPECT_EQ(p.pd, old_pd);
 
   SoftwareDevice& next = Successor(old);
   PdId pd = NewPd(next);
   RecordingSink& sink = *sinks_.back();
-  ASSERT_TRUE(next.AdoptPeerTicket(pd, ticket).ok());
-  ASSERT_TRUE(next.AdoptMr(pd, buffer.Span(0, length), kBase, kRemoteRw,
+  ASSERT_TRUE(next.handover().AdoptPeerTicket(pd, ticket).ok());
+  ASSERT_TRUE(next.handover()
+                  .AdoptMr(pd, buffer.Span(0, length), kBase, kRemoteRw,
                            keys->lkey, keys->rkey)
                   .ok());
-  next.ContinueConnectionIdsAbove(old.ConnectionIdWatermark());
-  for (Device::HandedOverPeer& p : frozen) {
-    ASSERT_TRUE(next.AdoptPeer(pd, std::move(p)).ok());
+  next.handover().ContinueConnectionIdsAbove(
+      old.handover().ConnectionIdWatermark());
+  for (DeviceHandover::HandedOverPeer& p : frozen) {
+    ASSERT_TRUE(next.handover().AdoptPeer(pd, std::move(p)).ok());
   }
   // The old device's fds close; the connections live on in the new one.
-  old.DropFrozenPeers();
-  next.ThawPeers();
+  old.handover().DropFrozenPeers();
+  next.handover().ThawPeers();
 
   ASSERT_NO_FATAL_FAILURE(SendBytes(writer.fd.get(), frame.substr(half)));
   v1::PeerResponse written;
@@ -440,9 +444,10 @@ TEST_F(HandoverTest, ThawedConnectionsGoOnWhereTheyStopped) {
       ConnectAndWriteHalf(old.Attributes().peer_address, page.ticket,
                           page.keys.rkey, kBase + 8, "still the old one");
   ASSERT_FALSE(HasFailure());
-  std::vector<Device::HandedOverPeer> frozen =
-      FreezeWhen(old, [&](const std::vector<Device::HandedOverPeer>& peers) {
-        const Device::HandedOverPeer* held = PeerWithId(peers, w.peer.id);
+  std::vector<DeviceHandover::HandedOverPeer> frozen = FreezeWhen(
+      old, [&](const std::vector<DeviceHandover::HandedOverPeer>& peers) {
+        const DeviceHandover::HandedOverPeer* held =
+            PeerWithId(peers, w.peer.id);
         return held != nullptr && held->received.size() == w.half;
       });
   ASSERT_EQ(frozen.size(), 1u);
@@ -452,7 +457,7 @@ TEST_F(HandoverTest, ThawedConnectionsGoOnWhereTheyStopped) {
   EXPECT_EQ(::poll(&p, 1, 200), 0);
   EXPECT_NE(buffer.Bytes(8, 17), "still the old one");
   frozen.clear();  // the new process's copies are gone
-  old.ThawPeers();
+  old.handover().ThawPeers();
   v1::PeerResponse reply;
   ASSERT_TRUE(peer::ReadFrame(w.peer.fd.get(), 1 << 20, &reply).ok());
   EXPECT_EQ(reply.status(), v1::PEER_SUCCESS) << reply.message();
@@ -487,7 +492,7 @@ TEST_F(HandoverTest, APeerOperationInFlightRefusesTheFreeze) {
   absl::StatusOr<std::string> in_flight;
   std::thread reader([&] { in_flight = busy->Read(keys->rkey, kBase, 8); });
   entered.WaitForNotification();
-  EXPECT_THAT(old.FreezePeers(absl::Milliseconds(200)).status(),
+  EXPECT_THAT(old.handover().FreezePeers(absl::Milliseconds(200)).status(),
               IsMrdError(absl::StatusCode::kUnavailable, "HANDOVER_BUSY"));
   // Nothing stayed frozen: the other connection is served meanwhile.
   absl::StatusOr<std::string> read = other->Read(keys->rkey, kBase, 8);
@@ -497,11 +502,11 @@ TEST_F(HandoverTest, APeerOperationInFlightRefusesTheFreeze) {
   reader.join();
   ASSERT_TRUE(in_flight.ok()) << in_flight.status();
   // Once it is done, the freeze goes through, with both connections.
-  absl::StatusOr<std::vector<Device::HandedOverPeer>> frozen =
-      old.FreezePeers(absl::Seconds(5));
+  absl::StatusOr<std::vector<DeviceHandover::HandedOverPeer>> frozen =
+      old.handover().FreezePeers(absl::Seconds(5));
   ASSERT_TRUE(frozen.ok()) << frozen.status();
   EXPECT_EQ(frozen->size(), 2u);
-  old.ThawPeers();
+  old.handover().ThawPeers();
   EXPECT_TRUE(busy->Read(keys->rkey, kBase, 8).ok());
 }
 
@@ -517,7 +522,8 @@ TEST_F(HandoverTest, RefusedAdoptionsLeaveNothingPinned) {
   absl::StatusOr<MrKeys> keys =
       old.RegisterMr(old_pd, held.Span(0, 64), kBase, kRemoteRw);
   ASSERT_TRUE(keys.ok());
-  ASSERT_TRUE(next.AdoptMr(pd, held.Span(0, 64), kBase, kRemoteRw, keys->lkey,
+  ASSERT_TRUE(next.handover()
+                  .AdoptMr(pd, held.Span(0, 64), kBase, kRemoteRw, keys->lkey,
                            keys->rkey)
                   .ok());
   const uint64_t pinned = next.PinnedBytes();
@@ -528,7 +534,9 @@ TEST_F(HandoverTest, RefusedAdoptionsLeaveNothingPinned) {
 
   auto expect_refused = [&](uint32_t lkey, uint32_t rkey, absl::StatusCode code,
                             const char* reason) {
-    EXPECT_THAT(next.AdoptMr(pd, span, kBase, kRemoteRw, lkey, rkey).status(),
+    EXPECT_THAT(next.handover()
+                    .AdoptMr(pd, span, kBase, kRemoteRw, lkey, rkey)
+                    .status(),
                 IsMrdError(code, reason))
         << std::hex << lkey << " " << rkey;
     EXPECT_EQ(next.PinnedBytes(), pinned);
@@ -552,15 +560,18 @@ TEST_F(HandoverTest, RefusedAdoptionsLeaveNothingPinned) {
                  "BAD_KEY");
   // RegisterMr's own checks come first.
   EXPECT_THAT(
-      next.AdoptMr(pd, span, 0, kRemoteRw, free_key, free_key).status(),
+      next.handover()
+          .AdoptMr(pd, span, 0, kRemoteRw, free_key, free_key)
+          .status(),
       IsMrdError(absl::StatusCode::kInvalidArgument, "ZERO_BASED_ADDRESS"));
-  EXPECT_THAT(next.AdoptMr(pd + 100, span, kBase, kRemoteRw, free_key, free_key)
+  EXPECT_THAT(next.handover()
+                  .AdoptMr(pd + 100, span, kBase, kRemoteRw, free_key, free_key)
                   .status(),
               IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_PD"));
   EXPECT_EQ(next.PinnedBytes(), pinned);
   // The free key itself is fine.
   absl::StatusOr<MrKeys> adopted =
-      next.AdoptMr(pd, span, kBase, kRemoteRw, free_key, free_key);
+      next.handover().AdoptMr(pd, span, kBase, kRemoteRw, free_key, free_key);
   ASSERT_TRUE(adopted.ok()) << adopted.status();
   EXPECT_EQ(adopted->rkey, free_key);
   EXPECT_EQ(next.PinnedBytes(), pinned + other.size());
@@ -618,46 +629,46 @@ TEST_F(HandoverTest, AdoptionsTakeOverThePinsMadeAheadOfThem) {
   for (const MemorySpan& span :
        {buffer.Span(0, 2 * ps), buffer.Span(2 * ps, ps),
         buffer.Span(4 * ps, 2 * ps), buffer.Span(7 * ps, ps)}) {
-    ASSERT_TRUE(next.PinAhead(span).ok());
+    ASSERT_TRUE(next.handover().PinAhead(span).ok());
   }
   EXPECT_EQ(ops.locks, 4);
-  EXPECT_EQ(next.PinsAhead(), 4u);
+  EXPECT_EQ(next.handover().PinsAhead(), 4u);
   EXPECT_EQ(next.PinnedBytes(), 6 * ps);
   // Bad spans pin nothing.
-  EXPECT_THAT(next.PinAhead(buffer.Span(0, 0)),
+  EXPECT_THAT(next.handover().PinAhead(buffer.Span(0, 0)),
               IsMrdError(absl::StatusCode::kInvalidArgument, "ZERO_LENGTH"));
-  EXPECT_THAT(next.PinAhead(MemorySpan{nullptr, ps, -1, 0}),
+  EXPECT_THAT(next.handover().PinAhead(MemorySpan{nullptr, ps, -1, 0}),
               IsMrdError(absl::StatusCode::kInvalidArgument, "INVALID_SPAN"));
-  EXPECT_EQ(next.PinsAhead(), 4u);
+  EXPECT_EQ(next.handover().PinsAhead(), 4u);
 
   PdId pd = NewPd(next);
-  absl::StatusOr<MrKeys> adopted_a = next.AdoptMr(
+  absl::StatusOr<MrKeys> adopted_a = next.handover().AdoptMr(
       pd, buffer.Span(0, 2 * ps), kBase, kRemoteRw, a->lkey, a->rkey);
-  absl::StatusOr<MrKeys> adopted_b = next.AdoptMr(
+  absl::StatusOr<MrKeys> adopted_b = next.handover().AdoptMr(
       pd, buffer.Span(2 * ps, ps), kBase, kRemoteRw, b->lkey, b->rkey);
-  absl::StatusOr<LogicalMapping> adopted_lam = next.AdoptLam(
+  absl::StatusOr<LogicalMapping> adopted_lam = next.handover().AdoptLam(
       pd, buffer.Span(4 * ps, 2 * ps), lam->pages[0], lam->privileged_key);
   ASSERT_TRUE(adopted_a.ok()) << adopted_a.status();
   ASSERT_TRUE(adopted_b.ok()) << adopted_b.status();
   ASSERT_TRUE(adopted_lam.ok()) << adopted_lam.status();
   EXPECT_EQ(ops.locks, 4);  // taken over, not pinned again
-  EXPECT_EQ(next.PinsAhead(), 1u);
+  EXPECT_EQ(next.handover().PinsAhead(), 1u);
   // A registration made after the pins ahead: its adoption pins.
-  absl::StatusOr<MrKeys> c_adopted = next.AdoptMr(
+  absl::StatusOr<MrKeys> c_adopted = next.handover().AdoptMr(
       pd, late.Span(0, 2 * ps), kBase, kRemoteRw, c->lkey, c->rkey);
   ASSERT_TRUE(c_adopted.ok()) << c_adopted.status();
   EXPECT_EQ(ops.locks, 5);
   EXPECT_EQ(next.PinnedBytes(), 8 * ps);
 
   // What no adoption took is unpinned; what was taken stays pinned.
-  next.DropPinsAhead();
-  EXPECT_EQ(next.PinsAhead(), 0u);
+  next.handover().DropPinsAhead();
+  EXPECT_EQ(next.handover().PinsAhead(), 0u);
   EXPECT_EQ(next.PinnedBytes(), 7 * ps);
   EXPECT_EQ(ops.unlocks, 1);
   // The adopted MR owns its pin: deregistering it unpins its pages.
   ASSERT_TRUE(next.DeregisterMr(adopted_a->mr).ok());
   EXPECT_EQ(next.PinnedBytes(), 5 * ps);
-  next.DropPinsAhead();  // nothing left: a no-op
+  next.handover().DropPinsAhead();  // nothing left: a no-op
   EXPECT_EQ(next.PinnedBytes(), 5 * ps);
 }
 
@@ -688,18 +699,18 @@ TEST_F(HandoverTest, AdoptPeerTicketChecksTheTicketAndItsOwner) {
   for (const std::string& bad :
        {std::string(), std::string("xyz"), ticket.substr(1), ticket + "0",
         absl::AsciiStrToUpper(ticket), std::string(32, 'g')}) {
-    EXPECT_THAT(next.AdoptPeerTicket(pd, bad),
+    EXPECT_THAT(next.handover().AdoptPeerTicket(pd, bad),
                 IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_TICKET"))
         << bad;
   }
-  EXPECT_THAT(next.AdoptPeerTicket(pd + 100, ticket),
+  EXPECT_THAT(next.handover().AdoptPeerTicket(pd + 100, ticket),
               IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_PD"));
-  ASSERT_TRUE(next.AdoptPeerTicket(pd, ticket).ok());
+  ASSERT_TRUE(next.handover().AdoptPeerTicket(pd, ticket).ok());
   // Again for the same PD: nothing changes.
-  EXPECT_TRUE(next.AdoptPeerTicket(pd, ticket).ok());
+  EXPECT_TRUE(next.handover().AdoptPeerTicket(pd, ticket).ok());
   EXPECT_EQ(next.CountModel().tickets, 1u);
   EXPECT_THAT(
-      next.AdoptPeerTicket(other_pd, ticket),
+      next.handover().AdoptPeerTicket(other_pd, ticket),
       IsMrdError(absl::StatusCode::kFailedPrecondition, "TICKET_IN_USE"));
   // The PD's own tickets stay valid beside the adopted one.
   const std::string own = Ticket(next, pd);
@@ -707,7 +718,7 @@ TEST_F(HandoverTest, AdoptPeerTicketChecksTheTicketAndItsOwner) {
   EXPECT_NE(Connect(next.Attributes().peer_address, ticket), nullptr);
   // A ticket dies with its PD.
   ASSERT_TRUE(next.DeallocatePd(pd).ok());
-  EXPECT_TRUE(next.AdoptPeerTicket(other_pd, ticket).ok());
+  EXPECT_TRUE(next.handover().AdoptPeerTicket(other_pd, ticket).ok());
 }
 
 TEST_F(HandoverTest, AdoptedKeysAreNeverDrawnAndDeregisterRevokesThem) {
@@ -720,7 +731,7 @@ TEST_F(HandoverTest, AdoptedKeysAreNeverDrawnAndDeregisterRevokesThem) {
   PdId old_pd = NewPd(old);
   PdId pd = NewPd(next);
   const std::string ticket = Ticket(old, old_pd);
-  ASSERT_TRUE(next.AdoptPeerTicket(pd, ticket).ok());
+  ASSERT_TRUE(next.handover().AdoptPeerTicket(pd, ticket).ok());
   // Half the key space, adopted.
   std::vector<MrKeys> adopted;
   std::set<uint32_t> adopted_slots;
@@ -728,7 +739,7 @@ TEST_F(HandoverTest, AdoptedKeysAreNeverDrawnAndDeregisterRevokesThem) {
     absl::StatusOr<MrKeys> keys =
         old.RegisterMr(old_pd, buffer.Span(i * 64, 64), kBase, kRemoteRw);
     ASSERT_TRUE(keys.ok()) << keys.status();
-    absl::StatusOr<MrKeys> mine = next.AdoptMr(
+    absl::StatusOr<MrKeys> mine = next.handover().AdoptMr(
         pd, buffer.Span(i * 64, 64), kBase, kRemoteRw, keys->lkey, keys->rkey);
     ASSERT_TRUE(mine.ok()) << mine.status();
     ASSERT_EQ(mine->rkey, keys->rkey);
@@ -844,11 +855,11 @@ TEST_F(HandoverTest, ResumeAcceptingServesWhatWaitedInTheBacklog) {
   std::unique_ptr<SoftPeer> before = Connect(address, ticket);
   ASSERT_NE(before, nullptr);
 
-  absl::StatusOr<UniqueFd> listener = device.StopPeerAccepting();
+  absl::StatusOr<UniqueFd> listener = device.handover().StopPeerAccepting();
   ASSERT_TRUE(listener.ok()) << listener.status();
   ASSERT_TRUE(listener->valid());
   // Stopped twice: another duplicate, still not accepting.
-  absl::StatusOr<UniqueFd> again = device.StopPeerAccepting();
+  absl::StatusOr<UniqueFd> again = device.handover().StopPeerAccepting();
   ASSERT_TRUE(again.ok()) << again.status();
   // The kernel completes the TCP handshake, but nobody accepts: the hello
   // waits in the backlog.
@@ -863,11 +874,12 @@ TEST_F(HandoverTest, ResumeAcceptingServesWhatWaitedInTheBacklog) {
   ASSERT_TRUE(keys.ok());
   EXPECT_TRUE(before->Read(keys->rkey, kBase, 64).ok());
 
-  device.ResumePeerAccepting();
+  device.handover().ResumePeerAccepting();
   ASSERT_TRUE(Answered(waiting.get(), absl::Seconds(5)));
   EXPECT_EQ(HelloStatus(waiting.get()), v1::PEER_SUCCESS);
   EXPECT_NE(Connect(address, ticket), nullptr);
-  device.ResumePeerAccepting();  // accepting already: nothing changes
+  device.handover()
+      .ResumePeerAccepting();  // accepting already: nothing changes
   EXPECT_NE(Connect(address, ticket), nullptr);
 }
 
@@ -884,7 +896,7 @@ TEST_F(HandoverTest, StopPeerAcceptingBeforeStartStartsWithoutAccepting) {
   UniqueFd waiting =
       SendHello(stopped.Attributes().peer_address, Ticket(stopped, pd));
   EXPECT_FALSE(Answered(waiting.get(), absl::Milliseconds(300)));
-  stopped.ResumePeerAccepting();
+  stopped.handover().ResumePeerAccepting();
   ASSERT_TRUE(Answered(waiting.get(), absl::Seconds(5)));
   EXPECT_EQ(HelloStatus(waiting.get()), v1::PEER_SUCCESS);
 }
@@ -892,10 +904,10 @@ TEST_F(HandoverTest, StopPeerAcceptingBeforeStartStartsWithoutAccepting) {
 TEST_F(HandoverTest, AShutDownDeviceHasNoListenerToHandOver) {
   SoftwareDevice& device = NewDevice();
   device.Shutdown();
-  EXPECT_THAT(device.StopPeerAccepting().status(),
+  EXPECT_THAT(device.handover().StopPeerAccepting().status(),
               IsMrdError(absl::StatusCode::kFailedPrecondition,
                          "PEER_LISTENER_STOPPED"));
-  device.ResumePeerAccepting();  // nothing to resume
+  device.handover().ResumePeerAccepting();  // nothing to resume
 }
 
 TEST_F(HandoverTest, AnInheritedListenerMustBeAListeningTcpSocket) {
@@ -953,7 +965,8 @@ TEST_F(HandoverTest, AdoptedLamAndFastRegisteredMrServeThroughTheOldRkey) {
   const std::vector<uint64_t> pages = {lam->pages[3], lam->pages[1]};
   const uint32_t rkey = FastRegister(old, old_peer->connection_id(), old_sink,
                                      object->mr, pages, 2 * ps);
-  absl::StatusOr<Device::FastMrState> state = old.DescribeFastMr(object->mr);
+  absl::StatusOr<DeviceHandover::FastMrState> state =
+      old.handover().DescribeFastMr(object->mr);
   ASSERT_TRUE(state.ok()) << state.status();
   EXPECT_TRUE(state->allow_remote);
   EXPECT_EQ(state->max_pages, 8u);
@@ -969,14 +982,15 @@ TEST_F(HandoverTest, AdoptedLamAndFastRegisteredMrServeThroughTheOldRkey) {
   SoftwareDevice& next = Successor(old);
   PdId pd = NewPd(next);
   RecordingSink& sink = *sinks_.back();
-  ASSERT_TRUE(next.AdoptPeerTicket(pd, ticket).ok());
-  absl::StatusOr<LogicalMapping> adopted_lam = next.AdoptLam(
+  ASSERT_TRUE(next.handover().AdoptPeerTicket(pd, ticket).ok());
+  absl::StatusOr<LogicalMapping> adopted_lam = next.handover().AdoptLam(
       pd, buffer.Span(0, 4 * ps), lam->pages[0], lam->privileged_key);
   ASSERT_TRUE(adopted_lam.ok()) << adopted_lam.status();
   EXPECT_EQ(adopted_lam->pages, lam->pages);
   EXPECT_EQ(adopted_lam->fbo, lam->fbo);
   EXPECT_EQ(adopted_lam->privileged_key, lam->privileged_key);
-  absl::StatusOr<MrKeys> adopted = next.AdoptFastRegisterMr(pd, *state);
+  absl::StatusOr<MrKeys> adopted =
+      next.handover().AdoptFastRegisterMr(pd, *state);
   ASSERT_TRUE(adopted.ok()) << adopted.status();
   EXPECT_EQ(adopted->lkey, state->lkey);
   EXPECT_EQ(adopted->rkey, rkey);
@@ -985,7 +999,8 @@ TEST_F(HandoverTest, AdoptedLamAndFastRegisteredMrServeThroughTheOldRkey) {
   EXPECT_EQ(queried->lkey, state->lkey);
   EXPECT_EQ(queried->rkey, rkey);
   // Described again in the new device, it is what it was.
-  absl::StatusOr<Device::FastMrState> again = next.DescribeFastMr(adopted->mr);
+  absl::StatusOr<DeviceHandover::FastMrState> again =
+      next.handover().DescribeFastMr(adopted->mr);
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->pages, pages);
   EXPECT_EQ(again->rkey, rkey);
@@ -1036,7 +1051,8 @@ TEST_F(HandoverTest, AdoptedFreeMrObjectIsFastRegisteredLater) {
   PdId old_pd = NewPd(old);
   absl::StatusOr<MrKeys> object = old.AllocateFastRegisterMr(old_pd, true, 4);
   ASSERT_TRUE(object.ok()) << object.status();
-  absl::StatusOr<Device::FastMrState> state = old.DescribeFastMr(object->mr);
+  absl::StatusOr<DeviceHandover::FastMrState> state =
+      old.handover().DescribeFastMr(object->mr);
   ASSERT_TRUE(state.ok()) << state.status();
   EXPECT_FALSE(state->valid);
   EXPECT_TRUE(state->pages.empty());
@@ -1044,7 +1060,8 @@ TEST_F(HandoverTest, AdoptedFreeMrObjectIsFastRegisteredLater) {
 
   PdId pd = NewPd(next);
   RecordingSink& sink = *sinks_.back();
-  absl::StatusOr<MrKeys> adopted = next.AdoptFastRegisterMr(pd, *state);
+  absl::StatusOr<MrKeys> adopted =
+      next.handover().AdoptFastRegisterMr(pd, *state);
   ASSERT_TRUE(adopted.ok()) << adopted.status();
   EXPECT_EQ(adopted->lkey, object->lkey);
   EXPECT_EQ(adopted->rkey, object->rkey);
@@ -1096,11 +1113,13 @@ TEST_F(HandoverTest, RefusedLamAndMrObjectAdoptionsLeaveNothing) {
   ASSERT_NE(old_peer, nullptr);
   FastRegister(old, old_peer->connection_id(), old_sink, object->mr,
                {lam->pages[0]}, ps);
-  absl::StatusOr<Device::FastMrState> state = old.DescribeFastMr(object->mr);
+  absl::StatusOr<DeviceHandover::FastMrState> state =
+      old.handover().DescribeFastMr(object->mr);
   ASSERT_TRUE(state.ok()) << state.status();
 
   PdId pd = NewPd(next);
-  ASSERT_TRUE(next.AdoptLam(pd, held.Span(0, 2 * ps), lam->pages[0],
+  ASSERT_TRUE(next.handover()
+                  .AdoptLam(pd, held.Span(0, 2 * ps), lam->pages[0],
                             lam->privileged_key)
                   .ok());
   const uint64_t pinned = next.PinnedBytes();
@@ -1122,45 +1141,50 @@ TEST_F(HandoverTest, RefusedLamAndMrObjectAdoptionsLeaveNothing) {
   const auto bad_iova =
       IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_IOVA");
   // Overlapping the adopted LAM's range, at its second page.
-  EXPECT_THAT(next.AdoptLam(pd, span, lam->pages[1], key2).status(), bad_iova);
+  EXPECT_THAT(next.handover().AdoptLam(pd, span, lam->pages[1], key2).status(),
+              bad_iova);
   expect_nothing_left("overlap");
-  EXPECT_THAT(next.AdoptLam(pd, span, lam2->pages[0] + 8, key2).status(),
-              bad_iova);
+  EXPECT_THAT(
+      next.handover().AdoptLam(pd, span, lam2->pages[0] + 8, key2).status(),
+      bad_iova);
   expect_nothing_left("misaligned");
-  EXPECT_THAT(next.AdoptLam(pd, span, 0, key2).status(), bad_iova);
+  EXPECT_THAT(next.handover().AdoptLam(pd, span, 0, key2).status(), bad_iova);
   expect_nothing_left("zero");
-  EXPECT_THAT(next.AdoptLam(pd, span, uint64_t{1} << 63, key2).status(),
-              bad_iova);
+  EXPECT_THAT(
+      next.handover().AdoptLam(pd, span, uint64_t{1} << 63, key2).status(),
+      bad_iova);
   expect_nothing_left("past the limit");
   // The adopted LAM holds this key.
-  EXPECT_THAT(
-      next.AdoptLam(pd, span, lam2->pages[0], lam->privileged_key).status(),
-      IsMrdError(absl::StatusCode::kFailedPrecondition, "KEY_IN_USE"));
+  EXPECT_THAT(next.handover()
+                  .AdoptLam(pd, span, lam2->pages[0], lam->privileged_key)
+                  .status(),
+              IsMrdError(absl::StatusCode::kFailedPrecondition, "KEY_IN_USE"));
   expect_nothing_left("key in use");
 
   // Its page names a LAM this device never adopted.
-  Device::FastMrState unmapped = *state;
+  DeviceHandover::FastMrState unmapped = *state;
   unmapped.pages = {lam2->pages[0]};
-  EXPECT_THAT(next.AdoptFastRegisterMr(pd, unmapped).status(),
+  EXPECT_THAT(next.handover().AdoptFastRegisterMr(pd, unmapped).status(),
               IsSeedError(::mrd::STATUS_INVALID_PARAMETER, "PAGE_NOT_MAPPED"));
   expect_nothing_left("page not mapped");
-  Device::FastMrState in_use = *state;
+  DeviceHandover::FastMrState in_use = *state;
   in_use.lkey = in_use.rkey = lam->privileged_key;
-  EXPECT_THAT(next.AdoptFastRegisterMr(pd, in_use).status(),
+  EXPECT_THAT(next.handover().AdoptFastRegisterMr(pd, in_use).status(),
               IsMrdError(absl::StatusCode::kFailedPrecondition, "KEY_IN_USE"));
   expect_nothing_left("MR key in use");
-  Device::FastMrState two_keys = *state;
+  DeviceHandover::FastMrState two_keys = *state;
   two_keys.lkey ^= 1;
-  EXPECT_THAT(next.AdoptFastRegisterMr(pd, two_keys).status(),
+  EXPECT_THAT(next.handover().AdoptFastRegisterMr(pd, two_keys).status(),
               IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_KEY"));
   expect_nothing_left("lkey != rkey");
 
   // Nothing was left behind: the right ones still go in.
-  absl::StatusOr<MrKeys> adopted = next.AdoptFastRegisterMr(pd, *state);
+  absl::StatusOr<MrKeys> adopted =
+      next.handover().AdoptFastRegisterMr(pd, *state);
   ASSERT_TRUE(adopted.ok()) << adopted.status();
   EXPECT_EQ(adopted->rkey, state->rkey);
   absl::StatusOr<LogicalMapping> adopted2 =
-      next.AdoptLam(pd, span, lam2->pages[0], key2);
+      next.handover().AdoptLam(pd, span, lam2->pages[0], key2);
   ASSERT_TRUE(adopted2.ok()) << adopted2.status();
   EXPECT_EQ(adopted2->pages, lam2->pages);
   // Freeing a fast-registered MR object drops its hold on the LAM.
@@ -1177,19 +1201,20 @@ TEST_F(HandoverTest, NewLamsGoAboveTheOldDevicesWatermark) {
   absl::StatusOr<LogicalMapping> lam =
       old.BuildLam(old_pd, buffer.Span(0, 2 * ps));
   ASSERT_TRUE(lam.ok()) << lam.status();
-  const uint64_t watermark = old.LogicalAddressWatermark();
+  const uint64_t watermark = old.handover().LogicalAddressWatermark();
   EXPECT_GT(watermark, lam->pages.back());
 
   PdId pd = NewPd(next);
-  ASSERT_TRUE(next.AdoptLam(pd, buffer.Span(0, 2 * ps), lam->pages[0],
+  ASSERT_TRUE(next.handover()
+                  .AdoptLam(pd, buffer.Span(0, 2 * ps), lam->pages[0],
                             lam->privileged_key)
                   .ok());
-  EXPECT_GE(next.LogicalAddressWatermark(), lam->pages.back() + ps);
-  next.ContinueLogicalAddressesAbove(watermark);
-  EXPECT_GE(next.LogicalAddressWatermark(), watermark);
+  EXPECT_GE(next.handover().LogicalAddressWatermark(), lam->pages.back() + ps);
+  next.handover().ContinueLogicalAddressesAbove(watermark);
+  EXPECT_GE(next.handover().LogicalAddressWatermark(), watermark);
   // Never lowered.
-  next.ContinueLogicalAddressesAbove(ps);
-  EXPECT_GE(next.LogicalAddressWatermark(), watermark);
+  next.handover().ContinueLogicalAddressesAbove(ps);
+  EXPECT_GE(next.handover().LogicalAddressWatermark(), watermark);
   absl::StatusOr<LogicalMapping> fresh =
       next.BuildLam(pd, buffer.Span(0, 2 * ps));
   ASSERT_TRUE(fresh.ok()) << fresh.status();
@@ -1204,12 +1229,13 @@ TEST_F(HandoverTest, DescribeFastMrKnowsOnlyMrObjects) {
       device.RegisterMr(pd, buffer.Span(0, 64), kBase, kRemoteRw);
   ASSERT_TRUE(keys.ok()) << keys.status();
   const auto unknown = IsMrdError(absl::StatusCode::kNotFound, "UNKNOWN_MR");
-  EXPECT_THAT(device.DescribeFastMr(keys->mr).status(), unknown);
-  EXPECT_THAT(device.DescribeFastMr(keys->mr + 12345).status(), unknown);
+  EXPECT_THAT(device.handover().DescribeFastMr(keys->mr).status(), unknown);
+  EXPECT_THAT(device.handover().DescribeFastMr(keys->mr + 12345).status(),
+              unknown);
   absl::StatusOr<MrKeys> object = device.AllocateFastRegisterMr(pd, false, 1);
   ASSERT_TRUE(object.ok()) << object.status();
   ASSERT_TRUE(device.FreeFastRegisterMr(object->mr).ok());
-  EXPECT_THAT(device.DescribeFastMr(object->mr).status(), unknown);
+  EXPECT_THAT(device.handover().DescribeFastMr(object->mr).status(), unknown);
 }
 
 // ---------------------------------------------------------------------------
@@ -1221,7 +1247,7 @@ TEST_F(HandoverTest, DuplicatePeerListenerLeavesTheOldDeviceAccepting) {
   SoftwareDevice& old = NewDevice();
   OnePage page = RegisterOnePage(old);
   ASSERT_FALSE(HasFailure());
-  absl::StatusOr<UniqueFd> copy = old.DuplicatePeerListener();
+  absl::StatusOr<UniqueFd> copy = old.handover().DuplicatePeerListener();
   ASSERT_TRUE(copy.ok()) << copy.status();
   SoftwareDeviceOptions options;
   options.inherited_peer_listener = copy->get();
@@ -1250,11 +1276,11 @@ TEST_F(HandoverTest, DuplicatePeerListenerLeavesTheOldDeviceAccepting) {
 TEST_F(HandoverTest, AdoptPeerWithoutItsSocketIsRefused) {
   SoftwareDevice& next = NewDevice();
   PdId pd = NewPd(next);
-  Device::HandedOverPeer peer;
+  DeviceHandover::HandedOverPeer peer;
   peer.id = 5;
   peer.remote = "127.0.0.1:1";
   EXPECT_THAT(
-      next.AdoptPeer(pd, std::move(peer)),
+      next.handover().AdoptPeer(pd, std::move(peer)),
       IsMrdError(absl::StatusCode::kInvalidArgument, "BAD_PEER_CONNECTION"));
 }
 

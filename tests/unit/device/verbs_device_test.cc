@@ -31,6 +31,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "mrd/unique_fd.h"
+#include "server/device/device_handover.h"
 #include "tests/unit/device/device_test_util.h"
 
 namespace mrd::device {
@@ -231,8 +232,9 @@ TEST_F(VerbsDeviceTest, AttributesDescribeTheAdapter) {
 TEST_F(VerbsDeviceTest, HandoverIsRefusedAsUnsupported) {
   const auto unsupported = IsMrdError(absl::StatusCode::kFailedPrecondition,
                                       "HANDOVER_UNSUPPORTED_DEVICE");
-  EXPECT_THAT(device_->CanHandOver(), unsupported);
-  EXPECT_THAT(device_->CanHandOver().message(), HasSubstr("ibv_import_device"));
+  EXPECT_THAT(device_->handover().CanHandOver(), unsupported);
+  EXPECT_THAT(device_->handover().CanHandOver().message(),
+              HasSubstr("ibv_import_device"));
   PdId pd = NewPd();
   MemfdBuffer& buffer = NewBuffer(1);
   EXPECT_THAT(
@@ -244,23 +246,25 @@ TEST_F(VerbsDeviceTest, HandoverIsRefusedAsUnsupported) {
   EXPECT_EQ(device_->PinnedBytes(), 0u);
   absl::StatusOr<std::string> ticket = device_->CreatePeerTicket(pd);
   ASSERT_TRUE(ticket.ok());
-  EXPECT_THAT(device_->AdoptPeerTicket(pd, *ticket), unsupported);
+  EXPECT_THAT(device_->handover().AdoptPeerTicket(pd, *ticket), unsupported);
   absl::StatusOr<MrKeys> object = device_->AllocateFastRegisterMr(pd, true, 1);
   ASSERT_TRUE(object.ok()) << object.status();
-  EXPECT_THAT(device_->DescribeFastMr(object->mr).status(), unsupported);
+  EXPECT_THAT(device_->handover().DescribeFastMr(object->mr).status(),
+              unsupported);
   EXPECT_THAT(
       device_
           ->AdoptLam(pd, buffer.Span(0, PageSize()), uint64_t{1} << 40, 0x1234)
           .status(),
       unsupported);
   EXPECT_EQ(device_->PinnedBytes(), 0u);
-  Device::FastMrState state;
+  DeviceHandover::FastMrState state;
   state.max_pages = 1;
   state.lkey = state.rkey = 0x1234;
-  EXPECT_THAT(device_->AdoptFastRegisterMr(pd, state).status(), unsupported);
+  EXPECT_THAT(device_->handover().AdoptFastRegisterMr(pd, state).status(),
+              unsupported);
   ASSERT_TRUE(device_->FreeFastRegisterMr(object->mr).ok());
-  EXPECT_THAT(device_->StopPeerAccepting().status(), unsupported);
-  device_->ResumePeerAccepting();  // nothing to resume
+  EXPECT_THAT(device_->handover().StopPeerAccepting().status(), unsupported);
+  device_->handover().ResumePeerAccepting();  // nothing to resume
   // Still accepting peers.
   EXPECT_TRUE(TryConnect(pd).ok());
 }

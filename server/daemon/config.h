@@ -1,0 +1,82 @@
+// What mrd's wiring (server/main.cc) reads from its flags, checked, before
+// it makes anything: where its sockets and directories are and who may
+// use them, which device it runs and how, the fd budget, and the core's
+// limits and tenants; what the metrics say of them. Every error names the
+// flag or path at fault.
+#ifndef MRD_SERVER_DAEMON_CONFIG_H_
+#define MRD_SERVER_DAEMON_CONFIG_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "server/common/fd_budget.h"
+#include "server/core/core.h"
+#include "server/device/device.h"
+#include "server/device/software/software_device.h"
+#include "server/metrics/metrics.h"
+
+namespace mrd::daemon {
+
+struct Config {
+  // PreparePaths: trusted directories, and sockets with their defaults in
+  // the runtime directory (admin_socket empty: none).
+  std::string runtime_dir;
+  std::string grpc_socket;
+  std::string fd_socket;
+  std::string handover_socket;
+  std::string admin_socket;
+  std::string shm_dir;
+  mode_t socket_mode = 0;
+  // PreparePeers: who may use the sockets.
+  std::vector<uint32_t> uids;
+  std::vector<uint32_t> gids;
+  std::string debug_tcp;
+  // ChooseDevice, and OpenVerbsDevice when it falls back.
+  device::PinMethod pin_method{};
+  bool use_verbs = false;
+  bool device_fallback = false;  // auto: RDMA devices, software device
+};
+
+// A start step's error, the text to log.
+absl::Status Fail(absl::string_view message);
+
+absl::StatusOr<std::unique_ptr<FdBudget>> PrepareFdBudget();
+absl::Status PreparePaths(Config* config);
+absl::Status PreparePeers(Config* config);
+absl::Status ChooseDevice(Config* config);
+// The verbs device (not started); under --device=auto a failure falls
+// back to the software device (config->use_verbs false, *device null),
+// loudly.
+absl::Status OpenVerbsDevice(Config* config, const std::string& device_flag,
+                             std::unique_ptr<device::Device>* device);
+// The software device (not started); `peer_listener` (or -1): taking over,
+// the running mrd's peer listener, on the same port (the device keeps a
+// duplicate).
+absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
+                                std::unique_ptr<device::Device>* device);
+// The core's options: limits, tenants, who an anonymous lease session may
+// be; warns when mrd cannot pin what its limits allow.
+absl::Status MakeCoreOptions(const Config& config, const device::Device& device,
+                             FdBudget* fd_budget, core::CoreOptions* options);
+
+// Each configured limit, the flag's name (without --) and its value, for
+// the metrics.
+std::vector<std::pair<std::string, double>> LimitsOf(
+    const core::CoreOptions& options);
+// A device's peer path gauges, for the metrics.
+metrics::PeerPathGauges PeerPathGaugesOf(const device::PeerPathCounts& counts);
+
+// A configuration file of at most 1 MiB.
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path);
+
+}  // namespace mrd::daemon
+
+#endif  // MRD_SERVER_DAEMON_CONFIG_H_

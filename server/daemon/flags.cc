@@ -1,0 +1,210 @@
+// Every flag of mrd, with its default and help (docs/CONFIG.md).
+#include "server/daemon/flags.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/time/time.h"
+#include "server/common/prefault.h"
+
+ABSL_FLAG(std::string, runtime_dir, "",
+          "Directory for the sockets. Default: /run/mrd as root, else "
+          "$XDG_RUNTIME_DIR/mrd, else /tmp/mrd-<uid>.");
+ABSL_FLAG(std::string, grpc_socket, "",
+          "gRPC Unix socket path. Default: <runtime_dir>/mrd.sock.");
+ABSL_FLAG(std::string, fd_socket, "",
+          "fd-passing (SOCK_SEQPACKET) socket path. Default: "
+          "<runtime_dir>/fd.sock.");
+ABSL_FLAG(std::string, socket_mode, "0660",
+          "Permission bits (octal) of both sockets.");
+ABSL_FLAG(std::string, debug_tcp_address, "",
+          "Also serve gRPC on this TCP address (debugging, e.g. "
+          "127.0.0.1:50051). Loopback addresses only. Empty = off.");
+ABSL_FLAG(std::string, device, "auto",
+          "RDMA device: software, verbs or auto (verbs where a device exists, "
+          "else software).");
+ABSL_FLAG(std::string, peer_address, "127.0.0.1:7471",
+          "Where remote peers connect (numeric host:port; port 0 = any free "
+          "port). Software device: the TCP listener. Verbs device: the "
+          "rdma_cm listener, an address of the RDMA device's interface "
+          "(e.g. 10.77.0.1:0).");
+ABSL_FLAG(std::string, pin_method, "auto",
+          "Software device: how pages are pinned. io_uring (fixed buffers: no "
+          "memory map per pin), mlock (splits a memory map per pinned "
+          "range), or auto (io_uring where the kernel allows it, mlock for "
+          "read-only buffers and when io_uring is unavailable).");
+ABSL_FLAG(uint64_t, pin_max_map_splits, 0,
+          "Software device: memory maps (VMAs) mlock pinning may split, "
+          "beyond which pins are refused with LIMIT_MEMORY_MAPS. 0 = half of "
+          "what vm.max_map_count leaves at start.");
+ABSL_FLAG(uint32_t, peer_max_connections, 4096,
+          "Software device: peer TCP connections open at once; past it a new "
+          "one sheds the oldest connection that has not said hello, or is "
+          "refused.");
+ABSL_FLAG(uint32_t, peer_max_unauthenticated, 256,
+          "Software device: peer connections before hello; past it the oldest "
+          "such connection is closed to admit the new one.");
+ABSL_FLAG(uint32_t, peer_max_session_connections, 1024,
+          "Software device: peer connections bound to one session; past it "
+          "hello gets LIMIT_PEER_CONNECTIONS.");
+ABSL_FLAG(absl::Duration, peer_hello_timeout, absl::Seconds(5),
+          "Software device: a peer connection without a successful hello by "
+          "then is closed.");
+ABSL_FLAG(absl::Duration, peer_stall_timeout, absl::Seconds(30),
+          "Software device: a peer connection making no progress inside a "
+          "frame (or a response) for this long is closed.");
+ABSL_FLAG(uint64_t, peer_buffer_bytes, uint64_t{256} << 20,
+          "Software device: memory for peer frames of all connections "
+          "together; when reached, frame bodies wait unread.");
+ABSL_FLAG(uint32_t, peer_workers, 4,
+          "Software device: threads handling peer requests (fixed; no thread "
+          "per connection).");
+ABSL_FLAG(std::string, verbs_device, "",
+          "Verbs device: the RDMA device to use (e.g. mlx5_0, rxe0); empty = "
+          "the one --peer_address belongs to. When set, --peer_address must "
+          "be on it.");
+ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
+          "Serve Prometheus metrics at http://<address>/metrics. Empty = off.");
+ABSL_FLAG(std::string, shm_dir, "/dev/shm/mrd",
+          "Shared-memory directory for ImportFile (lease sessions). Empty = "
+          "off.");
+ABSL_FLAG(std::vector<std::string>, allowed_uids, {},
+          "Peer uids allowed on the fd socket and as owners of ImportFile "
+          "files. Default: mrd's own effective uid.");
+ABSL_FLAG(std::vector<std::string>, allowed_gids, {},
+          "Peer gids allowed on the fd socket.");
+ABSL_FLAG(bool, allow_any_peer, false,
+          "Allow any local uid on the fd socket (the socket mode still "
+          "applies).");
+ABSL_FLAG(uint64_t, max_sessions, 1024, "Open sessions at most.");
+ABSL_FLAG(uint64_t, fd_reserve, 0,
+          "File descriptors no client can make mrd use (kept for gRPC, "
+          "peers, metrics, logs, the device). 0 = max(256, limit/8), at most "
+          "3/4 of the open-file limit (RLIMIT_NOFILE, raised to the hard "
+          "limit at start).");
+ABSL_FLAG(uint64_t, grpc_max_connections, 0,
+          "gRPC connections (on --grpc_socket) mrd holds at most; more are "
+          "refused with an HTTP/2 GOAWAY naming LIMIT_GRPC_CONNECTIONS. 0 = "
+          "half the fd reserve.");
+ABSL_FLAG(uint64_t, grpc_max_connections_per_tenant, 0,
+          "gRPC connections one client tenant (its pod, container or uid, as "
+          "--tenant_key says) may hold; more are refused "
+          "(LIMIT_TENANT_GRPC_CONNECTIONS). 0 = --tenant_default_percent of "
+          "--grpc_max_connections.");
+ABSL_FLAG(uint64_t, max_session_fds, 0,
+          "File descriptors (imported buffers) one session may make mrd "
+          "hold. 0 = min(4096, budget/4), budget = limit - fd_reserve.");
+ABSL_FLAG(uint64_t, max_buffer_size, uint64_t{1} << 40,
+          "Largest buffer (bytes) a session may import.");
+ABSL_FLAG(uint64_t, max_session_pinned_bytes, uint64_t{4} << 30,
+          "Bytes one session may have pinned.");
+ABSL_FLAG(uint64_t, max_total_pinned_bytes, uint64_t{16} << 30,
+          "Bytes all sessions together may have pinned.");
+ABSL_FLAG(uint64_t, max_session_registrations, 65536,
+          "Registrations one session may hold.");
+ABSL_FLAG(uint64_t, max_total_registrations, uint64_t{1} << 20,
+          "Registrations all sessions together may hold.");
+ABSL_FLAG(uint64_t, max_total_buffers, 32768,
+          "Buffers all sessions together may hold (each holds an fd and a "
+          "memory map).");
+ABSL_FLAG(uint64_t, max_total_lams, 262144,
+          "LAMs all sessions together may hold (each holds a device key).");
+ABSL_FLAG(uint64_t, max_total_mrs, 262144,
+          "MR objects all sessions together may hold (each holds a device "
+          "key).");
+ABSL_FLAG(uint64_t, max_batch_items, 4096,
+          "Items one RegisterMrBatch or DeregisterMrBatch may carry.");
+ABSL_FLAG(std::string, tenants_file, "",
+          "Named tenants and their quotas, one per line: tenant <name> "
+          "uids=<uid>[,...] [sessions=N] [buffers=N] [registrations=N] "
+          "[pinned_bytes=N[K|M|G|T]] [lams=N] [mrs=N] [peer_connections=N]. "
+          "Other uids are tenants of their own (uid:<uid>); lease sessions "
+          "nobody vouched for are the tenant 'anonymous'. Empty = none named.");
+ABSL_FLAG(uint32_t, tenant_default_percent, 25,
+          "A tenant's default quota of each resource, in percent of the "
+          "server's total of it (1-100).");
+ABSL_FLAG(uint64_t, warm_pin_bytes_per_session, uint64_t{256} << 20,
+          "Bytes of released registrations one session may keep pinned "
+          "(without any key) so that registering them again is cheap; they "
+          "count towards the pinned-bytes limits and give way to new pins. "
+          "0 = off.");
+ABSL_FLAG(uint64_t, warm_pin_bytes_total, uint64_t{1} << 30,
+          "Bytes of warm pins all sessions together may keep. 0 = off.");
+ABSL_FLAG(absl::Duration, lease_ttl, absl::Seconds(60),
+          "Default lease TTL of OpenLeaseSession.");
+ABSL_FLAG(absl::Duration, max_lease_ttl, absl::Hours(24),
+          "Longest lease TTL a client may ask for.");
+ABSL_FLAG(int, worker_threads, 4,
+          "Threads that run registration work off the gRPC threads, shared "
+          "fairly between tenants (each tenant's requests wait in a queue of "
+          "its own, served by deficit round robin weighted by the tenant's "
+          "weight; a tenant holds at most its share while others wait).");
+ABSL_FLAG(int, spare_worker_threads, -1,
+          "Threads beyond --worker_threads that start only a request of a "
+          "tenant holding less than its share while every worker is busy "
+          "with other tenants' work. -1 = as many as --worker_threads.");
+ABSL_FLAG(bool, fair_scheduling, true,
+          "Share the workers fairly between tenants. false: one queue, first "
+          "come first served, no spare threads (for comparison only).");
+ABSL_FLAG(std::string, tenant_key, "pod",
+          "What a client's tenant is keyed by: pod (its Kubernetes pod, from "
+          "the cgroup of its process; a container outside Kubernetes is its "
+          "container, a process in none its uid), container, or uid.");
+ABSL_FLAG(std::string, kubelet_pod_logs_dir, "/var/log/pods",
+          "The kubelet's pod log directory (<namespace>_<name>_<uid> per "
+          "pod), where a client pod's namespace and name are read when the "
+          "tenants file names pods as <namespace>/<name>.");
+ABSL_FLAG(std::string, admin_socket, "",
+          "The administrative gRPC socket (mrd.v1.TenantAdmin), mode 0600, "
+          "for root and mrd's own uid only. Default: <runtime_dir>/admin.sock; "
+          "'none' = no administrative socket.");
+ABSL_FLAG(uint32_t, prefault_threads, mrd::kDefaultPrefaultThreads,
+          "Threads (at most the online CPUs) that fill mrd's page tables "
+          "before a registration or LAM of 32 MiB or more is pinned; 0 = "
+          "off (the pin faults the pages in itself).");
+ABSL_FLAG(absl::Duration, progress_after, absl::Seconds(1),
+          "A registration of 32 MiB or more still pinning after this long "
+          "reports its progress (REGISTRATION_PROGRESS) on its session's "
+          "completion stream...");
+ABSL_FLAG(absl::Duration, progress_interval, absl::Seconds(1),
+          "...and again every this long until it answers (at least 1ms).");
+ABSL_FLAG(bool, takeover, false,
+          "Take over from the mrd serving this runtime directory (live "
+          "handover: every session, buffer and registration goes on with "
+          "its keys; docs/ARCHITECTURE.md). When none serves, start fresh. A "
+          "takeover that fails leaves the running mrd serving, and this one "
+          "exits 1 saying why.");
+ABSL_FLAG(std::string, handover_socket, "",
+          "Where this mrd listens for a new mrd taking over, and where "
+          "--takeover looks for the running one. Default: "
+          "<runtime_dir>/handover.sock (mode 0600, own uid only).");
+ABSL_FLAG(absl::Duration, handover_drain_timeout, absl::Seconds(10),
+          "Handing over: how long requests in flight may take to finish "
+          "before the handover is refused (HANDOVER_BUSY) and this mrd "
+          "serves on.");
+ABSL_FLAG(absl::Duration, handover_timeout, absl::Seconds(60),
+          "Handing over: how long each side waits for each answer of the "
+          "other, and how long --takeover keeps asking a running mrd that "
+          "says it is busy (HANDOVER_BUSY).");
+ABSL_FLAG(std::string, after_handover, "exit",
+          "What this mrd does once it has handed over: exit (exit 0 at "
+          "once; the kernel drops this process's own pins and mappings) "
+          "or wait (release everything, hold nothing, NOT_SERVING, until "
+          "SIGTERM or SIGINT, then exit 0; for Kubernetes, where an exited "
+          "container would be restarted and take over back).");
+ABSL_FLAG(std::string, handover_status_file, "",
+          "Write this mrd's handover state to this file, one word: "
+          "taking-over, serving, handing-over, handed-over, stopping or "
+          "stopped (Kubernetes probes and --await_handover read it; a file "
+          "of this mrd alone, e.g. in a per-pod emptyDir). Empty = none.");
+ABSL_FLAG(absl::Duration, await_handover, absl::ZeroDuration(),
+          "Do not serve: wait at most this long until the mrd writing "
+          "--handover_status_file is not in the middle of a handover "
+          "(neither taking-over nor handing-over), then exit 0; exit 1 "
+          "when it still is (a Kubernetes preStop hook). 0 = off.");
+ABSL_FLAG(std::string, handover_test_fault, "",
+          "Tests only: fail the handover at this step (server/handover/"
+          "handover.h lists them).");
+ABSL_FLAG(bool, verbose, false, "Log debug lines.");
