@@ -113,14 +113,15 @@ void SetCoreLimits(const Config& config, const device::Device& device,
   o.default_lease_ttl = absl::GetFlag(FLAGS_lease_ttl);
   o.max_lease_ttl = absl::GetFlag(FLAGS_max_lease_ttl);
   o.max_sessions = absl::GetFlag(FLAGS_max_sessions);
-  o.max_buffer_size = absl::GetFlag(FLAGS_max_buffer_size);
-  o.max_session_pinned_bytes = absl::GetFlag(FLAGS_max_session_pinned_bytes);
-  o.max_total_pinned_bytes = absl::GetFlag(FLAGS_max_total_pinned_bytes);
+  o.max_buffer_size = absl::GetFlag(FLAGS_max_buffer_size).bytes;
+  o.max_session_pinned_bytes =
+      absl::GetFlag(FLAGS_max_session_pinned_bytes).bytes;
+  o.max_total_pinned_bytes = absl::GetFlag(FLAGS_max_total_pinned_bytes).bytes;
   o.max_session_registrations = absl::GetFlag(FLAGS_max_session_registrations);
   o.max_total_registrations = absl::GetFlag(FLAGS_max_total_registrations);
   o.warm_pin_bytes_per_session =
-      absl::GetFlag(FLAGS_warm_pin_bytes_per_session);
-  o.warm_pin_bytes_total = absl::GetFlag(FLAGS_warm_pin_bytes_total);
+      absl::GetFlag(FLAGS_warm_pin_bytes_per_session).bytes;
+  o.warm_pin_bytes_total = absl::GetFlag(FLAGS_warm_pin_bytes_total).bytes;
   o.fd_budget = fd_budget;
   if (!device.Attributes().shares_pins && o.warm_pin_bytes_total != 0) {
     // Measured (docs/PERFORMANCE.md): on a device that pins per registration
@@ -390,7 +391,7 @@ absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
       absl::GetFlag(FLAGS_peer_max_session_connections);
   options.peer_hello_timeout = absl::GetFlag(FLAGS_peer_hello_timeout);
   options.peer_stall_timeout = absl::GetFlag(FLAGS_peer_stall_timeout);
-  options.peer_buffer_bytes = absl::GetFlag(FLAGS_peer_buffer_bytes);
+  options.peer_buffer_bytes = absl::GetFlag(FLAGS_peer_buffer_bytes).bytes;
   options.peer_workers = absl::GetFlag(FLAGS_peer_workers);
   // Taking over: the running mrd's peer listener, on the same port (the
   // device keeps a duplicate).

@@ -1,4 +1,7 @@
-// Every flag of mrd, with its default and help (docs/CONFIG.md).
+// Every flag of mrd, with its default and help (docs/CONFIG.md). A default
+// that an options struct holds as well (core::CoreOptions,
+// device::SoftwareDeviceOptions) is read from it, so that it is written
+// once; byte sizes are mrd::ByteSize flags, which take units ("16G").
 #include "server/daemon/flags.h"
 
 #include <cstdint>
@@ -7,7 +10,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/time/time.h"
+#include "mrd/byte_size.h"
 #include "server/common/prefault.h"
+#include "server/core/core.h"
+#include "server/device/software/software_device.h"
 
 ABSL_FLAG(std::string, runtime_dir, "",
           "Directory for the sockets. Default: /run/mrd as root, else "
@@ -55,7 +61,8 @@ ABSL_FLAG(absl::Duration, peer_hello_timeout, absl::Seconds(5),
 ABSL_FLAG(absl::Duration, peer_stall_timeout, absl::Seconds(30),
           "Software device: a peer connection making no progress inside a "
           "frame (or a response) for this long is closed.");
-ABSL_FLAG(uint64_t, peer_buffer_bytes, uint64_t{256} << 20,
+ABSL_FLAG(mrd::ByteSize, peer_buffer_bytes,
+          mrd::ByteSize{mrd::device::SoftwareDeviceOptions{}.peer_buffer_bytes},
           "Software device: memory for peer frames of all connections "
           "together; when reached, frame bodies wait unread.");
 ABSL_FLAG(uint32_t, peer_workers, 4,
@@ -78,7 +85,8 @@ ABSL_FLAG(std::vector<std::string>, allowed_gids, {},
 ABSL_FLAG(bool, allow_any_peer, false,
           "Allow any local uid on the fd socket (the socket mode still "
           "applies).");
-ABSL_FLAG(uint64_t, max_sessions, 1024, "Open sessions at most.");
+ABSL_FLAG(uint64_t, max_sessions, mrd::core::CoreOptions{}.max_sessions,
+          "Open sessions at most.");
 ABSL_FLAG(uint64_t, fd_reserve, 0,
           "File descriptors no client can make mrd use (kept for gRPC, "
           "peers, metrics, logs, the device). 0 = max(256, limit/8), at most "
@@ -96,25 +104,31 @@ ABSL_FLAG(uint64_t, grpc_max_connections_per_tenant, 0,
 ABSL_FLAG(uint64_t, max_session_fds, 0,
           "File descriptors (imported buffers) one session may make mrd "
           "hold. 0 = min(4096, budget/4), budget = limit - fd_reserve.");
-ABSL_FLAG(uint64_t, max_buffer_size, uint64_t{1} << 40,
+ABSL_FLAG(mrd::ByteSize, max_buffer_size,
+          mrd::ByteSize{mrd::core::CoreOptions{}.max_buffer_size},
           "Largest buffer (bytes) a session may import.");
-ABSL_FLAG(uint64_t, max_session_pinned_bytes, uint64_t{4} << 30,
+ABSL_FLAG(mrd::ByteSize, max_session_pinned_bytes,
+          mrd::ByteSize{mrd::core::CoreOptions{}.max_session_pinned_bytes},
           "Bytes one session may have pinned.");
-ABSL_FLAG(uint64_t, max_total_pinned_bytes, uint64_t{16} << 30,
+ABSL_FLAG(mrd::ByteSize, max_total_pinned_bytes,
+          mrd::ByteSize{mrd::core::CoreOptions{}.max_total_pinned_bytes},
           "Bytes all sessions together may have pinned.");
-ABSL_FLAG(uint64_t, max_session_registrations, 65536,
+ABSL_FLAG(uint64_t, max_session_registrations,
+          mrd::core::CoreOptions{}.max_session_registrations,
           "Registrations one session may hold.");
-ABSL_FLAG(uint64_t, max_total_registrations, uint64_t{1} << 20,
+ABSL_FLAG(uint64_t, max_total_registrations,
+          mrd::core::CoreOptions{}.max_total_registrations,
           "Registrations all sessions together may hold.");
-ABSL_FLAG(uint64_t, max_total_buffers, 32768,
+ABSL_FLAG(uint64_t, max_total_buffers,
+          mrd::core::CoreOptions{}.max_total_buffers,
           "Buffers all sessions together may hold (each holds an fd and a "
           "memory map).");
-ABSL_FLAG(uint64_t, max_total_lams, 262144,
+ABSL_FLAG(uint64_t, max_total_lams, mrd::core::CoreOptions{}.max_total_lams,
           "LAMs all sessions together may hold (each holds a device key).");
-ABSL_FLAG(uint64_t, max_total_mrs, 262144,
+ABSL_FLAG(uint64_t, max_total_mrs, mrd::core::CoreOptions{}.max_total_mrs,
           "MR objects all sessions together may hold (each holds a device "
           "key).");
-ABSL_FLAG(uint64_t, max_batch_items, 4096,
+ABSL_FLAG(uint64_t, max_batch_items, mrd::core::CoreOptions{}.max_batch_items,
           "Items one RegisterMrBatch or DeregisterMrBatch may carry.");
 ABSL_FLAG(std::string, tenants_file, "",
           "Named tenants and their quotas, one per line: tenant <name> "
@@ -125,16 +139,17 @@ ABSL_FLAG(std::string, tenants_file, "",
 ABSL_FLAG(uint32_t, tenant_default_percent, 25,
           "A tenant's default quota of each resource, in percent of the "
           "server's total of it (1-100).");
-ABSL_FLAG(uint64_t, warm_pin_bytes_per_session, uint64_t{256} << 20,
+ABSL_FLAG(mrd::ByteSize, warm_pin_bytes_per_session,
+          mrd::ByteSize{uint64_t{256} << 20},
           "Bytes of released registrations one session may keep pinned "
           "(without any key) so that registering them again is cheap; they "
           "count towards the pinned-bytes limits and give way to new pins. "
           "0 = off.");
-ABSL_FLAG(uint64_t, warm_pin_bytes_total, uint64_t{1} << 30,
+ABSL_FLAG(mrd::ByteSize, warm_pin_bytes_total, mrd::ByteSize{uint64_t{1} << 30},
           "Bytes of warm pins all sessions together may keep. 0 = off.");
-ABSL_FLAG(absl::Duration, lease_ttl, absl::Seconds(60),
+ABSL_FLAG(absl::Duration, lease_ttl, mrd::core::CoreOptions{}.default_lease_ttl,
           "Default lease TTL of OpenLeaseSession.");
-ABSL_FLAG(absl::Duration, max_lease_ttl, absl::Hours(24),
+ABSL_FLAG(absl::Duration, max_lease_ttl, mrd::core::CoreOptions{}.max_lease_ttl,
           "Longest lease TTL a client may ask for.");
 ABSL_FLAG(int, worker_threads, 4,
           "Threads that run registration work off the gRPC threads, shared "

@@ -10,6 +10,7 @@
 
 #include "absl/flags/declare.h"
 #include "absl/time/time.h"
+#include "mrd/byte_size.h"
 
 ABSL_DECLARE_FLAG(std::string, runtime_dir);
 ABSL_DECLARE_FLAG(std::string, grpc_socket);
@@ -25,7 +26,7 @@ ABSL_DECLARE_FLAG(uint32_t, peer_max_unauthenticated);
 ABSL_DECLARE_FLAG(uint32_t, peer_max_session_connections);
 ABSL_DECLARE_FLAG(absl::Duration, peer_hello_timeout);
 ABSL_DECLARE_FLAG(absl::Duration, peer_stall_timeout);
-ABSL_DECLARE_FLAG(uint64_t, peer_buffer_bytes);
+ABSL_DECLARE_FLAG(mrd::ByteSize, peer_buffer_bytes);
 ABSL_DECLARE_FLAG(uint32_t, peer_workers);
 ABSL_DECLARE_FLAG(std::string, verbs_device);
 ABSL_DECLARE_FLAG(std::string, metrics_address);
@@ -38,9 +39,9 @@ ABSL_DECLARE_FLAG(uint64_t, fd_reserve);
 ABSL_DECLARE_FLAG(uint64_t, grpc_max_connections);
 ABSL_DECLARE_FLAG(uint64_t, grpc_max_connections_per_tenant);
 ABSL_DECLARE_FLAG(uint64_t, max_session_fds);
-ABSL_DECLARE_FLAG(uint64_t, max_buffer_size);
-ABSL_DECLARE_FLAG(uint64_t, max_session_pinned_bytes);
-ABSL_DECLARE_FLAG(uint64_t, max_total_pinned_bytes);
+ABSL_DECLARE_FLAG(mrd::ByteSize, max_buffer_size);
+ABSL_DECLARE_FLAG(mrd::ByteSize, max_session_pinned_bytes);
+ABSL_DECLARE_FLAG(mrd::ByteSize, max_total_pinned_bytes);
 ABSL_DECLARE_FLAG(uint64_t, max_session_registrations);
 ABSL_DECLARE_FLAG(uint64_t, max_total_registrations);
 ABSL_DECLARE_FLAG(uint64_t, max_total_buffers);
@@ -49,8 +50,8 @@ ABSL_DECLARE_FLAG(uint64_t, max_total_mrs);
 ABSL_DECLARE_FLAG(uint64_t, max_batch_items);
 ABSL_DECLARE_FLAG(std::string, tenants_file);
 ABSL_DECLARE_FLAG(uint32_t, tenant_default_percent);
-ABSL_DECLARE_FLAG(uint64_t, warm_pin_bytes_per_session);
-ABSL_DECLARE_FLAG(uint64_t, warm_pin_bytes_total);
+ABSL_DECLARE_FLAG(mrd::ByteSize, warm_pin_bytes_per_session);
+ABSL_DECLARE_FLAG(mrd::ByteSize, warm_pin_bytes_total);
 ABSL_DECLARE_FLAG(absl::Duration, lease_ttl);
 ABSL_DECLARE_FLAG(absl::Duration, max_lease_ttl);
 ABSL_DECLARE_FLAG(int, worker_threads);

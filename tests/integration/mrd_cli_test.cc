@@ -26,10 +26,14 @@ struct MrdRun {
   std::string out;
 };
 
-// `mrd <args>`, its standard output and exit code.
-MrdRun RunMrd(const std::string& args) {
+// `mrd <args>`, its standard output (and error, if `with_stderr`) and exit
+// code.
+MrdRun RunMrd(const std::string& args, bool with_stderr = false) {
   MrdRun r;
-  FILE* p = ::popen((MrdBinary() + " " + args + " 2>/dev/null").c_str(), "r");
+  FILE* p = ::popen(
+      (MrdBinary() + " " + args + (with_stderr ? " 2>&1" : " 2>/dev/null"))
+          .c_str(),
+      "r");
   if (p == nullptr) return r;
   char buf[4096];
   size_t n;
@@ -79,6 +83,24 @@ TEST(MrdCliTest, HelpListsEveryDocumentedFlagAndExitsZero) {
   }
 }
 
+// Byte-size flags read units as mrctl and the tenants file do
+// (mrd/byte_size.h), show their defaults with them, and refuse what is not
+// a size by name.
+TEST(MrdCliTest, ByteSizeFlagsTakeUnits) {
+  MrdRun help = RunMrd("--help");
+  EXPECT_TRUE(absl::StrContains(help.out,
+                                "--max_total_pinned_bytes (default: \"16G\")"))
+      << help.out;
+  EXPECT_TRUE(
+      absl::StrContains(help.out, "--peer_buffer_bytes (default: \"256M\")"))
+      << help.out;
+  // Refused before anything starts (--await_handover: mrd would only wait).
+  MrdRun bad = RunMrd("--max_total_pinned_bytes=16Q --await_handover=1ms",
+                      /*with_stderr=*/true);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_TRUE(absl::StrContains(bad.out, "'16Q' is not a size")) << bad.out;
+}
+
 TEST(MrdCliTest, VersionNamesTheVersion) {
   MrdRun version = RunMrd("--version");
   EXPECT_EQ(version.exit_code, 0);
@@ -123,6 +145,10 @@ TEST(MrdStartTest, WarnsWhenItCannotPinWhatItsLimitsAllow) {
   const std::string enough =
       StartLog("65536", {"--max_total_pinned_bytes=65536"});
   EXPECT_FALSE(absl::StrContains(enough, "RLIMIT_MEMLOCK")) << enough;
+  // The same limit with a unit.
+  const std::string with_unit =
+      StartLog("65536", {"--max_total_pinned_bytes=64K"});
+  EXPECT_FALSE(absl::StrContains(with_unit, "RLIMIT_MEMLOCK")) << with_unit;
 }
 
 }  // namespace
