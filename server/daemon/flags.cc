@@ -45,27 +45,33 @@ ABSL_FLAG(uint64_t, pin_max_map_splits, 0,
           "Software device: memory maps (VMAs) mlock pinning may split, "
           "beyond which pins are refused with LIMIT_MEMORY_MAPS. 0 = half of "
           "what vm.max_map_count leaves at start.");
-ABSL_FLAG(uint32_t, peer_max_connections, 4096,
+ABSL_FLAG(uint32_t, peer_max_connections,
+          mrd::device::SoftwareDeviceOptions{}.max_connections,
           "Software device: peer TCP connections open at once; past it a new "
           "one sheds the oldest connection that has not said hello, or is "
           "refused.");
-ABSL_FLAG(uint32_t, peer_max_unauthenticated, 256,
+ABSL_FLAG(uint32_t, peer_max_unauthenticated,
+          mrd::device::SoftwareDeviceOptions{}.max_unauthenticated_connections,
           "Software device: peer connections before hello; past it the oldest "
           "such connection is closed to admit the new one.");
-ABSL_FLAG(uint32_t, peer_max_session_connections, 1024,
+ABSL_FLAG(uint32_t, peer_max_session_connections,
+          mrd::device::SoftwareDeviceOptions{}.max_session_connections,
           "Software device: peer connections bound to one session; past it "
           "hello gets LIMIT_PEER_CONNECTIONS.");
-ABSL_FLAG(absl::Duration, peer_hello_timeout, absl::Seconds(5),
+ABSL_FLAG(absl::Duration, peer_hello_timeout,
+          mrd::device::SoftwareDeviceOptions{}.peer_hello_timeout,
           "Software device: a peer connection without a successful hello by "
           "then is closed.");
-ABSL_FLAG(absl::Duration, peer_stall_timeout, absl::Seconds(30),
+ABSL_FLAG(absl::Duration, peer_stall_timeout,
+          mrd::device::SoftwareDeviceOptions{}.peer_stall_timeout,
           "Software device: a peer connection making no progress inside a "
           "frame (or a response) for this long is closed.");
 ABSL_FLAG(mrd::ByteSize, peer_buffer_bytes,
           mrd::ByteSize{mrd::device::SoftwareDeviceOptions{}.peer_buffer_bytes},
           "Software device: memory for peer frames of all connections "
           "together; when reached, frame bodies wait unread.");
-ABSL_FLAG(uint32_t, peer_workers, 4,
+ABSL_FLAG(uint32_t, peer_workers,
+          mrd::device::SoftwareDeviceOptions{}.peer_workers,
           "Software device: threads handling peer requests (fixed; no thread "
           "per connection).");
 ABSL_FLAG(std::string, verbs_device, "",
