@@ -13,6 +13,7 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <optional>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -20,10 +21,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "google/protobuf/descriptor.h"
 #include "mrd/status.h"
 #include "mrd/v1/mrd.grpc.pb.h"
 #include "prometheus/text_serializer.h"
+#include "server/common/thread.h"
 
 namespace mrd::metrics {
 namespace {
@@ -817,38 +820,34 @@ Metrics::~Metrics() { StopServing(); }
 
 namespace {
 
-// Wakes a thread blocked in poll(2) on the listening socket `fd` and makes
-// every later poll of that fd number return at once, without shutting the
-// socket down (after a handover it is the new process's socket too):
-// `fd` is swapped (dup3) for a fresh socket that never listened, which
-// polls as hung up, and a connection to the socket's own address wakes the
-// poll already waiting on it (a process that serves the socket later takes
-// that connection and sees it closed).
-void WakeListenerPoll(int fd) {
+// The address to connect to for reaching the listening socket `fd` (its
+// wildcard address made loopback), or nullopt.
+struct SocketAddress {
   sockaddr_storage address{};
-  socklen_t length = sizeof(address);
-  const bool named =
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
-  UniqueFd dead(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (!dead.valid() || ::dup3(dead.get(), fd, O_CLOEXEC) < 0 || !named) {
-    return;
+  socklen_t length = 0;
+};
+std::optional<SocketAddress> ConnectableAddressOf(int fd) {
+  SocketAddress a;
+  a.length = sizeof(a.address);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&a.address), &a.length) !=
+      0) {
+    return std::nullopt;
   }
-  if (address.ss_family == AF_INET) {
-    auto* in = reinterpret_cast<sockaddr_in*>(&address);
+  if (a.address.ss_family == AF_INET) {
+    auto* in = reinterpret_cast<sockaddr_in*>(&a.address);
     if (in->sin_addr.s_addr == htonl(INADDR_ANY)) {
       in->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     }
-  } else if (address.ss_family == AF_INET6) {
-    auto* in6 = reinterpret_cast<sockaddr_in6*>(&address);
-    if (IN6_IS_ADDR_UNSPECIFIED(&in6->sin6_addr))
+    return a;
+  }
+  if (a.address.ss_family == AF_INET6) {
+    auto* in6 = reinterpret_cast<sockaddr_in6*>(&a.address);
+    if (IN6_IS_ADDR_UNSPECIFIED(&in6->sin6_addr)) {
       in6->sin6_addr = in6addr_loopback;
-  } else {
-    return;
+    }
+    return a;
   }
-  UniqueFd knock(::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  if (knock.valid()) {
-    (void)::connect(knock.get(), reinterpret_cast<sockaddr*>(&address), length);
-  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -856,10 +855,35 @@ void WakeListenerPoll(int fd) {
 void Metrics::StopServing() {
   // The server's thread polls its listening socket with a 2 s timeout and
   // stopping waits for that poll to end: up to 2 s at every stop, and
-  // inside a handover's pause (Release), were it not woken.
-  if (listen_fd_ >= 0) WakeListenerPoll(listen_fd_);
-  exposer_.reset();  // closes listen_fd_ (the fresh socket, if swapped in)
+  // inside a handover's pause (Release). A thread of ours connects to the
+  // socket every few milliseconds while the server stops, so that the poll
+  // wakes soon after the server was told to stop. The socket is not shut
+  // down (after a handover it is the new process's too, which takes those
+  // connections and sees them closed). Without the thread (none could be
+  // started) stopping only takes longer.
+  std::optional<SocketAddress> address;
+  if (exposer_ != nullptr && listen_fd_ >= 0) {
+    address = ConnectableAddressOf(listen_fd_);
+  }
+  absl::Notification stopped;
+  absl::StatusOr<Thread> knocker = absl::UnavailableError("not needed");
+  if (address.has_value()) {
+    knocker = Thread::Start("mrd-metrics-stop", [&stopped, &address] {
+      do {
+        UniqueFd knock(::socket(address->address.ss_family,
+                                SOCK_STREAM | SOCK_CLOEXEC, 0));
+        if (knock.valid()) {
+          (void)::connect(knock.get(),
+                          reinterpret_cast<const sockaddr*>(&address->address),
+                          address->length);
+        }
+      } while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(5)));
+    });
+  }
+  exposer_.reset();  // closes listen_fd_ (close(2) only, never shutdown)
   listen_fd_ = -1;
+  stopped.Notify();
+  if (knocker.ok()) knocker->Join();
 }
 
 absl::Status Metrics::ServeOn(UniqueFd listener) {
