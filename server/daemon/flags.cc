@@ -227,5 +227,5 @@ ABSL_FLAG(absl::Duration, await_handover, absl::ZeroDuration(),
           "when it still is (a Kubernetes preStop hook). 0 = off.");
 ABSL_FLAG(std::string, handover_test_fault, "",
           "Tests only: fail the handover at this step (server/handover/"
-          "handover.h lists them).");
+          "process_handover.h lists them).");
 ABSL_FLAG(bool, verbose, false, "Log debug lines.");
