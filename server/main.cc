@@ -421,6 +421,11 @@ absl::Status Daemon::StartGrpc() {
                                      config_.debug_tcp.empty() ? "" : " on ",
                                      config_.debug_tcp));
   }
+  // gRPC's health service answers SERVING from the start: readiness waits
+  // until everything below serves too (the admin socket among it).
+  health_ = server_->GetHealthCheckService();
+  health_->SetServingStatus(false);
+  health_->SetServingStatus(kServiceName, false);
   if (absl::Status s = acceptor_.Start(server_.get()); !s.ok()) {
     server_->Shutdown();
     return daemon::Fail(absl::StrCat("gRPC acceptor: ", s.ToString()));
@@ -428,7 +433,6 @@ absl::Status Daemon::StartGrpc() {
   LogInfo("gRPC connections: at most ", acceptor_options_.max_connections, ", ",
           acceptor_options_.max_connections_per_tenant, " per tenant");
   MRD_RETURN_IF_ERROR(StartAdmin());
-  health_ = server_->GetHealthCheckService();
   // "" (the server) and mrd's service name: Kubernetes gRPC probes and
   // grpc_health_probe ask for a service by name.
   health_->SetServingStatus(true);
