@@ -9,6 +9,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
@@ -127,6 +128,7 @@ absl::Status CheckRelativePath(absl::string_view path) {
 }
 
 constexpr uint64_t kPrefaultChunk = uint64_t{2} << 20;
+constexpr uint64_t kUnmapPiece = uint64_t{2} << 20;
 
 }  // namespace
 
@@ -143,6 +145,17 @@ MappedFile::MappedFile(UniqueFd fd, void* address, uint64_t size, bool writable,
           new std::atomic<uint64_t>[(size / kPrefaultChunk + 64) / 64]()) {}
 
 MappedFile::~MappedFile() {
+  // The page tables go first, a piece at a time, under the address space's
+  // lock taken for reading (MADV_DONTNEED on a shared mapping only drops
+  // them: the file keeps its pages); the unmap that follows, which takes
+  // the lock for writing, has nothing left to tear down. Unmapped in one
+  // call, a 256 MiB mapping held the lock for writing for milliseconds, and
+  // every map, prefault and page fault of mrd's other threads (other
+  // tenants' included) waited for it.
+  for (uint64_t at = 0; at < size_; at += kUnmapPiece) {
+    (void)::madvise(static_cast<char*>(address_) + at,
+                    std::min(kUnmapPiece, size_ - at), MADV_DONTNEED);
+  }
   if (::munmap(address_, size_) != 0) {
     const int err = errno;
     // Only possible if address_/size_ were corrupted.
@@ -154,7 +167,10 @@ MappedFile::~MappedFile() {
 
 void MappedFile::Prefault(uint64_t offset, uint64_t length,
                           WorkProgress* progress) const {
-  if (length < kPrefaultMinBytes) return;
+  if (length < kPrefaultMinBytes) {
+    TouchPages(offset, length);
+    return;
+  }
   const uint64_t first = offset / kPrefaultChunk;
   const uint64_t last = (offset + length - 1) / kPrefaultChunk;
   auto marked = [this](uint64_t chunk) {
@@ -184,6 +200,17 @@ void MappedFile::Prefault(uint64_t offset, uint64_t length,
   }
 }
 
+void MappedFile::TouchPages(uint64_t offset, uint64_t length) const {
+  // A file that may shrink could turn a read into SIGBUS: its pages are left
+  // to the pin.
+  if (!shrink_sealed_ || length == 0) return;
+  static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t end = offset + length;
+  for (uint64_t at = offset & ~(page - 1); at < end; at += page) {
+    (void)*static_cast<volatile const char*>(static_cast<char*>(address_) + at);
+  }
+}
+
 absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Map(
     UniqueFd fd, uint64_t size, bool writable, uint64_t device, uint64_t inode,
     std::string source) {
@@ -194,9 +221,15 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Map(
     // EPERM here: F_SEAL_WRITE was added between our check and the mmap.
     return ErrnoError(err, "mmap", "MMAP_FAILED");
   }
-  return std::unique_ptr<MappedFile>(new MappedFile(std::move(fd), address,
-                                                    size, writable, device,
-                                                    inode, std::move(source)));
+  // Sealed against shrinking (every memfd MapMemfd accepts; a handed-over
+  // memfd keeps its seals): no page of the mapping can ever lose its backing.
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  const bool shrink_sealed = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
+  auto file = std::unique_ptr<MappedFile>(
+      new MappedFile(std::move(fd), address, size, writable, device, inode,
+                     std::move(source)));
+  file->shrink_sealed_ = shrink_sealed;
+  return file;
 }
 
 absl::StatusOr<device::MemorySpan> MappedFile::Span(uint64_t offset,

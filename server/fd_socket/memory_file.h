@@ -157,7 +157,12 @@ class MappedFile final {
   // it prefaulted, so registering the same memory again costs no second
   // walk of its pages. With `progress`: adds the bytes filled (all of them
   // when they were filled before) and stops early once the caller gave up.
-  // Thread-safe.
+  // A range below kPrefaultMinBytes of a file sealed against shrinking is
+  // filled by reading a byte of each page on the calling thread instead:
+  // those faults take only the mapping's own lock, not the address space's,
+  // so the pin that follows (which finds the pages mapped and needs no lock
+  // either) does not wait for another tenant's maps and unmaps of big
+  // buffers (docs/PERFORMANCE.md, "Noisy neighbours"). Thread-safe.
   void Prefault(uint64_t offset, uint64_t length,
                 WorkProgress* progress = nullptr) const;
 
@@ -171,6 +176,10 @@ class MappedFile final {
       UniqueFd fd, bool writable, std::string source);
 
   // Maps a validated file. `size` must be > 0.
+  // Reads a byte of every page of [offset, offset + length) when the file
+  // is sealed against shrinking; does nothing otherwise.
+  void TouchPages(uint64_t offset, uint64_t length) const;
+
   static absl::StatusOr<std::unique_ptr<MappedFile>> Map(
       UniqueFd fd, uint64_t size, bool writable, uint64_t device,
       uint64_t inode, std::string source);
@@ -185,6 +194,7 @@ class MappedFile final {
   uint64_t device_;
   uint64_t inode_;
   std::string source_;
+  bool shrink_sealed_ = false;  // set by Map, never changed after
   // One bit per 2 MiB chunk of the mapping that Prefault filled.
   std::unique_ptr<std::atomic<uint64_t>[]> prefaulted_;
 };

@@ -17,6 +17,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -147,6 +148,33 @@ TEST(MapMemfdTest, DestructorUnmapsAndClosesTheFd) {
   errno = 0;
   EXPECT_EQ(::mincore(address, 3 * 4096, pages), -1);
   EXPECT_EQ(errno, ENOMEM) << "the range is still mapped";
+}
+
+// The destructor drops the page tables a piece at a time before it unmaps:
+// a mapping of several pieces and a partial last page goes entirely, and the
+// file keeps every byte written through it.
+TEST(MapMemfdTest, DestructorUnmapsAMappingOfManyPiecesWhole) {
+  constexpr uint64_t kSize = (uint64_t{5} << 20) + 4096 + 100;
+  UniqueFd fd = MakeSealedMemfd(kSize);
+  UniqueFd kept(::dup(fd.get()));
+  ASSERT_TRUE(kept.valid());
+  auto file = MapMemfd(std::move(fd), Writable());
+  ASSERT_TRUE(file.ok()) << file.status();
+  char* address = static_cast<char*>((*file)->address());
+  std::memset(address, 'm', kSize);
+  file->reset();
+  const uint64_t pages = (kSize + 4095) / 4096;
+  std::vector<unsigned char> residency(pages);
+  for (uint64_t page = 0; page < pages; ++page) {
+    errno = 0;
+    EXPECT_EQ(::mincore(address + page * 4096, 4096, residency.data()), -1)
+        << "page " << page << " is still mapped";
+    EXPECT_EQ(errno, ENOMEM);
+  }
+  std::string back(kSize, '\0');
+  ASSERT_EQ(::pread(kept.get(), back.data(), kSize, 0),
+            static_cast<ssize_t>(kSize));
+  EXPECT_EQ(back, std::string(kSize, 'm'));
 }
 
 // ---------------------------------------------------------------------------
@@ -626,14 +654,38 @@ TEST(MappedFilePrefaultTest, FillsTheRangeOnceAndRemembersIt) {
   EXPECT_EQ(test_support::MappedBytes(base), kSize);
 }
 
-TEST(MappedFilePrefaultTest, SmallRangesAndPrefaultingOffAreLeftToThePin) {
+// A range below kPrefaultMinBytes of a memfd (sealed against shrinking) is
+// filled on the calling thread, by reading a byte of each page: the range's
+// pages are mapped in, and little more (the kernel may map a few
+// neighbouring pages it already holds along with a fault).
+TEST(MappedFilePrefaultTest, SmallRangesOfASealedMemfdAreReadIn) {
+  constexpr uint64_t kSize = uint64_t{4} << 20;
+  auto file = MapMemfd(MakeSealedMemfd(kSize), Writable());
+  ASSERT_TRUE(file.ok()) << file.status();
+  char* base = static_cast<char*>((*file)->address());
+  ASSERT_EQ(test_support::MappedBytes(base), 0u);
+  (*file)->Prefault(uint64_t{1} << 20, 3 * 4096 + 1);  // 4 pages
+  const uint64_t mapped = test_support::MappedBytes(base);
+  EXPECT_GE(mapped, 4 * 4096u);
+  EXPECT_LE(mapped, 4 * 4096u + (uint64_t{128} << 10));
+}
+
+// A file that is not sealed may shrink under the mapping, and reading a page
+// past its end would raise SIGBUS: its small ranges are left to the pin.
+TEST_F(SharedFileTest, SmallRangesOfAFileThatMayShrinkAreLeftToThePin) {
+  dir_.WriteFile("shrinks.bin", std::string(3 * 4096, 'x'));
+  auto file = Open("shrinks.bin");
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_EQ(::truncate(dir_.Sub("shrinks.bin").c_str(), 0), 0);
+  (*file)->Prefault(0, 3 * 4096);  // would be SIGBUS if it read the pages
+  EXPECT_EQ(test_support::MappedBytes((*file)->address()), 0u);
+}
+
+TEST(MappedFilePrefaultTest, PrefaultingOffLeavesBigRangesToThePin) {
   constexpr uint64_t kSize = uint64_t{64} << 20;
   auto file = MapMemfd(MakeSealedMemfd(kSize), Writable());
   ASSERT_TRUE(file.ok()) << file.status();
   char* base = static_cast<char*>((*file)->address());
-  ConfigurePrefault(kDefaultPrefaultThreads);
-  (*file)->Prefault(0, kPrefaultMinBytes - 4096);
-  EXPECT_EQ(test_support::MappedBytes(base), 0u);
   ConfigurePrefault(0);
   (*file)->Prefault(0, kSize);
   EXPECT_EQ(test_support::MappedBytes(base), 0u);
