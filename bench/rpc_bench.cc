@@ -2,10 +2,15 @@
 // mrd over its real sockets (C++ client, gRPC over the Unix socket, a memfd
 // passed with SCM_RIGHTS):
 //
-// 1. Cache hits: a RegisterMr that hits the cache plus the DeregisterMr that
-//    gives its reference back (another reference stays), against two
-//    GetDeviceInfo calls, mrd's cheapest RPC, on the same channel; p50 and
-//    p99 of `--pairs` pairs (issue 9's goal: at most 1.1x).
+// 1. Calls answered on the gRPC thread ("inline") against the same call to
+//    the floor (bench/floor_server.h: a minimal callback-API gRPC server on
+//    a Unix socket that answers at once with a reply of the same shape),
+//    each on its own channel, one call after the other: GetDeviceInfo,
+//    GetSession, a RegisterMr that hits the cache and a DeregisterMr that
+//    leaves a reference (the range is held once throughout). Each sample
+//    times the four calls on mrd and then on the floor, so that both see
+//    the same machine; p50 and p99 of `--pairs` samples, and the ratio
+//    mrd ÷ floor (issue 25's goal: at most 1.1, p50 and p99).
 //
 // 2. Batch calls against single calls: N registrations of 4 KiB each
 //    (distinct ranges of one memfd), registered and then deregistered
@@ -32,6 +37,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
+#include "bench/floor_server.h"
 #include "client/lib/mrd_client.h"
 #include "tests/integration/mrd_process.h"
 
@@ -61,6 +67,81 @@ bool Start(uint64_t count, Fixture* f) {
   return true;
 }
 
+// One inline call's samples, in µs, on mrd and on the floor.
+struct InlineCall {
+  const char* name;
+  std::vector<double> mrd_us;
+  std::vector<double> floor_us;
+};
+
+// Times `call` once; false if it failed.
+template <typename F>
+bool Time(std::vector<double>* us, F call) {
+  const Clock::time_point start = Clock::now();
+  if (!call()) return false;
+  us->push_back(Seconds(start) * 1e6);
+  return true;
+}
+
+// Case 1: `samples` rounds of the four inline calls on mrd, then on the
+// floor; false on any failure.
+bool InlineCalls(const client::Session& session, const Floor& floor,
+                 const client::RegisterOptions& range, uint64_t samples,
+                 std::vector<InlineCall>* calls) {
+  auto held = client::Registration::Register(session, range);
+  if (!held.ok()) return false;
+  calls->assign({{"GetDeviceInfo", {}, {}},
+                 {"GetSession", {}, {}},
+                 {"RegisterMr, a cache hit", {}, {}},
+                 {"DeregisterMr, not the last", {}, {}}});
+  const client::Client& mrd = session.client();
+  const client::Client& fl = floor.client();
+  v1::GetSessionRequest get_session;
+  get_session.set_session(session.token());
+  const v1::RegisterMrRequest reg = client::ToRequest(session.token(), range);
+  for (uint64_t i = 0; i < samples; ++i) {
+    uint64_t hit_id = 0;
+    uint64_t floor_id = 0;
+    const bool ok =
+        Time(&(*calls)[0].mrd_us, [&] { return mrd.GetDeviceInfo().ok(); }) &&
+        Time(&(*calls)[1].mrd_us,
+             [&] { return mrd.GetSession(get_session).ok(); }) &&
+        Time(&(*calls)[2].mrd_us,
+             [&] {
+               auto r = mrd.RegisterMr(reg);
+               if (!r.ok() || !r->cache_hit()) return false;
+               hit_id = r->registration();
+               return true;
+             }) &&
+        Time(&(*calls)[3].mrd_us,
+             [&] {
+               v1::DeregisterMrRequest d;
+               d.set_session(session.token());
+               d.set_registration(hit_id);
+               auto r = mrd.DeregisterMr(d);
+               return r.ok() && r->references() == 1;
+             }) &&
+        Time(&(*calls)[0].floor_us, [&] { return fl.GetDeviceInfo().ok(); }) &&
+        Time(&(*calls)[1].floor_us,
+             [&] { return fl.GetSession(get_session).ok(); }) &&
+        Time(&(*calls)[2].floor_us,
+             [&] {
+               auto r = fl.RegisterMr(reg);
+               if (!r.ok()) return false;
+               floor_id = r->registration();
+               return true;
+             }) &&
+        Time(&(*calls)[3].floor_us, [&] {
+          v1::DeregisterMrRequest d;
+          d.set_session(session.token());
+          d.set_registration(floor_id);
+          return fl.DeregisterMr(d).ok();
+        });
+    if (!ok) return false;
+  }
+  return true;
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -72,23 +153,29 @@ int Main(int argc, char** argv) {
   const uint64_t pairs = Flag(argc, argv, "--pairs", 5000, 1);
   Fixture f;
   if (!Start(count, &f)) return 1;
-  std::vector<double> hit_us;
-  std::vector<double> empty_us;
-  if (!HitPairs(*f.session, PageOf(f.buffer->id(), 0), pairs, &hit_us,
-                &empty_us)) {
-    std::fprintf(stderr, "hit pairs failed\n");
+  auto server = Floor::Start(/*hop=*/false);
+  if (!server.ok()) {
+    std::fprintf(stderr, "floor: %s\n", server.status().ToString().c_str());
     return 1;
   }
-  std::printf("%-40s %10s %10s\n", "case (same channel, same run)", "p50 us",
-              "p99 us");
-  const double e50 = Percentile(empty_us, 0.5);
-  const double e99 = Percentile(empty_us, 0.99);
-  const double h50 = Percentile(hit_us, 0.5);
-  const double h99 = Percentile(hit_us, 0.99);
-  std::printf("%-40s %10.1f %10.1f\n", "two GetDeviceInfo (floor)", e50, e99);
-  std::printf("%-40s %10.1f %10.1f\n", "cache-hit RegisterMr + DeregisterMr",
-              h50, h99);
-  std::printf("%-40s %10.3f %10.3f\n\n", "ratio", h50 / e50, h99 / e99);
+  std::vector<InlineCall> calls;
+  if (!InlineCalls(*f.session, **server, PageOf(f.buffer->id(), 0), pairs,
+                   &calls)) {
+    std::fprintf(stderr, "inline calls failed\n");
+    return 1;
+  }
+  std::printf("%-34s %9s %9s %9s %9s %7s %7s\n",
+              "inline call (one channel each)", "mrd p50", "floor p50",
+              "mrd p99", "floor p99", "p50 ×", "p99 ×");
+  for (const InlineCall& c : calls) {
+    const double m50 = Percentile(c.mrd_us, 0.5);
+    const double f50 = Percentile(c.floor_us, 0.5);
+    const double m99 = Percentile(c.mrd_us, 0.99);
+    const double f99 = Percentile(c.floor_us, 0.99);
+    std::printf("%-34s %9.1f %9.1f %9.1f %9.1f %7.3f %7.3f\n", c.name, m50, f50,
+                m99, f99, m50 / f50, m99 / f99);
+  }
+  std::printf("\n");
   std::vector<double> single;
   for (uint64_t r = 0; r < rounds; ++r)
     single.push_back(Singles(*f.session, f.buffer->id(), count));

@@ -122,12 +122,19 @@ struct PeerPathCounts {
 // `progress` (optional, owned by the caller, alive for the call): the device
 // adds the bytes it pinned as it goes, and checks progress->Cancelled()
 // between steps; cancelled, it undoes the pin and fails with CANCELLED.
+//
+// `pages`: whether the file is in huge pages (hugetlbfs), when whoever made
+// the span knows (fd_socket::MappedFile does, once per mapping); kUnknown
+// makes a device that cares ask the file system at every pin.
+enum class SpanPages : uint8_t { kUnknown, kBase, kHuge };
+
 struct MemorySpan {
   void* host_address = nullptr;
   uint64_t length = 0;
   int fd = -1;
   uint64_t file_offset = 0;
   WorkProgress* progress = nullptr;
+  SpanPages pages = SpanPages::kUnknown;
 };
 
 struct MrKeys {

@@ -225,10 +225,16 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Map(
   // memfd keeps its seals): no page of the mapping can ever lose its backing.
   const int seals = ::fcntl(fd.get(), F_GET_SEALS);
   const bool shrink_sealed = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
+  // Once per mapping, not at every pin of a span of it.
+  struct statfs fs {};
+  const bool huge_pages =
+      ::fstatfs(fd.get(), &fs) == 0 &&
+      static_cast<uint32_t>(fs.f_type) == static_cast<uint32_t>(HUGETLBFS_MAGIC);
   auto file = std::unique_ptr<MappedFile>(
       new MappedFile(std::move(fd), address, size, writable, device, inode,
                      std::move(source)));
   file->shrink_sealed_ = shrink_sealed;
+  file->huge_pages_ = huge_pages;
   return file;
 }
 
@@ -259,6 +265,8 @@ absl::StatusOr<device::MemorySpan> MappedFile::Span(uint64_t offset,
   span.host_address = static_cast<char*>(address_) + offset;
   span.length = length;
   span.fd = fd_.get();
+  span.pages =
+      huge_pages_ ? device::SpanPages::kHuge : device::SpanPages::kBase;
   span.file_offset = offset;
   return span;
 }

@@ -195,6 +195,7 @@ class MappedFile final {
   uint64_t inode_;
   std::string source_;
   bool shrink_sealed_ = false;  // set by Map, never changed after
+  bool huge_pages_ = false;     // on hugetlbfs; set by Map likewise
   // One bit per 2 MiB chunk of the mapping that Prefault filled.
   std::unique_ptr<std::atomic<uint64_t>[]> prefaulted_;
 };

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <utility>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
@@ -214,7 +215,8 @@ void KernelPinOps::ReleaseSlotLocked(uint32_t slot) {
 }
 
 int KernelPinOps::LockIoUringLocked(uint64_t start, uint64_t end) {
-  std::vector<std::pair<uint64_t, uint32_t>> done;  // piece start, slot
+  // piece start, slot; one for a range within one slot span
+  absl::InlinedVector<std::pair<uint64_t, uint32_t>, 2> done;
   const uint64_t span = options_.slot_span;
   int err = 0;
   for (uint64_t at = start; at < end;) {
@@ -335,7 +337,7 @@ int KernelPinOps::UnlockPieceLocked(PieceMap::iterator it, uint64_t from,
   const Piece piece = it->second;
   from = std::max(from, start);
   to = std::min(to, end);
-  std::vector<std::pair<uint64_t, uint64_t>> rest;
+  absl::InlinedVector<std::pair<uint64_t, uint64_t>, 2> rest;
   if (start < from) rest.emplace_back(start, from);
   if (to < end) rest.emplace_back(to, end);
   pieces_.erase(it);
@@ -354,7 +356,7 @@ int KernelPinOps::UnlockPieceLocked(PieceMap::iterator it, uint64_t from,
 
   io_uring_bytes_ -= to - from;
   // Pin what stays into new slots before the old one lets go of anything.
-  std::vector<uint32_t> fresh;
+  absl::InlinedVector<uint32_t, 2> fresh;
   int err = 0;
   for (const auto& [a, b] : rest) {
     uint32_t slot = 0;

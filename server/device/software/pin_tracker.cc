@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
@@ -119,7 +120,8 @@ absl::Status PinTracker::PinLocked(uint64_t start, uint64_t end,
                                    bool huge_pages, WorkProgress* progress,
                                    uint64_t address, uint64_t length) {
   // The parts of [start, end) that no one pins yet: only these need mlock.
-  std::vector<std::pair<uint64_t, uint64_t>> gaps;
+  // Usually one gap (a fresh range) or none (a range pinned already).
+  absl::InlinedVector<std::pair<uint64_t, uint64_t>, 2> gaps;
   uint64_t cursor = start;
   auto it = runs_.upper_bound(start);
   if (it != runs_.begin() && std::prev(it)->second.end > start) --it;
@@ -219,7 +221,7 @@ void PinTracker::UnpinLocked(uint64_t start, uint64_t end) {
   }
   MRD_CHECK(cursor == end);
 
-  std::vector<std::pair<uint64_t, uint64_t>> released;
+  absl::InlinedVector<std::pair<uint64_t, uint64_t>, 2> released;
   for (auto run = runs_.lower_bound(start);
        run != runs_.end() && run->first < end;) {
     if (--run->second.refs > 0) {

@@ -447,9 +447,12 @@ std::optional<PeerPathCounts> SoftwareDevice::ProviderPeerPath() const {
 absl::Status SoftwareDevice::ProviderPin(const MemorySpan& span) {
   // hugetlbfs memory is pinned the way that suits huge pages
   // (KernelPinOps::LockHugePages).
-  struct statfs fs {};
-  const bool huge = span.fd >= 0 && ::fstatfs(span.fd, &fs) == 0 &&
-                    static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
+  bool huge = span.pages == SpanPages::kHuge;
+  if (span.pages == SpanPages::kUnknown) {
+    struct statfs fs {};
+    huge = span.fd >= 0 && ::fstatfs(span.fd, &fs) == 0 &&
+           static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
+  }
   return pins_.Pin(reinterpret_cast<uint64_t>(span.host_address), span.length,
                    huge, span.progress);
 }
