@@ -143,8 +143,8 @@ struct DeviceModel::Mr {
 
   // Normal MRs: the memory it registered (without the caller's progress).
   MemorySpan Span() const {
-    return MemorySpan{host_address, length, fd, file_offset, nullptr,
-                      SpanPages::kUnknown};
+    return MemorySpan{host_address, length,  fd,
+                      file_offset,  nullptr, SpanPages::kUnknown};
   }
 };
 

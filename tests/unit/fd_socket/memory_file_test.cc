@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <linux/magic.h>
+#include <linux/memfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -24,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "mrd/status.h"
 #include "server/common/prefault.h"
+#include "tests/support/huge_pages.h"
 #include "tests/support/mapped_pages.h"
 #include "tests/unit/fd_socket/fd_socket_test_util.h"
 
@@ -367,6 +369,25 @@ TEST_F(SpanTest, SpanPointsIntoTheMappingWithFdAndOffset) {
   EXPECT_EQ(span->length, 5000u);
   EXPECT_EQ(span->fd, file_->fd());
   EXPECT_EQ(span->file_offset, 100u);
+  // A memfd of base pages, known from the mapping (no fstatfs per pin).
+  EXPECT_EQ(span->pages, device::SpanPages::kBase);
+}
+
+// A memfd in huge pages says so in its spans, found once at import.
+TEST(MapMemfdTest, SpansOfAHugePageMemfdSayHugePages) {
+  constexpr uint64_t kHuge = uint64_t{2} << 20;
+  test_support::HugePagePool pool(1);
+  if (!pool.ok()) GTEST_SKIP() << "cannot raise vm.nr_hugepages (not root)";
+  UniqueFd fd(::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING |
+                                         MFD_HUGETLB | MFD_HUGE_2MB));
+  ASSERT_TRUE(fd.valid()) << std::strerror(errno);
+  ASSERT_EQ(::ftruncate(fd.get(), kHuge), 0);
+  ASSERT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
+  auto file = MapMemfd(std::move(fd), Writable());
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto span = (*file)->Span(0, kHuge);
+  ASSERT_TRUE(span.ok()) << span.status();
+  EXPECT_EQ(span->pages, device::SpanPages::kHuge);
 }
 
 TEST_F(SpanTest, WholeFileAndLastByteAreValid) {
