@@ -222,6 +222,8 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   // Order matters: tokens die first (fast registrations, then
   // registrations), then LAM pages are unpinned, then the PD goes with its
   // connections.
+  // The pages unpinned from here to DeallocatePd leave the device together.
+  std::unique_ptr<device::DeviceBatch> batch = device_->BeginBatch();
   fast_.FreeMrs(*session, mrs);
   (void)registrations_.Invalidate(*session, entries);
   std::vector<const LamRecord*> lam_records;
@@ -233,6 +235,7 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
     absl::Status s = device_->DeallocatePd(pd);
     if (!s.ok()) LogWarning("teardown: deallocate PD: ", s.ToString());
   }
+  batch.reset();
   // Only now may the mappings go: DeallocatePd unpins whatever the PD still
   // held (an MR or LAM released concurrently), through these mappings.
   session->MarkPdGone().clear();
@@ -700,6 +703,8 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
                                      v1::DeregisterMrBatchResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindBatchSession(req.session(), req.items_size()));
+  // The items' pages leave the device together, before the reply.
+  const std::unique_ptr<device::DeviceBatch> batch = device_->BeginBatch();
   uint64_t released = 0;
   int done = 0;
   for (const v1::DeregisterMrRequest& item : req.items()) {

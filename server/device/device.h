@@ -198,6 +198,13 @@ class PdEventSink {
   virtual absl::Status AdmitPeerConnection() { return absl::OkStatus(); }
 };
 
+// Work a device combines across the calls that one thread makes in a batch
+// (Device::BeginBatch); what it deferred is done when this is destroyed.
+class DeviceBatch {
+ public:
+  virtual ~DeviceBatch() = default;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -210,6 +217,14 @@ class Device {
   virtual std::optional<PeerPathCounts> PeerPath() const {
     return std::nullopt;
   }
+
+  // Opens a batch on the calling thread (DeregisterMrBatch, a session's
+  // end): until the object returned is destroyed, on this thread, the
+  // device may defer and combine work that no result of this thread's calls
+  // waits for (the software device: emptying the io_uring slots of the
+  // pages it unpins, kernel_pin_ops.h's ClearBatch). nullptr: nothing to
+  // combine (the default).
+  virtual std::unique_ptr<DeviceBatch> BeginBatch() { return nullptr; }
 
   // Starts the peer listener and any device threads. Called once before use.
   virtual absl::Status Start() = 0;

@@ -114,5 +114,43 @@ TEST_F(MemoryReturnTest, MemoryOfManyRegistrationsGoesBackWhenTheyEnd) {
       << "base " << base << ", peak " << peak << ", after " << after;
 }
 
+// DeregisterMrBatch empties the io_uring slots of its items together (the
+// device's batch, kernel_pin_ops.h's ClearBatch), before it replies: the
+// kernel pins nothing of them once it has returned and its frees settled.
+TEST_F(MemoryReturnTest, DeregisterMrBatchGivesEveryPinBack) {
+  const pid_t pid = mrd_->pid();
+  client::Session session = OpenFdSession();
+  client::Buffer buffer = NewBuffer(session, 2 * 4096 * kPage, "b");
+  for (int round = 0; round < 2; ++round) {
+    std::vector<client::RegisterOptions> items;
+    for (uint64_t i = 0; i < 4096; ++i) {
+      client::RegisterOptions o;
+      o.buffer = buffer.id();
+      o.offset = (2 * i + round) * kPage;  // no two adjacent: a slot each
+      o.length = kPage;
+      o.flags = 0x2;
+      items.push_back(o);
+    }
+    auto results = client::Registration::RegisterBatch(session, items);
+    ASSERT_TRUE(results.ok()) << results.status();
+    std::vector<client::Registration> regs;
+    for (auto& r : *results) {
+      ASSERT_TRUE(r.ok()) << r.status();
+      regs.push_back(*std::move(r));
+    }
+    ASSERT_GE(test_support::KernelPinnedBytes(std::to_string(pid)),
+              4096 * kPage);
+    auto left = client::Registration::DeregisterBatch(regs);
+    ASSERT_TRUE(left.ok()) << left.status();
+    for (const auto& l : *left) {
+      ASSERT_TRUE(l.ok()) << l.status();
+      EXPECT_EQ(*l, 0u);
+    }
+    EXPECT_EQ(test_support::KernelPinnedBytesSettled(0, std::to_string(pid),
+                                                     absl::Seconds(30)),
+              0u);
+  }
+}
+
 }  // namespace
 }  // namespace mrd::testing

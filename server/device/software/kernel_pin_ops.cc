@@ -42,6 +42,31 @@ int UpdateSlot(int ring, uint32_t slot, uint64_t address, uint64_t length) {
   }
 }
 
+// Empties slots [first, first + count) of `ring` in one call: how many the
+// kernel emptied (from `first` on), or -errno when it emptied none.
+long ClearRun(int ring, uint32_t first, uint32_t count) {
+  std::vector<struct iovec> empty(count, iovec{nullptr, 0});
+  struct io_uring_rsrc_update2 update;
+  std::memset(&update, 0, sizeof(update));
+  update.offset = first;
+  update.data = reinterpret_cast<uint64_t>(empty.data());
+  update.nr = count;
+  for (;;) {
+    long rc =
+        ::syscall(__NR_io_uring_register, ring, IORING_REGISTER_BUFFERS_UPDATE,
+                  &update, sizeof(update));
+    if (rc >= 0) return rc;
+    if (errno != EINTR) return -errno;
+  }
+}
+
+// The ClearBatch open on this thread, if any.
+struct OpenClearBatch {
+  const KernelPinOps* ops = nullptr;
+  std::vector<uint32_t>* slots = nullptr;
+};
+thread_local OpenClearBatch open_clear_batch;
+
 // Lines of /proc/self/maps: the process's VMA count.
 uint64_t MapCount() {
   std::ifstream maps("/proc/self/maps");
@@ -192,17 +217,79 @@ int KernelPinOps::RegisterLocked(uint64_t start, uint64_t end, uint32_t* slot) {
   return 0;
 }
 
-void KernelPinOps::ClearLocked(uint32_t slot) {
+KernelPinOps::ClearBatch::ClearBatch(KernelPinOps* ops) {
+  if (ops == nullptr || open_clear_batch.ops != nullptr) return;
+  ops_ = ops;
+  slots_.reserve(kClearBatchSlots);
+  open_clear_batch = OpenClearBatch{ops, &slots_};
+}
+
+KernelPinOps::ClearBatch::~ClearBatch() {
+  if (ops_ == nullptr) return;
+  open_clear_batch = OpenClearBatch();
+  absl::MutexLock lock(&ops_->mu_);
+  ops_->ClearSlotsLocked(&slots_);
+}
+
+void KernelPinOps::FreeSlotLocked(uint32_t slot) {
+  registered_bytes_ -= slots_[slot].length;
+  slots_[slot] = Slot{};
+  free_slots_.push_back(slot);
+}
+
+void KernelPinOps::ClearSlotsLocked(std::vector<uint32_t>* slots) {
+  std::sort(slots->begin(), slots->end());
   const uint32_t per_ring = options_.slots_per_ring;
+  size_t i = 0;
+  while (i < slots->size()) {
+    // A run: adjacent slots of one ring.
+    const uint32_t first = (*slots)[i];
+    size_t n = 1;
+    while (i + n < slots->size() && (*slots)[i + n] == first + n &&
+           (first + n) % per_ring != 0) {
+      ++n;
+    }
+    const long cleared = ClearRun(rings_[first / per_ring], first % per_ring,
+                                  static_cast<uint32_t>(n));
+    ++clear_calls_;
+    const size_t done = cleared > 0 ? static_cast<size_t>(cleared) : 0;
+    for (size_t j = 0; j < std::min(done, n); ++j) {
+      FreeSlotLocked((*slots)[i + j]);
+    }
+    // What the kernel did not empty (it stops at a slot it cannot update)
+    // goes a slot at a time, with ClearLocked's own handling of failures.
+    for (size_t j = done; j < n; ++j) {
+      const uint32_t slot = (*slots)[i + j];
+      ++clear_calls_;
+      if (int err = UpdateSlot(rings_[slot / per_ring], slot % per_ring, 0, 0);
+          err != 0) {
+        LogWarning("emptying io_uring slot ", slot, ": ", std::strerror(err));
+        continue;  // kept out of use, as ClearLocked keeps it
+      }
+      FreeSlotLocked(slot);
+    }
+    i += n;
+  }
+  slots->clear();
+}
+
+void KernelPinOps::ClearLocked(uint32_t slot) {
+  if (open_clear_batch.ops == this) {
+    std::vector<uint32_t>& batch = *open_clear_batch.slots;
+    batch.push_back(slot);
+    slots_[slot].pieces = 0;
+    if (batch.size() >= kClearBatchSlots) ClearSlotsLocked(&batch);
+    return;
+  }
+  const uint32_t per_ring = options_.slots_per_ring;
+  ++clear_calls_;
   if (int err = UpdateSlot(rings_[slot / per_ring], slot % per_ring, 0, 0);
       err != 0) {
     // Emptying a slot only fails if the ring is gone; keep it out of use.
     LogWarning("emptying io_uring slot ", slot, ": ", std::strerror(err));
     return;
   }
-  registered_bytes_ -= slots_[slot].length;
-  slots_[slot] = Slot{};
-  free_slots_.push_back(slot);
+  FreeSlotLocked(slot);
 }
 
 void KernelPinOps::AddPieceLocked(uint64_t start, uint64_t end, uint32_t slot) {
@@ -434,6 +521,11 @@ uint64_t KernelPinOps::StaleBytes() const {
 uint64_t KernelPinOps::MapSplits() const {
   absl::MutexLock lock(&mu_);
   return 2 * mlock_runs_;
+}
+
+uint64_t KernelPinOps::ClearCalls() const {
+  absl::MutexLock lock(&mu_);
+  return clear_calls_;
 }
 
 size_t KernelPinOps::Pieces() const {

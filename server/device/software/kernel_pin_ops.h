@@ -97,6 +97,29 @@ class KernelPinOps final : public PinOps {
   int LockHugePages(uint64_t address, uint64_t length) override;
   int Unlock(uint64_t address, uint64_t length) override;
 
+  // While a ClearBatch of this object lives on a thread, the io_uring slots
+  // that this thread's Unlocks empty are emptied together: when the batch
+  // ends, or every kClearBatchSlots slots, with one system call per run of
+  // adjacent slots of a ring instead of one per slot (DeregisterMrBatch's
+  // items each empty a slot of their own, and a session's end empties all
+  // of its). Until then such a slot keeps its pages pinned, but nothing
+  // counts them any more: the pieces are gone (a new Lock of those pages
+  // takes a new slot) and IoUringBytes no longer includes them, StaleBytes
+  // does. A batch on a thread that has one of this object already, or of
+  // a null object, does nothing. Not movable; destroy it on its thread.
+  class ClearBatch {
+   public:
+    explicit ClearBatch(KernelPinOps* ops);
+    ~ClearBatch();
+    ClearBatch(const ClearBatch&) = delete;
+    ClearBatch& operator=(const ClearBatch&) = delete;
+
+   private:
+    KernelPinOps* ops_ = nullptr;  // null: this batch does nothing
+    std::vector<uint32_t> slots_;  // guarded by ops_->mu_
+  };
+  static constexpr size_t kClearBatchSlots = 1024;
+
   // What the object uses: "io_uring", "mlock", or "io_uring+mlock" (auto)
   // and why io_uring is not used when it is not.
   std::string Describe() const;
@@ -115,6 +138,9 @@ class KernelPinOps final : public PinOps {
   uint64_t StaleBytes() const;
   // VMA splits mlock may have caused (two per maximal mlocked run).
   uint64_t MapSplits() const;
+  // System calls made to empty slots so far (one per slot, or one per run
+  // of adjacent slots within a ClearBatch).
+  uint64_t ClearCalls() const;
   // Entries of the piece map: a piece per io_uring slot reference, and one
   // or more per maximal mlocked run.
   size_t Pieces() const;
@@ -153,8 +179,16 @@ class KernelPinOps final : public PinOps {
   // Registers [start, end) (within one slot span) into a free slot.
   int RegisterLocked(uint64_t start, uint64_t end, uint32_t* slot)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Empties a slot (the kernel unpins its pages) and frees it.
+  // Empties a slot (the kernel unpins its pages) and frees it; within a
+  // ClearBatch of this thread, queues it there instead.
   void ClearLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Empties `slots` (sorted here) and frees them, one system call per run
+  // of adjacent slots of a ring; a run the kernel empties only in part goes
+  // on a slot at a time.
+  void ClearSlotsLocked(std::vector<uint32_t>* slots)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Frees an emptied slot.
+  void FreeSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds [start, end) (page-aligned, at most kMaxPiecePages pages, and no
   // piece overlaps it) as a piece of `slot` (kMlocked: an mlocked piece).
   void AddPieceLocked(uint64_t start, uint64_t end, uint32_t slot)
@@ -198,6 +232,7 @@ class KernelPinOps final : public PinOps {
   PieceMap pieces_ ABSL_GUARDED_BY(mu_);
   uint64_t io_uring_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t registered_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // sum of live slots
+  uint64_t clear_calls_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t mlocked_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t mlock_runs_ ABSL_GUARDED_BY(mu_) = 0;
 };

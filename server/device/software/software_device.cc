@@ -444,6 +444,23 @@ std::optional<PeerPathCounts> SoftwareDevice::ProviderPeerPath() const {
 // ---------------------------------------------------------------------------
 // Pins and keys.
 
+namespace {
+
+class ClearingBatch final : public DeviceBatch {
+ public:
+  explicit ClearingBatch(KernelPinOps* ops) : clears_(ops) {}
+
+ private:
+  KernelPinOps::ClearBatch clears_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceBatch> SoftwareDevice::BeginBatch() {
+  if (options_.pin_ops != nullptr || own_pin_ops_ == nullptr) return nullptr;
+  return std::make_unique<ClearingBatch>(own_pin_ops_.get());
+}
+
 absl::Status SoftwareDevice::ProviderPin(const MemorySpan& span) {
   // hugetlbfs memory is pinned the way that suits huge pages
   // (KernelPinOps::LockHugePages).

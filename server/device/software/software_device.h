@@ -158,6 +158,9 @@ class SoftwareDevice final : public DeviceModel {
 
   DeviceHealth Health() const override;
   uint64_t PinnedBytes() const override;
+  // Empties the io_uring slots of what the batch unpins together (its own
+  // KernelPinOps only; a device given `pin_ops` combines nothing).
+  std::unique_ptr<DeviceBatch> BeginBatch() override;
 
   // What the device holds right now, for leak checks in tests.
   // The model's counts, and the key table's.

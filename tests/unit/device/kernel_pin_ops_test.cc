@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -76,9 +77,21 @@ class KernelPinOpsTest : public ::testing::Test {
   uint64_t PinnedSettled(uint64_t expected) {
     return KernelPinnedBytesSettled(before_ + expected) - before_;
   }
+  // A buffer of `pages` pages, each locked on its own (a slot each); its
+  // address, or 0.
+  uint64_t LockedPages(uint64_t pages) {
+    buffers_.push_back(MemfdBuffer::Create(pages));
+    if (buffers_.back() == nullptr) return 0;
+    const uint64_t base = reinterpret_cast<uint64_t>(buffers_.back()->data());
+    for (uint64_t page = 0; page < pages; ++page) {
+      if (ops_->Lock(base + page * PageSize(), PageSize()) != 0) return 0;
+    }
+    return base;
+  }
 
   uint64_t before_ = 0;
   std::unique_ptr<KernelPinOps> ops_;
+  std::vector<std::unique_ptr<MemfdBuffer>> buffers_;
 };
 
 // The failure of issue 8: one pin per other page used to cost two VMAs.
@@ -157,6 +170,80 @@ TEST_F(KernelPinOpsTest, HugePagesAreMlockedNotRegisteredInARing) {
   EXPECT_EQ(PinnedSettled(0), 0u);
   munmap(map, 4 * kHuge);
   close(fd);
+}
+
+// A ClearBatch empties the slots its thread's Unlocks free when it ends:
+// meanwhile the pages are no longer counted (they are stale) though the
+// kernel still pins them, and a new Lock of them takes a new slot.
+TEST_F(KernelPinOpsTest, ClearBatchEmptiesSlotsWhenItEnds) {
+  const uint64_t ps = PageSize();
+  constexpr uint64_t kPages = 8;
+  const uint64_t base = LockedPages(kPages);
+  ASSERT_NE(base, 0u);
+  const uint64_t calls = ops_->ClearCalls();
+  {
+    KernelPinOps::ClearBatch batch(ops_.get());
+    for (uint64_t page = 0; page < kPages; ++page) {
+      ASSERT_EQ(ops_->Unlock(base + page * ps, ps), 0) << page;
+    }
+    EXPECT_EQ(ops_->Slots(), kPages);  // not emptied yet
+    EXPECT_EQ(ops_->ClearCalls(), calls);
+    EXPECT_EQ(ops_->Pieces(), 0u);
+    EXPECT_EQ(ops_->IoUringBytes(), 0u);
+    EXPECT_EQ(ops_->StaleBytes(), kPages * ps);
+    EXPECT_EQ(Pinned(), kPages * ps);
+    ASSERT_EQ(ops_->Lock(base, ps), 0);  // the same page, a new slot
+    EXPECT_EQ(ops_->Slots(), kPages + 1);
+    ASSERT_EQ(ops_->Unlock(base, ps), 0);
+  }
+  EXPECT_EQ(ops_->Slots(), 0u);
+  // Nine adjacent slots (the eight and the new one after them): one call.
+  EXPECT_EQ(ops_->ClearCalls(), calls + 1);
+  EXPECT_EQ(ops_->StaleBytes(), 0u);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// A batch does not hold more than kClearBatchSlots slots back: it empties
+// them as it goes.
+TEST_F(KernelPinOpsTest, ClearBatchEmptiesAFullBatchAsItGoes) {
+  const uint64_t ps = PageSize();
+  constexpr uint64_t kPages = KernelPinOps::kClearBatchSlots + 10;
+  const uint64_t base = LockedPages(kPages);
+  ASSERT_NE(base, 0u);
+  const uint64_t calls = ops_->ClearCalls();
+  {
+    KernelPinOps::ClearBatch batch(ops_.get());
+    for (uint64_t page = kPages; page-- > 0;) {  // slots in reverse order
+      ASSERT_EQ(ops_->Unlock(base + page * ps, ps), 0) << page;
+    }
+    EXPECT_EQ(ops_->Slots(), 10u);
+  }
+  EXPECT_EQ(ops_->Slots(), 0u);
+  // Two runs of adjacent slots, each emptied with one call.
+  EXPECT_EQ(ops_->ClearCalls(), calls + 2);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// Only the outermost batch of a thread defers anything; a batch of no
+// object defers nothing.
+TEST_F(KernelPinOpsTest, NestedAndNullClearBatchesDeferNothingMore) {
+  const uint64_t ps = PageSize();
+  const uint64_t base = LockedPages(2);
+  ASSERT_NE(base, 0u);
+  {
+    KernelPinOps::ClearBatch none(nullptr);
+    ASSERT_EQ(ops_->Unlock(base + ps, ps), 0);
+    EXPECT_EQ(ops_->Slots(), 1u);  // emptied at once
+  }
+  {
+    KernelPinOps::ClearBatch outer(ops_.get());
+    {
+      KernelPinOps::ClearBatch inner(ops_.get());
+      ASSERT_EQ(ops_->Unlock(base, ps), 0);
+    }
+    EXPECT_EQ(ops_->Slots(), 1u);  // the outer batch still holds it
+  }
+  EXPECT_EQ(ops_->Slots(), 0u);
 }
 
 TEST_F(KernelPinOpsTest, OverlappingLockIsRefused) {
