@@ -190,24 +190,28 @@ inline double Batches(const client::Session& session, uint64_t buffer,
   return Seconds(start);
 }
 
-// Cache hits against mrd's cheapest RPC on the same channel: with `range`
-// held once, `pairs` times a RegisterMr of it that hits the cache plus the
-// DeregisterMr that gives that reference back, interleaved with two
-// GetDeviceInfo calls so that both see the same machine; the microseconds
-// of each, false on any failure.
+// Cache hits against the same request pair to a floor server (floor_server.h,
+// `floor`): with `range` held once, `pairs` times a RegisterMr of it that
+// hits the cache plus the DeregisterMr that gives that reference back,
+// interleaved with the same RegisterMr and DeregisterMr to the floor so that
+// both see the same machine; the microseconds of each, false on any failure.
 inline bool HitPairs(const client::Session& session,
                      const client::RegisterOptions& range, uint64_t pairs,
-                     std::vector<double>* hit_us,
-                     std::vector<double>* empty_us) {
+                     const client::Client& floor, std::vector<double>* hit_us,
+                     std::vector<double>* floor_us) {
   auto held = client::Registration::Register(session, range);
   if (!held.ok()) return false;
+  const v1::RegisterMrRequest request =
+      client::ToRequest(session.token(), range);
   for (uint64_t i = 0; i < pairs; ++i) {
     Clock::time_point start = Clock::now();
-    if (!session.client().GetDeviceInfo().ok() ||
-        !session.client().GetDeviceInfo().ok()) {
-      return false;
-    }
-    empty_us->push_back(Seconds(start) * 1e6);
+    auto floor_reg = floor.RegisterMr(request);
+    if (!floor_reg.ok()) return false;
+    v1::DeregisterMrRequest floor_dereg;
+    floor_dereg.set_session(session.token());
+    floor_dereg.set_registration(floor_reg->registration());
+    if (!floor.DeregisterMr(floor_dereg).ok()) return false;
+    floor_us->push_back(Seconds(start) * 1e6);
     start = Clock::now();
     auto hit = client::Registration::Register(session, range);
     if (!hit.ok() || !hit->cache_hit()) return false;

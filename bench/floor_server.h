@@ -6,7 +6,10 @@
 #ifndef MRD_BENCH_FLOOR_SERVER_H_
 #define MRD_BENCH_FLOOR_SERVER_H_
 
+#include <fcntl.h>
+#include <spawn.h>
 #include <stdlib.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -176,23 +179,37 @@ class FloorService final : public v1::MemoryRegistration::CallbackService {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 };
 
+// Where the floor server runs. kInProcess: in the benchmark's own process,
+// beside its client, which then shares gRPC's pollers and threads with it
+// (a thread waiting for its reply may read and answer the request itself,
+// with no wake-up of another process). kOwnProcess: in a process of its
+// own, as mrd is, so that each call crosses between two processes the way a
+// call to mrd does; the process is this benchmark's own binary started again
+// (RunFloorChildIfAsked).
+enum class FloorPlace { kInProcess, kOwnProcess };
+
 class Floor {
  public:
   // The floor server on a Unix socket in a new temporary directory, and a
   // client of it.
-  static absl::StatusOr<std::unique_ptr<Floor>> Start(bool hop) {
+  static absl::StatusOr<std::unique_ptr<Floor>> Start(
+      bool hop, FloorPlace place = FloorPlace::kInProcess) {
     auto f = std::unique_ptr<Floor>(new Floor());
     char dir[] = "/tmp/mrd-floor.XXXXXX";
     if (mkdtemp(dir) == nullptr) return absl::InternalError("mkdtemp");
     f->dir_ = dir;
-    f->service_ = std::make_unique<FloorService>(hop);
-    grpc::ServerBuilder builder;
-    builder.AddListeningPort("unix:" + f->socket(),
-                             grpc::InsecureServerCredentials());
-    builder.RegisterService(f->service_.get());
-    f->server_ = builder.BuildAndStart();
-    if (f->server_ == nullptr) {
-      return absl::InternalError("floor server did not start");
+    if (place == FloorPlace::kOwnProcess) {
+      if (absl::Status s = f->Spawn(hop); !s.ok()) return s;
+    } else {
+      f->service_ = std::make_unique<FloorService>(hop);
+      grpc::ServerBuilder builder;
+      builder.AddListeningPort("unix:" + f->socket(),
+                               grpc::InsecureServerCredentials());
+      builder.RegisterService(f->service_.get());
+      f->server_ = builder.BuildAndStart();
+      if (f->server_ == nullptr) {
+        return absl::InternalError("floor server did not start");
+      }
     }
     client::ClientOptions options;
     options.socket_path = f->socket();
@@ -206,6 +223,11 @@ class Floor {
     if (server_ != nullptr) server_->Shutdown();
     server_.reset();
     service_.reset();
+    if (child_ > 0) {
+      ::close(child_stdin_);  // the child's cue to stop
+      int status = 0;
+      ::waitpid(child_, &status, 0);
+    }
     unlink(socket().c_str());
     rmdir(dir_.c_str());
   }
@@ -216,11 +238,76 @@ class Floor {
   Floor() = default;
   std::string socket() const { return dir_ + "/floor.sock"; }
 
+  // Starts this binary again as the floor server (RunFloorChildIfAsked) and
+  // waits until its socket accepts connections.
+  absl::Status Spawn(bool hop) {
+    int pipe_fds[2];
+    if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::InternalError("pipe");
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, pipe_fds[0], STDIN_FILENO);
+    std::string exe = "/proc/self/exe";
+    std::string child_flag = "--floor_child";
+    std::string socket_flag = "--floor_socket=" + socket();
+    std::string hop_flag = std::string("--floor_hop=") + (hop ? "1" : "0");
+    char* args[] = {exe.data(), child_flag.data(), socket_flag.data(),
+                    hop_flag.data(), nullptr};
+    pid_t pid = 0;
+    const int err =
+        posix_spawn(&pid, exe.c_str(), &actions, nullptr, args, environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(pipe_fds[0]);
+    if (err != 0) {
+      ::close(pipe_fds[1]);
+      return absl::InternalError("posix_spawn of the floor server");
+    }
+    child_ = pid;
+    child_stdin_ = pipe_fds[1];
+    // Until the socket is there (the child binds it before it serves).
+    for (int i = 0; i < 10000; ++i) {
+      if (::access(socket().c_str(), F_OK) == 0) return absl::OkStatus();
+      int status = 0;
+      if (::waitpid(child_, &status, WNOHANG) == child_) {
+        child_ = 0;
+        return absl::InternalError("the floor server exited at start");
+      }
+      ::usleep(1000);
+    }
+    return absl::DeadlineExceededError("the floor server did not start");
+  }
+
   std::string dir_;
   std::unique_ptr<FloorService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<client::Client> client_;
+  pid_t child_ = 0;
+  int child_stdin_ = -1;
 };
+
+// Call first in main: when this process was started as a floor server
+// (Floor::Start with FloorPlace::kOwnProcess), serves until its standard
+// input closes and returns true (then exit with *exit_code).
+inline bool RunFloorChildIfAsked(int argc, char** argv, int* exit_code) {
+  bool child = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--floor_child") child = true;
+  }
+  if (!child) return false;
+  *exit_code = 1;
+  const std::string socket = StringFlag(argc, argv, "--floor_socket", "");
+  FloorService service(Flag(argc, argv, "--floor_hop", 0) != 0);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) return true;
+  char byte;
+  while (::read(STDIN_FILENO, &byte, 1) > 0) {
+  }
+  server->Shutdown();
+  *exit_code = 0;
+  return true;
+}
 
 }  // namespace mrd::bench
 

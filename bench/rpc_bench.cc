@@ -68,12 +68,16 @@ bool Start(uint64_t count, Fixture* f) {
   return true;
 }
 
-// One inline call's samples, in µs, on mrd and on the floor.
-struct InlineCall {
+// The four inline calls' samples, in µs, on one server (mrd or a floor).
+struct Server {
   const char* name;
-  std::vector<double> mrd_us;
-  std::vector<double> floor_us;
+  const client::Client* client;
+  bool is_mrd;
+  std::vector<double> us[4];
 };
+constexpr const char* kInlineCalls[4] = {"GetDeviceInfo", "GetSession",
+                                         "RegisterMr, a cache hit",
+                                         "DeregisterMr, not the last"};
 
 // Times `call` once; false if it failed.
 template <typename F>
@@ -84,61 +88,45 @@ bool Time(std::vector<double>* us, F call) {
   return true;
 }
 
-// Case 1: `samples` rounds of the four inline calls on mrd, then on the
-// floor; false on any failure.
-bool InlineCalls(const client::Session& session, const Floor& floor,
-                 const client::RegisterOptions& range, uint64_t samples,
-                 std::vector<InlineCall>* calls) {
-  auto held = client::Registration::Register(session, range);
-  if (!held.ok()) return false;
-  calls->assign({{"GetDeviceInfo", {}, {}},
-                 {"GetSession", {}, {}},
-                 {"RegisterMr, a cache hit", {}, {}},
-                 {"DeregisterMr, not the last", {}, {}}});
-  const client::Client& mrd = session.client();
-  const client::Client& fl = floor.client();
+// One round of the four inline calls on `server`; false on a failure.
+bool InlineRound(const client::Session& session,
+                 const v1::RegisterMrRequest& reg, Server* server) {
+  const client::Client& c = *server->client;
   v1::GetSessionRequest get_session;
   get_session.set_session(session.token());
+  uint64_t id = 0;
+  return Time(&server->us[0], [&] { return c.GetDeviceInfo().ok(); }) &&
+         Time(&server->us[1], [&] { return c.GetSession(get_session).ok(); }) &&
+         Time(&server->us[2],
+              [&] {
+                auto r = c.RegisterMr(reg);
+                if (!r.ok() || (server->is_mrd && !r->cache_hit())) {
+                  return false;
+                }
+                id = r->registration();
+                return true;
+              }) &&
+         Time(&server->us[3], [&] {
+           v1::DeregisterMrRequest d;
+           d.set_session(session.token());
+           d.set_registration(id);
+           auto r = c.DeregisterMr(d);
+           return r.ok() && (!server->is_mrd || r->references() == 1);
+         });
+}
+
+// Case 1: `samples` rounds of the four inline calls on each server in
+// turn (mrd first); false on any failure.
+bool InlineCalls(const client::Session& session,
+                 const client::RegisterOptions& range, uint64_t samples,
+                 std::vector<Server>* servers) {
+  auto held = client::Registration::Register(session, range);
+  if (!held.ok()) return false;
   const v1::RegisterMrRequest reg = client::ToRequest(session.token(), range);
   for (uint64_t i = 0; i < samples; ++i) {
-    uint64_t hit_id = 0;
-    uint64_t floor_id = 0;
-    const bool ok =
-        Time(&(*calls)[0].mrd_us, [&] { return mrd.GetDeviceInfo().ok(); }) &&
-        Time(&(*calls)[1].mrd_us,
-             [&] { return mrd.GetSession(get_session).ok(); }) &&
-        Time(&(*calls)[2].mrd_us,
-             [&] {
-               auto r = mrd.RegisterMr(reg);
-               if (!r.ok() || !r->cache_hit()) return false;
-               hit_id = r->registration();
-               return true;
-             }) &&
-        Time(&(*calls)[3].mrd_us,
-             [&] {
-               v1::DeregisterMrRequest d;
-               d.set_session(session.token());
-               d.set_registration(hit_id);
-               auto r = mrd.DeregisterMr(d);
-               return r.ok() && r->references() == 1;
-             }) &&
-        Time(&(*calls)[0].floor_us, [&] { return fl.GetDeviceInfo().ok(); }) &&
-        Time(&(*calls)[1].floor_us,
-             [&] { return fl.GetSession(get_session).ok(); }) &&
-        Time(&(*calls)[2].floor_us,
-             [&] {
-               auto r = fl.RegisterMr(reg);
-               if (!r.ok()) return false;
-               floor_id = r->registration();
-               return true;
-             }) &&
-        Time(&(*calls)[3].floor_us, [&] {
-          v1::DeregisterMrRequest d;
-          d.set_session(session.token());
-          d.set_registration(floor_id);
-          return fl.DeregisterMr(d).ok();
-        });
-    if (!ok) return false;
+    for (Server& server : *servers) {
+      if (!InlineRound(session, reg, &server)) return false;
+    }
   }
   return true;
 }
@@ -149,6 +137,7 @@ double Median(std::vector<double> v) {
 }
 
 int Main(int argc, char** argv) {
+  if (int code = 0; RunFloorChildIfAsked(argc, argv, &code)) return code;
   const uint64_t count = Flag(argc, argv, "--count", 10000);
   const uint64_t rounds = Flag(argc, argv, "--rounds", 3, 1);
   const uint64_t pairs = Flag(argc, argv, "--pairs", 5000, 1);
@@ -170,27 +159,40 @@ int Main(int argc, char** argv) {
                 static_cast<double>(count * rounds) / seconds);
     return 0;
   }
-  auto server = Floor::Start(/*hop=*/false);
-  if (!server.ok()) {
-    std::fprintf(stderr, "floor: %s\n", server.status().ToString().c_str());
+  // The floor twice: in this process, beside its client, and in a process
+  // of its own, as mrd is.
+  auto beside = Floor::Start(/*hop=*/false, FloorPlace::kInProcess);
+  auto apart = Floor::Start(/*hop=*/false, FloorPlace::kOwnProcess);
+  if (!beside.ok() || !apart.ok()) {
+    std::fprintf(stderr, "floor: %s %s\n", beside.status().ToString().c_str(),
+                 apart.status().ToString().c_str());
     return 1;
   }
-  std::vector<InlineCall> calls;
-  if (!InlineCalls(*f.session, **server, PageOf(f.buffer->id(), 0), pairs,
-                   &calls)) {
+  std::vector<Server> servers = {
+      {"mrd", &f.session->client(), true, {}},
+      {"floor, own process", &(*apart)->client(), false, {}},
+      {"floor, in the client's process", &(*beside)->client(), false, {}}};
+  if (!InlineCalls(*f.session, PageOf(f.buffer->id(), 0), pairs, &servers)) {
     std::fprintf(stderr, "inline calls failed\n");
     return 1;
   }
-  std::printf("%-34s %9s %9s %9s %9s %7s %7s\n",
-              "inline call (one channel each)", "mrd p50", "floor p50",
-              "mrd p99", "floor p99", "p50 ×", "p99 ×");
-  for (const InlineCall& c : calls) {
-    const double m50 = Percentile(c.mrd_us, 0.5);
-    const double f50 = Percentile(c.floor_us, 0.5);
-    const double m99 = Percentile(c.mrd_us, 0.99);
-    const double f99 = Percentile(c.floor_us, 0.99);
-    std::printf("%-34s %9.1f %9.1f %9.1f %9.1f %7.3f %7.3f\n", c.name, m50, f50,
-                m99, f99, m50 / f50, m99 / f99);
+  std::printf("%-28s %-31s %8s %8s %7s %7s\n", "inline call", "server",
+              "p50 us", "p99 us", "p50 ×", "p99 ×");
+  for (int c = 0; c < 4; ++c) {
+    const double m50 = Percentile(servers[0].us[c], 0.5);
+    const double m99 = Percentile(servers[0].us[c], 0.99);
+    for (const Server& server : servers) {
+      const double p50 = Percentile(server.us[c], 0.5);
+      const double p99 = Percentile(server.us[c], 0.99);
+      if (server.is_mrd) {
+        std::printf("%-28s %-31s %8.1f %8.1f %7s %7s\n", kInlineCalls[c],
+                    server.name, p50, p99, "", "");
+      } else {
+        std::printf("%-28s %-31s %8.1f %8.1f %7.3f %7.3f\n", "",
+                    ("  mrd ÷ " + std::string(server.name)).c_str(), p50, p99,
+                    m50 / p50, m99 / p99);
+      }
+    }
   }
   std::printf("\n");
   std::vector<double> single;
