@@ -134,14 +134,14 @@ constexpr uint64_t kLockHold = uint64_t{2} << 20;
 // tenant's prefault) said so.
 template <typename Stop>
 uint64_t Populate(uint64_t start, uint64_t end, WorkProgress* progress,
-                  Stop stop) {
+                  bool huge_pages, Stop stop) {
+  const uint64_t hold = huge_pages ? kStep : kLockHold;
   for (uint64_t at = start; at < end;) {
     if (Cancelled(progress) || (at != start && stop())) return at;
     const uint64_t to = std::min(end, (at & ~(kStep - 1)) + kStep);
     // Errors are the pin's to report (see the header).
     for (uint64_t piece = at; piece < to;) {
-      const uint64_t piece_end =
-          std::min(to, (piece & ~(kLockHold - 1)) + kLockHold);
+      const uint64_t piece_end = std::min(to, (piece & ~(hold - 1)) + hold);
       (void)::madvise(reinterpret_cast<void*>(piece), piece_end - piece,
                       MADV_POPULATE_READ);
       piece = piece_end;
@@ -164,7 +164,7 @@ void ConfigurePrefault(uint32_t threads) {
 }
 
 uint32_t Prefault(const void* address, uint64_t length, uint32_t max_threads,
-                  WorkProgress* progress) {
+                  WorkProgress* progress, bool huge_pages) {
   const uint32_t configured = Threads();
   if (length < kPrefaultMinBytes || configured == 0) return 0;
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -200,9 +200,9 @@ uint32_t Prefault(const void* address, uint64_t length, uint32_t max_threads,
     part->end = to;
     part->stopped.store(at, std::memory_order_relaxed);
     Part* p = part.get();
-    absl::StatusOr<Thread> t =
-        Thread::Start("mrd-prefault", [at, to, progress, p, &tenant, &shares] {
-          p->stopped.store(Populate(at, to, progress,
+    absl::StatusOr<Thread> t = Thread::Start(
+        "mrd-prefault", [at, to, progress, p, &tenant, &shares, huge_pages] {
+          p->stopped.store(Populate(at, to, progress, huge_pages,
                                     [&] { return shares.ShouldStop(tenant); }),
                            std::memory_order_relaxed);
         });
@@ -214,12 +214,12 @@ uint32_t Prefault(const void* address, uint64_t length, uint32_t max_threads,
   const uint32_t started = static_cast<uint32_t>(threads.size());
   Allowance().fetch_add(helpers - started, std::memory_order_relaxed);
   auto never = [] { return false; };
-  Populate(at, end, progress, never);
+  Populate(at, end, progress, huge_pages, never);
   for (size_t i = 0; i < threads.size(); ++i) {
     threads[i].Join();
     const Part& part = *helper_parts[i];
     Populate(part.stopped.load(std::memory_order_relaxed), part.end, progress,
-             never);
+             huge_pages, never);
   }
   Allowance().fetch_add(started, std::memory_order_relaxed);
   shares.Leave(tenant, helpers, short_of_share);

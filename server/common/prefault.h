@@ -51,8 +51,12 @@ void ConfigurePrefault(uint32_t threads);
 // (0 when the range is below kPrefaultMinBytes). With `progress`, every
 // thread adds the bytes it filled, 16 MiB at a time, and stops early once
 // progress->Cancelled() (then part of the range is left unfilled).
+// Each madvise call covers 2 MiB (it holds the address space's lock for
+// its length), or with `huge_pages` (hugetlbfs memory: one fault a 2 MiB
+// page, so a call of 16 MiB holds the lock no longer) a whole 16 MiB step.
 uint32_t Prefault(const void* address, uint64_t length,
-                  uint32_t max_threads = 0, WorkProgress* progress = nullptr);
+                  uint32_t max_threads = 0, WorkProgress* progress = nullptr,
+                  bool huge_pages = false);
 
 }  // namespace mrd
 

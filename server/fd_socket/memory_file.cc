@@ -152,7 +152,8 @@ MappedFile::~MappedFile() {
   // call, a 256 MiB mapping held the lock for writing for milliseconds, and
   // every map, prefault and page fault of mrd's other threads (other
   // tenants' included) waited for it.
-  for (uint64_t at = 0; at < size_; at += kUnmapPiece) {
+  // Huge pages have a table entry each, torn down quickly in one unmap.
+  for (uint64_t at = 0; !huge_pages_ && at < size_; at += kUnmapPiece) {
     (void)::madvise(static_cast<char*>(address_) + at,
                     std::min(kUnmapPiece, size_ - at), MADV_DONTNEED);
   }
@@ -184,7 +185,7 @@ void MappedFile::Prefault(uint64_t offset, uint64_t length,
     return;
   }
   if (mrd::Prefault(static_cast<char*>(address_) + offset, length,
-                    /*max_threads=*/0, progress) == 0) {
+                    /*max_threads=*/0, progress, huge_pages_) == 0) {
     return;  // prefaulting is off
   }
   if (Cancelled(progress)) return;  // stopped part-way: nothing is marked
@@ -227,9 +228,9 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Map(
   const bool shrink_sealed = seals >= 0 && (seals & F_SEAL_SHRINK) != 0;
   // Once per mapping, not at every pin of a span of it.
   struct statfs fs {};
-  const bool huge_pages =
-      ::fstatfs(fd.get(), &fs) == 0 &&
-      static_cast<uint32_t>(fs.f_type) == static_cast<uint32_t>(HUGETLBFS_MAGIC);
+  const bool huge_pages = ::fstatfs(fd.get(), &fs) == 0 &&
+                          static_cast<uint32_t>(fs.f_type) ==
+                              static_cast<uint32_t>(HUGETLBFS_MAGIC);
   auto file = std::unique_ptr<MappedFile>(
       new MappedFile(std::move(fd), address, size, writable, device, inode,
                      std::move(source)));
