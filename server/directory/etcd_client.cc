@@ -83,7 +83,10 @@ std::string PrefixEnd(absl::string_view prefix) {
   return std::string(1, '\0');
 }
 
+// At least 1 s, at most etcd's largest TTL (and never an infinite double).
 int64_t WholeSeconds(absl::Duration d) {
+  constexpr int64_t kMaxTtlSeconds = 9'000'000'000;  // etcd's MaxLeaseTTL
+  if (d >= absl::Seconds(kMaxTtlSeconds)) return kMaxTtlSeconds;
   return std::max<int64_t>(
       1, static_cast<int64_t>(std::ceil(absl::ToDoubleSeconds(d))));
 }

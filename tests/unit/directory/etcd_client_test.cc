@@ -69,6 +69,20 @@ class EventLog {
     mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
     return events_;
   }
+  // Whether a delete of `key` came within `timeout`: waits for it, not for
+  // the time to pass.
+  bool WaitForDelete(const std::string& key, absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    const auto deleted = [this, &key]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const EtcdWatchEvent& event : events_) {
+        if (event.type == EtcdWatchEvent::Type::kDelete && event.key == key) {
+          return true;
+        }
+      }
+      return false;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&deleted), timeout);
+  }
 
  private:
   absl::Mutex mu_;
@@ -174,20 +188,21 @@ TEST_F(EtcdClientTest, KeyOfALeaseNotKeptAliveVanishesWithinItsTtl) {
   absl::StatusOr<EtcdLease> lease = client_->Grant(absl::Seconds(1));
   ASSERT_TRUE(lease.ok()) << lease.status();
   const absl::Time granted = absl::Now();
-  ASSERT_TRUE(client_->Put(Prefix() + "k", "v", lease->id).ok());
-  ASSERT_EQ(Values(*client_, Prefix()).size(), 1u);
-  // etcd's leader checks expiry every 500 ms, and revokes in a proposal.
-  const absl::Time deadline = granted + lease->ttl + absl::Seconds(2);
-  while (!Values(*client_, Prefix()).empty() && absl::Now() < deadline) {
-    absl::StatusOr<absl::Duration> left = client_->TimeToLive(lease->id);
-    if (!left.ok()) break;  // gone: the key is next
-  }
+  absl::StatusOr<int64_t> put = client_->Put(Prefix() + "k", "v", lease->id);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EventLog log;
+  absl::StatusOr<std::unique_ptr<EtcdWatch>> watch =
+      client_->Watch(Prefix(), *put + 1, log.Callback());
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  // etcd's leader looks for expired leases every 500 ms and revokes them in
+  // a proposal of its own: the TTL and a little more.
+  EXPECT_TRUE(log.WaitForDelete(
+      Prefix() + "k", granted + lease->ttl + absl::Seconds(2) - absl::Now()));
   EXPECT_TRUE(Values(*client_, Prefix()).empty());
-  EXPECT_LT(absl::Now(), deadline);
   absl::StatusOr<absl::Duration> left = client_->TimeToLive(lease->id);
   ASSERT_FALSE(left.ok());
   EXPECT_EQ(GetErrorDetail(left.status()).reason(), "ETCD_LEASE_NOT_FOUND");
-  absl::StatusOr<int64_t> put = client_->Put(Prefix() + "k", "v", lease->id);
+  put = client_->Put(Prefix() + "k", "v", lease->id);
   ASSERT_FALSE(put.ok());
   EXPECT_EQ(put.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(GetErrorDetail(put.status()).reason(), "ETCD_LEASE_NOT_FOUND");
@@ -197,7 +212,12 @@ TEST_F(EtcdClientTest, KeyOfALeaseKeptAliveOutlivesItsTtl) {
   absl::StatusOr<EtcdLease> lease = client_->Grant(absl::Seconds(1));
   ASSERT_TRUE(lease.ok()) << lease.status();
   const absl::Time granted = absl::Now();
-  ASSERT_TRUE(client_->Put(Prefix() + "k", "v", lease->id).ok());
+  absl::StatusOr<int64_t> put = client_->Put(Prefix() + "k", "v", lease->id);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EventLog log;
+  absl::StatusOr<std::unique_ptr<EtcdWatch>> watch =
+      client_->Watch(Prefix(), *put + 1, log.Callback());
+  ASSERT_TRUE(watch.ok()) << watch.status();
   absl::Mutex mu;
   absl::Status lost;
   absl::StatusOr<std::unique_ptr<EtcdLeaseKeeper>> keeper =
@@ -206,17 +226,18 @@ TEST_F(EtcdClientTest, KeyOfALeaseKeptAliveOutlivesItsTtl) {
         lost = std::move(status);
       });
   ASSERT_TRUE(keeper.ok()) << keeper.status();
-  // Read the key until three TTLs have passed: it must be there each time.
-  while (absl::Now() < granted + 3 * lease->ttl) {
-    ASSERT_EQ(Values(*client_, Prefix()), std::vector<std::string>{"v"});
-    absl::StatusOr<absl::Duration> left = client_->TimeToLive(lease->id);
-    ASSERT_TRUE(left.ok()) << left.status();
-  }
+  // No delete for three TTLs; the key and the lease are still there.
+  EXPECT_FALSE(log.WaitForDelete(Prefix() + "k", 3 * lease->ttl));
+  EXPECT_EQ(Values(*client_, Prefix()), std::vector<std::string>{"v"});
+  absl::StatusOr<absl::Duration> left = client_->TimeToLive(lease->id);
+  ASSERT_TRUE(left.ok()) << left.status();
   EXPECT_TRUE((*keeper)->status().ok());
   EXPECT_GT((*keeper)->last_renewed(), granted + lease->ttl);
   keeper->reset();
-  absl::MutexLock lock(&mu);
-  EXPECT_TRUE(lost.ok()) << lost;
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(lost.ok()) << lost;
+  }
   EXPECT_TRUE(client_->Revoke(lease->id).ok());
 }
 
@@ -344,10 +365,10 @@ TEST_F(EtcdFailoverTest, OneMemberKilledPutsGetsWatchesAndLeasesGoOn) {
   EXPECT_GE((*watch)->reconnects(), 1);
   // The keeper renews through the others: the leased key outlives two TTLs
   // after the kill.
-  while (absl::Now() < killed + 2 * lease->ttl) {
-    ASSERT_EQ(Values(*client_, Prefix() + "leased"),
-              std::vector<std::string>{"v"});
-  }
+  EXPECT_FALSE(log.WaitForDelete(Prefix() + "leased",
+                                 killed + 2 * lease->ttl - absl::Now()));
+  EXPECT_EQ(Values(*client_, Prefix() + "leased"),
+            std::vector<std::string>{"v"});
   EXPECT_TRUE((*keeper)->status().ok()) << (*keeper)->status();
   keeper->reset();
   EXPECT_TRUE(client_->Revoke(lease->id).ok());
