@@ -16,6 +16,7 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "server/directory/etcd_client.h"
@@ -63,6 +64,20 @@ std::string Url(int port) { return absl::StrCat("http://127.0.0.1:", port); }
 
 absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(
     int members, absl::Duration timeout) {
+  // The ports are free when picked, but another process (another test run
+  // in parallel) may bind one before etcd does: such a start is tried again
+  // on other ports. The race is the harness's, not what is tested.
+  const absl::Time deadline = absl::Now() + timeout;
+  for (int attempt = 1;; ++attempt) {
+    bool port_taken = false;
+    absl::StatusOr<std::unique_ptr<EtcdCluster>> cluster =
+        StartOnce(members, deadline, &port_taken);
+    if (cluster.ok() || !port_taken || attempt == 3) return cluster;
+  }
+}
+
+absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::StartOnce(
+    int members, absl::Time deadline, bool* port_taken) {
   std::unique_ptr<EtcdCluster> cluster(new EtcdCluster());
   const char* tmp = std::getenv("TMPDIR");
   std::string dir_template = absl::StrCat(
@@ -92,10 +107,14 @@ absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(
     absl::Status spawned = cluster->Spawn(i);
     if (!spawned.ok()) return spawned;
   }
-  const absl::Time deadline = absl::Now() + timeout;
   for (int i = 0; i < members; ++i) {
     absl::Status ready = cluster->WaitReady(i, deadline - absl::Now());
     if (!ready.ok()) {
+      for (int j = 0; j < members; ++j) {
+        if (absl::StrContains(cluster->Log(j), "address already in use")) {
+          *port_taken = true;
+        }
+      }
       return absl::Status(
           ready.code(),
           absl::StrCat(ready.message(), "\netcd ", cluster->members_[i].name,

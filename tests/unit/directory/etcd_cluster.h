@@ -58,6 +58,8 @@ class EtcdCluster {
     pid_t pid = -1;
   };
   EtcdCluster() = default;
+  static absl::StatusOr<std::unique_ptr<EtcdCluster>> StartOnce(
+      int members, absl::Time deadline, bool* port_taken);
   absl::Status Spawn(int member);
 
   std::string dir_;
