@@ -360,6 +360,39 @@ absl::StatusOr<int64_t> EtcdClient::Put(absl::string_view key,
   return response.header().revision();
 }
 
+absl::StatusOr<int64_t> EtcdClient::PutIfAbsent(absl::string_view key,
+                                                absl::string_view value,
+                                                int64_t lease) {
+  if (key.empty()) return BadArgument("etcd PutIfAbsent of an empty key");
+  pb::TxnRequest request;
+  pb::Compare* absent = request.add_compare();
+  absent->set_key(std::string(key));
+  absent->set_target(pb::Compare::CREATE);
+  absent->set_result(pb::Compare::EQUAL);
+  absent->set_create_revision(0);
+  pb::PutRequest* put = request.add_success()->mutable_request_put();
+  put->set_key(std::string(key));
+  put->set_value(std::string(value));
+  put->set_lease(lease);
+  // Otherwise read the key, to tell our own earlier write from another's.
+  request.add_failure()->mutable_request_range()->set_key(std::string(key));
+  pb::TxnResponse response;
+  MRD_RETURN_IF_ERROR(
+      Call("etcd Txn", absl::Now() + options_.call_timeout,
+           [&](const Endpoint& endpoint, grpc::ClientContext& context, int) {
+             return endpoint.kv->Txn(&context, request, &response);
+           }));
+  if (response.succeeded()) return response.header().revision();
+  if (response.responses_size() == 1 &&
+      response.responses(0).has_response_range() &&
+      response.responses(0).response_range().kvs_size() == 1) {
+    const mvccpb::KeyValue& kv = response.responses(0).response_range().kvs(0);
+    if (kv.value() == value && kv.lease() == lease) return kv.mod_revision();
+  }
+  return MrdError(absl::StatusCode::kAlreadyExists, "ETCD_KEY_EXISTS",
+                  absl::StrCat("etcd key '", key, "' exists already"));
+}
+
 absl::StatusOr<int64_t> EtcdClient::Delete(absl::string_view key) {
   if (key.empty()) return BadArgument("etcd Delete of an empty key");
   pb::DeleteRangeRequest request;

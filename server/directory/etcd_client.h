@@ -36,7 +36,8 @@
 // (etcd's "lease already exists") instead of granting a second lease.
 //
 // Errors (mrd/status.h, MrdError): INVALID_ARGUMENT ETCD_BAD_ENDPOINT (Create)
-// and ETCD_BAD_ARGUMENT; UNAVAILABLE ETCD_UNAVAILABLE; NOT_FOUND
+// and ETCD_BAD_ARGUMENT; UNAVAILABLE ETCD_UNAVAILABLE; ALREADY_EXISTS
+// ETCD_KEY_EXISTS (PutIfAbsent); NOT_FOUND
 // ETCD_LEASE_NOT_FOUND (expired or revoked); OUT_OF_RANGE ETCD_COMPACTED (a
 // watch's start revision is gone); UNAVAILABLE ETCD_LEASE_LOST (a keeper's
 // lease went unrenewed for its TTL); any other answer of etcd keeps etcd's
@@ -150,6 +151,13 @@ class EtcdClient {
   // gone; INVALID_ARGUMENT ETCD_BAD_ARGUMENT for an empty key.
   absl::StatusOr<int64_t> Put(absl::string_view key, absl::string_view value,
                               int64_t lease = 0);
+  // Writes key = value under `lease` only if the key does not exist (one
+  // etcd transaction), so that two writers cannot overwrite each other's
+  // key. Returns the revision of the write. A key that already holds this
+  // value under this lease counts as written (a retry whose first attempt
+  // went through); any other is ALREADY_EXISTS ETCD_KEY_EXISTS, untouched.
+  absl::StatusOr<int64_t> PutIfAbsent(absl::string_view key,
+                                      absl::string_view value, int64_t lease);
   // Deletes the key; returns how many keys went (0 or 1).
   absl::StatusOr<int64_t> Delete(absl::string_view key);
   // Every key that starts with `prefix` (empty: every key), read at one

@@ -173,6 +173,27 @@ TEST_F(EtcdClientTest, PutOfAnEmptyKeyIsRefused) {
   EXPECT_EQ(GetErrorDetail(put.status()).reason(), "ETCD_BAD_ARGUMENT");
 }
 
+TEST_F(EtcdClientTest, PutIfAbsentWritesOnceAndLeavesAnothersKeyAlone) {
+  absl::StatusOr<EtcdLease> lease = client_->Grant(absl::Seconds(30));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  absl::StatusOr<int64_t> first =
+      client_->PutIfAbsent(Prefix() + "name", "mine", lease->id);
+  ASSERT_TRUE(first.ok()) << first.status();
+  // The same write again (a retry): written already, same revision.
+  absl::StatusOr<int64_t> again =
+      client_->PutIfAbsent(Prefix() + "name", "mine", lease->id);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *first);
+  // Another writer's value: refused, the key untouched.
+  absl::StatusOr<int64_t> other =
+      client_->PutIfAbsent(Prefix() + "name", "theirs", 0);
+  ASSERT_FALSE(other.ok());
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(GetErrorDetail(other.status()).reason(), "ETCD_KEY_EXISTS");
+  EXPECT_EQ(Values(*client_, Prefix()), std::vector<std::string>{"mine"});
+  EXPECT_TRUE(client_->Revoke(lease->id).ok());
+}
+
 TEST_F(EtcdClientTest, DeleteRemovesTheKey) {
   ASSERT_TRUE(client_->Put(Prefix() + "k", "v").ok());
   absl::StatusOr<int64_t> deleted = client_->Delete(Prefix() + "k");
@@ -378,6 +399,11 @@ TEST_F(EtcdFailoverTest, AllMembersDownCallsFailUnavailableThenRecover) {
   std::unique_ptr<EtcdClient> client =
       NewClient(cluster_->endpoints(), absl::Seconds(1));
   ASSERT_TRUE(client->Put(Prefix() + "k", "before").ok());
+  // A watch made before the outage, to see what is written after it.
+  EventLog survivor;
+  absl::StatusOr<std::unique_ptr<EtcdWatch>> survivor_watch =
+      client->Watch(Prefix(), 0, survivor.Callback());
+  ASSERT_TRUE(survivor_watch.ok()) << survivor_watch.status();
   for (int i = 0; i < cluster_->size(); ++i) cluster_->Kill(i);
 
   const absl::Time start = absl::Now();
@@ -413,6 +439,11 @@ TEST_F(EtcdFailoverTest, AllMembersDownCallsFailUnavailableThenRecover) {
   } while (!put.ok() && absl::Now() < deadline);
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(Values(*client, Prefix()), std::vector<std::string>{"after"});
+  // The watch made before the outage found a member again and resumed.
+  std::vector<EtcdWatchEvent> events = survivor.WaitFor(1);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].value, "after");
+  EXPECT_GE((*survivor_watch)->reconnects(), 1);
 }
 
 }  // namespace
