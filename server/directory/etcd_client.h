@@ -3,7 +3,7 @@
 // prefix reads and prefix watches, against a list of etcd members
 // ("host:port" each), with failover between them.
 //
-// Transport. etcd's own gRPC API (KV, Lease, Watch: proto/etcd, built from
+// Transport: etcd's own gRPC API (KV, Lease, Watch: proto/etcd, built from
 // the .proto files Debian installs) over the gRPC mrd already links; no other
 // client library. gRPC stays inside etcd_client.cc: this header names none of
 // its types.
@@ -16,17 +16,25 @@
 // call that gets UNAVAILABLE (or runs out of its attempt's time) from one
 // member is retried on the next, within the call's own deadline; calls stick
 // to the member that answered last, so a member that went down costs one
-// failed attempt, not one call in N; and a watch's stream, which must move
-// to another member when its own goes, knows which member it is on. The
-// channels reconnect with a short backoff (options.reconnect_backoff_max,
+// failed attempt, not one call in N, and a member whose connection is
+// failing is skipped while another is not; and a watch's stream, which must
+// move to another member when its own goes, knows which member it is on.
+// The channels reconnect with a short backoff (options.reconnect_backoff_max,
 // where gRPC's own grows to 120 s), so a member that comes back is used
 // again within about that time; HTTP/2 keepalive pings find a member that
 // vanished without closing its connections.
 //
+// A synchronous gRPC client makes progress on a connection only while a
+// call waits on it: a fail-fast call on a member that is reconnecting fails
+// at once and leaves nothing polling, and the member never comes back. So
+// every attempt waits for its member's connection (wait_for_ready) up to its
+// own deadline, and a watch connects (bounded) before it opens its stream.
+//
 // Deadlines: every call takes at most options.call_timeout in all, and each
-// attempt on one member at most options.attempt_timeout. A call that finds
-// no member to answer fails with UNAVAILABLE ETCD_UNAVAILABLE, naming each
-// member's last error; nothing waits without a bound.
+// attempt on one member at most options.attempt_timeout (a keeper's renewal
+// at most a quarter of the TTL on one member). A call that finds no member
+// to answer fails with UNAVAILABLE ETCD_UNAVAILABLE, naming the members'
+// last errors; nothing waits without a bound.
 //
 // Retries happen only on UNAVAILABLE and an attempt's DEADLINE_EXCEEDED, so
 // a write whose first attempt took effect may be applied again: a retried
@@ -231,7 +239,8 @@ class EtcdLeaseKeeper {
 
   // OK while the lease is kept; the error given to on_lost once it is lost.
   absl::Status status() const;
-  // The last time etcd acknowledged a renewal (the grant's time at first).
+  // The last time etcd acknowledged a renewal (the keeper's start at
+  // first).
   absl::Time last_renewed() const;
 
  private:
@@ -252,7 +261,8 @@ class EtcdLeaseKeeper {
 };
 
 // A watch of one prefix (EtcdClient::Watch). Destroying it cancels the
-// stream and waits for the thread (and for a callback that is running).
+// stream and waits for the thread: for a callback that is running, and at
+// most an attempt's time for a connection being made.
 class EtcdWatch {
  public:
   ~EtcdWatch();
