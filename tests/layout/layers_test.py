@@ -40,6 +40,7 @@ MODULES = [
     "server/metrics",
     "server/handover",
     "server/daemon",
+    "server/directory",
     "server/main.cc",
     "client/lib",
     "client/peer",
@@ -144,7 +145,7 @@ def table_edges(root):
 CLIENT_TARGETS = {"mrd_client", "mrd_peer_client", "mrd_verbs_peer", "mrctl"}
 SERVER_TARGET = re.compile(
     r"^mrd_(common|device\w*|verbs_device|fd_socket|cache|core|service|"
-    r"metrics|rpc_observer)$")
+    r"metrics|rpc_observer|directory)$")
 NODE = re.compile(r'^\s*"(node\d+)" \[ label = "([^"]+)"', re.M)
 EDGE = re.compile(r'^\s*"(node\d+)" -> "(node\d+)"', re.M)
 

@@ -1,0 +1,302 @@
+// EtcdClient: mrd's client of etcd's v3 API, the foundation of the directory
+// (issue 27, docs/DIRECTORY.md): leases, keys put under them, deletes,
+// prefix reads and prefix watches, against a list of etcd members
+// ("host:port" each), with failover between them.
+//
+// Transport: etcd's own gRPC API (KV, Lease, Watch: proto/etcd, built from
+// the .proto files Debian installs) over the gRPC mrd already links; no other
+// client library. gRPC stays inside etcd_client.cc: this header names none of
+// its types.
+//
+// Failover: one channel per member, chosen explicitly, rather than gRPC's
+// round_robin policy over a static list. round_robin picks a connected
+// member for the next call but fails the call in hand, and it counts a
+// member that is up but cut off from the quorum ("etcdserver: no leader",
+// "leader changed", "request timed out": all UNAVAILABLE) as healthy. Here a
+// call that gets UNAVAILABLE (or runs out of its attempt's time) from one
+// member is retried on the next, within the call's own deadline; calls stick
+// to the member that answered last, so a member that went down costs one
+// failed attempt, not one call in N, and a member whose connection is
+// failing is skipped while another is not; and a watch's stream, which must
+// move to another member when its own goes, knows which member it is on.
+// The channels reconnect with a short backoff (options.reconnect_backoff_max,
+// where gRPC's own grows to 120 s), so a member that comes back is used
+// again within about that time; HTTP/2 keepalive pings find a member that
+// vanished without closing its connections.
+//
+// A synchronous gRPC client makes progress on a connection only while a
+// call waits on it: a fail-fast call on a member that is reconnecting fails
+// at once and leaves nothing polling, and the member never comes back. So
+// every attempt waits for its member's connection (wait_for_ready) up to its
+// own deadline, and a watch connects (bounded) before it opens its stream.
+//
+// Deadlines: every call takes at most options.call_timeout in all, and each
+// attempt on one member at most options.attempt_timeout (a keeper's renewal
+// at most a quarter of the TTL on one member). A call that finds no member
+// to answer fails with UNAVAILABLE ETCD_UNAVAILABLE, naming the members'
+// last errors; nothing waits without a bound.
+//
+// Retries happen only on UNAVAILABLE and an attempt's DEADLINE_EXCEEDED, so
+// a write whose first attempt took effect may be applied again: a retried
+// Put writes the same value a second time (a second revision; a watcher may
+// see both), a retried Delete deletes nothing more. Grant chooses the lease
+// id itself, so that a retry whose first attempt went through is recognized
+// (etcd's "lease already exists") instead of granting a second lease.
+//
+// Errors (mrd/status.h, MrdError): INVALID_ARGUMENT ETCD_BAD_ENDPOINT (Create)
+// and ETCD_BAD_ARGUMENT; UNAVAILABLE ETCD_UNAVAILABLE; ALREADY_EXISTS
+// ETCD_KEY_EXISTS (PutIfAbsent); NOT_FOUND
+// ETCD_LEASE_NOT_FOUND (expired or revoked); OUT_OF_RANGE ETCD_COMPACTED (a
+// watch's start revision is gone); UNAVAILABLE ETCD_LEASE_LOST (a keeper's
+// lease went unrenewed for its TTL); any other answer of etcd keeps etcd's
+// code, with reason ETCD_ERROR and etcd's message.
+//
+// Thread safety: an EtcdClient is thread-safe; any thread may call any
+// method, at once. EtcdLeaseKeeper and EtcdWatch each run one thread of
+// their own that calls into the client, and call their callbacks on it.
+//
+// Ownership: the caller owns the client and every keeper and watch; keepers
+// and watches must be destroyed before their client (its destructor checks
+// and aborts otherwise). A callback must not destroy its own keeper or
+// watch (that would join the thread it runs on).
+//
+// Not yet: TLS and etcd's user/password authentication (issue 27 asks for
+// both, by flags or files).
+#ifndef MRD_SERVER_DIRECTORY_ETCD_CLIENT_H_
+#define MRD_SERVER_DIRECTORY_ETCD_CLIENT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/functional/any_invocable.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "server/common/thread.h"
+
+namespace grpc {
+class ClientContext;
+class Status;
+}  // namespace grpc
+
+namespace mrd::directory {
+
+struct EtcdClientOptions {
+  // The members, "host:port" each (no scheme: plain-text gRPC).
+  std::vector<std::string> endpoints;
+  absl::Duration call_timeout = absl::Seconds(5);     // a call, in all
+  absl::Duration attempt_timeout = absl::Seconds(1);  // on one member
+  // The longest wait before a channel tries a member that was down again.
+  absl::Duration reconnect_backoff_max = absl::Seconds(1);
+};
+
+struct EtcdLease {
+  int64_t id = 0;
+  absl::Duration ttl;  // as granted (etcd may round a short TTL up)
+};
+
+struct EtcdKeyValue {
+  std::string key;
+  std::string value;
+  int64_t lease = 0;  // 0: none
+  int64_t create_revision = 0;
+  int64_t mod_revision = 0;
+};
+
+struct EtcdRange {
+  std::vector<EtcdKeyValue> kvs;  // in key order
+  int64_t revision = 0;           // of the store when read: watch from +1
+};
+
+struct EtcdWatchEvent {
+  enum class Type { kPut, kDelete };
+  Type type = Type::kPut;
+  std::string key;
+  std::string value;  // empty for a delete
+  int64_t lease = 0;
+  int64_t mod_revision = 0;
+};
+
+// Events in revision order; or, once, the error that ended the watch for
+// good (OUT_OF_RANGE ETCD_COMPACTED), after which it is never called again.
+using EtcdWatchCallback =
+    absl::AnyInvocable<void(absl::StatusOr<std::vector<EtcdWatchEvent>>)>;
+
+class EtcdLeaseKeeper;
+class EtcdWatch;
+
+class EtcdClient {
+ public:
+  // INVALID_ARGUMENT ETCD_BAD_ENDPOINT for no endpoint or one that is not
+  // "host:port"; INVALID_ARGUMENT ETCD_BAD_ARGUMENT for a timeout that is
+  // not positive. Connects lazily: a cluster that is down is no error here.
+  static absl::StatusOr<std::unique_ptr<EtcdClient>> Create(
+      EtcdClientOptions options);
+  ~EtcdClient();
+  EtcdClient(const EtcdClient&) = delete;
+  EtcdClient& operator=(const EtcdClient&) = delete;
+
+  // A new lease of `ttl` (whole seconds, rounded up; at least 1 s).
+  absl::StatusOr<EtcdLease> Grant(absl::Duration ttl);
+  // Ends the lease now, deleting every key attached to it. NOT_FOUND
+  // ETCD_LEASE_NOT_FOUND if it is already gone.
+  absl::Status Revoke(int64_t lease);
+  // The lease's remaining time; NOT_FOUND ETCD_LEASE_NOT_FOUND if gone.
+  absl::StatusOr<absl::Duration> TimeToLive(int64_t lease);
+  // Renews the lease once; returns its TTL. NOT_FOUND ETCD_LEASE_NOT_FOUND
+  // if it is gone (renewing cannot bring it back).
+  absl::StatusOr<absl::Duration> KeepAliveOnce(int64_t lease);
+
+  // Writes key = value, attached to `lease` (0: none). Returns the store's
+  // revision of the write. NOT_FOUND ETCD_LEASE_NOT_FOUND if the lease is
+  // gone; INVALID_ARGUMENT ETCD_BAD_ARGUMENT for an empty key.
+  absl::StatusOr<int64_t> Put(absl::string_view key, absl::string_view value,
+                              int64_t lease = 0);
+  // Writes key = value under `lease` only if the key does not exist (one
+  // etcd transaction), so that two writers cannot overwrite each other's
+  // key. Returns the revision of the write. A key that already holds this
+  // value under this lease counts as written (a retry whose first attempt
+  // went through); any other is ALREADY_EXISTS ETCD_KEY_EXISTS, untouched.
+  absl::StatusOr<int64_t> PutIfAbsent(absl::string_view key,
+                                      absl::string_view value, int64_t lease);
+  // Deletes the key; returns how many keys went (0 or 1).
+  absl::StatusOr<int64_t> Delete(absl::string_view key);
+  // Every key that starts with `prefix` (empty: every key), read at one
+  // revision, in pages.
+  absl::StatusOr<EtcdRange> Get(absl::string_view prefix);
+
+  // Keeps `lease` alive from a thread of its own, renewing it every third
+  // of its TTL, until the keeper is destroyed. `on_lost` runs once, on that
+  // thread, when the lease is gone (NOT_FOUND ETCD_LEASE_NOT_FOUND) or went
+  // unrenewed for a whole TTL (UNAVAILABLE ETCD_LEASE_LOST: its keys must be
+  // taken as gone), and the keeper stops; grant a new lease then.
+  absl::StatusOr<std::unique_ptr<EtcdLeaseKeeper>> KeepAlive(
+      const EtcdLease& lease, absl::AnyInvocable<void(absl::Status)> on_lost);
+
+  // Watches every key that starts with `prefix`, from `start_revision`
+  // (0: from now; a Get's revision + 1: from that read on, nothing missed).
+  // Returns once a member has created the watch (UNAVAILABLE ETCD_UNAVAILABLE
+  // if none did within the call timeout); `callback` then runs on the
+  // watch's thread for every batch of events. When its member goes, the
+  // watch moves to another and resumes after the last event delivered:
+  // nothing is delivered twice or lost, unless the revisions in between have
+  // been compacted (then the callback gets ETCD_COMPACTED and the watch
+  // ends).
+  absl::StatusOr<std::unique_ptr<EtcdWatch>> Watch(absl::string_view prefix,
+                                                   int64_t start_revision,
+                                                   EtcdWatchCallback callback);
+
+  size_t endpoint_count() const { return endpoints_.size(); }
+  const EtcdClientOptions& options() const { return options_; }
+
+ private:
+  friend class EtcdLeaseKeeper;
+  friend class EtcdWatch;
+  struct Endpoint;
+  using Attempt = absl::FunctionRef<grpc::Status(
+      const Endpoint& endpoint, grpc::ClientContext& context, int attempt)>;
+
+  explicit EtcdClient(EtcdClientOptions options);
+
+  // Runs `attempt` on the preferred member, then on the others in turn,
+  // until one gives an answer other than UNAVAILABLE or `deadline` passes.
+  absl::Status Call(absl::string_view what, absl::Time deadline,
+                    Attempt attempt);
+  // Call with each attempt's time other than options.attempt_timeout.
+  absl::Status CallWithin(absl::string_view what, absl::Time deadline,
+                          absl::Duration attempt_timeout, Attempt attempt);
+  absl::StatusOr<absl::Duration> KeepAliveOnceUntil(
+      int64_t lease, absl::Time deadline, absl::Duration attempt_timeout);
+  size_t Preferred() const;
+  // `index` failed: the next call starts at the member after it.
+  void Failed(size_t index);
+  void AddHandle();
+  void RemoveHandle();
+
+  const EtcdClientOptions options_;
+  std::vector<std::unique_ptr<Endpoint>> endpoints_;  // fixed after Create
+  mutable absl::Mutex mu_;
+  size_t preferred_ ABSL_GUARDED_BY(mu_) = 0;
+  int handles_ ABSL_GUARDED_BY(mu_) = 0;  // live keepers and watches
+};
+
+// Keeps one lease alive (EtcdClient::KeepAlive). Destroying it stops the
+// renewals (it does not revoke the lease: that is Revoke's) and waits for
+// the thread, at most for one renewal in flight (the client's call
+// timeout).
+class EtcdLeaseKeeper {
+ public:
+  ~EtcdLeaseKeeper();
+  EtcdLeaseKeeper(const EtcdLeaseKeeper&) = delete;
+  EtcdLeaseKeeper& operator=(const EtcdLeaseKeeper&) = delete;
+
+  // OK while the lease is kept; the error given to on_lost once it is lost.
+  absl::Status status() const;
+  // The last time etcd acknowledged a renewal (the keeper's start at
+  // first).
+  absl::Time last_renewed() const;
+
+ private:
+  friend class EtcdClient;
+  EtcdLeaseKeeper(EtcdClient* client, const EtcdLease& lease,
+                  absl::AnyInvocable<void(absl::Status)> on_lost);
+  void Run();
+
+  EtcdClient* const client_;
+  const int64_t lease_;
+  absl::AnyInvocable<void(absl::Status)> on_lost_;  // keeper thread only
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  absl::Duration ttl_ ABSL_GUARDED_BY(mu_);
+  absl::Time last_renewed_ ABSL_GUARDED_BY(mu_);
+  Thread thread_;
+};
+
+// A watch of one prefix (EtcdClient::Watch). Destroying it cancels the
+// stream and waits for the thread: for a callback that is running, and at
+// most an attempt's time for a connection being made.
+class EtcdWatch {
+ public:
+  ~EtcdWatch();
+  EtcdWatch(const EtcdWatch&) = delete;
+  EtcdWatch& operator=(const EtcdWatch&) = delete;
+
+  // How many times the watch moved to a member after its stream broke.
+  int64_t reconnects() const;
+
+ private:
+  friend class EtcdClient;
+  enum class State { kConnecting, kWatching, kEnded };
+  EtcdWatch(EtcdClient* client, std::string prefix, int64_t start_revision,
+            EtcdWatchCallback callback);
+  void Run();
+  // One stream on one member, until it breaks or the watch stops; false
+  // when the watch has ended for good.
+  bool WatchOn(size_t index);
+  void Stop();
+
+  EtcdClient* const client_;
+  const std::string prefix_;
+  EtcdWatchCallback callback_;  // watch thread only
+  int64_t next_revision_;       // watch thread only; 0: from now
+  mutable absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  State state_ ABSL_GUARDED_BY(mu_) = State::kConnecting;
+  absl::Status end_status_ ABSL_GUARDED_BY(mu_);
+  int64_t reconnects_ ABSL_GUARDED_BY(mu_) = 0;
+  // The stream in flight, so that Stop can cancel it.
+  std::shared_ptr<grpc::ClientContext> context_ ABSL_GUARDED_BY(mu_);
+  Thread thread_;
+};
+
+}  // namespace mrd::directory
+
+#endif  // MRD_SERVER_DIRECTORY_ETCD_CLIENT_H_

@@ -1,0 +1,74 @@
+// EtcdCluster: a real etcd cluster for the directory's tests, its members
+// etcd processes (Debian's etcd-server) on 127.0.0.1 ports picked free, with
+// their data in a temporary directory. Short heartbeat and election timeouts
+// (50 ms, 500 ms) keep elections, and the tests, fast.
+//
+// Members can be killed (SIGKILL) and restarted on the same ports and data,
+// as a member that crashed comes back. Each member dies with the test
+// process (PR_SET_PDEATHSIG), so a crashed test leaves no etcd behind; the
+// destructor kills them and removes the directory.
+//
+// Not thread-safe: one thread (the test's main thread: a member's death
+// signal is tied to the thread that started it) drives the cluster.
+#ifndef MRD_TESTS_UNIT_DIRECTORY_ETCD_CLUSTER_H_
+#define MRD_TESTS_UNIT_DIRECTORY_ETCD_CLUSTER_H_
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace mrd::testing {
+
+class EtcdCluster {
+ public:
+  // Starts `members` members and waits (polling, up to `timeout`) until
+  // every one answers a linearizable read, which needs an elected leader.
+  static absl::StatusOr<std::unique_ptr<EtcdCluster>> Start(
+      int members, absl::Duration timeout = absl::Seconds(30));
+  ~EtcdCluster();
+  EtcdCluster(const EtcdCluster&) = delete;
+  EtcdCluster& operator=(const EtcdCluster&) = delete;
+
+  int size() const { return static_cast<int>(members_.size()); }
+  // "127.0.0.1:port" of every member's client URL, or of one.
+  std::vector<std::string> endpoints() const;
+  const std::string& endpoint(int member) const;
+
+  // SIGKILLs the member and reaps it. No-op if it is not running.
+  void Kill(int member);
+  // Starts a killed member again, on its ports and data; does not wait.
+  absl::Status Restart(int member);
+  // Polls until `member` answers a linearizable read, up to `timeout`.
+  absl::Status WaitReady(int member, absl::Duration timeout);
+  bool running(int member) const { return members_[member].pid > 0; }
+  // The member's output (for failure messages).
+  std::string Log(int member) const;
+
+ private:
+  struct Member {
+    std::string name;
+    int client_port = 0;
+    int peer_port = 0;
+    pid_t pid = -1;
+  };
+  EtcdCluster() = default;
+  static absl::StatusOr<std::unique_ptr<EtcdCluster>> StartOnce(
+      int members, absl::Time deadline, bool* port_taken);
+  absl::Status Spawn(int member);
+
+  std::string dir_;
+  std::string initial_cluster_;
+  std::string token_;
+  std::vector<Member> members_;
+  std::vector<std::string> endpoints_;
+};
+
+}  // namespace mrd::testing
+
+#endif  // MRD_TESTS_UNIT_DIRECTORY_ETCD_CLUSTER_H_
