@@ -378,8 +378,8 @@ TEST(MapMemfdTest, SpansOfAHugePageMemfdSayHugePages) {
   constexpr uint64_t kHuge = uint64_t{2} << 20;
   test_support::HugePagePool pool(1);
   if (!pool.ok()) GTEST_SKIP() << "cannot raise vm.nr_hugepages (not root)";
-  UniqueFd fd(::memfd_create("huge", MFD_CLOEXEC | MFD_ALLOW_SEALING |
-                                         MFD_HUGETLB | MFD_HUGE_2MB));
+  UniqueFd fd(::memfd_create(
+      "huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB | MFD_HUGE_2MB));
   ASSERT_TRUE(fd.valid()) << std::strerror(errno);
   ASSERT_EQ(::ftruncate(fd.get(), kHuge), 0);
   ASSERT_EQ(::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_SHRINK), 0);
