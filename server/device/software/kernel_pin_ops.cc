@@ -257,17 +257,8 @@ void KernelPinOps::ClearSlotsLocked(std::vector<uint32_t>* slots) {
       FreeSlotLocked((*slots)[i + j]);
     }
     // What the kernel did not empty (it stops at a slot it cannot update)
-    // goes a slot at a time, with ClearLocked's own handling of failures.
-    for (size_t j = done; j < n; ++j) {
-      const uint32_t slot = (*slots)[i + j];
-      ++clear_calls_;
-      if (int err = UpdateSlot(rings_[slot / per_ring], slot % per_ring, 0, 0);
-          err != 0) {
-        LogWarning("emptying io_uring slot ", slot, ": ", std::strerror(err));
-        continue;  // kept out of use, as ClearLocked keeps it
-      }
-      FreeSlotLocked(slot);
-    }
+    // goes a slot at a time.
+    for (size_t j = done; j < n; ++j) ClearNowLocked((*slots)[i + j]);
     i += n;
   }
   slots->clear();
@@ -281,6 +272,10 @@ void KernelPinOps::ClearLocked(uint32_t slot) {
     if (batch.size() >= kClearBatchSlots) ClearSlotsLocked(&batch);
     return;
   }
+  ClearNowLocked(slot);
+}
+
+void KernelPinOps::ClearNowLocked(uint32_t slot) {
   const uint32_t per_ring = options_.slots_per_ring;
   ++clear_calls_;
   if (int err = UpdateSlot(rings_[slot / per_ring], slot % per_ring, 0, 0);

@@ -182,6 +182,9 @@ class KernelPinOps final : public PinOps {
   // Empties a slot (the kernel unpins its pages) and frees it; within a
   // ClearBatch of this thread, queues it there instead.
   void ClearLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Empties a slot now and frees it (a slot that cannot be emptied, which
+  // happens only if its ring is gone, is logged and kept out of use).
+  void ClearNowLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Empties `slots` (sorted here) and frees them, one system call per run
   // of adjacent slots of a ring; a run the kernel empties only in part goes
   // on a slot at a time.

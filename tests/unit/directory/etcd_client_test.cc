@@ -116,6 +116,26 @@ class EtcdClientTest : public ::testing::Test {
     return absl::StrCat("/mrd-test/", info->name(), "/");
   }
 
+  // A key, Prefix() + "k" = "v", under a fresh lease of 1 s, and a watch of
+  // the prefix from after that put into `log`.
+  struct WatchedLeasedKey {
+    EtcdLease lease;
+    absl::Time granted;
+    std::unique_ptr<EtcdWatch> watch;
+  };
+  void PutWatchedLeasedKey(EventLog* log, WatchedLeasedKey* out) {
+    absl::StatusOr<EtcdLease> lease = client_->Grant(absl::Seconds(1));
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    out->lease = *lease;
+    out->granted = absl::Now();
+    absl::StatusOr<int64_t> put = client_->Put(Prefix() + "k", "v", lease->id);
+    ASSERT_TRUE(put.ok()) << put.status();
+    absl::StatusOr<std::unique_ptr<EtcdWatch>> watch =
+        client_->Watch(Prefix(), *put + 1, log->Callback());
+    ASSERT_TRUE(watch.ok()) << watch.status();
+    out->watch = *std::move(watch);
+  }
+
   static EtcdCluster* cluster_;
   std::unique_ptr<EtcdClient> client_;
 };
@@ -206,15 +226,11 @@ TEST_F(EtcdClientTest, DeleteRemovesTheKey) {
 }
 
 TEST_F(EtcdClientTest, KeyOfALeaseNotKeptAliveVanishesWithinItsTtl) {
-  absl::StatusOr<EtcdLease> lease = client_->Grant(absl::Seconds(1));
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  const absl::Time granted = absl::Now();
-  absl::StatusOr<int64_t> put = client_->Put(Prefix() + "k", "v", lease->id);
-  ASSERT_TRUE(put.ok()) << put.status();
   EventLog log;
-  absl::StatusOr<std::unique_ptr<EtcdWatch>> watch =
-      client_->Watch(Prefix(), *put + 1, log.Callback());
-  ASSERT_TRUE(watch.ok()) << watch.status();
+  WatchedLeasedKey key;
+  ASSERT_NO_FATAL_FAILURE(PutWatchedLeasedKey(&log, &key));
+  const EtcdLease* lease = &key.lease;
+  const absl::Time granted = key.granted;
   // etcd's leader looks for expired leases every 500 ms and revokes them in
   // a proposal of its own: the TTL and a little more.
   EXPECT_TRUE(log.WaitForDelete(
@@ -223,22 +239,18 @@ TEST_F(EtcdClientTest, KeyOfALeaseNotKeptAliveVanishesWithinItsTtl) {
   absl::StatusOr<absl::Duration> left = client_->TimeToLive(lease->id);
   ASSERT_FALSE(left.ok());
   EXPECT_EQ(GetErrorDetail(left.status()).reason(), "ETCD_LEASE_NOT_FOUND");
-  put = client_->Put(Prefix() + "k", "v", lease->id);
+  absl::StatusOr<int64_t> put = client_->Put(Prefix() + "k", "v", lease->id);
   ASSERT_FALSE(put.ok());
   EXPECT_EQ(put.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(GetErrorDetail(put.status()).reason(), "ETCD_LEASE_NOT_FOUND");
 }
 
 TEST_F(EtcdClientTest, KeyOfALeaseKeptAliveOutlivesItsTtl) {
-  absl::StatusOr<EtcdLease> lease = client_->Grant(absl::Seconds(1));
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  const absl::Time granted = absl::Now();
-  absl::StatusOr<int64_t> put = client_->Put(Prefix() + "k", "v", lease->id);
-  ASSERT_TRUE(put.ok()) << put.status();
   EventLog log;
-  absl::StatusOr<std::unique_ptr<EtcdWatch>> watch =
-      client_->Watch(Prefix(), *put + 1, log.Callback());
-  ASSERT_TRUE(watch.ok()) << watch.status();
+  WatchedLeasedKey key;
+  ASSERT_NO_FATAL_FAILURE(PutWatchedLeasedKey(&log, &key));
+  const EtcdLease* lease = &key.lease;
+  const absl::Time granted = key.granted;
   absl::Mutex mu;
   absl::Status lost;
   absl::StatusOr<std::unique_ptr<EtcdLeaseKeeper>> keeper =
