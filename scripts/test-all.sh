@@ -63,6 +63,15 @@ count() {  # stage name, ctest log: adds its summary to the totals
 run() {  # name, dir
   local name=$1 dir=$2 status=0
   echo "== $name tests ($dir)"
+  # ctest starts the tests it knows to be long first, from the times of the
+  # last run in that build directory. A fresh sanitizer build has none: it
+  # takes the plain build's (the same test names), so that a 30 s test does
+  # not start last and run alone on one core at the end.
+  local costs=Testing/Temporary/CTestCostData.txt
+  if [ ! -f "$dir/$costs" ] && [ -f "build/$costs" ]; then
+    mkdir -p "$dir/Testing/Temporary"
+    cp "build/$costs" "$dir/$costs"
+  fi
   scripts/run-tests.sh "$dir" || status=$?
   count "$name" "$dir/ctest.log"
   return $status
