@@ -48,6 +48,7 @@
 #include "server/core/core.h"
 #include "server/core/handover_participant.h"
 #include "server/daemon/config.h"
+#include "server/daemon/directory.h"
 #include "server/daemon/flags.h"
 #include "server/daemon/process.h"
 #include "server/device/device.h"
@@ -123,6 +124,9 @@ class Daemon final : public handover::Participant {
   daemon::Config config_;  // paths, peers, the device chosen
   std::unique_ptr<device::Device> device_;
   core::CoreOptions core_options_;
+  // The directory's writer (--etcd_endpoints; null without): outlives the
+  // core, which publishes through it.
+  std::unique_ptr<directory::Publisher> publisher_;
   std::unique_ptr<core::Core> core_;
   // Replaced only by a handover that failed (the fd socket's Thaw).
   std::unique_ptr<fd_socket::FdServer> fd_server_;
@@ -242,7 +246,7 @@ absl::Status Daemon::StartCore() {
   if (absl::Status s = core_->Start(); !s.ok()) {
     return daemon::Fail(absl::StrCat("core: ", s.ToString()));
   }
-  return absl::OkStatus();
+  return daemon::StartDirectory(core_.get(), &publisher_);
 }
 
 absl::Status Daemon::StartFdSocket() {
@@ -610,6 +614,14 @@ void Daemon::ServeUntil(const sigset_t& signals) {
   StopAdmin();
   fd_server_->Shutdown();
   core_->Shutdown();
+  // The lease goes, and every entry with it (a handover does not pass the
+  // directory on yet: the new process's sessions publish again).
+  if (publisher_ != nullptr) {
+    if (absl::Status s = publisher_->Stop(); !s.ok()) {
+      LogWarning("directory: ", s.ToString(),
+                 "; the entries go when the lease's TTL runs out");
+    }
+  }
   // Every session is released by now; what remains are idle client channels
   // and open streams, which gRPC would otherwise wait on until the deadline.
   server_->Shutdown(std::chrono::system_clock::now() +

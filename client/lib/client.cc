@@ -274,6 +274,22 @@ absl::StatusOr<v1::ListRegistrationsResponse> Client::ListRegistrations(
     const v1::ListRegistrationsRequest& request) const {
   return CallUnary(*core_, &Stub::ListRegistrations, request);
 }
+absl::StatusOr<v1::PublishedEntry> Client::Publish(
+    const v1::PublishRequest& request) const {
+  return CallUnary(*core_, &Stub::Publish, request);
+}
+absl::StatusOr<v1::UnpublishResponse> Client::Unpublish(
+    const v1::UnpublishRequest& request) const {
+  return CallUnary(*core_, &Stub::Unpublish, request);
+}
+absl::StatusOr<v1::ListPublishedResponse> Client::ListPublished(
+    const v1::ListPublishedRequest& request) const {
+  return CallUnary(*core_, &Stub::ListPublished, request);
+}
+absl::StatusOr<v1::PublishedEntry> Client::Resolve(
+    const v1::ResolveRequest& request) const {
+  return CallUnary(*core_, &Stub::Resolve, request);
+}
 
 void Client::RegisterMrAsync(
     v1::RegisterMrRequest request,

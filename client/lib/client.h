@@ -103,6 +103,15 @@ class Client {
       const v1::CreatePeerTicketRequest& request) const;
   absl::StatusOr<v1::ListRegistrationsResponse> ListRegistrations(
       const v1::ListRegistrationsRequest& request) const;
+  // The directory (docs/DIRECTORY.md).
+  absl::StatusOr<v1::PublishedEntry> Publish(
+      const v1::PublishRequest& request) const;
+  absl::StatusOr<v1::UnpublishResponse> Unpublish(
+      const v1::UnpublishRequest& request) const;
+  absl::StatusOr<v1::ListPublishedResponse> ListPublished(
+      const v1::ListPublishedRequest& request) const;
+  absl::StatusOr<v1::PublishedEntry> Resolve(
+      const v1::ResolveRequest& request) const;
 
   // Asynchronous forms on gRPC's callback API: return at once; `done` runs
   // exactly once, on a gRPC callback thread, when the reply (or error)

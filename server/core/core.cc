@@ -219,6 +219,8 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
     session->page_to_lam.clear();
     pd = session->pd;
   }
+  // Its names leave the directory (CloseSession waited for that already).
+  publications_.DropAll(*session, /*wait=*/false);
   // Order matters: tokens die first (fast registrations, then
   // registrations), then LAM pages are unpinned, then the PD goes with its
   // connections.
@@ -376,8 +378,12 @@ absl::Status Core::GetSession(const v1::GetSessionRequest& req,
                               v1::SessionInfo* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  absl::MutexLock lock(&session->mu);
-  session->FillInfoLocked(out);
+  {
+    absl::MutexLock lock(&session->mu);
+    session->FillInfoLocked(out);
+    out->set_published(static_cast<uint32_t>(session->published.size()));
+  }
+  out->set_directory_state(publications_.StateName());
   return absl::OkStatus();
 }
 
@@ -461,6 +467,8 @@ absl::Status Core::ClearTenant(const v1::ClearTenantRequest& req,
 absl::Status Core::CloseSession(const v1::CloseSessionRequest& req) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
+  // The session's names leave the directory before the reply.
+  publications_.DropAll(*session, /*wait=*/true);
   EndSession(session->token(), "closed by the client");
   if (session->kind() == SessionKind::kFd && fd_hangup_) {
     fd_hangup_(session->token());
@@ -612,6 +620,7 @@ absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
   fast_.ReleaseLams(*session, lam_records, "release buffer");
   // The buffer is out of the session: no warm pin of it can be kept any more.
   registrations_.DropWarm(session->id(), req.buffer());
+  publications_.Sync(*session);
   out->set_invalidated_registrations(invalidated);
   out->set_released_lams(static_cast<uint32_t>(detached.lams.size()));
   file.reset();
@@ -649,7 +658,10 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
   MRD_RETURN_IF_ERROR(registrations_.Deregister(session, req, out));
-  if (out->references() == 0) freed_.Add(1);
+  if (out->references() == 0) {
+    freed_.Add(1);
+    publications_.Sync(*session);
+  }
   return absl::OkStatus();
 }
 
@@ -721,6 +733,7 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
     *result->mutable_status() = ItemStatusToProto(status);
   }
   freed_.Add(released);
+  if (released > 0) publications_.Sync(*session);
   return absl::OkStatus();
 }
 
@@ -733,7 +746,39 @@ absl::Status Core::CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out) {
 absl::Status Core::CloseMr(const v1::CloseMrRequest& req) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  return fast_.CloseMr(session, req);
+  MRD_RETURN_IF_ERROR(fast_.CloseMr(session, req));
+  publications_.Sync(*session);
+  return absl::OkStatus();
+}
+
+// --- the directory: publications.h ------------------------------------------
+
+absl::Status Core::Publish(const v1::PublishRequest& req,
+                           v1::PublishedEntry* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  return publications_.Publish(*session, req, out);
+}
+
+absl::Status Core::Unpublish(const v1::UnpublishRequest& req,
+                             v1::UnpublishResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  return publications_.Unpublish(*session, req, out);
+}
+
+absl::Status Core::ListPublished(const v1::ListPublishedRequest& req,
+                                 v1::ListPublishedResponse* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  return publications_.List(*session, out);
+}
+
+absl::Status Core::Resolve(const v1::ResolveRequest& req,
+                           v1::PublishedEntry* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  return publications_.Resolve(*session, req, out);
 }
 
 absl::Status Core::BuildLam(const v1::BuildLamRequest& req,

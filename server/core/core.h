@@ -54,6 +54,7 @@
 #include "server/core/budgets.h"
 #include "server/core/fast_registration.h"
 #include "server/core/progress_reporter.h"
+#include "server/core/publications.h"
 #include "server/core/registrations.h"
 #include "server/core/session.h"
 #include "server/core/session_table.h"
@@ -234,6 +235,19 @@ class Core final : public fd_socket::FdSessionHandler {
                             v1::InvalidateMrResponse* out);
   absl::Status CreatePeerTicket(const v1::CreatePeerTicketRequest& req,
                                 v1::PeerTicket* out);
+  // The directory (publications.h); FAILED_PRECONDITION DIRECTORY_OFF
+  // until SetDirectory.
+  void SetDirectory(directory::Publisher* publisher, DirectoryOptions options) {
+    publications_.Configure(publisher, std::move(options));
+  }
+  const Publications& publications() const { return publications_; }
+  absl::Status Publish(const v1::PublishRequest& req, v1::PublishedEntry* out);
+  absl::Status Unpublish(const v1::UnpublishRequest& req,
+                         v1::UnpublishResponse* out);
+  absl::Status ListPublished(const v1::ListPublishedRequest& req,
+                             v1::ListPublishedResponse* out);
+  absl::Status Resolve(const v1::ResolveRequest& req, v1::PublishedEntry* out);
+
   absl::Status ListRegistrations(const v1::ListRegistrationsRequest& req,
                                  v1::ListRegistrationsResponse* out);
 
@@ -379,6 +393,7 @@ class Core final : public fd_socket::FdSessionHandler {
   ProgressReporter progress_;    // started by Start, stopped by Shutdown
   Registrations registrations_;  // with the cache and warm pins
   FastRegistration fast_;        // LAMs and MR objects
+  Publications publications_{&registrations_, device_};  // the directory
   // Objects freed, for giving the allocator's free pages back now and then.
   FreedObjects freed_{kReturnMemoryEvery};
   std::shared_ptr<TenantTable> tenants_;

@@ -238,6 +238,9 @@ class Session final : public device::PdEventSink {
   std::map<uint64_t, MrObject> mrs ABSL_GUARDED_BY(mu);
   std::map<uint64_t, LamRecord> lams ABSL_GUARDED_BY(mu);
   std::map<device::ConnectionId, std::string> connections ABSL_GUARDED_BY(mu);
+  // Names the session published on the directory (publications.h) -> the
+  // registration each names.
+  std::map<std::string, uint64_t> published ABSL_GUARDED_BY(mu);
 
  private:
   bool ended_ ABSL_GUARDED_BY(mu) = false;

@@ -228,4 +228,29 @@ ABSL_FLAG(absl::Duration, await_handover, absl::ZeroDuration(),
 ABSL_FLAG(std::string, handover_test_fault, "",
           "Tests only: fail the handover at this step (server/handover/"
           "process_handover.h lists them).");
+ABSL_FLAG(std::vector<std::string>, etcd_endpoints, {},
+          "The directory (docs/DIRECTORY.md): etcd members, host:port,... "
+          "(etcd's v3 gRPC API, plain text). Sessions publish registrations "
+          "there under names that peers on other nodes resolve; every entry "
+          "is bound to mrd's lease. Empty = no directory.");
+ABSL_FLAG(std::string, directory_root, "/mrd",
+          "The directory's root key on etcd (starts with '/').");
+ABSL_FLAG(std::string, directory_cluster, "default",
+          "The cluster's name in the directory's keys: "
+          "<root>/v1/<cluster>/tenants/<tenant>/names/<name>.");
+ABSL_FLAG(std::string, node_name, "",
+          "This node's name in the directory's entries. Empty = the host "
+          "name (on Kubernetes, pass the node's: spec.nodeName).");
+ABSL_FLAG(absl::Duration, directory_lease_ttl, absl::Seconds(10),
+          "The TTL of mrd's etcd lease: how long the entries of an mrd "
+          "killed outright outlive it (renewed every third of it while mrd "
+          "serves; whole seconds).");
+ABSL_FLAG(absl::Duration, directory_unpublish_wait, absl::Seconds(2),
+          "How long a call that ends a published registration (its last "
+          "DeregisterMr, ReleaseBuffer, CloseMr, CloseSession, Unpublish) "
+          "waits for etcd to delete the entry before it answers; with etcd "
+          "unreachable the delete stays queued and the call does not wait.");
+ABSL_FLAG(uint64_t, directory_max_entries, 65536,
+          "Entries mrd publishes at most, with the deletes still queued: "
+          "past it Publish is refused (DIRECTORY_FULL).");
 ABSL_FLAG(bool, verbose, false, "Log debug lines.");

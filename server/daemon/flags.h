@@ -71,6 +71,13 @@ ABSL_DECLARE_FLAG(std::string, after_handover);
 ABSL_DECLARE_FLAG(std::string, handover_status_file);
 ABSL_DECLARE_FLAG(absl::Duration, await_handover);
 ABSL_DECLARE_FLAG(std::string, handover_test_fault);
+ABSL_DECLARE_FLAG(std::vector<std::string>, etcd_endpoints);
+ABSL_DECLARE_FLAG(std::string, directory_root);
+ABSL_DECLARE_FLAG(std::string, directory_cluster);
+ABSL_DECLARE_FLAG(std::string, node_name);
+ABSL_DECLARE_FLAG(absl::Duration, directory_lease_ttl);
+ABSL_DECLARE_FLAG(absl::Duration, directory_unpublish_wait);
+ABSL_DECLARE_FLAG(uint64_t, directory_max_entries);
 ABSL_DECLARE_FLAG(bool, verbose);
 
 #endif  // MRD_SERVER_DAEMON_FLAGS_H_

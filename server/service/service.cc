@@ -473,6 +473,39 @@ grpc::ServerUnaryReactor* MrdService::ListRegistrations(
   });
 }
 
+// Publish queues its write and never waits for etcd: inline. Unpublish
+// waits (bounded) for etcd's delete and Resolve reads etcd: on a worker, in
+// the tenant's queue.
+grpc::ServerUnaryReactor* MrdService::Publish(grpc::CallbackServerContext* ctx,
+                                              const v1::PublishRequest* req,
+                                              v1::PublishedEntry* resp) {
+  return RunInline(ctx, "Publish",
+                   [this, req, resp] { return core_->Publish(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::Unpublish(
+    grpc::CallbackServerContext* ctx, const v1::UnpublishRequest* req,
+    v1::UnpublishResponse* resp) {
+  return RunOnWorker(
+      ctx, "Unpublish", Work{&req->session(), 1},
+      [this, req, resp] { return core_->Unpublish(*req, resp); });
+}
+
+grpc::ServerUnaryReactor* MrdService::ListPublished(
+    grpc::CallbackServerContext* ctx, const v1::ListPublishedRequest* req,
+    v1::ListPublishedResponse* resp) {
+  return RunInline(ctx, "ListPublished", [this, req, resp] {
+    return core_->ListPublished(*req, resp);
+  });
+}
+
+grpc::ServerUnaryReactor* MrdService::Resolve(grpc::CallbackServerContext* ctx,
+                                              const v1::ResolveRequest* req,
+                                              v1::PublishedEntry* resp) {
+  return RunOnWorker(ctx, "Resolve", Work{&req->session(), 1},
+                     [this, req, resp] { return core_->Resolve(*req, resp); });
+}
+
 // --- the administrative service ---------------------------------------------
 
 void AdminService::AddQueueFigures(v1::TenantInfo* tenant) const {

@@ -107,6 +107,18 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   grpc::ServerUnaryReactor* ListRegistrations(
       grpc::CallbackServerContext* ctx, const v1::ListRegistrationsRequest* req,
       v1::ListRegistrationsResponse* resp) override;
+  grpc::ServerUnaryReactor* Publish(grpc::CallbackServerContext* ctx,
+                                    const v1::PublishRequest* req,
+                                    v1::PublishedEntry* resp) override;
+  grpc::ServerUnaryReactor* Unpublish(grpc::CallbackServerContext* ctx,
+                                      const v1::UnpublishRequest* req,
+                                      v1::UnpublishResponse* resp) override;
+  grpc::ServerUnaryReactor* ListPublished(
+      grpc::CallbackServerContext* ctx, const v1::ListPublishedRequest* req,
+      v1::ListPublishedResponse* resp) override;
+  grpc::ServerUnaryReactor* Resolve(grpc::CallbackServerContext* ctx,
+                                    const v1::ResolveRequest* req,
+                                    v1::PublishedEntry* resp) override;
 
   // Runs `fn` inline for another service's call, through this service's
   // gate and observer (AdminService).

@@ -1,0 +1,307 @@
+#include "server/core/publications.h"
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "google/protobuf/util/json_util.h"
+#include "mrd/status.h"
+#include "server/cache/registration_cache.h"
+#include "server/common/log.h"
+#include "server/core/errors.h"
+
+namespace mrd::core {
+namespace {
+
+constexpr size_t kMaxNameLength = 128;
+
+absl::Status DirectoryOff() {
+  return MrdError(absl::StatusCode::kFailedPrecondition, "DIRECTORY_OFF",
+                  "this mrd has no directory: start it with --etcd_endpoints "
+                  "to publish and resolve names");
+}
+
+std::string EscapeTenant(absl::string_view tenant) {
+  std::string out;
+  out.reserve(tenant.size());
+  for (char c : tenant) {
+    if (c == '/') {
+      out += "%2F";
+    } else if (c == '%') {
+      out += "%25";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string PublishedKey(const DirectoryOptions& options,
+                         absl::string_view tenant, absl::string_view name) {
+  return absl::StrCat(options.root, "/v1/", options.cluster, "/tenants/",
+                      EscapeTenant(tenant), "/names/", name);
+}
+
+absl::Status CheckPublishName(absl::string_view name) {
+  if (name.empty() || name.size() > kMaxNameLength) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_PUBLISH_NAME",
+                    absl::StrCat("a published name has 1 to ", kMaxNameLength,
+                                 " characters; this one has ", name.size()));
+  }
+  for (char c : name) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' &&
+        c != '_' && c != '-') {
+      return MrdError(
+          absl::StatusCode::kInvalidArgument, "BAD_PUBLISH_NAME",
+          absl::StrCat("a published name is made of A-Z, a-z, 0-9, '.', '_' "
+                       "and '-'; '",
+                       absl::CHexEscape(name), "' is not"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Publications::Configure(directory::Publisher* publisher,
+                             DirectoryOptions options) {
+  publisher_ = publisher;
+  options_ = std::move(options);
+}
+
+absl::Status Publications::Publish(Session& session,
+                                   const v1::PublishRequest& req,
+                                   v1::PublishedEntry* out) {
+  if (!enabled()) return DirectoryOff();
+  MRD_RETURN_IF_ERROR(CheckPublishName(req.name()));
+  const std::string& tenant = session.tenant()->name();
+  const std::string key = PublishedKey(options_, tenant, req.name());
+  const device::DeviceAttributes& device = device_->Attributes();
+  // Under the session's lock from the check of the registration to the
+  // queued write: a deregistration's Sync, which needs that lock, queues
+  // the delete after it, never before.
+  absl::MutexLock lock(&session.mu);
+  auto r = session.registrations.find(req.registration());
+  if (r == session.registrations.end()) {
+    return UnknownHandle("registration", req.registration());
+  }
+  std::optional<cache::EntryView> view = registrations_->Describe(r->first);
+  if (!view.has_value()) {
+    return UnknownHandle("registration", req.registration());
+  }
+  v1::PublishedEntry entry;
+  entry.set_name(req.name());
+  entry.set_tenant(tenant);
+  entry.set_cluster(options_.cluster);
+  entry.set_node(options_.node);
+  entry.set_address(view->key.base_address);
+  entry.set_length(view->key.length);
+  entry.set_flags(r->second.flags);
+  v1::PublishedToken* token = entry.add_tokens();
+  token->set_device(device.name);
+  token->set_rkey(view->rkey);
+  token->set_peer_address(device.peer_address);
+  entry.set_epoch(options_.epoch);
+  entry.set_published_unix_ms(absl::ToUnixMillis(absl::Now()));
+  std::string json;
+  if (!google::protobuf::util::MessageToJsonString(entry, &json).ok()) {
+    return absl::InternalError("the entry could not be written as JSON");
+  }
+  {
+    absl::MutexLock names(&mu_);
+    auto [it, inserted] = owners_.try_emplace(key, session.id());
+    if (!inserted) {
+      auto mine = session.published.find(req.name());
+      if (it->second == session.id() && mine != session.published.end() &&
+          mine->second == req.registration()) {
+        // The same publication again: nothing new.
+        *out = std::move(entry);
+        out->set_key(key);
+        out->set_registration(req.registration());
+        return absl::OkStatus();
+      }
+      return MrdError(
+          absl::StatusCode::kAlreadyExists, "NAME_TAKEN",
+          absl::StrCat("tenant ", tenant, " has published '", req.name(),
+                       "' on this mrd already; unpublish it first"));
+    }
+  }
+  if (absl::Status s = publisher_->Publish(key, json); !s.ok()) {
+    absl::MutexLock names(&mu_);
+    owners_.erase(key);
+    return s;
+  }
+  session.published[req.name()] = req.registration();
+  *out = std::move(entry);
+  out->set_key(key);
+  out->set_registration(req.registration());
+  out->set_state("pending");
+  return absl::OkStatus();
+}
+
+absl::Status Publications::Unpublish(Session& session,
+                                     const v1::UnpublishRequest& req,
+                                     v1::UnpublishResponse* out) {
+  if (!enabled()) return DirectoryOff();
+  {
+    absl::MutexLock lock(&session.mu);
+    if (!session.published.contains(req.name())) {
+      return MrdError(absl::StatusCode::kNotFound, "NOT_PUBLISHED",
+                      absl::StrCat("this session has not published '",
+                                   absl::CHexEscape(req.name()), "'"));
+    }
+    session.published.erase(req.name());
+  }
+  const std::string key =
+      PublishedKey(options_, session.tenant()->name(), req.name());
+  {
+    absl::MutexLock names(&mu_);
+    owners_.erase(key);
+  }
+  directory::Publisher::Done done = publisher_->Unpublish(key);
+  const bool reachable =
+      publisher_->Stats().state == directory::DirectoryState::kServing;
+  out->set_deleted(done->HasBeenNotified() ||
+                   (reachable && done->WaitForNotificationWithTimeout(
+                                     options_.unpublish_wait)));
+  return absl::OkStatus();
+}
+
+absl::Status Publications::List(Session& session,
+                                v1::ListPublishedResponse* out) {
+  out->set_directory_state(StateName());
+  if (!enabled()) return absl::OkStatus();
+  const std::string& tenant = session.tenant()->name();
+  absl::MutexLock lock(&session.mu);
+  for (const auto& [name, registration] : session.published) {
+    v1::PublishedEntry* entry = out->add_entries();
+    entry->set_name(name);
+    entry->set_tenant(tenant);
+    entry->set_cluster(options_.cluster);
+    entry->set_node(options_.node);
+    entry->set_epoch(options_.epoch);
+    entry->set_registration(registration);
+    const std::string key = PublishedKey(options_, tenant, name);
+    entry->set_key(key);
+    absl::StatusOr<directory::KeyState> state = publisher_->StateOf(key);
+    entry->set_state(state.ok()
+                         ? std::string(directory::KeyStateName(*state))
+                         : std::string("pending"));
+    if (std::optional<cache::EntryView> view =
+            registrations_->Describe(registration)) {
+      entry->set_address(view->key.base_address);
+      entry->set_length(view->key.length);
+      v1::PublishedToken* token = entry->add_tokens();
+      token->set_device(device_->Attributes().name);
+      token->set_rkey(view->rkey);
+      token->set_peer_address(device_->Attributes().peer_address);
+    }
+    if (auto r = session.registrations.find(registration);
+        r != session.registrations.end()) {
+      entry->set_flags(r->second.flags);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Publications::Resolve(const Session& session,
+                                   const v1::ResolveRequest& req,
+                                   v1::PublishedEntry* out) {
+  if (!enabled()) return DirectoryOff();
+  MRD_RETURN_IF_ERROR(CheckPublishName(req.name()));
+  const std::string tenant =
+      req.tenant().empty() ? session.tenant()->name() : req.tenant();
+  const std::string key = PublishedKey(options_, tenant, req.name());
+  MRD_ASSIGN_OR_RETURN(directory::EtcdRange range,
+                       publisher_->client().Get(key));
+  for (const directory::EtcdKeyValue& kv : range.kvs) {
+    if (kv.key != key) continue;  // a longer name with this one as prefix
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = true;
+    if (!google::protobuf::util::JsonStringToMessage(kv.value, out, options)
+             .ok()) {
+      return MrdError(absl::StatusCode::kDataLoss, "BAD_DIRECTORY_ENTRY",
+                      absl::StrCat("the entry under ", key,
+                                   " is not an entry mrd can read"));
+    }
+    out->set_key(key);
+    out->set_state("published");
+    return absl::OkStatus();
+  }
+  return MrdError(absl::StatusCode::kNotFound, "NAME_NOT_PUBLISHED",
+                  absl::StrCat("tenant ", tenant, " has no name '", req.name(),
+                               "' in cluster ", options_.cluster,
+                               " of the directory"));
+}
+
+void Publications::Sync(Session& session) {
+  if (!enabled()) return;
+  std::vector<std::string> gone;
+  {
+    absl::MutexLock lock(&session.mu);
+    for (auto it = session.published.begin();
+         it != session.published.end();) {
+      if (session.registrations.contains(it->second)) {
+        ++it;
+        continue;
+      }
+      gone.push_back(it->first);
+      it = session.published.erase(it);
+    }
+  }
+  if (!gone.empty()) Drop(session, gone, /*wait=*/true);
+}
+
+void Publications::DropAll(Session& session, bool wait) {
+  if (!enabled()) return;
+  std::vector<std::string> gone;
+  {
+    absl::MutexLock lock(&session.mu);
+    for (const auto& [name, registration] : session.published) {
+      gone.push_back(name);
+    }
+    session.published.clear();
+  }
+  if (!gone.empty()) Drop(session, gone, wait);
+}
+
+void Publications::Drop(const Session& session,
+                        const std::vector<std::string>& names, bool wait) {
+  std::vector<directory::Publisher::Done> done;
+  done.reserve(names.size());
+  for (const std::string& name : names) {
+    const std::string key =
+        PublishedKey(options_, session.tenant()->name(), name);
+    {
+      absl::MutexLock lock(&mu_);
+      owners_.erase(key);
+    }
+    done.push_back(publisher_->Unpublish(key));
+  }
+  if (!wait ||
+      publisher_->Stats().state != directory::DirectoryState::kServing) {
+    return;
+  }
+  const absl::Time deadline = absl::Now() + options_.unpublish_wait;
+  for (const directory::Publisher::Done& d : done) {
+    if (!d->WaitForNotificationWithTimeout(deadline - absl::Now())) {
+      LogWarning("directory: ", names.size(),
+                 " entries not yet deleted on etcd after ",
+                 absl::FormatDuration(options_.unpublish_wait),
+                 "; the deletes stay queued");
+      return;
+    }
+  }
+}
+
+std::string Publications::StateName() const {
+  if (!enabled()) return "off";
+  return std::string(directory::DirectoryStateName(publisher_->Stats().state));
+}
+
+}  // namespace mrd::core

@@ -1,0 +1,119 @@
+// Publications: the names under which sessions publish their registrations
+// on the directory (issue 27, docs/DIRECTORY.md), kept in step with the
+// registrations they name.
+//
+// A session publishes a registration it holds under a name of its choice;
+// the entry (node, address, length, flags, one token per device, epoch) goes
+// under its tenant's part of the directory,
+//   <root>/v1/<cluster>/tenants/<tenant>/names/<name>
+// as proto3 JSON of v1::PublishedEntry, written by the directory's
+// Publisher in the background, attached to mrd's lease. A name is the
+// tenant's on this mrd: a second Publish of it, from any session of the
+// tenant, is ALREADY_EXISTS NAME_TAKEN until the first is gone. mrd builds
+// every key from the session's own tenant, so a tenant can write nowhere
+// but under its own prefix.
+//
+// Names follow their registrations: Sync, called after anything that may
+// have taken a registration out of a session (its last DeregisterMr,
+// ReleaseBuffer, CloseMr), unpublishes every name whose registration is
+// gone, and DropAll every name of a session that ends. Both wait, at most
+// options.unpublish_wait and only while etcd is reachable, for etcd to
+// confirm the deletes: the call that ended a registration answers after
+// its entry is gone. With etcd unreachable the deletes stay queued (the
+// Publisher retries them) and the lease bounds how long an entry can
+// outlive its token.
+//
+// Thread safety: thread-safe. Lock order: a session's `mu`, then `mu_`; no
+// lock is held while waiting for etcd.
+#ifndef MRD_SERVER_CORE_PUBLICATIONS_H_
+#define MRD_SERVER_CORE_PUBLICATIONS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "mrd/v1/mrd.pb.h"
+#include "server/core/registrations.h"
+#include "server/core/session.h"
+#include "server/device/device.h"
+#include "server/directory/publisher.h"
+
+namespace mrd::core {
+
+struct DirectoryOptions {
+  std::string root = "/mrd";       // --directory_root
+  std::string cluster = "default";  // --directory_cluster
+  std::string node;                 // --node_name
+  // 1 for a process started afresh, one more for each live handover.
+  uint64_t epoch = 1;
+  // How long a call that ends a registration waits for etcd to delete its
+  // entry (--directory_unpublish_wait).
+  absl::Duration unpublish_wait = absl::Seconds(2);
+};
+
+// A name's etcd key: "<root>/v1/<cluster>/tenants/<tenant>/names/<name>",
+// with any '/' or '%' of the tenant written as %2F, %25.
+std::string PublishedKey(const DirectoryOptions& options,
+                         absl::string_view tenant, absl::string_view name);
+// OK for 1 to 128 characters of [A-Za-z0-9._-]; INVALID_ARGUMENT
+// BAD_PUBLISH_NAME otherwise.
+absl::Status CheckPublishName(absl::string_view name);
+
+class Publications {
+ public:
+  // `registrations` and `device` must outlive this.
+  Publications(Registrations* registrations, device::Device* device)
+      : registrations_(registrations), device_(device) {}
+  Publications(const Publications&) = delete;
+  Publications& operator=(const Publications&) = delete;
+
+  // Turns the directory on, before any call (the publisher outlives this).
+  void Configure(directory::Publisher* publisher, DirectoryOptions options);
+  bool enabled() const { return publisher_ != nullptr; }
+  const DirectoryOptions& options() const { return options_; }
+
+  absl::Status Publish(Session& session, const v1::PublishRequest& req,
+                       v1::PublishedEntry* out) ABSL_LOCKS_EXCLUDED(session.mu);
+  absl::Status Unpublish(Session& session, const v1::UnpublishRequest& req,
+                         v1::UnpublishResponse* out)
+      ABSL_LOCKS_EXCLUDED(session.mu);
+  absl::Status List(Session& session, v1::ListPublishedResponse* out)
+      ABSL_LOCKS_EXCLUDED(session.mu);
+  // Reads etcd (at most the etcd client's call timeout).
+  absl::Status Resolve(const Session& session, const v1::ResolveRequest& req,
+                       v1::PublishedEntry* out);
+
+  // Unpublishes the names whose registration left the session; waits
+  // (bounded) for etcd.
+  void Sync(Session& session) ABSL_LOCKS_EXCLUDED(session.mu);
+  // The session ended: all its names go. Waits (bounded) when `wait`.
+  void DropAll(Session& session, bool wait) ABSL_LOCKS_EXCLUDED(session.mu);
+
+  // "off", "connecting", "serving" or "unavailable".
+  std::string StateName() const;
+
+ private:
+  // Queues the delete of each name's key and forgets the name; waits for
+  // them (bounded) when `wait` and etcd is reachable.
+  void Drop(const Session& session, const std::vector<std::string>& names,
+            bool wait);
+
+  Registrations* const registrations_;
+  device::Device* const device_;
+  directory::Publisher* publisher_ = nullptr;  // fixed by Configure
+  DirectoryOptions options_;                   // fixed by Configure
+  mutable absl::Mutex mu_;
+  // Every key published on this mrd -> the id of the session holding it.
+  absl::flat_hash_map<std::string, uint64_t> owners_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace mrd::core
+
+#endif  // MRD_SERVER_CORE_PUBLICATIONS_H_

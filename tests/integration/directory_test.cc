@@ -1,0 +1,420 @@
+// The directory on etcd against the real mrd and a real three-member etcd
+// cluster on loopback (docs/DIRECTORY.md): a registration published under a
+// name is found by another mrd (another node), its entry leaves etcd before
+// the call that ends the registration answers (DeregisterMr, ReleaseBuffer,
+// CloseSession), an mrd killed with SIGKILL loses its entries within its
+// lease's TTL, tenants publish only under their own prefix, and with every
+// etcd member down registrations go on and the entries appear once etcd is
+// back. Every wait is on an etcd watch or a condition with a deadline.
+#include <signal.h>
+#include <sys/types.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "server/directory/etcd_client.h"
+#include "tests/integration/test_env.h"
+#include "tests/unit/directory/etcd_cluster.h"
+
+namespace mrd::testing {
+namespace {
+
+using client::Buffer;
+using client::Registration;
+using client::Session;
+using directory::EtcdClient;
+using directory::EtcdWatchEvent;
+
+constexpr absl::Duration kLeaseTtl = absl::Seconds(2);
+
+// Polls `done` every 10 ms until it holds or `limit` passed (bounded); for
+// what no event tells (mrd's view of etcd).
+template <typename Fn>
+bool PollUntil(Fn done, absl::Duration limit) {
+  const absl::Time deadline = absl::Now() + limit;
+  while (!done()) {
+    if (absl::Now() >= deadline) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  return true;
+}
+
+// Every event a watch delivered, waited on by condition.
+class Events {
+ public:
+  directory::EtcdWatchCallback Callback() {
+    return [this](absl::StatusOr<std::vector<EtcdWatchEvent>> events) {
+      absl::MutexLock lock(&mu_);
+      if (events.ok()) {
+        for (EtcdWatchEvent& e : *events) events_.push_back(std::move(e));
+      }
+    };
+  }
+  // Waits until an event of `type` on `key` came; false after `timeout`.
+  bool WaitFor(EtcdWatchEvent::Type type, const std::string& key,
+               absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    auto seen = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (const EtcdWatchEvent& e : events_) {
+        if (e.type == type && e.key == key) return true;
+      }
+      return false;
+    };
+    return mu_.AwaitWithTimeout(absl::Condition(&seen), timeout);
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<EtcdWatchEvent> events_ ABSL_GUARDED_BY(mu_);
+};
+
+class DirectoryTest : public MrdTest {
+ protected:
+  static void SetUpTestSuite() {
+    absl::StatusOr<std::unique_ptr<EtcdCluster>> cluster =
+        EtcdCluster::Start(3);
+    ASSERT_TRUE(cluster.ok()) << cluster.status();
+    cluster_ = cluster->release();
+  }
+  static void TearDownTestSuite() {
+    delete cluster_;
+    cluster_ = nullptr;
+  }
+
+  MrdProcessOptions ServerOptions() override {
+    // Each test its own cluster name: its keys are its own.
+    cluster_name_ = absl::StrCat(
+        "t", ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    return NodeOptions("node-a");
+  }
+  MrdProcessOptions NodeOptions(const std::string& node) {
+    MrdProcessOptions options;
+    options.extra_flags = {
+        absl::StrCat("--etcd_endpoints=",
+                     absl::StrJoin(cluster_->endpoints(), ",")),
+        absl::StrCat("--directory_cluster=", cluster_name_),
+        absl::StrCat("--node_name=", node),
+        absl::StrCat("--directory_lease_ttl=", absl::FormatDuration(kLeaseTtl)),
+        "--directory_unpublish_wait=5s"};
+    return options;
+  }
+
+  void SetUp() override {
+    MrdTest::SetUp();
+    if (HasFatalFailure()) return;
+    directory::EtcdClientOptions options;
+    options.endpoints = cluster_->endpoints();
+    absl::StatusOr<std::unique_ptr<EtcdClient>> etcd =
+        EtcdClient::Create(options);
+    ASSERT_TRUE(etcd.ok()) << etcd.status();
+    etcd_ = std::move(*etcd);
+    absl::StatusOr<std::unique_ptr<directory::EtcdWatch>> watch =
+        etcd_->Watch(Prefix(), 0, events_.Callback());
+    ASSERT_TRUE(watch.ok()) << watch.status();
+    watch_ = std::move(*watch);
+  }
+  void TearDown() override {
+    watch_.reset();
+    etcd_.reset();
+    MrdTest::TearDown();
+  }
+
+  std::string Prefix() const {
+    return absl::StrCat("/mrd/v1/", cluster_name_, "/");
+  }
+  std::string KeyOf(const std::string& tenant, const std::string& name) const {
+    return absl::StrCat(Prefix(), "tenants/", tenant, "/names/", name);
+  }
+  // The key's value on etcd now; empty if it has none.
+  std::string ValueOf(const std::string& key) {
+    absl::StatusOr<directory::EtcdRange> range = etcd_->Get(key);
+    EXPECT_TRUE(range.ok()) << range.status();
+    if (!range.ok()) return "";
+    for (const directory::EtcdKeyValue& kv : range->kvs) {
+      if (kv.key == key) return kv.value;
+    }
+    return "";
+  }
+
+  struct Published {
+    Buffer buffer;
+    Registration registration;
+    v1::PublishedEntry entry;
+  };
+  // A remote-readable registration of a fresh buffer, published as `name`.
+  absl::StatusOr<Published> RegisterAndPublish(const Session& session,
+                                               const std::string& name) {
+    absl::StatusOr<Buffer> buffer = Buffer::Create(session, 64 << 10, name);
+    if (!buffer.ok()) return buffer.status();
+    client::RegisterOptions o;
+    o.buffer = buffer->id();
+    o.length = buffer->size();
+    o.flags = kRemoteRead;
+    absl::StatusOr<Registration> reg = Registration::Register(session, o);
+    if (!reg.ok()) return reg.status();
+    v1::PublishRequest req;
+    req.set_session(session.token());
+    req.set_name(name);
+    req.set_registration(reg->id());
+    absl::StatusOr<v1::PublishedEntry> entry = client_->Publish(req);
+    if (!entry.ok()) return entry.status();
+    return Published{std::move(*buffer), std::move(*reg), std::move(*entry)};
+  }
+  std::string TenantOf(const Session& session) {
+    absl::StatusOr<v1::SessionInfo> info = session.Info();
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->tenant() : "";
+  }
+
+  static EtcdCluster* cluster_;
+  std::string cluster_name_;
+  std::unique_ptr<EtcdClient> etcd_;
+  Events events_;
+  std::unique_ptr<directory::EtcdWatch> watch_;
+};
+EtcdCluster* DirectoryTest::cluster_ = nullptr;
+
+TEST_F(DirectoryTest, AnotherNodeResolvesThePublishedTokenAndDeregisterRemovesIt) {
+  Session session = OpenFdSession();
+  absl::StatusOr<Published> p = RegisterAndPublish(session, "weights.0");
+  ASSERT_TRUE(p.ok()) << p.status();
+  const std::string tenant = TenantOf(session);
+  const std::string key = KeyOf(tenant, "weights.0");
+  EXPECT_EQ(p->entry.key(), key);
+  EXPECT_EQ(p->entry.tenant(), tenant);
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, key,
+                              absl::Seconds(10)));
+
+  // Another node's mrd, on the same etcd, finds it.
+  absl::StatusOr<std::unique_ptr<MrdProcess>> other =
+      MrdProcess::Start(NodeOptions("node-b"));
+  ASSERT_TRUE(other.ok()) << other.status();
+  client::ClientOptions options;
+  options.socket_path = (*other)->grpc_socket();
+  options.fd_socket_path = (*other)->fd_socket();
+  absl::StatusOr<client::Client> remote = client::Client::Connect(options);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  {
+    absl::StatusOr<Session> peer = Session::OpenFd(*remote);
+    ASSERT_TRUE(peer.ok()) << peer.status();
+    v1::ResolveRequest resolve;
+    resolve.set_session(peer->token());
+    resolve.set_name("weights.0");
+    resolve.set_tenant(tenant);
+    absl::StatusOr<v1::PublishedEntry> found = remote->Resolve(resolve);
+    ASSERT_TRUE(found.ok()) << found.status();
+    EXPECT_EQ(found->node(), "node-a");
+    EXPECT_EQ(found->name(), "weights.0");
+    EXPECT_EQ(found->address(), p->registration.base_address());
+    EXPECT_EQ(found->length(), p->buffer.size());
+    EXPECT_EQ(found->epoch(), 1u);
+    ASSERT_EQ(found->tokens_size(), 1);
+    EXPECT_EQ(found->tokens(0).rkey(), p->registration.rkey());
+    absl::StatusOr<v1::DeviceInfo> device = client_->GetDeviceInfo();
+    ASSERT_TRUE(device.ok());
+    EXPECT_EQ(found->tokens(0).peer_address(), device->peer_address());
+    // A name nobody published.
+    resolve.set_name("weights.1");
+    absl::StatusOr<v1::PublishedEntry> none = remote->Resolve(resolve);
+    ASSERT_FALSE(none.ok());
+    EXPECT_EQ(none.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(client::ReasonOf(none.status()), "NAME_NOT_PUBLISHED");
+  }
+
+  v1::ListPublishedRequest list;
+  list.set_session(session.token());
+  absl::StatusOr<v1::ListPublishedResponse> listed =
+      client_->ListPublished(list);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  EXPECT_EQ(listed->directory_state(), "serving");
+  ASSERT_EQ(listed->entries_size(), 1);
+  EXPECT_EQ(listed->entries(0).state(), "published");
+  EXPECT_EQ(listed->entries(0).registration(), p->registration.id());
+
+  // The last reference goes: the entry is gone when DeregisterMr answers.
+  ASSERT_TRUE(p->registration.Deregister().ok());
+  EXPECT_EQ(ValueOf(key), "");
+  absl::StatusOr<v1::SessionInfo> info = session.Info();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->published(), 0u);
+  ASSERT_TRUE((*other)->Stop().ok());
+}
+
+TEST_F(DirectoryTest, ReleaseBufferAndCloseSessionRemoveTheirEntriesFirst) {
+  Session session = OpenFdSession();
+  absl::StatusOr<Published> a = RegisterAndPublish(session, "a");
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<Published> b = RegisterAndPublish(session, "b");
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::string tenant = TenantOf(session);
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, KeyOf(tenant, "a"),
+                              absl::Seconds(10)));
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, KeyOf(tenant, "b"),
+                              absl::Seconds(10)));
+  // W11: releasing the buffer invalidates its registration, and the entry.
+  v1::ReleaseBufferRequest release;
+  release.set_session(session.token());
+  release.set_buffer(a->buffer.id());
+  ASSERT_TRUE(client_->ReleaseBuffer(release).ok());
+  EXPECT_EQ(ValueOf(KeyOf(tenant, "a")), "");
+  EXPECT_NE(ValueOf(KeyOf(tenant, "b")), "");
+  // Closing the session removes the rest.
+  ASSERT_TRUE(session.Close().ok());
+  EXPECT_EQ(ValueOf(KeyOf(tenant, "b")), "");
+}
+
+TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
+  Session session = OpenFdSession();
+  absl::StatusOr<Published> p = RegisterAndPublish(session, "shared");
+  ASSERT_TRUE(p.ok()) << p.status();
+  // The same tenant again, from another session: the name is taken.
+  Session second = OpenFdSession();
+  absl::StatusOr<Published> again = RegisterAndPublish(second, "shared");
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client::ReasonOf(again.status()), "NAME_TAKEN");
+  // ... and it cannot unpublish what the other session published.
+  v1::UnpublishRequest unpublish;
+  unpublish.set_session(second.token());
+  unpublish.set_name("shared");
+  absl::StatusOr<v1::UnpublishResponse> refused =
+      client_->Unpublish(unpublish);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(client::ReasonOf(refused.status()), "NOT_PUBLISHED");
+
+  // Another tenant (an anonymous lease) publishes the same name under its
+  // own prefix; the first entry stays as it was.
+  absl::StatusOr<Session> anonymous = Session::OpenLease(*client_);
+  ASSERT_TRUE(anonymous.ok()) << anonymous.status();
+  ASSERT_TRUE(
+      WriteShmFile(mrd_->shm_dir(), "anon", "anonymous data ", 4096).ok());
+  absl::StatusOr<Buffer> file = Buffer::ImportFile(*anonymous, "anon", false);
+  ASSERT_TRUE(file.ok()) << file.status();
+  client::RegisterOptions o;
+  o.buffer = file->id();
+  o.length = 4096;
+  o.flags = kRemoteRead;
+  absl::StatusOr<Registration> reg = Registration::Register(*anonymous, o);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  v1::PublishRequest publish;
+  publish.set_session(anonymous->token());
+  publish.set_name("shared");
+  publish.set_registration(reg->id());
+  absl::StatusOr<v1::PublishedEntry> theirs = client_->Publish(publish);
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  EXPECT_EQ(theirs->key(), KeyOf("anonymous", "shared"));
+  EXPECT_NE(theirs->key(), p->entry.key());
+
+  // Bad names and registrations are refused, and nothing is written.
+  for (const std::string bad : {"", "a/b", "sp ace", std::string(129, 'x')}) {
+    publish.set_name(bad);
+    absl::StatusOr<v1::PublishedEntry> r = client_->Publish(publish);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_EQ(client::ReasonOf(r.status()), "BAD_PUBLISH_NAME") << bad;
+  }
+  publish.set_name("other");
+  publish.set_registration(reg->id() + 1000);
+  absl::StatusOr<v1::PublishedEntry> unknown = client_->Publish(publish);
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut,
+                              KeyOf("anonymous", "shared"), absl::Seconds(10)));
+  absl::StatusOr<directory::EtcdRange> all = etcd_->Get(Prefix());
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(all->kvs.size(), 2u);
+}
+
+TEST_F(DirectoryTest, AnMrdKilledOutrightLosesItsEntriesWithinTheLeaseTtl) {
+  Session session = OpenFdSession();
+  absl::StatusOr<Published> p = RegisterAndPublish(session, "doomed");
+  ASSERT_TRUE(p.ok()) << p.status();
+  const std::string key = KeyOf(TenantOf(session), "doomed");
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, key,
+                              absl::Seconds(10)));
+  ASSERT_EQ(::kill(mrd_->pid(), SIGKILL), 0);
+  const absl::Time killed = absl::Now();
+  ASSERT_TRUE(mrd_->WaitExited(absl::Seconds(10)));
+  // etcd expires the lease on its own: nothing of mrd runs any more.
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kDelete, key,
+                              kLeaseTtl + absl::Seconds(3)));
+  const absl::Duration took = absl::Now() - killed;
+  EXPECT_LE(took, kLeaseTtl + absl::Seconds(3));
+  std::cerr << "entry gone " << absl::FormatDuration(took)
+            << " after SIGKILL (lease TTL " << absl::FormatDuration(kLeaseTtl)
+            << ")\n";
+  mrd_.reset();  // killed: nothing to stop
+}
+
+// Not in a suite with a shared cluster: it kills every member.
+TEST(DirectoryOutageTest, RegistrationsGoOnAndEntriesAppearOnceEtcdIsBack) {
+  absl::StatusOr<std::unique_ptr<EtcdCluster>> cluster = EtcdCluster::Start(3);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  MrdProcessOptions options;
+  options.extra_flags = {
+      absl::StrCat("--etcd_endpoints=",
+                   absl::StrJoin((*cluster)->endpoints(), ",")),
+      "--node_name=node-a", "--directory_lease_ttl=2s"};
+  absl::StatusOr<std::unique_ptr<MrdProcess>> mrd = MrdProcess::Start(options);
+  ASSERT_TRUE(mrd.ok()) << mrd.status();
+  client::ClientOptions client_options;
+  client_options.socket_path = (*mrd)->grpc_socket();
+  client_options.fd_socket_path = (*mrd)->fd_socket();
+  absl::StatusOr<client::Client> client =
+      client::Client::Connect(client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<Session> session = Session::OpenFd(*client);
+  ASSERT_TRUE(session.ok()) << session.status();
+  for (int i = 0; i < (*cluster)->size(); ++i) (*cluster)->Kill(i);
+
+  // Registering and publishing do not wait for etcd.
+  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 64 << 10, "late");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::RegisterOptions o;
+  o.buffer = buffer->id();
+  o.length = buffer->size();
+  o.flags = kRemoteRead;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<Registration> reg = Registration::Register(*session, o);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  v1::PublishRequest publish;
+  publish.set_session(session->token());
+  publish.set_name("late");
+  publish.set_registration(reg->id());
+  absl::StatusOr<v1::PublishedEntry> entry = client->Publish(publish);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_EQ(entry->state(), "pending");
+  v1::ListPublishedRequest list;
+  list.set_session(session->token());
+  // The directory's state and the entry's, as ListPublished reports them.
+  auto states = [&]() -> std::pair<std::string, std::string> {
+    absl::StatusOr<v1::ListPublishedResponse> listed =
+        client->ListPublished(list);
+    if (!listed.ok() || listed->entries_size() != 1) return {"?", "?"};
+    return {listed->directory_state(), listed->entries(0).state()};
+  };
+  EXPECT_TRUE(PollUntil([&] { return states().first == "unavailable"; },
+                        absl::Seconds(15)));
+  EXPECT_EQ(states().second, "pending");
+
+  for (int i = 0; i < (*cluster)->size(); ++i) {
+    ASSERT_TRUE((*cluster)->Restart(i).ok());
+  }
+  // Once etcd is back the entry appears, without another call.
+  EXPECT_TRUE(PollUntil([&] { return states().second == "published"; },
+                        absl::Seconds(30)));
+  EXPECT_EQ(states().first, "serving");
+  ASSERT_TRUE(reg->Deregister().ok());
+  session->Close().IgnoreError();
+  EXPECT_TRUE((*mrd)->Stop().ok());
+}
+
+}  // namespace
+}  // namespace mrd::testing
