@@ -393,6 +393,87 @@ absl::StatusOr<int64_t> EtcdClient::PutIfAbsent(absl::string_view key,
                   absl::StrCat("etcd key '", key, "' exists already"));
 }
 
+absl::StatusOr<int64_t> EtcdClient::PutIfAbsentOrOwned(absl::string_view key,
+                                                       absl::string_view value,
+                                                       int64_t lease) {
+  if (key.empty()) {
+    return BadArgument("etcd PutIfAbsentOrOwned of an empty key");
+  }
+  if (lease == 0) return BadArgument("etcd PutIfAbsentOrOwned of no lease");
+  // etcd compares with AND only: absent, then (if it is this lease's)
+  // owned, each a transaction that reads the key when it does not write.
+  // A key deleted between the two is tried again as absent, a few times.
+  constexpr int kRounds = 3;
+  for (int round = 0; round < kRounds; ++round) {
+    for (const bool owned : {false, true}) {
+      pb::TxnRequest request;
+      pb::Compare* compare = request.add_compare();
+      compare->set_key(std::string(key));
+      compare->set_result(pb::Compare::EQUAL);
+      if (owned) {
+        compare->set_target(pb::Compare::LEASE);
+        compare->set_lease(lease);
+      } else {
+        compare->set_target(pb::Compare::CREATE);
+        compare->set_create_revision(0);
+      }
+      pb::PutRequest* put = request.add_success()->mutable_request_put();
+      put->set_key(std::string(key));
+      put->set_value(std::string(value));
+      put->set_lease(lease);
+      request.add_failure()->mutable_request_range()->set_key(std::string(key));
+      pb::TxnResponse response;
+      MRD_RETURN_IF_ERROR(Call(
+          "etcd Txn", absl::Now() + options_.call_timeout,
+          [&](const Endpoint& endpoint, grpc::ClientContext& context, int) {
+            return endpoint.kv->Txn(&context, request, &response);
+          }));
+      if (response.succeeded()) return response.header().revision();
+      if (response.responses_size() != 1 ||
+          !response.responses(0).has_response_range() ||
+          response.responses(0).response_range().kvs_size() != 1) {
+        break;  // gone in between: absent again
+      }
+      const mvccpb::KeyValue& kv =
+          response.responses(0).response_range().kvs(0);
+      if (kv.lease() != lease) {
+        return MrdError(
+            absl::StatusCode::kAlreadyExists, "ETCD_KEY_EXISTS",
+            absl::StrCat("etcd key '", key, "' is held by another lease"));
+      }
+      // Ours already with this value (a retry that went through, or a
+      // rewrite of the same): nothing to write.
+      if (kv.value() == value) return kv.mod_revision();
+      // Ours with another value: the owned transaction rewrites it.
+    }
+  }
+  return MrdError(absl::StatusCode::kAborted, "ETCD_ERROR",
+                  absl::StrCat("etcd key '", key,
+                               "' kept changing under PutIfAbsentOrOwned"));
+}
+
+absl::StatusOr<int64_t> EtcdClient::DeleteIfOwned(absl::string_view key,
+                                                  int64_t lease) {
+  if (key.empty()) return BadArgument("etcd DeleteIfOwned of an empty key");
+  if (lease == 0) return BadArgument("etcd DeleteIfOwned of no lease");
+  pb::TxnRequest request;
+  pb::Compare* owned = request.add_compare();
+  owned->set_key(std::string(key));
+  owned->set_target(pb::Compare::LEASE);
+  owned->set_result(pb::Compare::EQUAL);
+  owned->set_lease(lease);
+  request.add_success()->mutable_request_delete_range()->set_key(
+      std::string(key));
+  pb::TxnResponse response;
+  MRD_RETURN_IF_ERROR(
+      Call("etcd Txn", absl::Now() + options_.call_timeout,
+           [&](const Endpoint& endpoint, grpc::ClientContext& context, int) {
+             return endpoint.kv->Txn(&context, request, &response);
+           }));
+  if (!response.succeeded() || response.responses_size() != 1) return 0;
+  return response.responses(0).response_delete_range().deleted();
+}
+
 absl::StatusOr<int64_t> EtcdClient::Delete(absl::string_view key) {
   if (key.empty()) return BadArgument("etcd Delete of an empty key");
   pb::DeleteRangeRequest request;

@@ -45,7 +45,7 @@
 //
 // Errors (mrd/status.h, MrdError): INVALID_ARGUMENT ETCD_BAD_ENDPOINT (Create)
 // and ETCD_BAD_ARGUMENT; UNAVAILABLE ETCD_UNAVAILABLE; ALREADY_EXISTS
-// ETCD_KEY_EXISTS (PutIfAbsent); NOT_FOUND
+// ETCD_KEY_EXISTS (PutIfAbsent, PutIfAbsentOrOwned); NOT_FOUND
 // ETCD_LEASE_NOT_FOUND (expired or revoked); OUT_OF_RANGE ETCD_COMPACTED (a
 // watch's start revision is gone); UNAVAILABLE ETCD_LEASE_LOST (a keeper's
 // lease went unrenewed for its TTL); any other answer of etcd keeps etcd's
@@ -166,8 +166,24 @@ class EtcdClient {
   // went through); any other is ALREADY_EXISTS ETCD_KEY_EXISTS, untouched.
   absl::StatusOr<int64_t> PutIfAbsent(absl::string_view key,
                                       absl::string_view value, int64_t lease);
+  // Writes key = value under `lease` if the key does not exist or is
+  // already attached to `lease` (etcd transactions: create revision 0, else
+  // lease equal), so that a holder of the lease may rewrite its own keys
+  // (after a handover too) but never another's. Returns the revision of the
+  // write (the key's own if it already holds this value under this lease:
+  // nothing written). A key attached to no lease or another is
+  // ALREADY_EXISTS ETCD_KEY_EXISTS, untouched; NOT_FOUND
+  // ETCD_LEASE_NOT_FOUND if the lease is gone; INVALID_ARGUMENT
+  // ETCD_BAD_ARGUMENT for an empty key or lease 0.
+  absl::StatusOr<int64_t> PutIfAbsentOrOwned(absl::string_view key,
+                                             absl::string_view value,
+                                             int64_t lease);
   // Deletes the key; returns how many keys went (0 or 1).
   absl::StatusOr<int64_t> Delete(absl::string_view key);
+  // Deletes the key only if it is attached to `lease` (one transaction);
+  // returns how many keys went: 0 if it is absent or not the lease's.
+  // INVALID_ARGUMENT ETCD_BAD_ARGUMENT for an empty key or lease 0.
+  absl::StatusOr<int64_t> DeleteIfOwned(absl::string_view key, int64_t lease);
   // Every key that starts with `prefix` (empty: every key), read at one
   // revision, in pages.
   absl::StatusOr<EtcdRange> Get(absl::string_view prefix);

@@ -26,9 +26,12 @@
 // or unpublishes it.
 //
 // When the lease is lost (etcd says it is gone, or no renewal was
-// acknowledged for a whole TTL), the worker revokes it (best effort: a lease
-// that was in fact still alive then takes its keys along), grants a new one
-// and writes every wanted key again.
+// acknowledged for a whole TTL), the worker revokes it (a lease that was in
+// fact still alive then takes its keys along), retrying while etcd is
+// unreachable, so that no key of the old lease is left beside its new copy;
+// once etcd confirms (the revoke, or that the lease is gone) the deletes
+// queued are done, and the worker grants a new lease and writes every wanted
+// key again (a kConflict stays one).
 //
 // Thread safety: thread-safe. Its mutex is a leaf: no etcd call is made
 // while it is held.
@@ -67,7 +70,8 @@ struct PublisherOptions {
 
 // The directory as a whole, as GetSession, metrics and health report it.
 enum class DirectoryState {
-  kConnecting,   // no lease yet (etcd not reached since the start)
+  kConnecting,   // no lease yet (etcd not reached since the start: a
+                 // failure before the first lease leaves it here)
   kServing,      // a lease is kept and the last write went through
   kUnavailable,  // etcd unreachable: writes queued, retried
 };
@@ -97,7 +101,9 @@ class Publisher {
  public:
   // Starts the worker (and the lease's keeper once it has a lease); does
   // not wait for etcd. Errors: the client's (ETCD_BAD_ENDPOINT, ...),
-  // INVALID_ARGUMENT for a TTL under 1 s or max_keys 0.
+  // INVALID_ARGUMENT DIRECTORY_BAD_OPTIONS for a TTL under 1 s, max_keys 0,
+  // a retry backoff not positive (or retry_max < retry_min) or a negative
+  // adopt_lease.
   static absl::StatusOr<std::unique_ptr<Publisher>> Start(
       PublisherOptions options);
   // Stops the worker and the keeper. Does not revoke the lease: Stop or
@@ -109,13 +115,20 @@ class Publisher {
   // Wants `key` = `value` on etcd under the lease; queued. Publishing a key
   // again with another value rewrites it (and retries a kConflict).
   // INVALID_ARGUMENT DIRECTORY_BAD_KEY for an empty key; RESOURCE_EXHAUSTED
-  // DIRECTORY_FULL past max_keys. Never waits for etcd.
+  // DIRECTORY_FULL past max_keys; FAILED_PRECONDITION DIRECTORY_STOPPED
+  // after Stop or Handover. Never waits for etcd. A delete of the key not
+  // yet done is superseded (its Done is notified).
   absl::Status Publish(const std::string& key, std::string value);
 
-  // Done once etcd confirmed a delete (or the key was never written).
+  // Done once etcd confirmed a delete (or the key was never written; or the
+  // lease it was under is gone: replaced after a loss, or revoked by Stop;
+  // or a Publish of the key superseded the delete). A delete not done by a
+  // Handover, or by the destruction, is never notified.
   using Done = std::shared_ptr<absl::Notification>;
-  // Wants `key` gone; queued. A key not wanted is already done. Never
-  // waits: the caller may wait on the Done, bounded.
+  // Wants `key` gone; queued (deleted only if it is this lease's: a
+  // kConflict key stays its holder's). A key not wanted is already done, as
+  // is every key after Stop or Handover. Never waits: the caller may wait
+  // on the Done, bounded.
   Done Unpublish(const std::string& key);
 
   // The key's state; NOT_FOUND DIRECTORY_NO_KEY if it is not wanted.
@@ -123,12 +136,18 @@ class Publisher {
   PublisherStats Stats() const;
 
   // A clean stop: revokes the lease (etcd deletes every key at once),
-  // within the client's call timeout; the worker stops writing. UNAVAILABLE
-  // if etcd could not be reached (the keys then go with the lease's TTL).
+  // within the client's call timeout, then stops the worker (waiting for a
+  // write in flight, which the revoke makes fail: up to another call
+  // timeout) and the keeper. UNAVAILABLE ETCD_UNAVAILABLE if etcd could not
+  // be reached (the keys then go with the lease's TTL). Stop after Handover
+  // revokes the lease handed over (a handover given up).
   absl::Status Stop();
-  // A live handover: stops writing and returns the lease, kept alive until
-  // this object is destroyed; the next process adopts it
-  // (PublisherOptions::adopt_lease). 0 if there is none.
+  // A live handover: stops writing (waits for a write in flight, so that
+  // none lands after the next process's) and returns the lease, kept alive
+  // until this object is destroyed; the next process adopts it
+  // (PublisherOptions::adopt_lease) with every key under it, including any
+  // whose delete was still queued here. 0 if there is none (or it was
+  // lost).
   int64_t Handover();
 
   // For reads (resolving names, watching them): the publisher's own client.

@@ -214,6 +214,79 @@ TEST_F(EtcdClientTest, PutIfAbsentWritesOnceAndLeavesAnothersKeyAlone) {
   EXPECT_TRUE(client_->Revoke(lease->id).ok());
 }
 
+TEST_F(EtcdClientTest, PutIfAbsentOrOwnedRewritesOwnKeysOnly) {
+  absl::StatusOr<EtcdLease> mine = client_->Grant(absl::Seconds(30));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  absl::StatusOr<EtcdLease> theirs = client_->Grant(absl::Seconds(30));
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  // Absent: written.
+  absl::StatusOr<int64_t> first =
+      client_->PutIfAbsentOrOwned(Prefix() + "name", "v1", mine->id);
+  ASSERT_TRUE(first.ok()) << first.status();
+  // The same again: written already, same revision.
+  absl::StatusOr<int64_t> again =
+      client_->PutIfAbsentOrOwned(Prefix() + "name", "v1", mine->id);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(*again, *first);
+  // Ours: rewritten with the new value.
+  absl::StatusOr<int64_t> rewritten =
+      client_->PutIfAbsentOrOwned(Prefix() + "name", "v2", mine->id);
+  ASSERT_TRUE(rewritten.ok()) << rewritten.status();
+  EXPECT_GT(*rewritten, *first);
+  EXPECT_EQ(Values(*client_, Prefix()), std::vector<std::string>{"v2"});
+  // Another lease's, or no lease's: refused, untouched.
+  absl::StatusOr<int64_t> other =
+      client_->PutIfAbsentOrOwned(Prefix() + "name", "x", theirs->id);
+  ASSERT_FALSE(other.ok());
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(GetErrorDetail(other.status()).reason(), "ETCD_KEY_EXISTS");
+  ASSERT_TRUE(client_->Put(Prefix() + "plain", "p").ok());
+  other = client_->PutIfAbsentOrOwned(Prefix() + "plain", "x", mine->id);
+  EXPECT_EQ(GetErrorDetail(other.status()).reason(), "ETCD_KEY_EXISTS");
+  EXPECT_EQ(Values(*client_, Prefix()), (std::vector<std::string>{"v2", "p"}));
+  // No lease, or a lease that is gone.
+  EXPECT_EQ(GetErrorDetail(
+                client_->PutIfAbsentOrOwned(Prefix() + "k", "v", 0).status())
+                .reason(),
+            "ETCD_BAD_ARGUMENT");
+  ASSERT_TRUE(client_->Revoke(theirs->id).ok());
+  absl::StatusOr<int64_t> gone =
+      client_->PutIfAbsentOrOwned(Prefix() + "k", "v", theirs->id);
+  ASSERT_FALSE(gone.ok());
+  EXPECT_EQ(GetErrorDetail(gone.status()).reason(), "ETCD_LEASE_NOT_FOUND");
+  EXPECT_TRUE(client_->Revoke(mine->id).ok());
+}
+
+TEST_F(EtcdClientTest, DeleteIfOwnedDeletesOnlyTheLeasesKey) {
+  absl::StatusOr<EtcdLease> mine = client_->Grant(absl::Seconds(30));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  absl::StatusOr<EtcdLease> theirs = client_->Grant(absl::Seconds(30));
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  ASSERT_TRUE(client_->Put(Prefix() + "a", "mine", mine->id).ok());
+  ASSERT_TRUE(client_->Put(Prefix() + "b", "theirs", theirs->id).ok());
+  ASSERT_TRUE(client_->Put(Prefix() + "c", "nobody's").ok());
+  absl::StatusOr<int64_t> deleted =
+      client_->DeleteIfOwned(Prefix() + "b", mine->id);
+  ASSERT_TRUE(deleted.ok()) << deleted.status();
+  EXPECT_EQ(*deleted, 0);
+  deleted = client_->DeleteIfOwned(Prefix() + "c", mine->id);
+  ASSERT_TRUE(deleted.ok()) << deleted.status();
+  EXPECT_EQ(*deleted, 0);
+  deleted = client_->DeleteIfOwned(Prefix() + "absent", mine->id);
+  ASSERT_TRUE(deleted.ok()) << deleted.status();
+  EXPECT_EQ(*deleted, 0);
+  deleted = client_->DeleteIfOwned(Prefix() + "a", mine->id);
+  ASSERT_TRUE(deleted.ok()) << deleted.status();
+  EXPECT_EQ(*deleted, 1);
+  EXPECT_EQ(Values(*client_, Prefix()),
+            (std::vector<std::string>{"theirs", "nobody's"}));
+  EXPECT_EQ(GetErrorDetail(client_->DeleteIfOwned(Prefix() + "b", 0).status())
+                .reason(),
+            "ETCD_BAD_ARGUMENT");
+  EXPECT_TRUE(client_->Revoke(mine->id).ok());
+  EXPECT_TRUE(client_->Revoke(theirs->id).ok());
+}
+
 TEST_F(EtcdClientTest, DeleteRemovesTheKey) {
   ASSERT_TRUE(client_->Put(Prefix() + "k", "v").ok());
   absl::StatusOr<int64_t> deleted = client_->Delete(Prefix() + "k");
