@@ -7,10 +7,12 @@
 // etcd member down registrations go on and the entries appear once etcd is
 // back. Every wait is on an etcd watch or a condition with a deadline.
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -265,9 +267,24 @@ TEST_F(DirectoryTest, ReleaseBufferAndCloseSessionRemoveTheirEntriesFirst) {
   ASSERT_TRUE(client_->ReleaseBuffer(release).ok());
   EXPECT_EQ(ValueOf(KeyOf(tenant, "a")), "");
   EXPECT_NE(ValueOf(KeyOf(tenant, "b")), "");
-  // Closing the session removes the rest.
-  ASSERT_TRUE(session.Close().ok());
+  // CloseSession removes the rest before it answers.
+  v1::CloseSessionRequest close;
+  close.set_session(session.token());
+  ASSERT_TRUE(client_->CloseSession(close).ok());
   EXPECT_EQ(ValueOf(KeyOf(tenant, "b")), "");
+}
+
+TEST_F(DirectoryTest, AnFdSessionThatHangsUpTakesItsEntriesAlong) {
+  Session session = OpenFdSession();
+  absl::StatusOr<Published> p = RegisterAndPublish(session, "gone-with-fd");
+  ASSERT_TRUE(p.ok()) << p.status();
+  const std::string key = KeyOf(TenantOf(session), "gone-with-fd");
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, key,
+                              absl::Seconds(10)));
+  // No call to answer: the socket closes and mrd deletes the entry.
+  ASSERT_TRUE(session.Close().ok());
+  EXPECT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kDelete, key,
+                              absl::Seconds(10)));
 }
 
 TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
@@ -291,10 +308,16 @@ TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
 
   // Another tenant (an anonymous lease) publishes the same name under its
   // own prefix; the first entry stays as it was.
-  absl::StatusOr<Session> anonymous = Session::OpenLease(*client_);
-  ASSERT_TRUE(anonymous.ok()) << anonymous.status();
+  absl::StatusOr<v1::SessionInfo> lease =
+      client_->OpenLeaseSession(v1::OpenLeaseSessionRequest());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  ASSERT_EQ(lease->tenant(), "anonymous");
+  std::optional<Session> anonymous =
+      Session::Attach(*client_, lease->session());
   ASSERT_TRUE(
       WriteShmFile(mrd_->shm_dir(), "anon", "anonymous data ", 4096).ok());
+  // Anyone may read it: an anonymous lease opens only such files.
+  ASSERT_EQ(::chmod((mrd_->shm_dir() + "/anon").c_str(), 0644), 0);
   absl::StatusOr<Buffer> file = Buffer::ImportFile(*anonymous, "anon", false);
   ASSERT_TRUE(file.ok()) << file.status();
   client::RegisterOptions o;
@@ -313,7 +336,8 @@ TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
   EXPECT_NE(theirs->key(), p->entry.key());
 
   // Bad names and registrations are refused, and nothing is written.
-  for (const std::string bad : {"", "a/b", "sp ace", std::string(129, 'x')}) {
+  for (const std::string& bad : std::vector<std::string>{
+           "", "a/b", "sp ace", std::string(129, 'x')}) {
     publish.set_name(bad);
     absl::StatusOr<v1::PublishedEntry> r = client_->Publish(publish);
     ASSERT_FALSE(r.ok()) << bad;
