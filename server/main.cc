@@ -124,9 +124,9 @@ class Daemon final : public handover::Participant {
   daemon::Config config_;  // paths, peers, the device chosen
   std::unique_ptr<device::Device> device_;
   core::CoreOptions core_options_;
-  // The directory's writer (--etcd_endpoints; null without): outlives the
-  // core, which publishes through it.
-  std::unique_ptr<directory::Publisher> publisher_;
+  // The directory (--etcd_endpoints) and its part in a handover: outlives
+  // the core, which publishes through it.
+  daemon::DirectoryParticipant directory_;
   std::unique_ptr<core::Core> core_;
   // Replaced only by a handover that failed (the fd socket's Thaw).
   std::unique_ptr<fd_socket::FdServer> fd_server_;
@@ -185,9 +185,10 @@ absl::Status Daemon::Start() {
   options.status = &status_;
   options.pinned_bytes = [this] { return device_->PinnedBytes(); };
   handover_ = std::make_unique<handover::ProcessHandover>(
-      std::move(options), std::vector<handover::Participant*>{
-                              &gate_handover_, &fd_handover_, &acceptor_,
-                              &core_handover_, &metrics_handover_, this});
+      std::move(options),
+      std::vector<handover::Participant*>{
+          &gate_handover_, &fd_handover_, &acceptor_, &core_handover_,
+          &directory_, &metrics_handover_, this});
   if (absl::GetFlag(FLAGS_takeover)) MRD_RETURN_IF_ERROR(BeginTakeover());
   // Taking over, the device opened before the old process paused.
   if (device_ == nullptr) MRD_RETURN_IF_ERROR(OpenDevice());
@@ -246,7 +247,7 @@ absl::Status Daemon::StartCore() {
   if (absl::Status s = core_->Start(); !s.ok()) {
     return daemon::Fail(absl::StrCat("core: ", s.ToString()));
   }
-  return daemon::StartDirectory(core_.get(), &publisher_);
+  return directory_.Start(core_.get(), handover_->taking_over());
 }
 
 absl::Status Daemon::StartFdSocket() {
@@ -614,14 +615,8 @@ void Daemon::ServeUntil(const sigset_t& signals) {
   StopAdmin();
   fd_server_->Shutdown();
   core_->Shutdown();
-  // The lease goes, and every entry with it (a handover does not pass the
-  // directory on yet: the new process's sessions publish again).
-  if (publisher_ != nullptr) {
-    if (absl::Status s = publisher_->Stop(); !s.ok()) {
-      LogWarning("directory: ", s.ToString(),
-                 "; the entries go when the lease's TTL runs out");
-    }
-  }
+  // The lease goes, and every entry with it, unless they were handed over.
+  directory_.Stop(handover_->committed());
   // Every session is released by now; what remains are idle client channels
   // and open streams, which gRPC would otherwise wait on until the deadline.
   server_->Shutdown(std::chrono::system_clock::now() +

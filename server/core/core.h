@@ -241,6 +241,9 @@ class Core final : public fd_socket::FdSessionHandler {
     publications_.Configure(publisher, std::move(options));
   }
   const Publications& publications() const { return publications_; }
+  // After a handover (or a failed one), with the publisher of the lease
+  // handed over: every session's names are written again.
+  void RepublishDirectory() { publications_.RepublishAll(sessions_.All()); }
   absl::Status Publish(const v1::PublishRequest& req, v1::PublishedEntry* out);
   absl::Status Unpublish(const v1::UnpublishRequest& req,
                          v1::UnpublishResponse* out);

@@ -81,33 +81,12 @@ absl::Status Publications::Publish(Session& session,
   MRD_RETURN_IF_ERROR(CheckPublishName(req.name()));
   const std::string& tenant = session.tenant()->name();
   const std::string key = PublishedKey(options_, tenant, req.name());
-  const device::DeviceAttributes& device = device_->Attributes();
   // Under the session's lock from the check of the registration to the
   // queued write: a deregistration's Sync, which needs that lock, queues
   // the delete after it, never before.
   absl::MutexLock lock(&session.mu);
-  auto r = session.registrations.find(req.registration());
-  if (r == session.registrations.end()) {
-    return UnknownHandle("registration", req.registration());
-  }
-  std::optional<cache::EntryView> view = registrations_->Describe(r->first);
-  if (!view.has_value()) {
-    return UnknownHandle("registration", req.registration());
-  }
-  v1::PublishedEntry entry;
-  entry.set_name(req.name());
-  entry.set_tenant(tenant);
-  entry.set_cluster(options_.cluster);
-  entry.set_node(options_.node);
-  entry.set_address(view->key.base_address);
-  entry.set_length(view->key.length);
-  entry.set_flags(r->second.flags);
-  v1::PublishedToken* token = entry.add_tokens();
-  token->set_device(device.name);
-  token->set_rkey(view->rkey);
-  token->set_peer_address(device.peer_address);
-  entry.set_epoch(options_.epoch);
-  entry.set_published_unix_ms(absl::ToUnixMillis(absl::Now()));
+  MRD_ASSIGN_OR_RETURN(v1::PublishedEntry entry,
+                       EntryLocked(session, req.name(), req.registration()));
   std::string json;
   if (!google::protobuf::util::MessageToJsonString(entry, &json).ok()) {
     return absl::InternalError("the entry could not be written as JSON");
@@ -142,6 +121,67 @@ absl::Status Publications::Publish(Session& session,
   out->set_registration(req.registration());
   out->set_state("pending");
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PublishedEntry> Publications::EntryLocked(
+    const Session& session, const std::string& name,
+    uint64_t registration) const {
+  auto r = session.registrations.find(registration);
+  if (r == session.registrations.end()) {
+    return UnknownHandle("registration", registration);
+  }
+  std::optional<cache::EntryView> view = registrations_->Describe(r->first);
+  if (!view.has_value()) return UnknownHandle("registration", registration);
+  const device::DeviceAttributes& device = device_->Attributes();
+  v1::PublishedEntry entry;
+  entry.set_name(name);
+  entry.set_tenant(session.tenant()->name());
+  entry.set_cluster(options_.cluster);
+  entry.set_node(options_.node);
+  entry.set_address(view->key.base_address);
+  entry.set_length(view->key.length);
+  entry.set_flags(r->second.flags);
+  v1::PublishedToken* token = entry.add_tokens();
+  token->set_device(device.name);
+  token->set_rkey(view->rkey);
+  token->set_peer_address(device.peer_address);
+  entry.set_epoch(options_.epoch);
+  entry.set_published_unix_ms(absl::ToUnixMillis(absl::Now()));
+  return entry;
+}
+
+void Publications::RepublishAll(
+    const std::vector<std::shared_ptr<Session>>& sessions) {
+  if (!enabled()) return;
+  size_t written = 0;
+  for (const std::shared_ptr<Session>& session : sessions) {
+    std::vector<std::string> gone;
+    {
+      absl::MutexLock lock(&session->mu);
+      for (auto it = session->published.begin();
+           it != session->published.end();) {
+        const std::string key =
+            PublishedKey(options_, session->tenant()->name(), it->first);
+        absl::StatusOr<v1::PublishedEntry> entry =
+            EntryLocked(*session, it->first, it->second);
+        std::string json;
+        if (entry.ok() &&
+            google::protobuf::util::MessageToJsonString(*entry, &json).ok() &&
+            publisher_->Publish(key, json).ok()) {
+          absl::MutexLock names(&mu_);
+          owners_[key] = session->id();
+          ++written;
+          ++it;
+          continue;
+        }
+        gone.push_back(it->first);
+        it = session->published.erase(it);
+      }
+    }
+    if (!gone.empty()) Drop(*session, gone, /*wait=*/false);
+  }
+  LogInfo("directory: ", written, " published names written again, epoch ",
+          options_.epoch);
 }
 
 absl::Status Publications::Unpublish(Session& session,
@@ -189,9 +229,8 @@ absl::Status Publications::List(Session& session,
     const std::string key = PublishedKey(options_, tenant, name);
     entry->set_key(key);
     absl::StatusOr<directory::KeyState> state = publisher_->StateOf(key);
-    entry->set_state(state.ok()
-                         ? std::string(directory::KeyStateName(*state))
-                         : std::string("pending"));
+    entry->set_state(state.ok() ? std::string(directory::KeyStateName(*state))
+                                : std::string("pending"));
     if (std::optional<cache::EntryView> view =
             registrations_->Describe(registration)) {
       entry->set_address(view->key.base_address);
@@ -233,10 +272,10 @@ absl::Status Publications::Resolve(const Session& session,
     out->set_state("published");
     return absl::OkStatus();
   }
-  return MrdError(absl::StatusCode::kNotFound, "NAME_NOT_PUBLISHED",
-                  absl::StrCat("tenant ", tenant, " has no name '", req.name(),
-                               "' in cluster ", options_.cluster,
-                               " of the directory"));
+  return MrdError(
+      absl::StatusCode::kNotFound, "NAME_NOT_PUBLISHED",
+      absl::StrCat("tenant ", tenant, " has no name '", req.name(),
+                   "' in cluster ", options_.cluster, " of the directory"));
 }
 
 void Publications::Sync(Session& session) {
@@ -244,8 +283,7 @@ void Publications::Sync(Session& session) {
   std::vector<std::string> gone;
   {
     absl::MutexLock lock(&session.mu);
-    for (auto it = session.published.begin();
-         it != session.published.end();) {
+    for (auto it = session.published.begin(); it != session.published.end();) {
       if (session.registrations.contains(it->second)) {
         ++it;
         continue;

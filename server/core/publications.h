@@ -48,7 +48,7 @@
 namespace mrd::core {
 
 struct DirectoryOptions {
-  std::string root = "/mrd";       // --directory_root
+  std::string root = "/mrd";        // --directory_root
   std::string cluster = "default";  // --directory_cluster
   std::string node;                 // --node_name
   // 1 for a process started afresh, one more for each live handover.
@@ -99,7 +99,19 @@ class Publications {
   // "off", "connecting", "serving" or "unavailable".
   std::string StateName() const;
 
+  // A handover's new process (or an old one that serves on after a failed
+  // one), once Configure gave it the publisher of the lease handed over:
+  // writes every session's names again, with this epoch's entries; a name
+  // whose registration did not come along is deleted.
+  void RepublishAll(const std::vector<std::shared_ptr<Session>>& sessions);
+
  private:
+  // The entry of `registration` of the session under `name`; NOT_FOUND if
+  // the session holds no such registration.
+  absl::StatusOr<v1::PublishedEntry> EntryLocked(const Session& session,
+                                                 const std::string& name,
+                                                 uint64_t registration) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
   // Queues the delete of each name's key and forgets the name; waits for
   // them (bounded) when `wait` and etcd is reachable.
   void Drop(const Session& session, const std::vector<std::string>& names,

@@ -218,6 +218,11 @@ void Session::ExportLocked(absl::Time now, v1::HandedOverSession* out) const {
   out->set_completions_dropped(completions_dropped_);
   out->set_pinned_bytes(pinned_bytes);
   out->set_device_registrations(device_registrations);
+  for (const auto& [name, registration] : published) {
+    v1::HandedOverPublishedName* p = out->add_published();
+    p->set_name(name);
+    p->set_registration(registration);
+  }
 }
 
 void Session::AdoptLocked(const v1::HandedOverSession& in, absl::Time now) {
@@ -238,6 +243,11 @@ void Session::AdoptLocked(const v1::HandedOverSession& in, absl::Time now) {
   }
   completions_.assign(in.completions().begin(), in.completions().end());
   completions_dropped_ = in.completions_dropped();
+  // Published names (the directory's participant writes them again under
+  // the new epoch, those whose registration came along).
+  for (const v1::HandedOverPublishedName& p : in.published()) {
+    published[p.name()] = p.registration();
+  }
 }
 
 void Session::SetPeerTicketLocked(const std::string& ticket) {

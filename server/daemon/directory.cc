@@ -43,42 +43,116 @@ std::string HostName() {
 
 }  // namespace
 
-absl::Status StartDirectory(core::Core* core,
-                            std::unique_ptr<directory::Publisher>* publisher) {
+absl::Status DirectoryParticipant::Start(core::Core* core, bool taking_over) {
+  core_ = core;
   const std::vector<std::string> endpoints =
       absl::GetFlag(FLAGS_etcd_endpoints);
   if (endpoints.empty()) return absl::OkStatus();
-  core::DirectoryOptions options;
-  options.root = absl::GetFlag(FLAGS_directory_root);
-  if (options.root.empty() || options.root.front() != '/' ||
-      options.root.back() == '/') {
-    return Fail(absl::StrCat("--directory_root='", options.root,
+  options_.root = absl::GetFlag(FLAGS_directory_root);
+  if (options_.root.empty() || options_.root.front() != '/' ||
+      options_.root.back() == '/') {
+    return Fail(absl::StrCat("--directory_root='", options_.root,
                              "' must start with '/' and not end with one"));
   }
-  options.cluster = absl::GetFlag(FLAGS_directory_cluster);
-  MRD_RETURN_IF_ERROR(CheckSegment("directory_cluster", options.cluster));
-  options.node = absl::GetFlag(FLAGS_node_name);
-  if (options.node.empty()) options.node = HostName();
-  MRD_RETURN_IF_ERROR(CheckSegment("node_name", options.node));
-  options.unpublish_wait = absl::GetFlag(FLAGS_directory_unpublish_wait);
-
-  directory::PublisherOptions publisher_options;
-  publisher_options.etcd.endpoints = endpoints;
-  publisher_options.lease_ttl = absl::GetFlag(FLAGS_directory_lease_ttl);
-  publisher_options.max_keys = absl::GetFlag(FLAGS_directory_max_entries);
-  absl::StatusOr<std::unique_ptr<directory::Publisher>> started =
-      directory::Publisher::Start(publisher_options);
-  if (!started.ok()) {
-    return Fail(absl::StrCat("directory (--etcd_endpoints=",
-                             absl::StrJoin(endpoints, ","),
-                             "): ", started.status().ToString()));
-  }
-  *publisher = std::move(*started);
+  options_.cluster = absl::GetFlag(FLAGS_directory_cluster);
+  MRD_RETURN_IF_ERROR(CheckSegment("directory_cluster", options_.cluster));
+  options_.node = absl::GetFlag(FLAGS_node_name);
+  if (options_.node.empty()) options_.node = HostName();
+  MRD_RETURN_IF_ERROR(CheckSegment("node_name", options_.node));
+  options_.unpublish_wait = absl::GetFlag(FLAGS_directory_unpublish_wait);
+  publisher_options_.etcd.endpoints = endpoints;
+  publisher_options_.lease_ttl = absl::GetFlag(FLAGS_directory_lease_ttl);
+  publisher_options_.max_keys = absl::GetFlag(FLAGS_directory_max_entries);
+  enabled_ = true;
   LogInfo("directory: etcd ", absl::StrJoin(endpoints, ","), ", cluster ",
-          options.cluster, ", node ", options.node, ", lease TTL ",
-          absl::FormatDuration(publisher_options.lease_ttl));
-  core->SetDirectory(publisher->get(), std::move(options));
+          options_.cluster, ", node ", options_.node, ", lease TTL ",
+          absl::FormatDuration(publisher_options_.lease_ttl));
+  if (taking_over) return absl::OkStatus();  // Commit starts it
+  return StartPublisher(/*lease=*/0, /*republish=*/false);
+}
+
+absl::Status DirectoryParticipant::StartPublisher(int64_t lease,
+                                                  bool republish) {
+  directory::PublisherOptions options = publisher_options_;
+  options.adopt_lease = lease;
+  absl::StatusOr<std::unique_ptr<directory::Publisher>> started =
+      directory::Publisher::Start(options);
+  if (!started.ok()) {
+    return Fail(
+        absl::StrCat("directory (--etcd_endpoints=",
+                     absl::StrJoin(publisher_options_.etcd.endpoints, ","),
+                     "): ", started.status().ToString()));
+  }
+  // The core moves to the new publisher before the old one (if any) goes.
+  std::unique_ptr<directory::Publisher> old = std::move(publisher_);
+  publisher_ = std::move(*started);
+  core_->SetDirectory(publisher_.get(), options_);
+  if (republish) core_->RepublishDirectory();
+  old.reset();
   return absl::OkStatus();
+}
+
+void DirectoryParticipant::Stop(bool handed_over) {
+  if (publisher_ == nullptr || handed_over) return;
+  if (absl::Status s = publisher_->Stop(); !s.ok()) {
+    LogWarning("directory: ", s.ToString(),
+               "; the entries go when the lease's TTL runs out");
+  }
+}
+
+absl::Status DirectoryParticipant::Export(v1::HandoverSnapshot* snapshot,
+                                          std::vector<UniqueFd>* /*fds*/) {
+  if (publisher_ == nullptr) return absl::OkStatus();
+  exported_lease_ = publisher_->Stats().lease;
+  snapshot->set_directory_lease(exported_lease_);
+  snapshot->set_directory_epoch(options_.epoch);
+  return absl::OkStatus();
+}
+
+absl::Status DirectoryParticipant::Release() {
+  if (publisher_ == nullptr) return absl::OkStatus();
+  // Stops writing; the keeper renews the lease until this process exits.
+  const int64_t lease = publisher_->Handover();
+  released_ = true;
+  if (lease != exported_lease_) {
+    return MrdError(
+        absl::StatusCode::kUnavailable, "HANDOVER_DIRECTORY",
+        absl::StrCat("the directory's lease changed (", lease, " instead of ",
+                     exported_lease_, ") while handing over; try again"));
+  }
+  return absl::OkStatus();
+}
+
+void DirectoryParticipant::Thaw() {
+  if (!released_) return;
+  released_ = false;
+  // Serving on: writing again, on the same lease (the old publisher kept
+  // it alive; a lost one is replaced by the new publisher).
+  if (absl::Status s = StartPublisher(exported_lease_, /*republish=*/true);
+      !s.ok()) {
+    LogError("directory after a failed handover: ", s.ToString());
+  }
+}
+
+absl::Status DirectoryParticipant::Adopt(const v1::HandoverSnapshot& snapshot,
+                                         std::vector<UniqueFd>& /*fds*/) {
+  adopted_lease_ = snapshot.directory_lease();
+  adopted_epoch_ = snapshot.directory_epoch();
+  return absl::OkStatus();
+}
+
+void DirectoryParticipant::Commit() {
+  if (!enabled_) return;
+  options_.epoch = adopted_epoch_ + 1;
+  if (absl::Status s = StartPublisher(adopted_lease_, /*republish=*/true);
+      !s.ok()) {
+    LogError("directory after the takeover: ", s.ToString());
+  }
+}
+
+void DirectoryParticipant::Abandon() {
+  adopted_lease_ = 0;
+  adopted_epoch_ = 0;
 }
 
 }  // namespace mrd::daemon

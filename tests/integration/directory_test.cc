@@ -7,10 +7,12 @@
 // etcd member down registrations go on and the entries appear once etcd is
 // back. Every wait is on an etcd watch or a condition with a deadline.
 #include <signal.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 
 #include <atomic>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -183,7 +185,8 @@ class DirectoryTest : public MrdTest {
 };
 EtcdCluster* DirectoryTest::cluster_ = nullptr;
 
-TEST_F(DirectoryTest, AnotherNodeResolvesThePublishedTokenAndDeregisterRemovesIt) {
+TEST_F(DirectoryTest,
+       AnotherNodeResolvesThePublishedTokenAndDeregisterRemovesIt) {
   Session session = OpenFdSession();
   absl::StatusOr<Published> p = RegisterAndPublish(session, "weights.0");
   ASSERT_TRUE(p.ok()) << p.status();
@@ -191,8 +194,8 @@ TEST_F(DirectoryTest, AnotherNodeResolvesThePublishedTokenAndDeregisterRemovesIt
   const std::string key = KeyOf(tenant, "weights.0");
   EXPECT_EQ(p->entry.key(), key);
   EXPECT_EQ(p->entry.tenant(), tenant);
-  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, key,
-                              absl::Seconds(10)));
+  ASSERT_TRUE(
+      events_.WaitFor(EtcdWatchEvent::Type::kPut, key, absl::Seconds(10)));
 
   // Another node's mrd, on the same etcd, finds it.
   absl::StatusOr<std::unique_ptr<MrdProcess>> other =
@@ -279,12 +282,12 @@ TEST_F(DirectoryTest, AnFdSessionThatHangsUpTakesItsEntriesAlong) {
   absl::StatusOr<Published> p = RegisterAndPublish(session, "gone-with-fd");
   ASSERT_TRUE(p.ok()) << p.status();
   const std::string key = KeyOf(TenantOf(session), "gone-with-fd");
-  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, key,
-                              absl::Seconds(10)));
+  ASSERT_TRUE(
+      events_.WaitFor(EtcdWatchEvent::Type::kPut, key, absl::Seconds(10)));
   // No call to answer: the socket closes and mrd deletes the entry.
   ASSERT_TRUE(session.Close().ok());
-  EXPECT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kDelete, key,
-                              absl::Seconds(10)));
+  EXPECT_TRUE(
+      events_.WaitFor(EtcdWatchEvent::Type::kDelete, key, absl::Seconds(10)));
 }
 
 TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
@@ -301,8 +304,7 @@ TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
   v1::UnpublishRequest unpublish;
   unpublish.set_session(second.token());
   unpublish.set_name("shared");
-  absl::StatusOr<v1::UnpublishResponse> refused =
-      client_->Unpublish(unpublish);
+  absl::StatusOr<v1::UnpublishResponse> refused = client_->Unpublish(unpublish);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(client::ReasonOf(refused.status()), "NOT_PUBLISHED");
 
@@ -336,8 +338,8 @@ TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
   EXPECT_NE(theirs->key(), p->entry.key());
 
   // Bad names and registrations are refused, and nothing is written.
-  for (const std::string& bad : std::vector<std::string>{
-           "", "a/b", "sp ace", std::string(129, 'x')}) {
+  for (const std::string& bad :
+       std::vector<std::string>{"", "a/b", "sp ace", std::string(129, 'x')}) {
     publish.set_name(bad);
     absl::StatusOr<v1::PublishedEntry> r = client_->Publish(publish);
     ASSERT_FALSE(r.ok()) << bad;
@@ -360,8 +362,8 @@ TEST_F(DirectoryTest, AnMrdKilledOutrightLosesItsEntriesWithinTheLeaseTtl) {
   absl::StatusOr<Published> p = RegisterAndPublish(session, "doomed");
   ASSERT_TRUE(p.ok()) << p.status();
   const std::string key = KeyOf(TenantOf(session), "doomed");
-  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, key,
-                              absl::Seconds(10)));
+  ASSERT_TRUE(
+      events_.WaitFor(EtcdWatchEvent::Type::kPut, key, absl::Seconds(10)));
   ASSERT_EQ(::kill(mrd_->pid(), SIGKILL), 0);
   const absl::Time killed = absl::Now();
   ASSERT_TRUE(mrd_->WaitExited(absl::Seconds(10)));
@@ -374,6 +376,81 @@ TEST_F(DirectoryTest, AnMrdKilledOutrightLosesItsEntriesWithinTheLeaseTtl) {
             << " after SIGKILL (lease TTL " << absl::FormatDuration(kLeaseTtl)
             << ")\n";
   mrd_.reset();  // killed: nothing to stop
+}
+
+TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {
+  char dir_template[] = "/tmp/mrd-directory-handover-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir_template), nullptr);
+  const std::string runtime_dir = dir_template;
+  MrdProcessOptions options = NodeOptions("node-a");
+  options.runtime_dir = runtime_dir;
+  absl::StatusOr<std::unique_ptr<MrdProcess>> old = MrdProcess::Start(options);
+  ASSERT_TRUE(old.ok()) << old.status();
+  client::ClientOptions client_options;
+  client_options.socket_path = (*old)->grpc_socket();
+  client_options.fd_socket_path = (*old)->fd_socket();
+  absl::StatusOr<client::Client> client =
+      client::Client::Connect(client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<Session> session = Session::OpenFd(*client);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 64 << 10, "kept");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::RegisterOptions o;
+  o.buffer = buffer->id();
+  o.length = buffer->size();
+  o.flags = kRemoteRead;
+  absl::StatusOr<Registration> reg = Registration::Register(*session, o);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  v1::PublishRequest publish;
+  publish.set_session(session->token());
+  publish.set_name("kept");
+  publish.set_registration(reg->id());
+  absl::StatusOr<v1::PublishedEntry> entry = client->Publish(publish);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  const std::string key = entry->key();
+  ASSERT_TRUE(
+      events_.WaitFor(EtcdWatchEvent::Type::kPut, key, absl::Seconds(10)));
+  absl::StatusOr<directory::EtcdRange> before = etcd_->Get(key);
+  ASSERT_TRUE(before.ok() && before->kvs.size() == 1u);
+
+  // The successor takes over; the old mrd exits.
+  options.extra_flags.push_back("--takeover");
+  absl::StatusOr<std::unique_ptr<MrdProcess>> successor =
+      MrdProcess::Start(options);
+  ASSERT_TRUE(successor.ok()) << successor.status();
+  ASSERT_TRUE((*old)->WaitExited(absl::Seconds(30))) << (*old)->Log();
+
+  // The entry is written again by the new process, epoch 2, on the same
+  // lease; at no time was it deleted.
+  v1::ResolveRequest resolve;
+  resolve.set_session(session->token());
+  resolve.set_name("kept");
+  uint64_t epoch = 0;
+  EXPECT_TRUE(PollUntil(
+      [&] {
+        absl::StatusOr<v1::PublishedEntry> found = client->Resolve(resolve);
+        epoch = found.ok() ? found->epoch() : 0;
+        return epoch == 2;
+      },
+      absl::Seconds(10)));
+  EXPECT_EQ(epoch, 2u);
+  absl::StatusOr<directory::EtcdRange> after = etcd_->Get(key);
+  ASSERT_TRUE(after.ok() && after->kvs.size() == 1u);
+  EXPECT_EQ(after->kvs[0].lease, before->kvs[0].lease);
+  EXPECT_FALSE(events_.WaitFor(EtcdWatchEvent::Type::kDelete, key,
+                               absl::ZeroDuration()));
+  // Longer than the lease's TTL after the old process exited: the new one
+  // keeps the lease alive.
+  EXPECT_FALSE(events_.WaitFor(EtcdWatchEvent::Type::kDelete, key,
+                               kLeaseTtl + absl::Seconds(1)));
+  // And the new process removes it when the registration goes.
+  ASSERT_TRUE(reg->Deregister().ok());
+  EXPECT_EQ(ValueOf(key), "");
+  session->Close().IgnoreError();
+  EXPECT_TRUE((*successor)->Stop().ok()) << (*successor)->Log();
+  std::error_code ignored;
+  std::filesystem::remove_all(runtime_dir, ignored);
 }
 
 // Not in a suite with a shared cluster: it kills every member.
