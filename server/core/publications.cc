@@ -337,6 +337,11 @@ void Publications::Drop(const Session& session,
   }
 }
 
+std::optional<directory::PublisherStats> Publications::Stats() const {
+  if (!enabled()) return std::nullopt;
+  return publisher_->Stats();
+}
+
 std::string Publications::StateName() const {
   if (!enabled()) return "off";
   return std::string(directory::DirectoryStateName(publisher_->Stats().state));

@@ -30,6 +30,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -98,6 +99,8 @@ class Publications {
 
   // "off", "connecting", "serving" or "unavailable".
   std::string StateName() const;
+  // The publisher's counts; nullopt while the directory is off.
+  std::optional<directory::PublisherStats> Stats() const;
 
   // A handover's new process (or an old one that serves on after a failed
   // one), once Configure gave it the publisher of the lease handed over:

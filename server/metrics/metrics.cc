@@ -420,6 +420,56 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                         "serves the software device (the verbs device "
                         "failed); 0 otherwise.",
                         server_info.device_fallback ? 1 : 0));
+    if (std::optional<directory::PublisherStats> d =
+            core_->publications().Stats()) {
+      prometheus::MetricFamily state =
+          Gauge("mrd_directory_state",
+                "1 for the directory's state now (connecting: no lease "
+                "yet; serving; unavailable: etcd unreachable, writes "
+                "queued and retried), 0 for the others. Absent without "
+                "--etcd_endpoints.",
+                0);
+      state.metric.clear();
+      for (directory::DirectoryState s :
+           {directory::DirectoryState::kConnecting,
+            directory::DirectoryState::kServing,
+            directory::DirectoryState::kUnavailable}) {
+        prometheus::ClientMetric metric;
+        metric.label.push_back(prometheus::ClientMetric::Label{
+            "state", std::string(directory::DirectoryStateName(s))});
+        metric.gauge.value = d->state == s ? 1 : 0;
+        state.metric.push_back(std::move(metric));
+      }
+      out.push_back(std::move(state));
+      prometheus::MetricFamily entries =
+          Gauge("mrd_directory_entries",
+                "Published names by their state on etcd: published, "
+                "pending (puts and deletes not yet done), conflict "
+                "(another mrd's lease holds the name).",
+                0);
+      entries.metric.clear();
+      for (const auto& [label, value] :
+           {std::pair<const char*, size_t>{"published", d->published},
+            {"pending", d->pending},
+            {"conflict", d->conflicts}}) {
+        prometheus::ClientMetric metric;
+        metric.label.push_back(prometheus::ClientMetric::Label{"state", label});
+        metric.gauge.value = static_cast<double>(value);
+        entries.metric.push_back(std::move(metric));
+      }
+      out.push_back(std::move(entries));
+      out.push_back(Counter("mrd_directory_writes_total",
+                            "Puts and deletes etcd acknowledged.",
+                            static_cast<double>(d->writes)));
+      out.push_back(Counter("mrd_directory_failed_writes_total",
+                            "Attempts to write to etcd that failed (each "
+                            "is retried).",
+                            static_cast<double>(d->failed_writes)));
+      out.push_back(Counter("mrd_directory_leases_granted_total",
+                            "etcd leases mrd was granted (one at the "
+                            "start, one more after each lease lost).",
+                            static_cast<double>(d->leases_granted)));
+    }
     out.push_back(Gauge("mrd_device_healthy",
                         "1 while the device is healthy (readiness SERVING), "
                         "0 while it is lost or its port is down.",
