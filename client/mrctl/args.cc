@@ -229,6 +229,48 @@ std::vector<CommandSpec> BuildCommands() {
                "",
                {}});
   c.push_back(
+      {"publish",
+       "NAME",
+       1,
+       true,
+       "Publish a registration under NAME in the directory (Publish).",
+       "NAME: 1 to 128 characters of [A-Za-z0-9._-], in the session's "
+       "tenant's part of the directory on etcd (mrd needs --etcd_endpoints; "
+       "exit 7 DIRECTORY_OFF otherwise). Returns at once with the entry; "
+       "etcd is written in the background (`mrctl published` shows when). "
+       "The entry goes when the registration does.",
+       {{"registration", "ID",
+         "the session's registration to publish (required)"}}});
+  c.push_back({"unpublish",
+               "NAME",
+               1,
+               true,
+               "Remove a name the session published (Unpublish).",
+               "Waits (at most mrd's --directory_unpublish_wait) for etcd's "
+               "delete; prints deleted=false if it is still queued then.",
+               {}});
+  c.push_back({"published",
+               "",
+               0,
+               true,
+               "The names the session published and their state on etcd "
+               "(ListPublished).",
+               "Prints directory_state (off, connecting, serving, "
+               "unavailable) and each entry with its state (pending, "
+               "published, conflict).",
+               {}});
+  c.push_back({"resolve",
+               "NAME",
+               1,
+               true,
+               "Look a published name up in the directory (Resolve).",
+               "Finds any node's entry: node, address, length, flags, per "
+               "device its rkey and peer_address, and the publishing mrd's "
+               "epoch. Exit 3 when nobody published NAME.",
+               {{"tenant", "TENANT",
+                 "look in this tenant's names (default: the session's "
+                 "tenant)"}}});
+  c.push_back(
       {"peer read",
        "",
        0,

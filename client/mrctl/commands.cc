@@ -534,6 +534,45 @@ absl::Status List(Context& ctx) {
   return Emit(ctx, response);
 }
 
+absl::Status Publish(Context& ctx) {
+  v1::PublishRequest request;
+  request.set_session(ctx.token());
+  request.set_name(ctx.inv.positional[0]);
+  MRD_ASSIGN_OR_RETURN(uint64_t registration, ctx.flags.Uint64("registration"));
+  request.set_registration(registration);
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::PublishedEntry entry, c.Publish(request));
+  return Emit(ctx, entry);
+}
+
+absl::Status Unpublish(Context& ctx) {
+  v1::UnpublishRequest request;
+  request.set_session(ctx.token());
+  request.set_name(ctx.inv.positional[0]);
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::UnpublishResponse response, c.Unpublish(request));
+  return Emit(ctx, response);
+}
+
+absl::Status Published(Context& ctx) {
+  v1::ListPublishedRequest request;
+  request.set_session(ctx.token());
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::ListPublishedResponse response,
+                       c.ListPublished(request));
+  return Emit(ctx, response);
+}
+
+absl::Status Resolve(Context& ctx) {
+  v1::ResolveRequest request;
+  request.set_session(ctx.token());
+  request.set_name(ctx.inv.positional[0]);
+  request.set_tenant(ctx.flags.String("tenant").value_or(""));
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  MRD_ASSIGN_OR_RETURN(v1::PublishedEntry entry, c.Resolve(request));
+  return Emit(ctx, entry);
+}
+
 // Waits until stdin reaches EOF (not watched with `written`), a stop signal,
 // `deadline`, `written` (checked every 100 ms) turns true, or the fd
 // session's socket shows that mrd ended it (FAILED_PRECONDITION).
@@ -788,6 +827,10 @@ const std::map<std::string, Handler>& Handlers() {
       {"completions", Completions},
       {"peer-ticket", PeerTicketCmd},
       {"list", List},
+      {"publish", Publish},
+      {"unpublish", Unpublish},
+      {"published", Published},
+      {"resolve", Resolve},
       {"peer read", PeerReadHandler},
       {"peer write", PeerWriteHandler},
       {"hold", Hold},

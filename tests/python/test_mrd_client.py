@@ -1,7 +1,8 @@
 """mrd_client against the real mrd: sessions, memfd buffers, registrations
 (W5 reference counting), the peer path, LAMs, MR objects, FastRegister and
-completions, lease sessions, errors, and that what a session held is gone
-when it ends."""
+completions, lease sessions, errors, that what a session held is gone
+when it ends, and the directory on etcd (publish, list_published, resolve
+from another node's mrd, unpublish) with one etcd member."""
 
 import os
 import time
@@ -295,3 +296,63 @@ def test_a_huge_page_buffer_is_registered_and_read_by_a_peer(client):
         finally:
             with open("/proc/sys/vm/nr_hugepages", "w") as f:
                 f.write(str(before))
+
+
+def test_publish_list_resolve_on_another_node_and_unpublish(directory_mrds):
+    node_a, node_b = directory_mrds
+    with node_a.open_fd_session() as session, \
+            session.create_buffer(64 << 10, name="weights") as buffer, \
+            session.register(buffer, flags=mrd_client.REMOTE_READ) as reg:
+        tenant = session.info().tenant
+        entry = session.publish("weights.0", reg)
+        assert entry.name == "weights.0" and entry.node == "node-a"
+        assert entry.tenant == tenant
+        assert entry.address == reg.base_address
+        assert entry.length == 64 << 10
+        assert [t.rkey for t in entry.tokens] == [reg.rkey]
+
+        # etcd is written in the background: no event reaches the client,
+        # so a bounded poll until mrd says it is there.
+        deadline = time.monotonic() + 10
+        while True:
+            listed = session.list_published()
+            if (listed.entries and listed.entries[0].state == "published"
+                    or time.monotonic() >= deadline):
+                break
+            time.sleep(0.02)
+        assert listed.directory_state == "serving"
+        assert [(e.name, e.state, e.registration) for e in listed.entries] == \
+            [("weights.0", "published", reg.id)]
+
+        # Another node's mrd on the same etcd finds it.
+        peer_address = node_a.device_info().peer_address
+        with node_b.open_fd_session() as other:
+            for found in (other.resolve("weights.0", tenant=tenant),
+                          other.resolve("weights.0")):
+                assert found.node == "node-a" and found.name == "weights.0"
+                assert found.address == reg.base_address
+                assert found.length == 64 << 10
+                assert found.epoch == 1
+                assert [(t.rkey, t.peer_address) for t in found.tokens] == \
+                    [(reg.rkey, peer_address)]
+
+            assert session.unpublish("weights.0") is True
+            with pytest.raises(MrdError) as e:
+                other.resolve("weights.0", tenant=tenant)
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+            assert e.value.reason == "NAME_NOT_PUBLISHED"
+        with pytest.raises(MrdError) as e:
+            session.unpublish("weights.0")
+        assert e.value.code == grpc.StatusCode.NOT_FOUND
+        assert not session.list_published().entries
+
+
+def test_without_etcd_the_directory_is_off(client):
+    with client.open_fd_session() as session, \
+            session.create_buffer(4096) as buffer, \
+            session.register(buffer, flags=mrd_client.REMOTE_READ) as reg:
+        with pytest.raises(MrdError) as e:
+            session.publish("weights.0", reg)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert e.value.reason == "DIRECTORY_OFF"
+        assert session.list_published().directory_state == "off"

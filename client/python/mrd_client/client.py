@@ -280,6 +280,47 @@ class Session:
         return self._call("CreatePeerTicket",
                           mrd_pb2.CreatePeerTicketRequest())
 
+    # The directory on etcd (docs/DIRECTORY.md): needs mrd's
+    # --etcd_endpoints; without it these raise MrdError FAILED_PRECONDITION
+    # reason DIRECTORY_OFF (list_published reports directory_state "off").
+
+    def publish(self, name, registration):
+        """Publish: makes a Registration (or a registration id) the session
+        holds findable under `name` (1 to 128 characters of [A-Za-z0-9._-])
+        in its tenant's part of the directory. Returns the PublishedEntry
+        at once; etcd is written in the background (list_published() says
+        when), and the entry goes when the registration does. MrdError:
+        BAD_PUBLISH_NAME, NOT_FOUND, NAME_TAKEN, DIRECTORY_FULL."""
+        registration_id = (registration.id
+                           if isinstance(registration, Registration)
+                           else registration)
+        return self._call("Publish", mrd_pb2.PublishRequest(
+            name=name, registration=registration_id))
+
+    def unpublish(self, name):
+        """Unpublish: removes a name the session published. True once etcd
+        deleted it; False when it did not within mrd's
+        --directory_unpublish_wait (the delete stays queued). MrdError
+        NOT_FOUND NOT_PUBLISHED when the session has no such name."""
+        return self._call("Unpublish",
+                          mrd_pb2.UnpublishRequest(name=name)).deleted
+
+    def list_published(self):
+        """ListPublished: the ListPublishedResponse, with `entries` (the
+        names the session published, each with its `state` on etcd:
+        "pending", "published" or "conflict") and `directory_state` ("off",
+        "connecting", "serving" or "unavailable")."""
+        return self._call("ListPublished", mrd_pb2.ListPublishedRequest())
+
+    def resolve(self, name, tenant=""):
+        """Resolve: looks `name` up on etcd, as published by any node's mrd,
+        in `tenant`'s names (default: the session's tenant). The
+        PublishedEntry: node, address, length, flags, tokens (per device its
+        rkey and peer_address), epoch. MrdError NOT_FOUND NAME_NOT_PUBLISHED,
+        UNAVAILABLE ETCD_UNAVAILABLE."""
+        return self._call("Resolve",
+                          mrd_pb2.ResolveRequest(name=name, tenant=tenant))
+
     def __enter__(self):
         return self
 

@@ -75,6 +75,27 @@ TEST(ParseArgsTest, SessionCommandsWithoutSessionAreUsageErrors) {
   EXPECT_TRUE(Parse({"hold", "--size=4096"}).ok());
 }
 
+TEST(ParseArgsTest, DirectoryCommandsTakeANameAndTheSession) {
+  auto publish = Parse({"publish", "weights.0", "--registration=3"}, "tok");
+  ASSERT_TRUE(publish.ok()) << publish.status();
+  EXPECT_EQ(publish->command->name, "publish");
+  EXPECT_EQ(publish->positional, std::vector<std::string>{"weights.0"});
+  EXPECT_EQ(publish->flags.at("registration"), "3");
+  EXPECT_EQ(publish->global.session, "tok");
+  auto resolve = Parse({"resolve", "weights.0", "--tenant=uid:0"}, "tok");
+  ASSERT_TRUE(resolve.ok()) << resolve.status();
+  EXPECT_EQ(resolve->flags.at("tenant"), "uid:0");
+  EXPECT_TRUE(Parse({"unpublish", "weights.0"}, "tok").ok());
+  EXPECT_TRUE(Parse({"published"}, "tok").ok());
+  // A name is required (and published takes none); every one needs a
+  // session; resolve has no --registration.
+  EXPECT_TRUE(IsUsageError(Parse({"resolve"}, "tok").status()));
+  EXPECT_TRUE(IsUsageError(Parse({"published", "x"}, "tok").status()));
+  EXPECT_TRUE(IsUsageError(Parse({"unpublish", "weights.0"}).status()));
+  EXPECT_TRUE(IsUsageError(
+      Parse({"resolve", "w", "--registration=1"}, "tok").status()));
+}
+
 TEST(ParseArgsTest, PositionalArguments) {
   auto inv = Parse({"release-buffer", "7", "--session=s"});
   ASSERT_TRUE(inv.ok()) << inv.status();
