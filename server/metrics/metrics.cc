@@ -420,7 +420,7 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                         "serves the software device (the verbs device "
                         "failed); 0 otherwise.",
                         server_info.device_fallback ? 1 : 0));
-    if (std::optional<directory::PublisherStats> d =
+    if (std::optional<directory::PublisherStats> dir =
             core_->publications().Stats()) {
       prometheus::MetricFamily state =
           Gauge("mrd_directory_state",
@@ -430,14 +430,14 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                 "--etcd_endpoints.",
                 0);
       state.metric.clear();
-      for (directory::DirectoryState s :
+      for (directory::DirectoryState one :
            {directory::DirectoryState::kConnecting,
             directory::DirectoryState::kServing,
             directory::DirectoryState::kUnavailable}) {
         prometheus::ClientMetric metric;
         metric.label.push_back(prometheus::ClientMetric::Label{
-            "state", std::string(directory::DirectoryStateName(s))});
-        metric.gauge.value = d->state == s ? 1 : 0;
+            "state", std::string(directory::DirectoryStateName(one))});
+        metric.gauge.value = dir->state == one ? 1 : 0;
         state.metric.push_back(std::move(metric));
       }
       out.push_back(std::move(state));
@@ -449,9 +449,9 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                 0);
       entries.metric.clear();
       for (const auto& [label, value] :
-           {std::pair<const char*, size_t>{"published", d->published},
-            {"pending", d->pending},
-            {"conflict", d->conflicts}}) {
+           {std::pair<const char*, size_t>{"published", dir->published},
+            {"pending", dir->pending},
+            {"conflict", dir->conflicts}}) {
         prometheus::ClientMetric metric;
         metric.label.push_back(prometheus::ClientMetric::Label{"state", label});
         metric.gauge.value = static_cast<double>(value);
@@ -460,15 +460,15 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
       out.push_back(std::move(entries));
       out.push_back(Counter("mrd_directory_writes_total",
                             "Puts and deletes etcd acknowledged.",
-                            static_cast<double>(d->writes)));
+                            static_cast<double>(dir->writes)));
       out.push_back(Counter("mrd_directory_failed_writes_total",
                             "Attempts to write to etcd that failed (each "
                             "is retried).",
-                            static_cast<double>(d->failed_writes)));
+                            static_cast<double>(dir->failed_writes)));
       out.push_back(Counter("mrd_directory_leases_granted_total",
                             "etcd leases mrd was granted (one at the "
                             "start, one more after each lease lost).",
-                            static_cast<double>(d->leases_granted)));
+                            static_cast<double>(dir->leases_granted)));
     }
     out.push_back(Gauge("mrd_device_healthy",
                         "1 while the device is healthy (readiness SERVING), "

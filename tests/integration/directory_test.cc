@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -96,7 +97,9 @@ class DirectoryTest : public MrdTest {
     // Each test its own cluster name: its keys are its own.
     cluster_name_ = absl::StrCat(
         "t", ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    return NodeOptions("node-a");
+    MrdProcessOptions options = NodeOptions("node-a");
+    options.metrics = true;
+    return options;
   }
   MrdProcessOptions NodeOptions(const std::string& node) {
     MrdProcessOptions options;
@@ -242,6 +245,15 @@ TEST_F(DirectoryTest,
   ASSERT_EQ(listed->entries_size(), 1);
   EXPECT_EQ(listed->entries(0).state(), "published");
   EXPECT_EQ(listed->entries(0).registration(), p->registration.id());
+  absl::StatusOr<std::string> scrape = ScrapeMetrics(mrd_->metrics_address());
+  ASSERT_TRUE(scrape.ok()) << scrape.status();
+  EXPECT_TRUE(
+      absl::StrContains(*scrape, "mrd_directory_state{state=\"serving\"} 1"))
+      << *scrape;
+  EXPECT_TRUE(absl::StrContains(
+      *scrape, "mrd_directory_entries{state=\"published\"} 1"));
+  EXPECT_TRUE(
+      absl::StrContains(*scrape, "mrd_directory_leases_granted_total 1"));
 
   // The last reference goes: the entry is gone when DeregisterMr answers.
   ASSERT_TRUE(p->registration.Deregister().ok());
