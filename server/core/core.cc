@@ -636,11 +636,49 @@ absl::Status Core::RegisterMr(const v1::RegisterMrRequest& req,
                               const CancelCheck& cancelled) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  return registrations_.Register(session, req, out, cancelled);
+  return RegisterAndPublish(session, req, out, cancelled);
+}
+
+absl::Status Core::RegisterAndPublish(const std::shared_ptr<Session>& session,
+                                      const v1::RegisterMrRequest& req,
+                                      v1::RegisterMrResponse* out,
+                                      const CancelCheck& cancelled) {
+  if (req.publish_name().empty()) {
+    return registrations_.Register(session, req, out, cancelled);
+  }
+  MRD_RETURN_IF_ERROR(
+      publications_.CheckPublishable(*session, req.publish_name()));
+  MRD_RETURN_IF_ERROR(registrations_.Register(session, req, out, cancelled));
+  v1::PublishRequest publish;
+  publish.set_name(req.publish_name());
+  publish.set_registration(out->registration());
+  v1::PublishedEntry entry;
+  absl::Status published = publications_.Publish(*session, publish, &entry);
+  if (published.ok()) {
+    out->set_published_key(entry.key());
+    return absl::OkStatus();
+  }
+  // Nothing of this call stays: its reference goes back.
+  v1::DeregisterMrRequest undo;
+  if (req.mr() != 0) {
+    undo.set_mr(req.mr());
+  } else {
+    undo.set_registration(out->registration());
+  }
+  v1::DeregisterMrResponse ignored;
+  if (absl::Status s = registrations_.Deregister(session, undo, &ignored);
+      !s.ok()) {
+    LogWarning("RegisterMr: undoing registration ", out->registration(),
+               " after its publish failed: ", s.ToString());
+  }
+  out->Clear();
+  return published;
 }
 
 std::optional<absl::Status> Core::TryRegisterMrHit(
     const v1::RegisterMrRequest& req, v1::RegisterMrResponse* out) {
+  // Publishing at registration runs on a worker (it may undo).
+  if (!req.publish_name().empty()) return std::nullopt;
   absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
   if (!session.ok()) return session.status();
   return registrations_.TryRegisterHit(*session, req, out);
@@ -702,8 +740,8 @@ absl::Status Core::RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
     v1::RegisterMrBatchResult* result = out->add_items();
     absl::Status status = CheckItemSession(item.session(), req.session());
     if (status.ok()) {
-      status = registrations_.Register(
-          session, item, result->mutable_registration(), cancelled);
+      status = RegisterAndPublish(session, item, result->mutable_registration(),
+                                  cancelled);
     }
     if (!status.ok()) result->clear_registration();
     *result->mutable_status() = ItemStatusToProto(status);

@@ -377,6 +377,12 @@ class Core final : public fd_socket::FdSessionHandler {
                                                    v1::HandedOverSession* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
+  // RegisterMr for a found session, and its publish_name: a registration
+  // that cannot be published is undone.
+  absl::Status RegisterAndPublish(const std::shared_ptr<Session>& session,
+                                  const v1::RegisterMrRequest& req,
+                                  v1::RegisterMrResponse* out,
+                                  const CancelCheck& cancelled);
   // A batch's session, after checking its size against max_batch_items.
   absl::StatusOr<std::shared_ptr<Session>> FindBatchSession(
       const std::string& token, size_t items);

@@ -123,6 +123,22 @@ absl::Status Publications::Publish(Session& session,
   return absl::OkStatus();
 }
 
+absl::Status Publications::CheckPublishable(Session& session,
+                                           const std::string& name) {
+  if (!enabled()) return DirectoryOff();
+  MRD_RETURN_IF_ERROR(CheckPublishName(name));
+  const std::string& tenant = session.tenant()->name();
+  const std::string key = PublishedKey(options_, tenant, name);
+  absl::MutexLock names(&mu_);
+  auto it = owners_.find(key);
+  if (it != owners_.end() && it->second != session.id()) {
+    return MrdError(absl::StatusCode::kAlreadyExists, "NAME_TAKEN",
+                    absl::StrCat("tenant ", tenant, " has published '", name,
+                                 "' on this mrd already; unpublish it first"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::PublishedEntry> Publications::EntryLocked(
     const Session& session, const std::string& name,
     uint64_t registration) const {

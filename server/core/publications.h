@@ -82,6 +82,9 @@ class Publications {
 
   absl::Status Publish(Session& session, const v1::PublishRequest& req,
                        v1::PublishedEntry* out) ABSL_LOCKS_EXCLUDED(session.mu);
+  // Before a registration published at its making (publish_name): the
+  // directory is on, the name is good and no other session has it.
+  absl::Status CheckPublishable(Session& session, const std::string& name);
   absl::Status Unpublish(Session& session, const v1::UnpublishRequest& req,
                          v1::UnpublishResponse* out)
       ABSL_LOCKS_EXCLUDED(session.mu);

@@ -254,6 +254,15 @@ TEST_F(DirectoryTest,
       *scrape, "mrd_directory_entries{state=\"published\"} 1"));
   EXPECT_TRUE(
       absl::StrContains(*scrape, "mrd_directory_leases_granted_total 1"));
+  // Every directory family docs/METRICS.md lists (metrics_test checks the
+  // rest of the table, on an mrd without a directory).
+  for (const char* family :
+       {"mrd_directory_state", "mrd_directory_entries",
+        "mrd_directory_writes_total", "mrd_directory_failed_writes_total",
+        "mrd_directory_leases_granted_total"}) {
+    EXPECT_TRUE(absl::StrContains(*scrape, absl::StrCat("# TYPE ", family)))
+        << family;
+  }
 
   // The last reference goes: the entry is gone when DeregisterMr answers.
   ASSERT_TRUE(p->registration.Deregister().ok());
@@ -388,6 +397,53 @@ TEST_F(DirectoryTest, AnMrdKilledOutrightLosesItsEntriesWithinTheLeaseTtl) {
             << " after SIGKILL (lease TTL " << absl::FormatDuration(kLeaseTtl)
             << ")\n";
   mrd_.reset();  // killed: nothing to stop
+}
+
+TEST_F(DirectoryTest, RegistrationsOfABatchArePublishedAsTheyAreMade) {
+  Session session = OpenFdSession();
+  absl::StatusOr<Buffer> buffer = Buffer::Create(session, 4 << 20, "batch");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  v1::RegisterMrBatchRequest batch;
+  batch.set_session(session.token());
+  for (int i = 0; i < 4; ++i) {
+    v1::RegisterMrRequest* item = batch.add_items();
+    item->set_buffer(buffer->id());
+    item->set_offset(static_cast<uint64_t>(i) << 20);
+    item->set_length(1 << 20);
+    item->set_flags(kRemoteRead);
+    // The third cannot be published: it is refused and leaves nothing.
+    item->set_publish_name(i == 2 ? "not/a/name" : absl::StrCat("part-", i));
+  }
+  absl::StatusOr<v1::RegisterMrBatchResponse> made =
+      client_->RegisterMrBatch(batch);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_EQ(made->items_size(), 4);
+  const std::string tenant = TenantOf(session);
+  v1::DeregisterMrBatchRequest undo;
+  undo.set_session(session.token());
+  for (int i = 0; i < 4; ++i) {
+    const v1::RegisterMrBatchResult& item = made->items(i);
+    if (i == 2) {
+      EXPECT_EQ(item.status().detail().reason(), "BAD_PUBLISH_NAME");
+      continue;
+    }
+    ASSERT_EQ(item.status().code(), 0) << item.status().message();
+    EXPECT_EQ(item.registration().published_key(),
+              KeyOf(tenant, absl::StrCat("part-", i)));
+    undo.add_items()->set_registration(item.registration().registration());
+    EXPECT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut,
+                                KeyOf(tenant, absl::StrCat("part-", i)),
+                                absl::Seconds(10)));
+  }
+  absl::StatusOr<v1::SessionInfo> info = session.Info();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->registrations(), 3u);
+  EXPECT_EQ(info->published(), 3u);
+  // Deregistered in one batch: every entry is gone when it answers.
+  ASSERT_TRUE(client_->DeregisterMrBatch(undo).ok());
+  absl::StatusOr<directory::EtcdRange> left = etcd_->Get(Prefix());
+  ASSERT_TRUE(left.ok());
+  EXPECT_TRUE(left->kvs.empty());
 }
 
 TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {

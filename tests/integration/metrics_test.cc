@@ -253,6 +253,9 @@ TEST_F(MetricsTest, DocsListEveryMetricWithItsType) {
     }
   }
   for (const auto& [name, type] : documented) {
+    // The directory's families exist only with --etcd_endpoints: the
+    // directory's own test (directory_test) scrapes them against etcd.
+    if (absl::StartsWith(name, "mrd_directory_")) continue;
     if (live.count(name) == 0) {
       ADD_FAILURE() << name << " is documented but not exported";
     }
