@@ -124,7 +124,7 @@ absl::Status Publications::Publish(Session& session,
 }
 
 absl::Status Publications::CheckPublishable(Session& session,
-                                           const std::string& name) {
+                                            const std::string& name) {
   if (!enabled()) return DirectoryOff();
   MRD_RETURN_IF_ERROR(CheckPublishName(name));
   const std::string& tenant = session.tenant()->name();
