@@ -47,7 +47,10 @@
 # logs one empty: podman pods are named by their ids); NODE_IP, from
 # status.hostIP, becomes 127.0.0.1 and `$(NODE_IP)` in args is expanded
 # (the kubelet's work: podman 4.3 refuses that fieldRef and passes
-# `$(NODE_IP)` on literally); mrd's two ports become 0 (any free one: this
+# `$(NODE_IP)` on literally), NODE_NAME (spec.nodeName) becomes test-node
+# and the variables taken from configmap.yaml's ConfigMaps (the
+# directory's, empty endpoints: no directory) their values there; mrd's
+# two ports become 0 (any free one: this
 # machine's network may have another mrd on 7471 or 9464; peers learn the
 # port from their ticket); and args after the flag file (which win) add the
 # third uid to --allowed_uids and set the small totals above. hostNetwork
@@ -130,16 +133,27 @@ def to_pod(name, template, spec):
 with open(deploy + "/daemonset/daemonset.yaml") as f:
     ds = next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "DaemonSet")
 with open(deploy + "/daemonset/configmap.yaml") as f:
-    configmap = yaml.safe_load(f)
+    configmaps = [d for d in yaml.safe_load_all(f) if d]
+configmap = next(d for d in configmaps if d["metadata"]["name"] == "mrd-flags")
+values = {(d["metadata"]["name"], k): v
+          for d in configmaps for k, v in d.get("data", {}).items()}
 template = ds["spec"]["template"]
 spec = template["spec"]
 assert spec.get("hostPID") is True, "daemonset.yaml lacks hostPID: true"
 for c in spec["initContainers"] + spec["containers"]:
     env = {}
     for e in c.get("env", []):
-        if e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.hostIP":
+        source = e.get("valueFrom", {})
+        if source.get("fieldRef", {}).get("fieldPath") == "status.hostIP":
             del e["valueFrom"]
             e["value"] = "127.0.0.1"
+        elif source.get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
+            del e["valueFrom"]
+            e["value"] = "test-node"
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            del e["valueFrom"]
+            e["value"] = values[(ref["name"], ref["key"])]
         env[e["name"]] = e.get("value")
     c["args"] = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a)
                  for a in c.get("args", [])]
