@@ -10,7 +10,8 @@ network namespaces (unshare; needs root, as CI is), mounts fresh tmpfs on
 /run and /dev/shm there, brings up a loopback of its own and starts
 `mrd --device=software` (what `make run` runs).
 
-Each block then runs line by line in one bash, in a directory where
+The "Two nodes" block starts its own etcd (Debian's etcd-server) and two
+mrd of its own, beside that one. Each block then runs line by line in one bash, in a directory where
 `build/client/mrctl/mrctl` is the mrctl under test, with the `grpcurl` of
 tests/support/grpcurl.cc (reflection only, as grpcurl) first on PATH. A
 command must exit 0 unless the README says otherwise; a `# → TEXT` comment,
@@ -176,6 +177,9 @@ def inside(src, mrd, mrctl, grpcurl_dir, python_gen):
     os.makedirs(os.path.join(work, "build", "client", "mrctl"))
     os.symlink(mrctl, os.path.join(work, "build", "client", "mrctl",
                                    "mrctl"))
+    # The two-node recipe starts build/server/mrd itself.
+    os.makedirs(os.path.join(work, "build", "server"))
+    os.symlink(mrd, os.path.join(work, "build", "server", "mrd"))
     # The Python client's recipe: build/client/python/gen, client/python.
     os.makedirs(os.path.join(work, "build", "client", "python"))
     os.symlink(python_gen, os.path.join(work, "build", "client", "python",
@@ -227,6 +231,12 @@ def inside(src, mrd, mrctl, grpcurl_dir, python_gen):
                 values["<token>"] = reply.get("session", "")
             elif "ImportFile" in cmd:
                 values["<id>"] = reply.get("buffer", "")
+        # Two nodes: the recipe starts its own etcd and two mrd (their own
+        # runtime and shm directories, ports picked free, no metrics).
+        two_nodes = block_after(readme, "## Two nodes")
+        cmds = list(run_block(shell, "two nodes", two_nodes))
+        check(len(cmds) >= 15, "the two-node recipe has its %d commands" %
+              len(cmds))
         python_block = block_after(readme, "## Python client")
         cmds = list(run_block(shell, "python", python_block))
         check(len(cmds) == 2, "the Python recipe is its 2 commands")
