@@ -812,6 +812,13 @@ absl::Status Core::ListPublished(const v1::ListPublishedRequest& req,
   return publications_.List(*session, out);
 }
 
+absl::StatusOr<std::unique_ptr<Publications::NameWatch>> Core::WatchName(
+    const v1::ResolveRequest& req, Publications::NameEventCallback on_event) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  return publications_.WatchName(*session, req, std::move(on_event));
+}
+
 absl::Status Core::Resolve(const v1::ResolveRequest& req,
                            v1::PublishedEntry* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,

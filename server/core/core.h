@@ -250,6 +250,8 @@ class Core final : public fd_socket::FdSessionHandler {
   absl::Status ListPublished(const v1::ListPublishedRequest& req,
                              v1::ListPublishedResponse* out);
   absl::Status Resolve(const v1::ResolveRequest& req, v1::PublishedEntry* out);
+  absl::StatusOr<std::unique_ptr<Publications::NameWatch>> WatchName(
+      const v1::ResolveRequest& req, Publications::NameEventCallback on_event);
 
   absl::Status ListRegistrations(const v1::ListRegistrationsRequest& req,
                                  v1::ListRegistrationsResponse* out);

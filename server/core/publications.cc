@@ -1,5 +1,6 @@
 #include "server/core/publications.h"
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <utility>
@@ -72,6 +73,110 @@ void Publications::Configure(directory::Publisher* publisher,
                              DirectoryOptions options) {
   publisher_ = publisher;
   options_ = std::move(options);
+  // Reads and watches go through a client of their own (see reader_);
+  // Create only checks the endpoints, which the publisher's passed.
+  absl::StatusOr<std::unique_ptr<directory::EtcdClient>> reader =
+      directory::EtcdClient::Create(publisher->client().options());
+  if (reader.ok()) {
+    reader_ = std::move(*reader);
+  } else {
+    LogError("directory: the client of reads: ", reader.status().ToString());
+  }
+}
+
+namespace {
+
+// The entry of one etcd key-value, as a PUBLISHED event.
+absl::StatusOr<v1::NameEvent> PublishedEvent(const std::string& key,
+                                             const std::string& value) {
+  v1::NameEvent event;
+  event.set_kind(v1::NameEvent::PUBLISHED);
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = true;
+  if (!google::protobuf::util::JsonStringToMessage(
+           value, event.mutable_entry(), options)
+           .ok()) {
+    return MrdError(absl::StatusCode::kDataLoss, "BAD_DIRECTORY_ENTRY",
+                    absl::StrCat("the entry under ", key,
+                                 " is not an entry mrd can read"));
+  }
+  event.mutable_entry()->set_key(key);
+  event.mutable_entry()->set_state("published");
+  return event;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Publications::NameWatch>>
+Publications::WatchName(const Session& session, const v1::ResolveRequest& req,
+                        NameEventCallback on_event) {
+  if (!enabled() || reader_ == nullptr) return DirectoryOff();
+  MRD_RETURN_IF_ERROR(CheckPublishName(req.name()));
+  const std::string& own = session.tenant()->name();
+  const std::string tenant = req.tenant().empty() ? own : req.tenant();
+  const std::string key = PublishedKey(options_, tenant, req.name());
+  {
+    absl::MutexLock lock(&mu_);
+    const size_t share = std::max<size_t>(1, options_.max_watches / 4);
+    size_t& mine = tenant_watches_[own];
+    if (watches_ >= options_.max_watches || mine >= share) {
+      if (mine == 0) tenant_watches_.erase(own);
+      return MrdError(
+          absl::StatusCode::kResourceExhausted, "WATCH_LIMIT",
+          absl::StrCat("mrd holds ", watches_, " of its ",
+                       options_.max_watches, " name watches, tenant ", own,
+                       " ", mine, " of its ", share,
+                       "; cancel one (--directory_max_watches)"));
+    }
+    ++watches_;
+    ++mine;
+  }
+  auto watch = std::make_unique<NameWatch>(this, own, reader_);
+  // The state now, then every change after that read: nothing missed.
+  absl::StatusOr<directory::EtcdRange> range = reader_->Get(key);
+  if (!range.ok()) return range.status();  // ~NameWatch frees the slot
+  v1::NameEvent first;
+  first.set_kind(v1::NameEvent::UNPUBLISHED);
+  for (const directory::EtcdKeyValue& kv : range->kvs) {
+    if (kv.key != key) continue;
+    absl::StatusOr<v1::NameEvent> published = PublishedEvent(key, kv.value);
+    if (!published.ok()) return published.status();
+    first = std::move(*published);
+  }
+  on_event(std::move(first));
+  absl::StatusOr<std::unique_ptr<directory::EtcdWatch>> etcd_watch =
+      reader_->Watch(
+          key, range->revision + 1,
+          [key, on_event = std::move(on_event)](
+              absl::StatusOr<std::vector<directory::EtcdWatchEvent>>
+                  events) mutable {
+            if (!events.ok()) {
+              on_event(events.status());
+              return;
+            }
+            for (const directory::EtcdWatchEvent& e : *events) {
+              if (e.key != key) continue;  // a longer name
+              if (e.type == directory::EtcdWatchEvent::Type::kDelete) {
+                v1::NameEvent gone;
+                gone.set_kind(v1::NameEvent::UNPUBLISHED);
+                on_event(std::move(gone));
+              } else {
+                on_event(PublishedEvent(key, e.value));
+              }
+            }
+          });
+  if (!etcd_watch.ok()) return etcd_watch.status();
+  watch->watch_ = std::move(*etcd_watch);
+  return watch;
+}
+
+void Publications::EndWatch(const std::string& tenant) {
+  absl::MutexLock lock(&mu_);
+  --watches_;
+  auto it = tenant_watches_.find(tenant);
+  if (it != tenant_watches_.end() && --it->second == 0) {
+    tenant_watches_.erase(it);
+  }
 }
 
 absl::Status Publications::Publish(Session& session,
@@ -272,8 +377,8 @@ absl::Status Publications::Resolve(const Session& session,
   const std::string tenant =
       req.tenant().empty() ? session.tenant()->name() : req.tenant();
   const std::string key = PublishedKey(options_, tenant, req.name());
-  MRD_ASSIGN_OR_RETURN(directory::EtcdRange range,
-                       publisher_->client().Get(key));
+  if (reader_ == nullptr) return DirectoryOff();
+  MRD_ASSIGN_OR_RETURN(directory::EtcdRange range, reader_->Get(key));
   for (const directory::EtcdKeyValue& kv : range.kvs) {
     if (kv.key != key) continue;  // a longer name with this one as prefix
     google::protobuf::util::JsonParseOptions options;

@@ -36,6 +36,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
@@ -57,6 +58,9 @@ struct DirectoryOptions {
   // How long a call that ends a registration waits for etcd to delete its
   // entry (--directory_unpublish_wait).
   absl::Duration unpublish_wait = absl::Seconds(2);
+  // WatchName streams at once, at most (--directory_max_watches); a tenant
+  // may hold a quarter of them.
+  size_t max_watches = 256;
 };
 
 // A name's etcd key: "<root>/v1/<cluster>/tenants/<tenant>/names/<name>",
@@ -94,6 +98,18 @@ class Publications {
   absl::Status Resolve(const Session& session, const v1::ResolveRequest& req,
                        v1::PublishedEntry* out);
 
+  // WatchName: `on_event` gets the name's state now (on this thread,
+  // before this returns), then every change (on the watch's thread), and
+  // once an error if the watch ends for good (ETCD_COMPACTED). The watch
+  // holds a slot of options.max_watches (a tenant a quarter of them) until
+  // it is destroyed. Errors as Resolve, RESOURCE_EXHAUSTED WATCH_LIMIT.
+  class NameWatch;
+  using NameEventCallback =
+      absl::AnyInvocable<void(absl::StatusOr<v1::NameEvent>)>;
+  absl::StatusOr<std::unique_ptr<NameWatch>> WatchName(
+      const Session& session, const v1::ResolveRequest& req,
+      NameEventCallback on_event);
+
   // Unpublishes the names whose registration left the session; waits
   // (bounded) for etcd.
   void Sync(Session& session) ABSL_LOCKS_EXCLUDED(session.mu);
@@ -125,11 +141,41 @@ class Publications {
 
   Registrations* const registrations_;
   device::Device* const device_;
+  // Releases a watch's slot.
+  void EndWatch(const std::string& tenant);
+
   directory::Publisher* publisher_ = nullptr;  // fixed by Configure
   DirectoryOptions options_;                   // fixed by Configure
+  // The client of reads and watches, its own (a watch must go before its
+  // client, and watches may outlive a publisher a handover replaces).
+  std::shared_ptr<directory::EtcdClient> reader_;  // fixed by Configure
   mutable absl::Mutex mu_;
   // Every key published on this mrd -> the id of the session holding it.
   absl::flat_hash_map<std::string, uint64_t> owners_ ABSL_GUARDED_BY(mu_);
+  size_t watches_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<std::string, size_t> tenant_watches_
+      ABSL_GUARDED_BY(mu_);
+};
+
+// One WatchName's etcd watch and its slot.
+class Publications::NameWatch {
+ public:
+  NameWatch(Publications* owner, std::string tenant,
+            std::shared_ptr<directory::EtcdClient> client)
+      : owner_(owner), tenant_(std::move(tenant)), client_(std::move(client)) {}
+  ~NameWatch() {
+    watch_.reset();  // joins its thread: no callback after this
+    owner_->EndWatch(tenant_);
+  }
+  NameWatch(const NameWatch&) = delete;
+  NameWatch& operator=(const NameWatch&) = delete;
+
+ private:
+  friend class Publications;
+  Publications* const owner_;
+  const std::string tenant_;
+  const std::shared_ptr<directory::EtcdClient> client_;  // outlives watch_
+  std::unique_ptr<directory::EtcdWatch> watch_;
 };
 
 }  // namespace mrd::core

@@ -60,6 +60,7 @@ absl::Status DirectoryParticipant::Start(core::Core* core, bool taking_over) {
   if (options_.node.empty()) options_.node = HostName();
   MRD_RETURN_IF_ERROR(CheckSegment("node_name", options_.node));
   options_.unpublish_wait = absl::GetFlag(FLAGS_directory_unpublish_wait);
+  options_.max_watches = absl::GetFlag(FLAGS_directory_max_watches);
   publisher_options_.etcd.endpoints = endpoints;
   publisher_options_.lease_ttl = absl::GetFlag(FLAGS_directory_lease_ttl);
   publisher_options_.max_keys = absl::GetFlag(FLAGS_directory_max_entries);

@@ -253,4 +253,7 @@ ABSL_FLAG(absl::Duration, directory_unpublish_wait, absl::Seconds(2),
 ABSL_FLAG(uint64_t, directory_max_entries, 65536,
           "Entries mrd publishes at most, with the deletes still queued: "
           "past it Publish is refused (DIRECTORY_FULL).");
+ABSL_FLAG(uint64_t, directory_max_watches, 256,
+          "WatchName streams at once, at most (each one etcd watch); a "
+          "tenant may hold a quarter of them (WATCH_LIMIT past that).");
 ABSL_FLAG(bool, verbose, false, "Log debug lines.");

@@ -78,6 +78,7 @@ ABSL_DECLARE_FLAG(std::string, node_name);
 ABSL_DECLARE_FLAG(absl::Duration, directory_lease_ttl);
 ABSL_DECLARE_FLAG(absl::Duration, directory_unpublish_wait);
 ABSL_DECLARE_FLAG(uint64_t, directory_max_entries);
+ABSL_DECLARE_FLAG(uint64_t, directory_max_watches);
 ABSL_DECLARE_FLAG(bool, verbose);
 
 #endif  // MRD_SERVER_DAEMON_FLAGS_H_

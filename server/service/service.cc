@@ -2,6 +2,7 @@
 
 #include <grpc/grpc.h>
 
+#include <deque>
 #include <memory>
 #include <new>
 #include <optional>
@@ -160,6 +161,135 @@ class CompletionWriter final
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Streams one name's events (WatchName). Its watch is made on a worker
+// (it reads etcd first); events then come on the watch's thread, queued
+// here and written one at a time. Lifetime as CompletionWriter's: `self_`
+// until OnDone; the watch's callback holds a weak reference. No lock is
+// held while calling StartWrite or Finish, or while the watch is destroyed
+// (which waits for its callback).
+class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
+                          public std::enable_shared_from_this<NameWatcher> {
+ public:
+  NameWatcher(core::Core* core, RpcObserver* observer)
+      : core_(core), observer_(observer), start_(absl::Now()) {}
+
+  // `dispatch` runs the watch's making on a worker.
+  void Start(grpc::CallbackServerContext* ctx, const v1::ResolveRequest& req,
+             absl::AnyInvocable<void(absl::AnyInvocable<void() &&>)> dispatch) {
+    ctx_ = ctx;
+    self_ = shared_from_this();
+    dispatch([self = self_, req]() mutable { self->Open(req); });
+  }
+
+  void OnWriteDone(bool ok) override {
+    TsanTakeOverFromGrpc();
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok) cancelled_ = true;
+    }
+    MaybeWrite();
+  }
+
+  void OnCancel() override {
+    TsanTakeOverFromGrpc();
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+    }
+    MaybeWrite();
+  }
+
+  void OnDone() override {
+    TsanTakeOverFromGrpc();
+    std::unique_ptr<core::Publications::NameWatch> watch;
+    {
+      absl::MutexLock lock(&mu_);
+      watch = std::move(watch_);
+      done_ = true;
+    }
+    watch.reset();  // outside the lock: it waits for a callback running
+    if (observer_ != nullptr) {
+      observer_->OnRpcDone("WatchName", code_, absl::Now() - start_);
+    }
+    self_.reset();  // may destroy this
+  }
+
+ private:
+  void Open(const v1::ResolveRequest& req) {
+    std::weak_ptr<NameWatcher> weak = self_;
+    absl::StatusOr<std::unique_ptr<core::Publications::NameWatch>> watch =
+        core_->WatchName(req, [weak](absl::StatusOr<v1::NameEvent> event) {
+          if (auto self = weak.lock()) self->Push(std::move(event));
+        });
+    {
+      absl::MutexLock lock(&mu_);
+      if (!watch.ok()) {
+        if (!end_.has_value()) end_ = watch.status();
+      } else if (!done_) {
+        watch_ = std::move(*watch);
+      }
+    }
+    // A watch made after the stream was done goes here (the lock is free).
+    watch = absl::StatusOr<std::unique_ptr<core::Publications::NameWatch>>();
+    MaybeWrite();
+  }
+
+  void Push(absl::StatusOr<v1::NameEvent> event) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (event.ok()) {
+        queue_.push_back(std::move(*event));
+      } else if (!end_.has_value()) {
+        end_ = event.status();
+      }
+    }
+    MaybeWrite();
+  }
+
+  void MaybeWrite() {
+    std::optional<grpc::Status> finish;
+    bool write = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (writing_ || finished_) return;
+      if (cancelled_) {
+        finished_ = true;
+        code_ = grpc::StatusCode::CANCELLED;
+        finish = grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled");
+      } else if (!queue_.empty()) {
+        current_ = std::move(queue_.front());
+        queue_.pop_front();
+        writing_ = true;
+        write = true;
+      } else if (end_.has_value()) {
+        finished_ = true;
+        finish = ToGrpcStatus(*end_, ctx_);
+        code_ = finish->error_code();
+      }
+    }
+    if (write) StartWrite(&current_);
+    if (finish.has_value()) Finish(*finish);
+  }
+
+  core::Core* const core_;
+  RpcObserver* const observer_;
+  const absl::Time start_;
+  grpc::CallbackServerContext* ctx_ = nullptr;  // set by Start
+  std::shared_ptr<NameWatcher> self_;
+  grpc::StatusCode code_ = grpc::StatusCode::OK;
+
+  absl::Mutex mu_;
+  std::unique_ptr<core::Publications::NameWatch> watch_ ABSL_GUARDED_BY(mu_);
+  std::deque<v1::NameEvent> queue_ ABSL_GUARDED_BY(mu_);
+  std::optional<absl::Status> end_ ABSL_GUARDED_BY(mu_);
+  v1::NameEvent current_;  // owned by the in-flight write
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 }  // namespace
@@ -455,6 +585,18 @@ grpc::ServerWriteReactor<v1::Completion>* MrdService::StreamCompletions(
   auto writer = std::make_shared<CompletionWriter>(core_, observer_);
   writer->Start(ctx, *req);
   return writer.get();
+}
+
+grpc::ServerWriteReactor<v1::NameEvent>* MrdService::WatchName(
+    grpc::CallbackServerContext* ctx, const v1::ResolveRequest* req) {
+  if (observer_ != nullptr) observer_->OnRpcStart("WatchName");
+  auto watcher = std::make_shared<NameWatcher>(core_, observer_);
+  const std::string session = req->session();
+  watcher->Start(ctx, *req,
+                 [this, session](absl::AnyInvocable<void() &&> task) {
+                   Dispatch(Work{&session, 1}, std::move(task));
+                 });
+  return watcher.get();
 }
 
 grpc::ServerUnaryReactor* MrdService::CreatePeerTicket(

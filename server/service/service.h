@@ -119,6 +119,8 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   grpc::ServerUnaryReactor* Resolve(grpc::CallbackServerContext* ctx,
                                     const v1::ResolveRequest* req,
                                     v1::PublishedEntry* resp) override;
+  grpc::ServerWriteReactor<v1::NameEvent>* WatchName(
+      grpc::CallbackServerContext* ctx, const v1::ResolveRequest* req) override;
 
   // Runs `fn` inline for another service's call, through this service's
   // gate and observer (AdminService).

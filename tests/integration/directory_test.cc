@@ -24,6 +24,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "mrd/v1/mrd.grpc.pb.h"
 #include "server/directory/etcd_client.h"
 #include "tests/integration/test_env.h"
 #include "tests/unit/directory/etcd_cluster.h"
@@ -109,7 +111,7 @@ class DirectoryTest : public MrdTest {
         absl::StrCat("--directory_cluster=", cluster_name_),
         absl::StrCat("--node_name=", node),
         absl::StrCat("--directory_lease_ttl=", absl::FormatDuration(kLeaseTtl)),
-        "--directory_unpublish_wait=5s"};
+        "--directory_unpublish_wait=5s", "--directory_max_watches=8"};
     return options;
   }
 
@@ -271,6 +273,86 @@ TEST_F(DirectoryTest,
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->published(), 0u);
   ASSERT_TRUE((*other)->Stop().ok());
+}
+
+TEST_F(DirectoryTest, AWatcherOfANameSeesItPublishedAndItsTokenDie) {
+  Session session = OpenFdSession();
+  auto stub = v1::MemoryRegistration::NewStub(grpc::CreateChannel(
+      mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
+  v1::ResolveRequest req;
+  req.set_session(session.token());
+  req.set_name("watched");
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::NameEvent>> reader =
+      stub->WatchName(&context, req);
+  v1::NameEvent event;
+  // First the state now: nothing under the name.
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.kind(), v1::NameEvent::UNPUBLISHED);
+  absl::StatusOr<Published> p = RegisterAndPublish(session, "watched");
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.kind(), v1::NameEvent::PUBLISHED);
+  EXPECT_EQ(event.entry().tokens(0).rkey(), p->registration.rkey());
+  EXPECT_EQ(event.entry().node(), "node-a");
+  // The token dies: the watcher hears it without asking.
+  ASSERT_TRUE(p->registration.Deregister().ok());
+  ASSERT_TRUE(reader->Read(&event));
+  EXPECT_EQ(event.kind(), v1::NameEvent::UNPUBLISHED);
+  context.TryCancel();
+  while (reader->Read(&event)) {
+  }
+  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+}
+
+// One WatchName stream of a test: open until it is destroyed (cancelled).
+struct NameStream {
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::NameEvent>> reader;
+
+  // The first event, or the status the stream ended with.
+  absl::StatusOr<v1::NameEvent> First() {
+    v1::NameEvent event;
+    if (reader->Read(&event)) return event;
+    finished = true;
+    return client::StatusFromGrpc(reader->Finish(), context);
+  }
+  ~NameStream() {
+    if (finished) return;
+    context.TryCancel();
+    v1::NameEvent event;
+    while (reader->Read(&event)) {
+    }
+    (void)reader->Finish();
+  }
+  bool finished = false;
+};
+
+TEST_F(DirectoryTest, ATenantHoldsAQuarterOfTheWatchesAtMost) {
+  Session session = OpenFdSession();
+  auto stub = v1::MemoryRegistration::NewStub(grpc::CreateChannel(
+      mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
+  v1::ResolveRequest req;
+  req.set_session(session.token());
+  req.set_name("n");
+  auto open = [&]() {
+    auto stream = std::make_unique<NameStream>();
+    stream->reader = stub->WatchName(&stream->context, req);
+    return stream;
+  };
+  // --directory_max_watches=8: this tenant gets 2.
+  std::unique_ptr<NameStream> first = open();
+  ASSERT_TRUE(first->First().ok());
+  std::unique_ptr<NameStream> second = open();
+  ASSERT_TRUE(second->First().ok());
+  absl::StatusOr<v1::NameEvent> refused = open()->First();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(client::ReasonOf(refused.status()), "WATCH_LIMIT");
+  // One cancelled: its slot is free again once mrd has seen the cancel.
+  first.reset();
+  EXPECT_TRUE(PollUntil([&] { return open()->First().ok(); },
+                        absl::Seconds(10)));
 }
 
 TEST_F(DirectoryTest, ReleaseBufferAndCloseSessionRemoveTheirEntriesFirst) {
