@@ -229,13 +229,15 @@ bool OnePair(const Node& node, uint64_t page, const std::string& name,
 }
 
 bool Latency(const Node& node, uint64_t samples, uint64_t block,
-             uint64_t warmup, LatencyCase* plain, LatencyCase* published) {
+             uint64_t warmup, absl::Duration settle, LatencyCase* plain,
+             LatencyCase* published) {
   uint64_t page = 0;
   uint64_t serial = 0;
   auto run = [&](bool publish, uint64_t n, LatencyCase* out) {
     for (uint64_t i = 0; i < n; ++i) {
       const std::string name =
           publish ? absl::StrCat("lat-", serial++) : std::string();
+      if (settle > absl::ZeroDuration()) absl::SleepFor(settle);
       if (!OnePair(node, page, name, out)) return false;
       page = (page + 1) % (node.buffer->size() / kPage);
     }
@@ -420,6 +422,12 @@ int Main(int argc, char** argv) {
   const uint64_t count = Flag(argc, argv, "--count", 10000, 1);
   const uint64_t batch = Flag(argc, argv, "--batch", 500, 1);
   const uint64_t rounds = Flag(argc, argv, "--rounds", 1, 1);
+  // A pause before every sample of part 1, both cases alike, so that etcd
+  // and mrd's publisher are idle when the RegisterMr starts.
+  const absl::Duration settle =
+      absl::Microseconds(Flag(argc, argv, "--settle_us", 0));
+  // Which parts run: any of "1", "2", "3".
+  const std::string parts = StringFlag(argc, argv, "--parts", "123");
 
   auto etcd = testing::EtcdCluster::Start(3);
   if (!etcd.ok()) {
@@ -449,54 +457,63 @@ int Main(int argc, char** argv) {
   }
 
   LatencyCase plain, published;
-  if (!Latency(node, samples, block, warmup, &plain, &published)) return 1;
-  std::printf(
-      "1. RegisterMr + DeregisterMr, 4 KiB, a miss each, %lu samples per "
-      "case in alternating blocks of %lu\n",
-      static_cast<unsigned long>(samples), static_cast<unsigned long>(block));
-  std::printf("%-24s %10s %10s %12s %12s %7s %7s\n", "call", "plain p50",
-              "plain p99", "publish p50", "publish p99", "p50 ×", "p99 ×");
-  LatencyRow("RegisterMr (us)", plain.reg_us, published.reg_us);
-  LatencyRow("DeregisterMr (us)", plain.dereg_us, published.dereg_us);
-  LatencyRow("pair (us)", plain.pair_us, published.pair_us);
-  std::printf("\n");
-  std::fflush(stdout);
-
-  std::vector<BulkRound> bulk_plain, bulk_published;
-  for (uint64_t r = 0; r < rounds; ++r) {
-    for (int publish = 0; publish < 2; ++publish) {
-      BulkRound round;
-      if (!Bulk(node, &bulk_counter, count, batch, publish == 1, r, &round)) {
-        return 1;
-      }
-      (publish == 1 ? bulk_published : bulk_plain).push_back(round);
-    }
+  if (absl::StrContains(parts, "1") &&
+      !Latency(node, samples, block, warmup, settle, &plain, &published)) {
+    return 1;
   }
-  auto median = [](const std::vector<BulkRound>& v, double BulkRound::*field) {
-    std::vector<double> x;
-    for (const BulkRound& b : v) x.push_back(b.*field);
-    return Median(x);
-  };
-  const double reg_plain = median(bulk_plain, &BulkRound::register_s);
-  const double reg_pub = median(bulk_published, &BulkRound::register_s);
-  const double dereg_plain = median(bulk_plain, &BulkRound::deregister_s);
-  const double dereg_pub = median(bulk_published, &BulkRound::deregister_s);
-  std::printf(
-      "3. %lu registrations in RegisterMrBatch of %lu (median of %lu "
-      "rounds)\n",
-      static_cast<unsigned long>(count), static_cast<unsigned long>(batch),
-      static_cast<unsigned long>(rounds));
-  std::printf("%-44s %10s %10s %8s\n", "", "plain s", "publish s", "ratio");
-  std::printf("%-44s %10.3f %10.3f %8.2f\n", "RegisterMrBatch calls", reg_plain,
-              reg_pub, reg_pub / reg_plain);
-  std::printf("%-44s %10s %10.3f %8s\n", "first call to all entries on etcd",
-              "", median(bulk_published, &BulkRound::on_etcd_s), "");
-  std::printf("%-44s %10.3f %10.3f %8.2f\n", "DeregisterMrBatch calls",
-              dereg_plain, dereg_pub, dereg_pub / dereg_plain);
-  std::printf("%-44s %10s %10.3f %8s\n", "first deregister to all entries gone",
-              "", median(bulk_published, &BulkRound::gone_s), "");
-  std::printf("\n");
-  std::fflush(stdout);
+  if (absl::StrContains(parts, "1")) {
+    std::printf(
+        "1. RegisterMr + DeregisterMr, 4 KiB, a miss each, %lu samples per "
+        "case in alternating blocks of %lu\n",
+        static_cast<unsigned long>(samples), static_cast<unsigned long>(block));
+    std::printf("%-24s %10s %10s %12s %12s %7s %7s\n", "call", "plain p50",
+                "plain p99", "publish p50", "publish p99", "p50 ×", "p99 ×");
+    LatencyRow("RegisterMr (us)", plain.reg_us, published.reg_us);
+    LatencyRow("DeregisterMr (us)", plain.dereg_us, published.dereg_us);
+    LatencyRow("pair (us)", plain.pair_us, published.pair_us);
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+
+  if (absl::StrContains(parts, "3")) {
+    std::vector<BulkRound> bulk_plain, bulk_published;
+    for (uint64_t r = 0; r < rounds; ++r) {
+      for (int publish = 0; publish < 2; ++publish) {
+        BulkRound round;
+        if (!Bulk(node, &bulk_counter, count, batch, publish == 1, r, &round)) {
+          return 1;
+        }
+        (publish == 1 ? bulk_published : bulk_plain).push_back(round);
+      }
+    }
+    auto median = [](const std::vector<BulkRound>& v,
+                     double BulkRound::*field) {
+      std::vector<double> x;
+      for (const BulkRound& b : v) x.push_back(b.*field);
+      return Median(x);
+    };
+    const double reg_plain = median(bulk_plain, &BulkRound::register_s);
+    const double reg_pub = median(bulk_published, &BulkRound::register_s);
+    const double dereg_plain = median(bulk_plain, &BulkRound::deregister_s);
+    const double dereg_pub = median(bulk_published, &BulkRound::deregister_s);
+    std::printf(
+        "3. %lu registrations in RegisterMrBatch of %lu (median of %lu "
+        "rounds)\n",
+        static_cast<unsigned long>(count), static_cast<unsigned long>(batch),
+        static_cast<unsigned long>(rounds));
+    std::printf("%-44s %10s %10s %8s\n", "", "plain s", "publish s", "ratio");
+    std::printf("%-44s %10.3f %10.3f %8.2f\n", "RegisterMrBatch calls",
+                reg_plain, reg_pub, reg_pub / reg_plain);
+    std::printf("%-44s %10s %10.3f %8s\n", "first call to all entries on etcd",
+                "", median(bulk_published, &BulkRound::on_etcd_s), "");
+    std::printf("%-44s %10.3f %10.3f %8.2f\n", "DeregisterMrBatch calls",
+                dereg_plain, dereg_pub, dereg_pub / dereg_plain);
+    std::printf("%-44s %10s %10.3f %8s\n",
+                "first deregister to all entries gone", "",
+                median(bulk_published, &BulkRound::gone_s), "");
+    std::printf("\n");
+    std::fflush(stdout);
+  }
   bulk_watch->reset();
   node.buffer.reset();
   node.session.reset();
@@ -506,6 +523,7 @@ int Main(int argc, char** argv) {
     return 1;
   }
   node = Node();
+  if (!absl::StrContains(parts, "2")) return 0;
 
   std::printf(
       "2. SIGKILL of mrd to the last of its %lu entries gone from etcd "
