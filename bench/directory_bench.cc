@@ -28,7 +28,14 @@
 //
 //   build/bench/directory_bench [--samples=3000] [--block=100] [--warmup=200]
 //       [--kill_entries=100] [--kill_repeats=3] [--count=10000] [--batch=500]
-//       [--rounds=1]
+//       [--rounds=1] [--parts=123] [--settle_us=0] [--etcd_down=0]
+//
+// --parts picks the parts to run; --settle_us pauses before every sample of
+// part 1 (both cases alike); --etcd_down=1 kills every etcd member once mrd
+// is up and runs part 1 alone: the publisher then only queues its writes,
+// and part 1 shows mrd's own synchronous cost of publish_name without the
+// etcd write running beside the call. A quick run:
+//   build/bench/directory_bench --samples=300 --kill_repeats=1 --count=1000
 //
 // Prints one table per part and exits non-zero if anything failed.
 
@@ -428,6 +435,11 @@ int Main(int argc, char** argv) {
       absl::Microseconds(Flag(argc, argv, "--settle_us", 0));
   // Which parts run: any of "1", "2", "3".
   const std::string parts = StringFlag(argc, argv, "--parts", "123");
+  // --etcd_down=1: a diagnostic of part 1 only: every etcd member is killed
+  // once mrd is up, so that the publisher queues its writes and retries
+  // (backing off) and no etcd process runs meanwhile; what part 1 then
+  // shows is mrd's own synchronous cost of publish_name.
+  const bool etcd_down = Flag(argc, argv, "--etcd_down", 0) != 0;
 
   auto etcd = testing::EtcdCluster::Start(3);
   if (!etcd.ok()) {
@@ -456,6 +468,9 @@ int Main(int argc, char** argv) {
     return 1;
   }
 
+  if (etcd_down) {
+    for (int m = 0; m < (*etcd)->size(); ++m) (*etcd)->Kill(m);
+  }
   LatencyCase plain, published;
   if (absl::StrContains(parts, "1") &&
       !Latency(node, samples, block, warmup, settle, &plain, &published)) {
@@ -475,6 +490,7 @@ int Main(int argc, char** argv) {
     std::fflush(stdout);
   }
 
+  if (etcd_down) return 0;  // mrd is killed, not stopped: etcd is gone
   if (absl::StrContains(parts, "3")) {
     std::vector<BulkRound> bulk_plain, bulk_published;
     for (uint64_t r = 0; r < rounds; ++r) {
