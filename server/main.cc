@@ -45,6 +45,7 @@
 #include "server/common/prefault.h"
 #include "server/common/sd_notify.h"
 #include "server/common/thread.h"
+#include "server/common/tsan.h"
 #include "server/core/core.h"
 #include "server/core/handover_participant.h"
 #include "server/daemon/config.h"
@@ -621,6 +622,9 @@ void Daemon::ServeUntil(const sigset_t& signals) {
   // and open streams, which gRPC would otherwise wait on until the deadline.
   server_->Shutdown(std::chrono::system_clock::now() +
                     std::chrono::milliseconds(500));
+  // Calls still running on the workers end before what they use goes.
+  if (!workers_->Drain(absl::Seconds(10))) LogWarning("workers still busy");
+  TsanTakeOverFromGrpc();  // and after what gRPC's callbacks did
   device_->Shutdown();
   unlink(config_.grpc_socket.c_str());
   WriteStatus("stopped");

@@ -112,6 +112,14 @@ absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
   return absl::OkStatus();
 }
 
+bool FairScheduler::Drain(absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return waiting_total_ == 0 && running_total_ == 0;
+  };
+  return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
 FairScheduler::~FairScheduler() {
   {
     absl::MutexLock lock(&mu_);

@@ -138,6 +138,10 @@ class FairScheduler {
   // calling thread.
   ~FairScheduler();
   FairScheduler(const FairScheduler&) = delete;
+  // Waits, at most `timeout`, until no task is queued or running (tasks may
+  // still be scheduled meanwhile: it waits for them too). True when idle.
+  // For a shutdown: the calls still running end before what they use goes.
+  bool Drain(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(mu_);
   FairScheduler& operator=(const FairScheduler&) = delete;
 
   // Starts the threads. Errors: INVALID_ARGUMENT BAD_OPTIONS (workers < 1,

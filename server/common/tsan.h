@@ -39,6 +39,15 @@ inline void TsanTakeOverFromGrpc() {
 #endif
 }
 
+// The other way: what a gRPC callback did so far is ordered before what a
+// thread that later calls TsanTakeOverFromGrpc does (the main thread
+// tearing down, after the server stopped, what callbacks used).
+inline void TsanHandBackToGrpc() {
+#ifdef MRD_TSAN
+  __tsan_release(&mrd_tsan_grpc_handoff);
+#endif
+}
+
 }  // namespace mrd
 
 #endif  // MRD_SERVER_COMMON_TSAN_H_

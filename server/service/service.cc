@@ -195,11 +195,19 @@ class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
 
   void OnCancel() override {
     TsanTakeOverFromGrpc();
+    std::unique_ptr<core::Publications::NameWatch> watch;
     {
       absl::MutexLock lock(&mu_);
       cancelled_ = true;
+      // The watch goes now (on this gRPC thread, never the watch's own):
+      // OnDone, which a server shutting down may not wait for, then has
+      // nothing slow left.
+      watch = std::move(watch_);
+      done_ = true;
     }
+    watch.reset();
     MaybeWrite();
+    TsanHandBackToGrpc();
   }
 
   void OnDone() override {
@@ -211,9 +219,7 @@ class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
       done_ = true;
     }
     watch.reset();  // outside the lock: it waits for a callback running
-    if (observer_ != nullptr) {
-      observer_->OnRpcDone("WatchName", code_, absl::Now() - start_);
-    }
+    TsanHandBackToGrpc();
     self_.reset();  // may destroy this
   }
 
@@ -271,7 +277,15 @@ class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
       }
     }
     if (write) StartWrite(&current_);
-    if (finish.has_value()) Finish(*finish);
+    if (finish.has_value()) {
+      // Told here, not in OnDone: a server shutting down may run OnDone
+      // after it returned, when the observer is gone.
+      if (observer_ != nullptr) {
+        observer_->OnRpcDone("WatchName", code_, absl::Now() - start_);
+      }
+      TsanHandBackToGrpc();
+      Finish(*finish);
+    }
   }
 
   core::Core* const core_;
