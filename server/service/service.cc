@@ -605,11 +605,11 @@ grpc::ServerWriteReactor<v1::NameEvent>* MrdService::WatchName(
     grpc::CallbackServerContext* ctx, const v1::ResolveRequest* req) {
   if (observer_ != nullptr) observer_->OnRpcStart("WatchName");
   auto watcher = std::make_shared<NameWatcher>(core_, observer_);
-  const std::string session = req->session();
-  watcher->Start(ctx, *req,
-                 [this, session](absl::AnyInvocable<void() &&> task) {
-                   Dispatch(Work{&session, 1}, std::move(task));
-                 });
+  watcher->Start(
+      ctx, *req,
+      [this, session = req->session()](absl::AnyInvocable<void() &&> task) {
+        Dispatch(Work{&session, 1}, std::move(task));
+      });
   return watcher.get();
 }
 

@@ -437,8 +437,10 @@ class EtcdFailoverTest : public EtcdClientTest {
 
 TEST_F(EtcdFailoverTest, OneMemberKilledPutsGetsWatchesAndLeasesGoOn) {
   // Longer than an election (up to twice the 500 ms election timeout) if the
-  // member killed is the leader: no renewal is acknowledged until then.
-  absl::StatusOr<EtcdLease> lease = client_->Grant(absl::Seconds(2));
+  // member killed is the leader: no renewal is acknowledged until then; and
+  // with room for renewals slowed by a loaded host (each member gets a
+  // quarter of the TTL).
+  absl::StatusOr<EtcdLease> lease = client_->Grant(absl::Seconds(3));
   ASSERT_TRUE(lease.ok()) << lease.status();
   absl::StatusOr<std::unique_ptr<EtcdLeaseKeeper>> keeper =
       client_->KeepAlive(*lease, [](absl::Status) {});
