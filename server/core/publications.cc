@@ -93,12 +93,12 @@ absl::StatusOr<v1::NameEvent> PublishedEvent(const std::string& key,
   event.set_kind(v1::NameEvent::PUBLISHED);
   google::protobuf::util::JsonParseOptions options;
   options.ignore_unknown_fields = true;
-  if (!google::protobuf::util::JsonStringToMessage(
-           value, event.mutable_entry(), options)
+  if (!google::protobuf::util::JsonStringToMessage(value, event.mutable_entry(),
+                                                   options)
            .ok()) {
-    return MrdError(absl::StatusCode::kDataLoss, "BAD_DIRECTORY_ENTRY",
-                    absl::StrCat("the entry under ", key,
-                                 " is not an entry mrd can read"));
+    return MrdError(
+        absl::StatusCode::kDataLoss, "BAD_DIRECTORY_ENTRY",
+        absl::StrCat("the entry under ", key, " is not an entry mrd can read"));
   }
   event.mutable_entry()->set_key(key);
   event.mutable_entry()->set_state("published");
@@ -123,10 +123,9 @@ Publications::WatchName(const Session& session, const v1::ResolveRequest& req,
       if (mine == 0) tenant_watches_.erase(own);
       return MrdError(
           absl::StatusCode::kResourceExhausted, "WATCH_LIMIT",
-          absl::StrCat("mrd holds ", watches_, " of its ",
-                       options_.max_watches, " name watches, tenant ", own,
-                       " ", mine, " of its ", share,
-                       "; cancel one (--directory_max_watches)"));
+          absl::StrCat("mrd holds ", watches_, " of its ", options_.max_watches,
+                       " name watches, tenant ", own, " ", mine, " of its ",
+                       share, "; cancel one (--directory_max_watches)"));
     }
     ++watches_;
     ++mine;
