@@ -153,8 +153,7 @@ class Publications {
   // Every key published on this mrd -> the id of the session holding it.
   absl::flat_hash_map<std::string, uint64_t> owners_ ABSL_GUARDED_BY(mu_);
   size_t watches_ ABSL_GUARDED_BY(mu_) = 0;
-  absl::flat_hash_map<std::string, size_t> tenant_watches_
-      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, size_t> tenant_watches_ ABSL_GUARDED_BY(mu_);
 };
 
 // One WatchName's etcd watch and its slot.

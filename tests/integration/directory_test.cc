@@ -111,7 +111,8 @@ class DirectoryTest : public MrdTest {
         absl::StrCat("--directory_cluster=", cluster_name_),
         absl::StrCat("--node_name=", node),
         absl::StrCat("--directory_lease_ttl=", absl::FormatDuration(kLeaseTtl)),
-        "--directory_unpublish_wait=5s", "--directory_max_watches=8"};
+        "--directory_unpublish_wait=5s",
+        "--directory_max_watches=8"};
     return options;
   }
 
@@ -351,8 +352,8 @@ TEST_F(DirectoryTest, ATenantHoldsAQuarterOfTheWatchesAtMost) {
   EXPECT_EQ(client::ReasonOf(refused.status()), "WATCH_LIMIT");
   // One cancelled: its slot is free again once mrd has seen the cancel.
   first.reset();
-  EXPECT_TRUE(PollUntil([&] { return open()->First().ok(); },
-                        absl::Seconds(10)));
+  EXPECT_TRUE(
+      PollUntil([&] { return open()->First().ok(); }, absl::Seconds(10)));
 }
 
 TEST_F(DirectoryTest, ReleaseBufferAndCloseSessionRemoveTheirEntriesFirst) {
