@@ -19,7 +19,7 @@ JOBS ?= $(shell nproc)
 # Extra flags for `make run`, e.g. MRD_FLAGS="--peer_address=127.0.0.1:0"
 MRD_FLAGS ?=
 CMAKE_ARGS ?=
-# Seconds per fuzz target for `make fuzz` (make test runs them for 45 s).
+# Seconds per fuzz target for `make fuzz` (make test runs them for 30 s).
 FUZZ_SECONDS ?= 600
 # For long runs: stop each target after FUZZ_RUNS executions; run it in
 # FUZZ_JOBS processes (libFuzzer's fork mode). Empty: no limit, one process.

@@ -7,7 +7,7 @@
 # each libFuzzer target for a short while (scripts/fuzz.sh, clang-14,
 # build-fuzz; each target counts as one test). Each build directory is
 # incremental. MRD_SANITIZERS=0 skips the sanitizer builds and the fuzzers;
-# MRD_FUZZ_SECONDS sets the seconds per fuzz target (default 45). The summary
+# MRD_FUZZ_SECONDS sets the seconds per fuzz target (default 30). The summary
 # gives each stage's time (build and tests) and the total.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -120,7 +120,7 @@ run_fuzz() {
   local status=0 line log
   echo "== fuzz targets (build-fuzz)"
   log=$(mktemp)
-  scripts/fuzz.sh "${MRD_FUZZ_SECONDS:-45}" 2>&1 | tee "$log" || status=$?
+  scripts/fuzz.sh "${MRD_FUZZ_SECONDS:-30}" 2>&1 | tee "$log" || status=$?
   line=$(grep -E '^fuzz: [0-9]+ passed, [0-9]+ failed' "$log" | tail -1)
   rm -f "$log"
   if [ -z "$line" ]; then
