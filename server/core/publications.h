@@ -169,6 +169,12 @@ class Publications::NameWatch {
   NameWatch(const NameWatch&) = delete;
   NameWatch& operator=(const NameWatch&) = delete;
 
+  // Ends the watch's stream without waiting (EtcdWatch::Stop); the
+  // destructor, which waits, may then run on a thread free to block.
+  void Stop() {
+    if (watch_ != nullptr) watch_->Stop();
+  }
+
  private:
   friend class Publications;
   Publications* const owner_;

@@ -287,6 +287,10 @@ class EtcdWatch {
 
   // How many times the watch moved to a member after its stream broke.
   int64_t reconnects() const;
+  // Cancels the stream and starts no other, without waiting: for a thread
+  // that must not block (a gRPC callback). The destructor still waits for
+  // the watch's thread; a callback already running may finish.
+  void Stop();
 
  private:
   friend class EtcdClient;
@@ -297,7 +301,6 @@ class EtcdWatch {
   // One stream on one member, until it breaks or the watch stops; false
   // when the watch has ended for good.
   bool WatchOn(size_t index);
-  void Stop();
 
   EtcdClient* const client_;
   const std::string prefix_;

@@ -167,8 +167,10 @@ class CompletionWriter final
 // (it reads etcd first); events then come on the watch's thread, queued
 // here and written one at a time. Lifetime as CompletionWriter's: `self_`
 // until OnDone; the watch's callback holds a weak reference. No lock is
-// held while calling StartWrite or Finish, or while the watch is destroyed
-// (which waits for its callback).
+// held while calling StartWrite or Finish. The watch is destroyed on a
+// worker, never on a gRPC thread: its destructor waits for the watch's
+// thread, whose stream's cancel may be queued to the very gRPC executor
+// thread that would be waiting.
 class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
                           public std::enable_shared_from_this<NameWatcher> {
  public:
@@ -180,7 +182,8 @@ class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
              absl::AnyInvocable<void(absl::AnyInvocable<void() &&>)> dispatch) {
     ctx_ = ctx;
     self_ = shared_from_this();
-    dispatch([self = self_, req]() mutable { self->Open(req); });
+    dispatch_ = std::move(dispatch);
+    dispatch_([self = self_, req]() mutable { self->Open(req); });
   }
 
   void OnWriteDone(bool ok) override {
@@ -195,30 +198,20 @@ class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
 
   void OnCancel() override {
     TsanTakeOverFromGrpc();
-    std::unique_ptr<core::Publications::NameWatch> watch;
     {
       absl::MutexLock lock(&mu_);
       cancelled_ = true;
-      // The watch goes now (on this gRPC thread, never the watch's own):
-      // OnDone, which a server shutting down may not wait for, then has
-      // nothing slow left.
-      watch = std::move(watch_);
-      done_ = true;
     }
-    watch.reset();
+    // A write in flight: OnWriteDone finishes. Either way the watch is
+    // dropped now, not at the write's end.
+    DropWatch();
     MaybeWrite();
     TsanHandBackToGrpc();
   }
 
   void OnDone() override {
     TsanTakeOverFromGrpc();
-    std::unique_ptr<core::Publications::NameWatch> watch;
-    {
-      absl::MutexLock lock(&mu_);
-      watch = std::move(watch_);
-      done_ = true;
-    }
-    watch.reset();  // outside the lock: it waits for a callback running
+    DropWatch();  // dropped when finished already: nothing left here
     TsanHandBackToGrpc();
     self_.reset();  // may destroy this
   }
@@ -241,6 +234,21 @@ class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
     // A watch made after the stream was done goes here (the lock is free).
     watch = absl::StatusOr<std::unique_ptr<core::Publications::NameWatch>>();
     MaybeWrite();
+  }
+
+  // Stops the watch and has a worker destroy it (the workers are drained
+  // before anything a watch uses goes). Done at Finish: OnDone, which a
+  // server shutting down may run after it returned, then has nothing left.
+  void DropWatch() {
+    std::unique_ptr<core::Publications::NameWatch> watch;
+    {
+      absl::MutexLock lock(&mu_);
+      watch = std::move(watch_);
+      done_ = true;
+    }
+    if (watch == nullptr) return;
+    watch->Stop();
+    dispatch_([watch = std::move(watch)]() mutable { watch.reset(); });
   }
 
   void Push(absl::StatusOr<v1::NameEvent> event) {
@@ -278,6 +286,7 @@ class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
     }
     if (write) StartWrite(&current_);
     if (finish.has_value()) {
+      DropWatch();
       // Told here, not in OnDone: a server shutting down may run OnDone
       // after it returned, when the observer is gone.
       if (observer_ != nullptr) {
@@ -293,6 +302,8 @@ class NameWatcher final : public grpc::ServerWriteReactor<v1::NameEvent>,
   const absl::Time start_;
   grpc::CallbackServerContext* ctx_ = nullptr;  // set by Start
   std::shared_ptr<NameWatcher> self_;
+  // Runs a task on a worker; set by Start, before any other thread runs.
+  absl::AnyInvocable<void(absl::AnyInvocable<void() &&>)> dispatch_;
   grpc::StatusCode code_ = grpc::StatusCode::OK;
 
   absl::Mutex mu_;

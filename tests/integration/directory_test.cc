@@ -329,18 +329,31 @@ struct NameStream {
   bool finished = false;
 };
 
+// WatchName streams of one session on one name, opened on demand.
+class NameWatches {
+ public:
+  NameWatches(const std::string& target, const std::string& session,
+              const std::string& name)
+      : stub_(v1::MemoryRegistration::NewStub(
+            grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {
+    request_.set_session(session);
+    request_.set_name(name);
+  }
+  std::unique_ptr<NameStream> Open() {
+    auto stream = std::make_unique<NameStream>();
+    stream->reader = stub_->WatchName(&stream->context, request_);
+    return stream;
+  }
+
+ private:
+  std::unique_ptr<v1::MemoryRegistration::Stub> stub_;
+  v1::ResolveRequest request_;
+};
+
 TEST_F(DirectoryTest, ATenantHoldsAQuarterOfTheWatchesAtMost) {
   Session session = OpenFdSession();
-  auto stub = v1::MemoryRegistration::NewStub(grpc::CreateChannel(
-      mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
-  v1::ResolveRequest req;
-  req.set_session(session.token());
-  req.set_name("n");
-  auto open = [&]() {
-    auto stream = std::make_unique<NameStream>();
-    stream->reader = stub->WatchName(&stream->context, req);
-    return stream;
-  };
+  NameWatches watches(mrd_->grpc_target(), session.token(), "n");
+  auto open = [&] { return watches.Open(); };
   // --directory_max_watches=8: this tenant gets 2.
   std::unique_ptr<NameStream> first = open();
   ASSERT_TRUE(first->First().ok());
@@ -354,6 +367,34 @@ TEST_F(DirectoryTest, ATenantHoldsAQuarterOfTheWatchesAtMost) {
   first.reset();
   EXPECT_TRUE(
       PollUntil([&] { return open()->First().ok(); }, absl::Seconds(10)));
+}
+
+// A cancelled watch's etcd stream is torn down off gRPC's own threads: mrd
+// once joined the watch's thread from OnCancel, on a gRPC executor thread
+// the stream's cancel itself could be queued to, and both waited forever
+// (the slot was never freed and SIGTERM could not stop mrd).
+TEST_F(DirectoryTest, WatchesCancelledOverAndOverFreeTheirSlots) {
+  Session session = OpenFdSession();
+  NameWatches watches(mrd_->grpc_target(), session.token(), "n");
+  // A watch in one of the tenant's two slots, once one is free again.
+  auto take = [&](std::unique_ptr<NameStream>* stream) {
+    return PollUntil(
+        [&] {
+          *stream = watches.Open();
+          return (*stream)->First().ok();
+        },
+        absl::Seconds(10));
+  };
+  for (int round = 0; round < 20; ++round) {
+    std::unique_ptr<NameStream> a;
+    std::unique_ptr<NameStream> b;
+    ASSERT_TRUE(take(&a)) << "round " << round;
+    ASSERT_TRUE(take(&b)) << "round " << round;
+    // Cancelled together.
+    std::thread cancel_a([&] { a.reset(); });
+    b.reset();
+    cancel_a.join();
+  }
 }
 
 TEST_F(DirectoryTest, ReleaseBufferAndCloseSessionRemoveTheirEntriesFirst) {
