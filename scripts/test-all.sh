@@ -14,12 +14,23 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 jobs=$(nproc)
 
+# Every build is clang's: it compiles mrd in about 60 % of g++'s time (the
+# plain build: 4m08s against 6m58s on 2 cores), it can leave gRPC's header
+# code uninstrumented for TSan like the libgrpc behind it
+# (tests/support/tsan_ignorelist.txt), and it checks the thread-safety
+# annotations. A build directory another compiler configured before is
+# configured afresh.
 configure() {  # dir, extra cmake args...
   local dir=$1
   shift
+  if [ -f "$dir/CMakeCache.txt" ] &&
+    ! grep -q '^CMAKE_CXX_COMPILER:FILEPATH=.*clang' "$dir/CMakeCache.txt"; then
+    rm -rf "$dir"
+  fi
   if [ ! -f "$dir/build.ninja" ]; then
     cmake -S . -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-      -DMRD_WERROR=ON "$@"
+      -DMRD_WERROR=ON -DCMAKE_C_COMPILER=clang-14 \
+      -DCMAKE_CXX_COMPILER=clang++-14 "$@"
   elif [ $# -gt 0 ]; then
     cmake -B "$dir" "$@" >/dev/null  # options added since it was configured
   fi
@@ -170,28 +181,15 @@ stage_done "plain tests"
 run_vm || status=1
 stage_done "verbs device in the VM"
 if [ "${MRD_SANITIZERS:-1}" != 0 ]; then
-  # Benchmarks are not built with sanitizers: they are not tests. Both
-  # sanitizer builds are clang's: it builds them in a third of GCC's time,
-  # and it leaves gRPC's header code uninstrumented for TSan like the
-  # libgrpc behind it (tests/support/tsan_ignorelist.txt). A build directory
-  # GCC configured before is configured afresh.
-  for dir in build-asan build-tsan; do
-    if [ -f "$dir/CMakeCache.txt" ] &&
-      ! grep -q '^CMAKE_CXX_COMPILER:FILEPATH=.*clang' "$dir/CMakeCache.txt"; then
-      rm -rf "$dir"
-    fi
-  done
-  configure build-asan -DCMAKE_C_COMPILER=clang-14 \
-    -DCMAKE_CXX_COMPILER=clang++-14 -DMRD_SANITIZE=address \
-    -DMRD_BUILD_BENCH=OFF
+  # Benchmarks are not built with sanitizers: they are not tests.
+  configure build-asan -DMRD_SANITIZE=address -DMRD_BUILD_BENCH=OFF
   stage_done "asan+ubsan build"
   run "asan+ubsan" build-asan || status=1
   stage_done "asan+ubsan tests"
   # The TSan build's own tests are the unit, model and stress tests; the
   # system tests run from the plain build against its mrd (run_tsan_mrd).
-  configure build-tsan -DCMAKE_C_COMPILER=clang-14 \
-    -DCMAKE_CXX_COMPILER=clang++-14 -DMRD_SANITIZE=thread \
-    -DMRD_BUILD_BENCH=OFF -DMRD_SYSTEM_TESTS=OFF
+  configure build-tsan -DMRD_SANITIZE=thread -DMRD_BUILD_BENCH=OFF \
+    -DMRD_SYSTEM_TESTS=OFF
   stage_done "tsan build"
   run tsan build-tsan || status=1
   stage_done "tsan tests"

@@ -30,7 +30,8 @@ echo "clang-tidy: ${#files[@]} files, $(nproc) at a time"
 status=0
 # -Wno-deprecated-declarations: clang 22 reports libstdc++ 12's own call of
 # the deprecated get_temporary_buffer inside std::stable_sort against the
-# caller; g++ -Werror, in every build, reports any deprecated call of ours.
+# caller; the compiler's -Werror, in every build, reports any deprecated
+# call of ours.
 printf '%s\n' "${files[@]}" |
   xargs -P "$(nproc)" -n 4 "$tidy" -p "$build_dir" --quiet \
     --extra-arg=-Wno-deprecated-declarations 2>/dev/null ||
