@@ -198,7 +198,15 @@ absl::Status Publications::Publish(Session& session,
   {
     absl::MutexLock names(&mu_);
     auto [it, inserted] = owners_.try_emplace(key, session.id());
-    if (!inserted) {
+    if (inserted) {
+      // The tenant's share of --directory_max_entries.
+      if (absl::Status s =
+              session.tenant()->Reserve(TenantResource::kPublished, 1);
+          !s.ok()) {
+        owners_.erase(it);
+        return s;
+      }
+    } else {
       auto mine = session.published.find(req.name());
       if (it->second == session.id() && mine != session.published.end() &&
           mine->second == req.registration()) {
@@ -216,7 +224,7 @@ absl::Status Publications::Publish(Session& session,
   }
   if (absl::Status s = publisher_->Publish(key, json); !s.ok()) {
     absl::MutexLock names(&mu_);
-    owners_.erase(key);
+    EraseOwnerLocked(key, *session.tenant());
     return s;
   }
   session.published[req.name()] = req.registration();
@@ -289,7 +297,10 @@ void Publications::RepublishAll(
             google::protobuf::util::MessageToJsonString(*entry, &json).ok() &&
             publisher_->Publish(key, json).ok()) {
           absl::MutexLock names(&mu_);
-          owners_[key] = session->id();
+          // Handed over: held already, whatever the quota says now.
+          if (owners_.insert_or_assign(key, session->id()).second) {
+            session->tenant()->Force(TenantResource::kPublished, 1);
+          }
           ++written;
           ++it;
           continue;
@@ -321,7 +332,7 @@ absl::Status Publications::Unpublish(Session& session,
       PublishedKey(options_, session.tenant()->name(), req.name());
   {
     absl::MutexLock names(&mu_);
-    owners_.erase(key);
+    EraseOwnerLocked(key, *session.tenant());
   }
   directory::Publisher::Done done = publisher_->Unpublish(key);
   const bool reachable =
@@ -415,6 +426,10 @@ void Publications::Sync(Session& session) {
   if (!gone.empty()) Drop(session, gone, /*wait=*/true);
 }
 
+void Publications::EraseOwnerLocked(const std::string& key, Tenant& tenant) {
+  if (owners_.erase(key) > 0) tenant.Release(TenantResource::kPublished, 1);
+}
+
 void Publications::DropAll(Session& session, bool wait) {
   if (!enabled()) return;
   std::vector<std::string> gone;
@@ -437,7 +452,7 @@ void Publications::Drop(const Session& session,
         PublishedKey(options_, session.tenant()->name(), name);
     {
       absl::MutexLock lock(&mu_);
-      owners_.erase(key);
+      EraseOwnerLocked(key, *session.tenant());
     }
     done.push_back(publisher_->Unpublish(key));
   }

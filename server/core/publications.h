@@ -143,6 +143,9 @@ class Publications {
   device::Device* const device_;
   // Releases a watch's slot.
   void EndWatch(const std::string& tenant);
+  // Forgets the key's owner and gives its tenant the name back.
+  void EraseOwnerLocked(const std::string& key, Tenant& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   directory::Publisher* publisher_ = nullptr;  // fixed by Configure
   DirectoryOptions options_;                   // fixed by Configure

@@ -17,8 +17,8 @@ namespace mrd::core {
 namespace {
 
 constexpr absl::string_view kResourceNames[kTenantResourceCount] = {
-    "sessions", "buffers", "registrations",    "pinned_bytes",
-    "lams",     "mrs",     "peer_connections", "memory_maps"};
+    "sessions", "buffers",          "registrations", "pinned_bytes", "lams",
+    "mrs",      "peer_connections", "memory_maps",   "published"};
 
 std::optional<TenantResource> ResourceByName(absl::string_view name) {
   for (int i = 0; i < kTenantResourceCount; ++i) {

@@ -51,8 +51,11 @@ enum class TenantResource : int {
   // registration the device pins with mlock (software device: read-only
   // memory), a share of --pin_max_map_splits.
   kMemoryMaps,
+  // Names published in the directory (--directory_max_entries is the
+  // total): a tenant publishing without end leaves the others room.
+  kPublished,
 };
-inline constexpr int kTenantResourceCount = 8;
+inline constexpr int kTenantResourceCount = 9;
 
 // "sessions", "buffers", ... (the tenants file's keys and the metric label).
 absl::string_view TenantResourceName(TenantResource resource);

@@ -158,6 +158,8 @@ absl::Status SetTenants(const device::Device& device,
       absl::GetFlag(FLAGS_peer_max_connections);
   // The device's budget of memory maps (0: its pins cost none).
   total(core::TenantResource::kMemoryMaps) = device.Attributes().max_map_splits;
+  total(core::TenantResource::kPublished) =
+      absl::GetFlag(FLAGS_directory_max_entries);
   std::string text;
   const std::string path = absl::GetFlag(FLAGS_tenants_file);
   if (!path.empty()) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -472,6 +473,48 @@ absl::StatusOr<int64_t> EtcdClient::DeleteIfOwned(absl::string_view key,
            }));
   if (!response.succeeded() || response.responses_size() != 1) return 0;
   return response.responses(0).response_delete_range().deleted();
+}
+
+absl::StatusOr<bool> EtcdClient::WriteAllIfFresh(
+    const std::vector<Write>& writes, int64_t lease) {
+  if (writes.empty() || writes.size() > kMaxWritesPerTxn) {
+    return BadArgument(absl::StrCat("etcd WriteAllIfFresh of ", writes.size(),
+                                    " writes (1 to ", kMaxWritesPerTxn, ")"));
+  }
+  if (lease == 0) return BadArgument("etcd WriteAllIfFresh of no lease");
+  absl::flat_hash_set<absl::string_view> keys;
+  pb::TxnRequest request;
+  for (const Write& write : writes) {
+    if (write.key.empty()) {
+      return BadArgument("etcd WriteAllIfFresh of an empty key");
+    }
+    if (!keys.insert(write.key).second) {
+      return BadArgument(
+          absl::StrCat("etcd WriteAllIfFresh of key '", write.key, "' twice"));
+    }
+    pb::Compare* compare = request.add_compare();
+    compare->set_key(write.key);
+    compare->set_result(pb::Compare::EQUAL);
+    if (write.value.has_value()) {
+      compare->set_target(pb::Compare::CREATE);
+      compare->set_create_revision(0);
+      pb::PutRequest* put = request.add_success()->mutable_request_put();
+      put->set_key(write.key);
+      put->set_value(*write.value);
+      put->set_lease(lease);
+    } else {
+      compare->set_target(pb::Compare::LEASE);
+      compare->set_lease(lease);
+      request.add_success()->mutable_request_delete_range()->set_key(write.key);
+    }
+  }
+  pb::TxnResponse response;
+  MRD_RETURN_IF_ERROR(
+      Call("etcd Txn", absl::Now() + options_.call_timeout,
+           [&](const Endpoint& endpoint, grpc::ClientContext& context, int) {
+             return endpoint.kv->Txn(&context, request, &response);
+           }));
+  return response.succeeded();
 }
 
 absl::StatusOr<int64_t> EtcdClient::Delete(absl::string_view key) {

@@ -68,6 +68,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -184,6 +185,20 @@ class EtcdClient {
   // returns how many keys went: 0 if it is absent or not the lease's.
   // INVALID_ARGUMENT ETCD_BAD_ARGUMENT for an empty key or lease 0.
   absl::StatusOr<int64_t> DeleteIfOwned(absl::string_view key, int64_t lease);
+  // Many of those in one transaction, all or none: every put (value set)
+  // written under `lease` and every delete (no value) done, if each put's
+  // key is absent and each delete's key is attached to `lease`. true: all
+  // done; false: a key was not so and nothing was written (write them one
+  // at a time). At most kMaxWritesPerTxn writes (etcd's --max-txn-ops is
+  // 128 by default); INVALID_ARGUMENT ETCD_BAD_ARGUMENT for more, none, an
+  // empty key, a key twice or lease 0.
+  struct Write {
+    std::string key;
+    std::optional<std::string> value;
+  };
+  static constexpr size_t kMaxWritesPerTxn = 64;
+  absl::StatusOr<bool> WriteAllIfFresh(const std::vector<Write>& writes,
+                                       int64_t lease);
   // Every key that starts with `prefix` (empty: every key), read at one
   // revision, in pages.
   absl::StatusOr<EtcdRange> Get(absl::string_view prefix);

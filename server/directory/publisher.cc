@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "mrd/status.h"
@@ -80,6 +81,16 @@ struct Publisher::Impl {
   // Holds a lease (granting, adopting, or replacing a lost one); false if
   // not (after backing off) or stopping.
   bool EnsureLease();
+  // The keys at the head of the queue: together in one transaction when
+  // they can be (WriteBatch), else one at a time (WriteHead); false if a
+  // write failed and the worker should back off.
+  bool WriteQueued();
+  enum class BatchResult { kDone, kOneByOne, kFailed };
+  // Up to EtcdClient::kMaxWritesPerTxn keys at the head of the queue in one
+  // transaction, if every put's key is absent and every delete's key is
+  // this lease's (nearly every write). kOneByOne: they were not, or one was
+  // refused; `singles` of them go one at a time.
+  BatchResult WriteBatch();
   // One write of the key at the head of the queue; false if it failed and
   // the worker should back off.
   bool WriteHead();
@@ -119,8 +130,10 @@ struct Publisher::Impl {
   int64_t lease ABSL_GUARDED_BY(mu) = 0;
   bool lost ABSL_GUARDED_BY(mu) = false;  // the lease is to be replaced
   std::unique_ptr<EtcdLeaseKeeper> keeper ABSL_GUARDED_BY(mu);
+  size_t singles = 0;  // the worker's: keys to write one at a time first
   DirectoryState state ABSL_GUARDED_BY(mu) = DirectoryState::kConnecting;
   uint64_t writes ABSL_GUARDED_BY(mu) = 0;
+  uint64_t transactions ABSL_GUARDED_BY(mu) = 0;
   uint64_t failed_writes ABSL_GUARDED_BY(mu) = 0;
   uint64_t leases_granted ABSL_GUARDED_BY(mu) = 0;
   absl::Status last_error ABSL_GUARDED_BY(mu);
@@ -157,7 +170,7 @@ void Publisher::Impl::Run() {
       if (stopping) return;
       need_lease = lost || lease == 0;
     }
-    const bool ok = need_lease ? EnsureLease() : WriteHead();
+    const bool ok = need_lease ? EnsureLease() : WriteQueued();
     if (ok) {
       backoff = options.retry_min;
     } else if (!Backoff(&backoff)) {
@@ -270,6 +283,116 @@ bool Publisher::Impl::EnsureLease() {
   return true;
 }
 
+bool Publisher::Impl::WriteQueued() {
+  if (singles > 0) {
+    --singles;
+    return WriteHead();
+  }
+  switch (WriteBatch()) {
+    case BatchResult::kDone:
+      return true;
+    case BatchResult::kOneByOne:
+      --singles;
+      return WriteHead();
+    case BatchResult::kFailed:
+      return false;
+  }
+  return false;
+}
+
+Publisher::Impl::BatchResult Publisher::Impl::WriteBatch() {
+  struct Item {
+    uint64_t version;
+    bool wanted;
+  };
+  std::vector<EtcdClient::Write> batch;
+  std::vector<Item> items;
+  int64_t lease_id = 0;
+  {
+    absl::MutexLock lock(&mu);
+    // A few hundred kilobytes at most, far below etcd's request limit
+    // (--max-request-bytes, 1.5 MiB by default).
+    constexpr size_t kMaxBytes = 256 << 10;
+    size_t bytes = 0;
+    for (const std::string& key : queue) {
+      if (batch.size() == EtcdClient::kMaxWritesPerTxn) break;
+      auto it = entries.find(key);
+      if (it == entries.end()) break;  // not expected: WriteHead drops it
+      Entry& entry = it->second;
+      bytes += key.size() + entry.value.size();
+      if (!batch.empty() && bytes > kMaxBytes) break;
+      EtcdClient::Write& write = batch.emplace_back();
+      write.key = key;
+      if (entry.wanted) write.value = entry.value;
+      items.push_back({entry.version, entry.wanted});
+    }
+    if (batch.size() < 2) {
+      singles = 1;
+      return BatchResult::kOneByOne;
+    }
+    for (const EtcdClient::Write& write : batch) {
+      Entry& entry = entries.find(write.key)->second;
+      if (entry.wanted) entry.maybe_written = true;
+    }
+    lease_id = lease;
+    ++transactions;
+  }
+  absl::StatusOr<bool> written = client->WriteAllIfFresh(batch, lease_id);
+  std::vector<Done> done;
+  BatchResult result = BatchResult::kDone;
+  {
+    absl::MutexLock lock(&mu);
+    if (lease != lease_id) return BatchResult::kDone;  // written again
+    if (written.ok() && *written) {
+      writes += batch.size();
+      state = DirectoryState::kServing;
+      // The batch's keys are still the first of the queue (others only
+      // join at its end; a key leaves it here, or unwritten).
+      absl::flat_hash_set<absl::string_view> finished;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        auto it = entries.find(batch[i].key);
+        Entry& entry = it->second;
+        if (entry.version != items[i].version) continue;  // changed since
+        finished.insert(it->first);
+        entry.queued = false;
+        if (items[i].wanted) {
+          entry.state = KeyState::kPublished;
+        } else {
+          for (Done& d : entry.done) done.push_back(std::move(d));
+          entry.done.clear();
+        }
+      }
+      const size_t head = std::min(queue.size(), batch.size());
+      queue.erase(std::remove_if(queue.begin(), queue.begin() + head,
+                                 [&](const std::string& key) {
+                                   return finished.contains(key);
+                                 }),
+                  queue.begin() + head);
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (items[i].wanted) continue;
+        auto it = entries.find(batch[i].key);
+        if (it != entries.end() && !it->second.queued) entries.erase(it);
+      }
+    } else if (written.ok()) {
+      singles = batch.size();  // a key was not fresh: one at a time
+      result = BatchResult::kOneByOne;
+    } else if (LeaseGone(written.status())) {
+      lost = true;
+      Failed(written.status(), false);
+    } else if (Retryable(written.status())) {
+      Failed(written.status(), true);
+      result = BatchResult::kFailed;
+    } else {
+      // Refused as a whole (too large, ...): one at a time, where a key
+      // refused goes behind the others.
+      singles = batch.size();
+      result = BatchResult::kOneByOne;
+    }
+  }
+  for (Done& d : done) d->Notify();
+  return result;
+}
+
 bool Publisher::Impl::WriteHead() {
   std::string key;
   bool wanted = false;
@@ -291,6 +414,7 @@ bool Publisher::Impl::WriteHead() {
     version = entry.version;
     lease_id = lease;
     if (wanted) entry.maybe_written = true;
+    ++transactions;
   }
   absl::StatusOr<int64_t> written =
       wanted ? client->PutIfAbsentOrOwned(key, value, lease_id)
@@ -484,6 +608,7 @@ PublisherStats Publisher::Stats() const {
     }
   }
   stats.writes = impl_->writes;
+  stats.transactions = impl_->transactions;
   stats.failed_writes = impl_->failed_writes;
   stats.leases_granted = impl_->leases_granted;
   stats.last_error = impl_->last_error;

@@ -92,6 +92,7 @@ struct PublisherStats {
   size_t pending = 0;  // puts and deletes not yet done
   size_t conflicts = 0;
   uint64_t writes = 0;         // puts and deletes etcd acknowledged
+  uint64_t transactions = 0;   // etcd transactions sent (a batch is one)
   uint64_t failed_writes = 0;  // attempts that failed (to be retried)
   uint64_t leases_granted = 0;
   absl::Status last_error;  // the last failure, OK if none yet

@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -101,6 +102,9 @@ class DirectoryTest : public MrdTest {
         "t", ::testing::UnitTest::GetInstance()->current_test_info()->name());
     MrdProcessOptions options = NodeOptions("node-a");
     options.metrics = true;
+    for (const std::string& flag : more_flags_) {
+      options.extra_flags.push_back(flag);
+    }
     return options;
   }
   MrdProcessOptions NodeOptions(const std::string& node) {
@@ -183,7 +187,19 @@ class DirectoryTest : public MrdTest {
     return info.ok() ? info->tenant() : "";
   }
 
+  // Each of `names` registered and published by `session`, in order.
+  void RegisterAndPublishEach(const Session& session,
+                              const std::vector<std::string>& names,
+                              std::vector<Published>* out) {
+    for (const std::string& name : names) {
+      absl::StatusOr<Published> p = RegisterAndPublish(session, name);
+      ASSERT_TRUE(p.ok()) << name << ": " << p.status();
+      out->push_back(*std::move(p));
+    }
+  }
+
   static EtcdCluster* cluster_;
+  std::vector<std::string> more_flags_;  // a fixture's own, for mrd
   std::string cluster_name_;
   std::unique_ptr<EtcdClient> etcd_;
   Events events_;
@@ -397,12 +413,64 @@ TEST_F(DirectoryTest, WatchesCancelledOverAndOverFreeTheirSlots) {
   }
 }
 
+// A tenant holds at most its share of --directory_max_entries (25 % by
+// default, as of every total): one publishing without end leaves the
+// others room.
+class DirectoryShareTest : public DirectoryTest {
+ protected:
+  DirectoryShareTest() { more_flags_ = {"--directory_max_entries=8"}; }
+};
+
+TEST_F(DirectoryShareTest, ATenantPastItsShareIsRefusedAndOthersPublish) {
+  Session session = OpenFdSession();
+  std::vector<Published> held;
+  ASSERT_NO_FATAL_FAILURE(RegisterAndPublishEach(session, {"a", "b"}, &held));
+  absl::StatusOr<Published> c = RegisterAndPublish(session, "c");
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(client::ReasonOf(c.status()), "LIMIT_TENANT_PUBLISHED");
+  EXPECT_TRUE(absl::StrContains(c.status().message(), "of its quota of 2"))
+      << c.status();
+
+  // Another tenant (anonymous leases): its own share.
+  ASSERT_TRUE(WriteShmFile(mrd_->shm_dir(), "f", "file", 64 << 10).ok());
+  // Anyone's to write: an anonymous lease may import it.
+  ASSERT_EQ(chmod((mrd_->shm_dir() + "/f").c_str(), 0666), 0);
+  v1::OpenLeaseSessionRequest open;
+  open.set_ttl_seconds(60);  // and vouched for by nobody
+  absl::StatusOr<v1::SessionInfo> info = client_->OpenLeaseSession(open);
+  ASSERT_TRUE(info.ok()) << info.status();
+  Session lease = Session::Attach(*client_, info->session());
+  absl::StatusOr<Buffer> buffer = Buffer::ImportFile(lease, "f", true);
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::RegisterOptions o;
+  o.buffer = buffer->id();
+  o.length = buffer->size();
+  o.flags = kRemoteRead;
+  absl::StatusOr<Registration> reg = Registration::Register(lease, o);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  v1::PublishRequest publish;
+  publish.set_session(lease.token());
+  publish.set_name("theirs");
+  publish.set_registration(reg->id());
+  absl::StatusOr<v1::PublishedEntry> theirs = client_->Publish(publish);
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  EXPECT_EQ(theirs->tenant(), "anonymous");
+
+  // A name unpublished is the tenant's to use again.
+  v1::UnpublishRequest unpublish;
+  unpublish.set_session(session.token());
+  unpublish.set_name("a");
+  ASSERT_TRUE(client_->Unpublish(unpublish).ok());
+  c = RegisterAndPublish(session, "c");
+  EXPECT_TRUE(c.ok()) << c.status();
+}
+
 TEST_F(DirectoryTest, ReleaseBufferAndCloseSessionRemoveTheirEntriesFirst) {
   Session session = OpenFdSession();
-  absl::StatusOr<Published> a = RegisterAndPublish(session, "a");
-  ASSERT_TRUE(a.ok()) << a.status();
-  absl::StatusOr<Published> b = RegisterAndPublish(session, "b");
-  ASSERT_TRUE(b.ok()) << b.status();
+  std::vector<Published> held;
+  ASSERT_NO_FATAL_FAILURE(RegisterAndPublishEach(session, {"a", "b"}, &held));
+  const Published* a = &held[0];
   const std::string tenant = TenantOf(session);
   ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, KeyOf(tenant, "a"),
                               absl::Seconds(10)));

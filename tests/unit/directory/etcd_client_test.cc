@@ -287,6 +287,51 @@ TEST_F(EtcdClientTest, DeleteIfOwnedDeletesOnlyTheLeasesKey) {
   EXPECT_TRUE(client_->Revoke(theirs->id).ok());
 }
 
+TEST_F(EtcdClientTest, WriteAllIfFreshWritesAllOrNothing) {
+  absl::StatusOr<EtcdLease> mine = client_->Grant(absl::Seconds(30));
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  ASSERT_TRUE(client_->Put(Prefix() + "old", "mine", mine->id).ok());
+  ASSERT_TRUE(client_->Put(Prefix() + "theirs", "theirs").ok());
+  using Write = EtcdClient::Write;
+  // Two new keys and a delete of one of the lease's: all done.
+  absl::StatusOr<bool> done = client_->WriteAllIfFresh(
+      {Write{Prefix() + "a", "1"}, Write{Prefix() + "b", "2"},
+       Write{Prefix() + "old", std::nullopt}},
+      mine->id);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_TRUE(*done);
+  EXPECT_EQ(Values(*client_, Prefix()),
+            (std::vector<std::string>{"1", "2", "theirs"}));
+  // A put of a key that exists, or a delete of a key not the lease's (or
+  // absent): nothing at all is written.
+  for (const Write& stale : {Write{Prefix() + "a", "again"},
+                             Write{Prefix() + "theirs", std::nullopt},
+                             Write{Prefix() + "absent", std::nullopt}}) {
+    done =
+        client_->WriteAllIfFresh({Write{Prefix() + "c", "3"}, stale}, mine->id);
+    ASSERT_TRUE(done.ok()) << done.status();
+    EXPECT_FALSE(*done) << stale.key;
+    EXPECT_EQ(Values(*client_, Prefix()),
+              (std::vector<std::string>{"1", "2", "theirs"}));
+  }
+  // Refused before etcd: none, too many, a key twice, lease 0.
+  std::vector<Write> many(EtcdClient::kMaxWritesPerTxn + 1);
+  for (size_t i = 0; i < many.size(); ++i) {
+    many[i] = Write{absl::StrCat(Prefix(), "m", i), "v"};
+  }
+  for (const absl::StatusOr<bool>& refused :
+       {client_->WriteAllIfFresh({}, mine->id),
+        client_->WriteAllIfFresh(many, mine->id),
+        client_->WriteAllIfFresh(
+            {Write{Prefix() + "d", "1"}, Write{Prefix() + "d", std::nullopt}},
+            mine->id),
+        client_->WriteAllIfFresh({Write{Prefix() + "d", "1"}}, 0)}) {
+    EXPECT_EQ(GetErrorDetail(refused.status()).reason(), "ETCD_BAD_ARGUMENT")
+        << refused.status();
+  }
+  EXPECT_TRUE(client_->Revoke(mine->id).ok());
+}
+
 TEST_F(EtcdClientTest, DeleteRemovesTheKey) {
   ASSERT_TRUE(client_->Put(Prefix() + "k", "v").ok());
   absl::StatusOr<int64_t> deleted = client_->Delete(Prefix() + "k");

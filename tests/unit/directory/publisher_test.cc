@@ -270,6 +270,54 @@ TEST_F(PublisherTest, AKeyAnotherLeaseHoldsIsAConflictLeftAlone) {
   EXPECT_TRUE(client_->Revoke(theirs->id).ok());
 }
 
+// Keys queued together go to etcd together: a transaction holds up to
+// EtcdClient::kMaxWritesPerTxn of them (one key per transaction took 9 s
+// for 10,000 keys). A key another lease holds, in the midst of them, is a
+// conflict and the rest are written all the same; deletes go together too.
+TEST_F(PublisherTest, KeysQueuedTogetherGoInFewTransactions) {
+  absl::StatusOr<EtcdLease> theirs = client_->Grant(absl::Seconds(30));
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  ASSERT_TRUE(client_->Put(Prefix() + "k500", "theirs", theirs->id).ok());
+  std::unique_ptr<Publisher> publisher =
+      NewPublisher(Options(cluster_->endpoints()));
+  ASSERT_NE(publisher, nullptr);
+  constexpr int kKeys = 1000;
+  for (int i = 0; i < kKeys; ++i) {
+    ASSERT_TRUE(
+        publisher->Publish(absl::StrCat(Prefix(), "k", i), "value").ok());
+  }
+  ASSERT_TRUE(Eventually(
+      [&] {
+        PublisherStats stats = publisher->Stats();
+        return stats.published == kKeys - 1 && stats.conflicts == 1;
+      },
+      absl::Seconds(30)));
+  PublisherStats stats = publisher->Stats();
+  // 16 full transactions and a few short ones while the queue filled, and
+  // the batch with the conflict once more, one key at a time (64).
+  EXPECT_LT(stats.transactions, 200u) << stats.writes;
+  std::vector<EtcdKeyValue> kvs = Keys(*client_, Prefix());
+  ASSERT_EQ(kvs.size(), static_cast<size_t>(kKeys));
+  for (const EtcdKeyValue& kv : kvs) {
+    EXPECT_EQ(kv.lease, kv.key == Prefix() + "k500" ? theirs->id : stats.lease)
+        << kv.key;
+  }
+
+  std::vector<Publisher::Done> done;
+  for (int i = 0; i < kKeys; ++i) {
+    done.push_back(publisher->Unpublish(absl::StrCat(Prefix(), "k", i)));
+  }
+  for (Publisher::Done& d : done) {
+    ASSERT_TRUE(d->WaitForNotificationWithTimeout(absl::Seconds(30)));
+  }
+  EXPECT_LT(publisher->Stats().transactions - stats.transactions, 200u);
+  kvs = Keys(*client_, Prefix());
+  ASSERT_EQ(kvs.size(), 1u);  // theirs
+  EXPECT_EQ(kvs[0].lease, theirs->id);
+  EXPECT_TRUE(publisher->Stop().ok());
+  EXPECT_TRUE(client_->Revoke(theirs->id).ok());
+}
+
 TEST_F(PublisherTest, MaxKeysBoundsKeysWantedAndDeletesPending) {
   PublisherOptions options = Options(cluster_->endpoints());
   options.max_keys = 2;
