@@ -14,7 +14,7 @@ install(TARGETS mrd_client mrd_status mrd_status_proto mrd_proto mrd_health_prot
 
 set(MRD_INCLUDE_ROOT ${CMAKE_INSTALL_INCLUDEDIR}/mrd)
 set(MRD_CLIENT_HEADERS buffer client completion_stream lam memfd mr mrd_client
-  options peer_ticket registration session status)
+  name_watch options peer_ticket registration session status)
 list(TRANSFORM MRD_CLIENT_HEADERS PREPEND ${PROJECT_SOURCE_DIR}/client/lib/)
 list(TRANSFORM MRD_CLIENT_HEADERS APPEND .h)
 install(FILES ${MRD_CLIENT_HEADERS} DESTINATION ${MRD_INCLUDE_ROOT}/client/lib)

@@ -290,6 +290,9 @@ absl::StatusOr<v1::PublishedEntry> Client::Resolve(
     const v1::ResolveRequest& request) const {
   return CallUnary(*core_, &Stub::Resolve, request);
 }
+NameWatch Client::WatchName(const v1::ResolveRequest& request) const {
+  return NameWatch(core_, request);
+}
 
 void Client::RegisterMrAsync(
     v1::RegisterMrRequest request,

@@ -12,7 +12,8 @@
 // do that for you) and return the reply or the error converted by
 // StatusFromGrpc (so mrd::GetErrorDetail() works on it). Codes are those of
 // mrd.proto; UNAVAILABLE when mrd cannot be reached, DEADLINE_EXCEEDED when
-// the timeout passed.
+// the timeout passed. WatchName is the one stream among them: it has no
+// deadline, and its errors come from NameWatch::Next().
 #ifndef MRD_CLIENT_LIB_CLIENT_H_
 #define MRD_CLIENT_LIB_CLIENT_H_
 
@@ -23,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "client/lib/name_watch.h"
 #include "client/lib/options.h"
 #include "mrd/v1/mrd.pb.h"
 
@@ -112,6 +114,9 @@ class Client {
       const v1::ListPublishedRequest& request) const;
   absl::StatusOr<v1::PublishedEntry> Resolve(
       const v1::ResolveRequest& request) const;
+  // Watches a name as Resolve finds it (name_watch.h): returns at once with
+  // the stream open; its events, and any error, come from Next().
+  NameWatch WatchName(const v1::ResolveRequest& request) const;
 
   // Asynchronous forms on gRPC's callback API: return at once; `done` runs
   // exactly once, on a gRPC callback thread, when the reply (or error)

@@ -23,6 +23,7 @@
 #include "client/lib/lam.h"                // IWYU pragma: export
 #include "client/lib/memfd.h"              // IWYU pragma: export
 #include "client/lib/mr.h"                 // IWYU pragma: export
+#include "client/lib/name_watch.h"         // IWYU pragma: export
 #include "client/lib/options.h"            // IWYU pragma: export
 #include "client/lib/peer_ticket.h"        // IWYU pragma: export
 #include "client/lib/registration.h"       // IWYU pragma: export

@@ -270,6 +270,23 @@ std::vector<CommandSpec> BuildCommands() {
                {{"tenant", "TENANT",
                  "look in this tenant's names (default: the session's "
                  "tenant)"}}});
+  c.push_back({"watch",
+               "NAME",
+               1,
+               true,
+               "Print each change of a published name as it happens "
+               "(WatchName).",
+               "One JSON line per event, flushed at once: first the name's "
+               "state now ({\"kind\":\"PUBLISHED\",\"entry\":{...}} or "
+               "UNPUBLISHED, which is not an error), then every change. Runs "
+               "until --count events were printed, the stream ended, "
+               "--timeout passed, or SIGINT/SIGTERM. Here --timeout bounds the "
+               "whole wait (default: none); ending by timeout is not an error "
+               "unless --count was not reached (exit 6). The stream ends with "
+               "exit 6 UNAVAILABLE when mrd stops or hands over.",
+               {{"tenant", "TENANT",
+                 "watch this tenant's name (default: the session's tenant)"},
+                {"count", "N", "stop after N events (0: no limit)"}}});
   c.push_back(
       {"peer read",
        "",

@@ -13,11 +13,13 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/lib/mrd_client.h"
 #include "client/lib/options.h"
@@ -60,16 +62,28 @@ struct Context {
   const std::string& token() const { return inv.global.session; }
 };
 
-absl::Status Emit(Context& ctx, const Message& message) {
-  if (ctx.json()) {
-    MRD_ASSIGN_OR_RETURN(std::string json, JsonForm(message));
-    std::fprintf(ctx.out, "%s\n", json.c_str());
-  } else {
-    std::string text = HumanForm(message);
-    std::fwrite(text.data(), 1, text.size(), ctx.out);
-  }
+// `message` as one line of JSON, flushed: what a script reads line by line.
+absl::Status EmitJsonLine(Context& ctx, const Message& message) {
+  MRD_ASSIGN_OR_RETURN(std::string json, JsonForm(message));
+  std::fprintf(ctx.out, "%s\n", json.c_str());
   std::fflush(ctx.out);
   return absl::OkStatus();
+}
+
+absl::Status Emit(Context& ctx, const Message& message) {
+  if (ctx.json()) return EmitJsonLine(ctx, message);
+  std::string text = HumanForm(message);
+  std::fwrite(text.data(), 1, text.size(), ctx.out);
+  std::fflush(ctx.out);
+  return absl::OkStatus();
+}
+
+// The end of a waiting command's whole wait (completions, watch): --timeout
+// from now, or never.
+absl::Time WaitDeadline(const Context& ctx) {
+  return ctx.inv.global.timeout.has_value()
+             ? absl::Now() + *ctx.inv.global.timeout
+             : absl::InfiniteFuture();
 }
 
 // Wraps a flag parse error as a usage error naming the flag.
@@ -485,9 +499,7 @@ absl::Status Invalidate(Context& ctx) {
 
 absl::Status Completions(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(uint64_t count, ctx.flags.Uint64Or("count", 0));
-  const absl::Time deadline = ctx.inv.global.timeout.has_value()
-                                  ? absl::Now() + *ctx.inv.global.timeout
-                                  : absl::InfiniteFuture();
+  const absl::Time deadline = WaitDeadline(ctx);
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
   client::Session session = client::Session::Attach(c, ctx.token());
   InstallStopHandlers();
@@ -563,14 +575,64 @@ absl::Status Published(Context& ctx) {
   return Emit(ctx, response);
 }
 
-absl::Status Resolve(Context& ctx) {
+// NAME and --tenant of `resolve` and `watch`.
+v1::ResolveRequest ResolveRequestOf(const Context& ctx) {
   v1::ResolveRequest request;
   request.set_session(ctx.token());
   request.set_name(ctx.inv.positional[0]);
   request.set_tenant(ctx.flags.String("tenant").value_or(""));
+  return request;
+}
+
+absl::Status Resolve(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
-  MRD_ASSIGN_OR_RETURN(v1::PublishedEntry entry, c.Resolve(request));
+  MRD_ASSIGN_OR_RETURN(v1::PublishedEntry entry,
+                       c.Resolve(ResolveRequestOf(ctx)));
   return Emit(ctx, entry);
+}
+
+// Prints the events of `watch` until `count` were printed (0: no limit) or
+// the stream ends. A stream cancelled (by a stop signal, or by --timeout
+// passing) ends well, unless --timeout passed before `count` was reached.
+absl::Status PrintNameEvents(Context& ctx, client::NameWatch& watch,
+                             uint64_t count) {
+  for (uint64_t seen = 0; count == 0 || seen < count; ++seen) {
+    absl::StatusOr<v1::NameEvent> event = watch.Next();
+    if (absl::IsCancelled(event.status())) {
+      if (StopRequested() || count == 0) return absl::OkStatus();
+      return absl::DeadlineExceededError(absl::StrCat(
+          "got ", seen, " of ", count, " events before the timeout"));
+    }
+    if (absl::IsOutOfRange(event.status()) && count == 0) {
+      return absl::OkStatus();
+    }
+    if (!event.ok()) return event.status();
+    MRD_RETURN_IF_ERROR(EmitJsonLine(ctx, *event));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Watch(Context& ctx) {
+  MRD_ASSIGN_OR_RETURN(uint64_t count, ctx.flags.Uint64Or("count", 0));
+  const absl::Time deadline = WaitDeadline(ctx);
+  MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
+  InstallStopHandlers();
+  client::NameWatch watch = c.WatchName(ResolveRequestOf(ctx));
+  // The stream has no deadline and a signal does not interrupt its Read:
+  // this thread cancels it on a stop signal or once --timeout passed.
+  absl::Notification printed;
+  std::thread canceller([&watch, &printed, deadline] {
+    while (!printed.WaitForNotificationWithTimeout(absl::Milliseconds(50))) {
+      if (StopRequested() || absl::Now() >= deadline) {
+        watch.Cancel();
+        return;
+      }
+    }
+  });
+  absl::Status status = PrintNameEvents(ctx, watch, count);
+  printed.Notify();
+  canceller.join();
+  return status;
 }
 
 // Waits until stdin reaches EOF (not watched with `written`), a stop signal,
@@ -831,6 +893,7 @@ const std::map<std::string, Handler>& Handlers() {
       {"unpublish", Unpublish},
       {"published", Published},
       {"resolve", Resolve},
+      {"watch", Watch},
       {"peer read", PeerReadHandler},
       {"peer write", PeerWriteHandler},
       {"hold", Hold},
@@ -919,9 +982,10 @@ int Run(const std::vector<std::string>& args, const Environment& env,
           absl::FormatDuration(client::ClientOptions().rpc_timeout).c_str());
     }
   }
-  // A call that took seconds (a large registration) says how long; hold and
-  // completions wait on purpose.
-  if (took >= absl::Seconds(1) && name != "hold" && name != "completions") {
+  // A call that took seconds (a large registration) says how long; hold,
+  // completions and watch wait on purpose.
+  if (took >= absl::Seconds(1) && name != "hold" && name != "completions" &&
+      name != "watch") {
     std::fprintf(err, "mrctl: %s took %s\n", name.c_str(),
                  absl::FormatDuration(absl::Trunc(took, absl::Milliseconds(10)))
                      .c_str());

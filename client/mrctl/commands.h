@@ -2,7 +2,7 @@
 // prints the result. Run() is the whole program after argv is split.
 //
 // Not thread-safe: installs SIGINT/SIGTERM handlers for the waiting commands
-// (completions, hold).
+// (completions, hold, watch).
 #ifndef MRD_CLIENT_MRCTL_COMMANDS_H_
 #define MRD_CLIENT_MRCTL_COMMANDS_H_
 

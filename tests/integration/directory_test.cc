@@ -5,7 +5,9 @@
 // CloseSession), an mrd killed with SIGKILL loses its entries within its
 // lease's TTL, tenants publish only under their own prefix, and with every
 // etcd member down registrations go on and the entries appear once etcd is
-// back. Every wait is on an etcd watch or a condition with a deadline.
+// back; a watcher of a name (the C++ client's NameWatch) hears it published
+// and its token die, and a cancel from another thread ends its wait. Every
+// wait is on an etcd watch or a condition with a deadline.
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -294,32 +296,39 @@ TEST_F(DirectoryTest,
 
 TEST_F(DirectoryTest, AWatcherOfANameSeesItPublishedAndItsTokenDie) {
   Session session = OpenFdSession();
-  auto stub = v1::MemoryRegistration::NewStub(grpc::CreateChannel(
-      mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
   v1::ResolveRequest req;
   req.set_session(session.token());
   req.set_name("watched");
-  grpc::ClientContext context;
-  std::unique_ptr<grpc::ClientReader<v1::NameEvent>> reader =
-      stub->WatchName(&context, req);
-  v1::NameEvent event;
+  client::NameWatch watch = client_->WatchName(req);
   // First the state now: nothing under the name.
-  ASSERT_TRUE(reader->Read(&event));
-  EXPECT_EQ(event.kind(), v1::NameEvent::UNPUBLISHED);
+  absl::StatusOr<v1::NameEvent> event = watch.Next();
+  ASSERT_TRUE(event.ok()) << event.status();
+  EXPECT_EQ(event->kind(), v1::NameEvent::UNPUBLISHED);
   absl::StatusOr<Published> p = RegisterAndPublish(session, "watched");
   ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_TRUE(reader->Read(&event));
-  EXPECT_EQ(event.kind(), v1::NameEvent::PUBLISHED);
-  EXPECT_EQ(event.entry().tokens(0).rkey(), p->registration.rkey());
-  EXPECT_EQ(event.entry().node(), "node-a");
+  event = watch.Next();
+  ASSERT_TRUE(event.ok()) << event.status();
+  EXPECT_EQ(event->kind(), v1::NameEvent::PUBLISHED);
+  ASSERT_EQ(event->entry().tokens_size(), 1);
+  EXPECT_EQ(event->entry().tokens(0).rkey(), p->registration.rkey());
+  EXPECT_EQ(event->entry().address(), p->registration.base_address());
+  EXPECT_EQ(event->entry().node(), "node-a");
   // The token dies: the watcher hears it without asking.
   ASSERT_TRUE(p->registration.Deregister().ok());
-  ASSERT_TRUE(reader->Read(&event));
-  EXPECT_EQ(event.kind(), v1::NameEvent::UNPUBLISHED);
-  context.TryCancel();
-  while (reader->Read(&event)) {
-  }
-  EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  event = watch.Next();
+  ASSERT_TRUE(event.ok()) << event.status();
+  EXPECT_EQ(event->kind(), v1::NameEvent::UNPUBLISHED);
+
+  // Nothing more comes: Next() waits until another thread cancels it.
+  const absl::Time start = absl::Now();
+  std::thread canceller([&watch] { watch.Cancel(); });
+  event = watch.Next();
+  canceller.join();
+  EXPECT_EQ(event.status().code(), absl::StatusCode::kCancelled)
+      << event.status();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  // And so does every later call.
+  EXPECT_EQ(watch.Next().status().code(), absl::StatusCode::kCancelled);
 }
 
 // One WatchName stream of a test: open until it is destroyed (cancelled).

@@ -1,21 +1,27 @@
-// mrctl's directory commands (publish, published, resolve, unpublish) as the
-// real binary, against the real mrd with --etcd_endpoints on a real
+// mrctl's directory commands (publish, published, resolve, unpublish, watch)
+// as the real binary, against the real mrd with --etcd_endpoints on a real
 // three-member etcd cluster on loopback (tests/unit/directory/etcd_cluster.h):
 // a lease session imports, registers and publishes; `published` reports the
 // entry published; another node's mrd on the same etcd resolves it to the
 // right node, address and rkey; unpublish deletes it and resolving it then
-// exits 3; and without --etcd_endpoints publish exits 7 DIRECTORY_OFF.
+// exits 3; `watch` prints the name's events as JSON lines while they happen
+// (unpublished, then published with its rkey), stopping after --count or at
+// SIGTERM; and without --etcd_endpoints publish exits 7 DIRECTORY_OFF.
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -25,6 +31,8 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "google/protobuf/util/json_util.h"
+#include "mrd/v1/mrd.pb.h"
 #include "tests/integration/test_env.h"
 #include "tests/unit/directory/etcd_cluster.h"
 
@@ -74,6 +82,57 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+// The lines a child writes to a pipe, read as they come.
+class PipeLines {
+ public:
+  explicit PipeLines(int fd) : fd_(fd) {}
+  PipeLines(const PipeLines&) = delete;
+  PipeLines& operator=(const PipeLines&) = delete;
+  ~PipeLines() { ::close(fd_); }
+
+  // The next whole line, without its newline; nullopt at the end of the
+  // stream or when none came within `timeout`.
+  std::optional<std::string> Next(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      if (const size_t nl = buffer_.find('\n'); nl != std::string::npos) {
+        std::string line = buffer_.substr(0, nl);
+        buffer_.erase(0, nl + 1);
+        return line;
+      }
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return std::nullopt;
+      pollfd readable{fd_, POLLIN, 0};
+      const int ready = ::poll(
+          &readable, 1, static_cast<int>(absl::ToInt64Milliseconds(left)) + 1);
+      if (ready < 0 && errno == EINTR) continue;
+      if (ready <= 0) return std::nullopt;
+      char chunk[4096];
+      const ssize_t got = ::read(fd_, chunk, sizeof(chunk));
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) return std::nullopt;
+      buffer_.append(chunk, static_cast<size_t>(got));
+    }
+  }
+
+ private:
+  const int fd_;
+  std::string buffer_;
+};
+
+// A line `mrctl watch` printed, as the NameEvent it holds.
+v1::NameEvent EventOf(const std::optional<std::string>& line) {
+  v1::NameEvent event;
+  if (!line.has_value()) {
+    ADD_FAILURE() << "no line from mrctl watch";
+    return event;
+  }
+  const auto parsed =
+      google::protobuf::util::JsonStringToMessage(*line, &event);
+  EXPECT_TRUE(parsed.ok()) << parsed.ToString() << ": " << *line;
+  return event;
+}
+
 class MrctlDirectoryTest : public MrdTest {
  protected:
   static void SetUpTestSuite() {
@@ -104,18 +163,26 @@ class MrctlDirectoryTest : public MrdTest {
     return options;
   }
 
-  // Runs mrctl with `args` against the mrd of `runtime_dir` (default: the
-  // fixture's), MRD_SESSION=`session` when not empty; stdout and stderr go
-  // to files of the runtime directory, read once it exited. mrctl's own
-  // --timeout bounds every call it makes.
-  Result Mrctl(std::vector<std::string> args, const std::string& session,
-               const std::string& runtime_dir = "") {
+  // A started mrctl, and the files its output goes to.
+  struct Child {
+    pid_t pid = -1;
+    std::string out_path;  // empty: stdout is a descriptor of the caller's
+    std::string err_path;
+  };
+
+  // Starts mrctl with `args` against the mrd of `runtime_dir` (default: the
+  // fixture's), MRD_SESSION=`session` when not empty; stdout goes to
+  // `stdout_fd` if it is one, else to a file of the runtime directory, and
+  // stderr to a file there. mrctl's own --timeout bounds every call it
+  // makes (and the wait of `watch`).
+  Child Spawn(std::vector<std::string> args, const std::string& session,
+              const std::string& runtime_dir = "", int stdout_fd = -1) {
     const std::string dir =
         runtime_dir.empty() ? mrd_->runtime_dir() : runtime_dir;
-    const std::string out_path =
-        absl::StrCat(dir, "/mrctl-", ++children_, ".out");
-    const std::string err_path =
-        absl::StrCat(dir, "/mrctl-", children_, ".err");
+    const int n = ++children_;
+    Child child;
+    if (stdout_fd < 0) child.out_path = absl::StrCat(dir, "/mrctl-", n, ".out");
+    child.err_path = absl::StrCat(dir, "/mrctl-", n, ".err");
     args.insert(args.begin(), {MRCTL_BINARY, "--timeout=20s"});
     std::vector<std::string> env;
     for (char** e = environ; *e != nullptr; ++e) {
@@ -135,38 +202,51 @@ class MrctlDirectoryTest : public MrdTest {
     std::vector<char*> envp;
     for (std::string& e : env) envp.push_back(e.data());
     envp.push_back(nullptr);
-    const int out = ::open(out_path.c_str(),
-                           O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
-    const int err = ::open(err_path.c_str(),
+    const int out =
+        stdout_fd >= 0 ? stdout_fd
+                       : ::open(child.out_path.c_str(),
+                                O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
+    const int err = ::open(child.err_path.c_str(),
                            O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0600);
     const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
-    Result r;
     if (out < 0 || err < 0 || devnull < 0) {
       ADD_FAILURE() << "cannot open mrctl's files: " << std::strerror(errno);
-      return r;
+      return child;
     }
-    const pid_t pid = ::fork();
-    if (pid == 0) {
+    child.pid = ::fork();
+    if (child.pid == 0) {
       ::dup2(devnull, STDIN_FILENO);
       ::dup2(out, STDOUT_FILENO);
       ::dup2(err, STDERR_FILENO);
       ::execve(argp[0], argp.data(), envp.data());
       ::_exit(127);
     }
-    ::close(out);
+    if (out != stdout_fd) ::close(out);
     ::close(err);
     ::close(devnull);
-    if (pid < 0) {
+    if (child.pid < 0) {
       ADD_FAILURE() << "cannot start mrctl: " << std::strerror(errno);
-      return r;
     }
+    return child;
+  }
+
+  // Waits until `child` exited: its exit code and what it wrote to files.
+  static Result Reap(const Child& child) {
+    Result r;
+    if (child.pid < 0) return r;
     int status = 0;
-    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    while (::waitpid(child.pid, &status, 0) < 0 && errno == EINTR) {
     }
     r.code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    r.out = ReadFile(out_path);
-    r.err = ReadFile(err_path);
+    if (!child.out_path.empty()) r.out = ReadFile(child.out_path);
+    r.err = ReadFile(child.err_path);
     return r;
+  }
+
+  // Runs mrctl to its end (Spawn's arguments, stdout to a file).
+  Result Mrctl(std::vector<std::string> args, const std::string& session,
+               const std::string& runtime_dir = "") {
+    return Reap(Spawn(std::move(args), session, runtime_dir));
   }
 
   // `mrctl lease open -q` on the mrd of `runtime_dir`: the token.
@@ -198,6 +278,25 @@ class MrctlDirectoryTest : public MrdTest {
     EXPECT_EQ(registered.code, kExitOk) << registered;
     reg.registration = Fields(registered.out);
     return reg;
+  }
+
+  // `mrctl watch` with `args`, its stdout a pipe read line by line.
+  struct Watcher {
+    Child child;
+    std::unique_ptr<PipeLines> lines;
+  };
+  Watcher StartWatch(std::vector<std::string> args,
+                     const std::string& session) {
+    int fds[2];
+    if (::pipe2(fds, O_CLOEXEC) != 0) {
+      ADD_FAILURE() << "pipe2: " << std::strerror(errno);
+      return {};
+    }
+    args.insert(args.begin(), "watch");
+    Watcher watcher{Spawn(std::move(args), session, "", fds[1]),
+                    std::make_unique<PipeLines>(fds[0])};
+    ::close(fds[1]);
+    return watcher;
   }
 
   static EtcdCluster* cluster_;
@@ -300,6 +399,50 @@ TEST_F(MrctlDirectoryTest, PublishListResolveOnAnotherNodeAndUnpublish) {
   EXPECT_EQ(Mrctl({"lease", "close", "-q"}, session).code, kExitOk);
   absl::Status stopped = (*other)->Stop();
   EXPECT_TRUE(stopped.ok()) << stopped;
+}
+
+TEST_F(MrctlDirectoryTest, WatchPrintsEachEventOfTheNameAsAJsonLine) {
+  Registered reg = ImportAndRegister(*mrd_);
+  ASSERT_FALSE(HasFailure());
+  // One watcher stops after two events, the other runs until SIGTERM.
+  Watcher counted = StartWatch({"weights.0", "--count=2"}, reg.session);
+  Watcher endless = StartWatch({"weights.0"}, reg.session);
+  ASSERT_GT(counted.child.pid, 0);
+  ASSERT_GT(endless.child.pid, 0);
+  // Each first prints the name's state now: nothing published.
+  for (Watcher* w : {&counted, &endless}) {
+    std::optional<std::string> line = w->lines->Next(absl::Seconds(20));
+    EXPECT_EQ(EventOf(line).kind(), v1::NameEvent::UNPUBLISHED)
+        << line.value_or("");
+  }
+
+  Result published =
+      Mrctl({"publish", "weights.0",
+             "--registration=" + reg.registration["registration"]},
+            reg.session);
+  ASSERT_EQ(published.code, kExitOk) << published;
+  for (Watcher* w : {&counted, &endless}) {
+    std::optional<std::string> line = w->lines->Next(absl::Seconds(20));
+    v1::NameEvent event = EventOf(line);
+    EXPECT_EQ(event.kind(), v1::NameEvent::PUBLISHED) << line.value_or("");
+    EXPECT_EQ(event.entry().name(), "weights.0");
+    EXPECT_EQ(event.entry().node(), "node-a");
+    ASSERT_EQ(event.entry().tokens_size(), 1) << line.value_or("");
+    EXPECT_EQ(absl::StrCat(event.entry().tokens(0).rkey()),
+              reg.registration["rkey"]);
+  }
+
+  // --count=2 reached: it ends by itself, with nothing more printed.
+  Result counted_end = Reap(counted.child);
+  EXPECT_EQ(counted_end.code, kExitOk) << counted_end;
+  EXPECT_EQ(counted.lines->Next(absl::Seconds(20)), std::nullopt);
+  // SIGTERM interrupts a watch waiting for the next event: success.
+  ASSERT_EQ(::kill(endless.child.pid, SIGTERM), 0);
+  Result endless_end = Reap(endless.child);
+  EXPECT_EQ(endless_end.code, kExitOk) << endless_end;
+  EXPECT_EQ(endless.lines->Next(absl::Seconds(20)), std::nullopt);
+
+  EXPECT_EQ(Mrctl({"lease", "close", "-q"}, reg.session).code, kExitOk);
 }
 
 TEST_F(MrctlDirectoryTest, WithoutEtcdEndpointsPublishIsDirectoryOff) {

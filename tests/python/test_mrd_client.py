@@ -2,9 +2,10 @@
 (W5 reference counting), the peer path, LAMs, MR objects, FastRegister and
 completions, lease sessions, errors, that what a session held is gone
 when it ends, and the directory on etcd (publish, list_published, resolve
-from another node's mrd, unpublish) with one etcd member."""
+from another node's mrd, unpublish, watch_name) with one etcd member."""
 
 import os
+import threading
 import time
 
 import grpc
@@ -345,6 +346,43 @@ def test_publish_list_resolve_on_another_node_and_unpublish(directory_mrds):
             session.unpublish("weights.0")
         assert e.value.code == grpc.StatusCode.NOT_FOUND
         assert not session.list_published().entries
+
+
+def test_a_watcher_sees_the_name_published_and_its_token_die(directory_mrds):
+    node_a, node_b = directory_mrds
+    with node_a.open_fd_session() as session, \
+            node_b.open_fd_session() as other, \
+            session.create_buffer(64 << 10, name="watched") as buffer:
+        tenant = session.info().tenant
+        # From another node: first the state now, nothing published.
+        with other.watch_name("watched", tenant=tenant) as watch:
+            event = next(watch)
+            assert event.kind == mrd_pb2.NameEvent.UNPUBLISHED
+            reg = session.register(buffer, flags=mrd_client.REMOTE_READ)
+            session.publish("watched", reg)
+            event = next(watch)
+            assert event.kind == mrd_pb2.NameEvent.PUBLISHED
+            assert event.entry.node == "node-a"
+            assert event.entry.address == reg.base_address
+            assert [t.rkey for t in event.entry.tokens] == [reg.rkey]
+            # The token dies: the watcher hears it without asking.
+            reg.deregister()
+            event = next(watch)
+            assert event.kind == mrd_pb2.NameEvent.UNPUBLISHED
+
+            # Nothing more comes: a cancel from another thread ends the
+            # wait, and the iteration stops.
+            canceller = threading.Thread(target=watch.cancel)
+            canceller.start()
+            assert list(watch) == []
+            canceller.join()
+
+    # A stream mrd refuses raises MrdError.
+    with node_a.open_fd_session() as session:
+        with pytest.raises(MrdError) as e:
+            next(session.watch_name("bad/name"))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.reason == "BAD_PUBLISH_NAME"
 
 
 def test_without_etcd_the_directory_is_off(client):

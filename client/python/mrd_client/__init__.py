@@ -18,7 +18,7 @@ from .client import (FD_MAX_REPLY_BYTES, FD_MAX_REQUEST_BYTES, HUGE_PAGE_SIZE,
                      LOCAL_READ, LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE,
                      Buffer, Client,
                      FdSession, Lam, LeaseSession, MemfdBuffer, Mr,
-                     Registration, Session, default_runtime_dir)
+                     NameWatch, Registration, Session, default_runtime_dir)
 from .errors import MrdError
 from .peer import PeerError, SoftwarePeer
 
@@ -27,7 +27,7 @@ from .peer import PeerError, SoftwarePeer
 __all__ = [
     "Buffer", "Client", "FdSession", "FD_MAX_REPLY_BYTES",
     "FD_MAX_REQUEST_BYTES", "HUGE_PAGE_SIZE", "Lam", "LeaseSession", "LOCAL_READ",
-    "LOCAL_WRITE", "MemfdBuffer", "Mr", "MrdError", "PeerError",
+    "LOCAL_WRITE", "MemfdBuffer", "Mr", "MrdError", "NameWatch", "PeerError",
     "REMOTE_READ", "REMOTE_WRITE", "Registration", "Session", "SoftwarePeer",
     "default_runtime_dir",
 ]

@@ -321,11 +321,58 @@ class Session:
         return self._call("Resolve",
                           mrd_pb2.ResolveRequest(name=name, tenant=tenant))
 
+    def watch_name(self, name, tenant=""):
+        """WatchName: follows `name` as resolve() finds it, without polling.
+        A NameWatch: iterating it yields NameEvent messages, first the
+        name's state now (kind PUBLISHED with the entry, or UNPUBLISHED),
+        then each change, waiting for them as long as it takes (no
+        deadline). The iteration stops after cancel() (callable from any
+        thread) or when mrd ends the stream cleanly; otherwise it raises
+        MrdError: resolve()'s errors, RESOURCE_EXHAUSTED WATCH_LIMIT, or
+        UNAVAILABLE when mrd stops or hands over (watch again). Leaving it
+        as a context manager cancels it."""
+        return NameWatch(self.client._stub.WatchName(
+            mrd_pb2.ResolveRequest(session=self.token, name=name,
+                                   tenant=tenant)))
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+class NameWatch:
+    """One WatchName stream (Session.watch_name): an iterator of NameEvent
+    messages that ends after cancel(), and a context manager that cancels
+    on exit."""
+
+    def __init__(self, call):
+        self._call = call
+        self._cancelled = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._call)
+        except grpc.RpcError as e:
+            if self._cancelled and e.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise errors.from_rpc_error(e) from None
+
+    def cancel(self):
+        """Ends the stream: a __next__ waiting now, or called later, stops
+        the iteration. Idempotent."""
+        self._cancelled = True
+        self._call.cancel()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.cancel()
 
 
 class FdSession(Session):
