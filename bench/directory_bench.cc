@@ -39,6 +39,7 @@
 //
 // Prints one table per part and exits non-zero if anything failed.
 
+#include <sched.h>
 #include <signal.h>
 #include <sys/types.h>
 
@@ -202,9 +203,10 @@ struct LatencyCase {
 };
 
 // One RegisterMr (a miss) and its DeregisterMr of page `page`, published as
-// `name` when not empty; recorded into `out` when not null.
+// `name` when not empty, `hold` apart (not timed); recorded into `out` when
+// not null.
 bool OnePair(const Node& node, uint64_t page, const std::string& name,
-             LatencyCase* out) {
+             absl::Duration hold, LatencyCase* out) {
   v1::RegisterMrRequest req =
       client::ToRequest(node.session->token(), PageOf(node.buffer->id(), page));
   if (!name.empty()) req.set_publish_name(name);
@@ -216,9 +218,11 @@ bool OnePair(const Node& node, uint64_t page, const std::string& name,
                  r.ok() ? "a cache hit" : r.status().ToString().c_str());
     return false;
   }
+  if (hold > absl::ZeroDuration()) absl::SleepFor(hold);
   v1::DeregisterMrRequest d;
   d.set_session(node.session->token());
   d.set_registration(r->registration());
+  const Clock::time_point deregistering = Clock::now();
   auto left = node.client->DeregisterMr(d);
   const Clock::time_point done = Clock::now();
   if (!left.ok() || left->references() != 0) {
@@ -229,15 +233,16 @@ bool OnePair(const Node& node, uint64_t page, const std::string& name,
   }
   if (out != nullptr) {
     out->reg_us.push_back(Between(start, registered) * 1e6);
-    out->dereg_us.push_back(Between(registered, done) * 1e6);
-    out->pair_us.push_back(Between(start, done) * 1e6);
+    out->dereg_us.push_back(Between(deregistering, done) * 1e6);
+    out->pair_us.push_back(
+        (Between(start, registered) + Between(deregistering, done)) * 1e6);
   }
   return true;
 }
 
 bool Latency(const Node& node, uint64_t samples, uint64_t block,
-             uint64_t warmup, absl::Duration settle, LatencyCase* plain,
-             LatencyCase* published) {
+             uint64_t warmup, absl::Duration settle, absl::Duration hold,
+             LatencyCase* plain, LatencyCase* published) {
   uint64_t page = 0;
   uint64_t serial = 0;
   auto run = [&](bool publish, uint64_t n, LatencyCase* out) {
@@ -245,7 +250,7 @@ bool Latency(const Node& node, uint64_t samples, uint64_t block,
       const std::string name =
           publish ? absl::StrCat("lat-", serial++) : std::string();
       if (settle > absl::ZeroDuration()) absl::SleepFor(settle);
-      if (!OnePair(node, page, name, out)) return false;
+      if (!OnePair(node, page, name, hold, out)) return false;
       page = (page + 1) % (node.buffer->size() / kPage);
     }
     return true;
@@ -433,6 +438,11 @@ int Main(int argc, char** argv) {
   // and mrd's publisher are idle when the RegisterMr starts.
   const absl::Duration settle =
       absl::Microseconds(Flag(argc, argv, "--settle_us", 0));
+  // A pause between each RegisterMr and its DeregisterMr in part 1, both
+  // cases alike: longer than mrd's write delay (1 ms), the entry is written
+  // to etcd before it is deleted, as a name that lives is.
+  const absl::Duration hold =
+      absl::Microseconds(Flag(argc, argv, "--hold_us", 0));
   // Which parts run: any of "1", "2", "3".
   const std::string parts = StringFlag(argc, argv, "--parts", "123");
   // --etcd_down=1: a diagnostic of part 1 only: every etcd member is killed
@@ -440,11 +450,41 @@ int Main(int argc, char** argv) {
   // (backing off) and no etcd process runs meanwhile; what part 1 then
   // shows is mrd's own synchronous cost of publish_name.
   const bool etcd_down = Flag(argc, argv, "--etcd_down", 0) != 0;
+  // --etcd_cpu=N (N >= 1): the etcd members run on CPU N only, this
+  // benchmark and the mrd it starts on every other CPU, as if etcd ran on
+  // other machines (as it does in a cluster): part 1 then shows what
+  // publishing costs mrd itself, not etcd's use of the same cores.
+  const uint64_t etcd_cpu = Flag(argc, argv, "--etcd_cpu", 0);
 
   auto etcd = testing::EtcdCluster::Start(3);
   if (!etcd.ok()) {
     std::fprintf(stderr, "etcd: %s\n", etcd.status().ToString().c_str());
     return 1;
+  }
+  if (etcd_cpu > 0) {
+    cpu_set_t etcd_set;
+    cpu_set_t rest;
+    CPU_ZERO(&etcd_set);
+    CPU_ZERO(&rest);
+    if (sched_getaffinity(0, sizeof(rest), &rest) != 0 ||
+        !CPU_ISSET(etcd_cpu, &rest) || CPU_COUNT(&rest) < 2) {
+      std::fprintf(stderr, "--etcd_cpu=%lu: not one of 2+ CPUs of ours\n",
+                   static_cast<unsigned long>(etcd_cpu));
+      return 1;
+    }
+    CPU_SET(etcd_cpu, &etcd_set);
+    CPU_CLR(etcd_cpu, &rest);
+    for (int m = 0; m < (*etcd)->size(); ++m) {
+      if (sched_setaffinity((*etcd)->pid(m), sizeof(etcd_set), &etcd_set) !=
+          0) {
+        std::perror("sched_setaffinity (etcd)");
+        return 1;
+      }
+    }
+    if (sched_setaffinity(0, sizeof(rest), &rest) != 0) {
+      std::perror("sched_setaffinity");
+      return 1;
+    }
   }
   directory::EtcdClientOptions options;
   options.endpoints = (*etcd)->endpoints();
@@ -473,7 +513,8 @@ int Main(int argc, char** argv) {
   }
   LatencyCase plain, published;
   if (absl::StrContains(parts, "1") &&
-      !Latency(node, samples, block, warmup, settle, &plain, &published)) {
+      !Latency(node, samples, block, warmup, settle, hold, &plain,
+               &published)) {
     return 1;
   }
   if (absl::StrContains(parts, "1")) {

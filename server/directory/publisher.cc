@@ -105,10 +105,16 @@ struct Publisher::Impl {
   bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return stopping || lost || lease == 0 || !queue.empty();
   }
+  // What ends options.write_delay early.
+  bool WriteNow() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return stopping || lost || lease == 0 || urgent ||
+           queue.size() >= EtcdClient::kMaxWritesPerTxn;
+  }
   void Enqueue(const std::string& key, Entry& entry)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (entry.queued) return;
     entry.queued = true;
+    if (queue.empty()) queued_since = absl::Now();
     queue.push_back(key);
   }
 
@@ -123,8 +129,12 @@ struct Publisher::Impl {
   mutable absl::Mutex mu;
   std::map<std::string, Entry> entries ABSL_GUARDED_BY(mu);
   std::deque<std::string> queue ABSL_GUARDED_BY(mu);  // dirty keys, FIFO
-  bool stopping ABSL_GUARDED_BY(mu) = false;          // the worker is to stop
-  bool stopped ABSL_GUARDED_BY(mu) = false;  // Stop or Handover was called
+  absl::Time queued_since ABSL_GUARDED_BY(mu);  // when `queue` last filled
+  // An Unpublish waits for a delete queued: no write delay until the queue
+  // is empty again.
+  bool urgent ABSL_GUARDED_BY(mu) = false;
+  bool stopping ABSL_GUARDED_BY(mu) = false;  // the worker is to stop
+  bool stopped ABSL_GUARDED_BY(mu) = false;   // Stop or Handover was called
   bool adopt_tried ABSL_GUARDED_BY(mu) = false;
   bool ever_leased ABSL_GUARDED_BY(mu) = false;
   int64_t lease ABSL_GUARDED_BY(mu) = 0;
@@ -166,7 +176,12 @@ void Publisher::Impl::Run() {
     bool need_lease = false;
     {
       absl::MutexLock lock(&mu);
+      if (queue.empty()) urgent = false;  // the deletes waited for are done
       mu.Await(absl::Condition(this, &Impl::HasWork));
+      if (!WriteNow() && options.write_delay > absl::ZeroDuration()) {
+        mu.AwaitWithDeadline(absl::Condition(this, &Impl::WriteNow),
+                             queued_since + options.write_delay);
+      }
       if (stopping) return;
       need_lease = lost || lease == 0;
     }
@@ -480,10 +495,12 @@ absl::StatusOr<std::unique_ptr<Publisher>> Publisher::Start(
     PublisherOptions options) {
   if (options.lease_ttl < absl::Seconds(1) || options.max_keys == 0 ||
       options.retry_min <= absl::ZeroDuration() ||
-      options.retry_max < options.retry_min || options.adopt_lease < 0) {
+      options.retry_max < options.retry_min || options.adopt_lease < 0 ||
+      options.write_delay < absl::ZeroDuration()) {
     return MrdError(absl::StatusCode::kInvalidArgument, "DIRECTORY_BAD_OPTIONS",
                     "publisher: lease TTL under 1 s, max_keys 0, a retry "
-                    "backoff not positive or a negative lease to adopt");
+                    "backoff not positive, a negative lease to adopt or a "
+                    "negative write delay");
   }
   auto impl = std::make_unique<Impl>(std::move(options));
   MRD_ASSIGN_OR_RETURN(impl->client, EtcdClient::Create(impl->options.etcd));
@@ -572,6 +589,7 @@ Publisher::Done Publisher::Unpublish(const std::string& key) {
   }
   auto done = std::make_shared<absl::Notification>();
   entry.done.push_back(done);
+  impl_->urgent = true;
   return done;
 }
 

@@ -66,6 +66,13 @@ struct PublisherOptions {
   // A lease handed over by the process before (0: grant a new one). The
   // keys it holds are this process's: written again with their new values.
   int64_t adopt_lease = 0;
+  // How long a put waits in the queue before it is sent (0: at once),
+  // unless a full transaction's worth is queued or an Unpublish waits for a
+  // delete. The call that queued it answers first, without the writer's
+  // etcd request competing for its core, and the names queued meanwhile
+  // join it in one transaction. A name published and unpublished within it
+  // never reaches etcd.
+  absl::Duration write_delay = absl::Milliseconds(1);
 };
 
 // The directory as a whole, as GetSession, metrics and health report it.
@@ -103,8 +110,8 @@ class Publisher {
   // Starts the worker (and the lease's keeper once it has a lease); does
   // not wait for etcd. Errors: the client's (ETCD_BAD_ENDPOINT, ...),
   // INVALID_ARGUMENT DIRECTORY_BAD_OPTIONS for a TTL under 1 s, max_keys 0,
-  // a retry backoff not positive (or retry_max < retry_min) or a negative
-  // adopt_lease.
+  // a retry backoff not positive (or retry_max < retry_min), a negative
+  // adopt_lease or a negative write_delay.
   static absl::StatusOr<std::unique_ptr<Publisher>> Start(
       PublisherOptions options);
   // Stops the worker and the keeper. Does not revoke the lease: Stop or

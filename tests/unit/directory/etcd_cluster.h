@@ -47,6 +47,8 @@ class EtcdCluster {
   // Polls until `member` answers a linearizable read, up to `timeout`.
   absl::Status WaitReady(int member, absl::Duration timeout);
   bool running(int member) const { return members_[member].pid > 0; }
+  // The member's process; -1 when it is not running.
+  pid_t pid(int member) const { return members_[member].pid; }
   // The member's output (for failure messages).
   std::string Log(int member) const;
 

@@ -318,6 +318,39 @@ TEST_F(PublisherTest, KeysQueuedTogetherGoInFewTransactions) {
   EXPECT_TRUE(client_->Revoke(theirs->id).ok());
 }
 
+// A put waits options.write_delay in the queue (the call that queued it
+// answers first; others join its transaction), unless a transaction's worth
+// is queued or an Unpublish waits for a delete. A name unpublished within
+// the delay never reaches etcd. With a delay of a minute, what the test
+// sees written was written for one of those reasons.
+TEST_F(PublisherTest, AWriteDelayEndsWithAFullBatchOrADeleteWaitedFor) {
+  PublisherOptions options = Options(cluster_->endpoints());
+  options.write_delay = absl::Minutes(1);
+  std::unique_ptr<Publisher> publisher = NewPublisher(std::move(options));
+  ASSERT_NE(publisher, nullptr);
+  const size_t full = EtcdClient::kMaxWritesPerTxn;
+  for (size_t i = 0; i < full; ++i) {
+    ASSERT_TRUE(publisher->Publish(absl::StrCat(Prefix(), "k", i), "v").ok());
+  }
+  ASSERT_TRUE(Eventually([&] { return publisher->Stats().published == full; },
+                         absl::Seconds(20)));
+  // One more waits; a delete waited for takes it along.
+  ASSERT_TRUE(publisher->Publish(Prefix() + "late", "v").ok());
+  Publisher::Done done = publisher->Unpublish(Prefix() + "k0");
+  ASSERT_TRUE(done->WaitForNotificationWithTimeout(absl::Seconds(20)));
+  ASSERT_TRUE(Eventually(
+      [&] {
+        return IsState(*publisher, Prefix() + "late", KeyState::kPublished);
+      },
+      absl::Seconds(20)));
+  // Published and unpublished within the delay: nothing to delete.
+  ASSERT_TRUE(publisher->Publish(Prefix() + "short", "v").ok());
+  EXPECT_TRUE(publisher->Unpublish(Prefix() + "short")->HasBeenNotified());
+  EXPECT_EQ(Keys(*client_, Prefix() + "short").size(), 0u);
+  EXPECT_EQ(Keys(*client_, Prefix()).size(), full);  // k1.. and late
+  EXPECT_TRUE(publisher->Stop().ok());
+}
+
 TEST_F(PublisherTest, MaxKeysBoundsKeysWantedAndDeletesPending) {
   PublisherOptions options = Options(cluster_->endpoints());
   options.max_keys = 2;
