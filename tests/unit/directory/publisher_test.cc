@@ -169,6 +169,10 @@ TEST(PublisherOptionsTest, StartRefusesBadOptions) {
   options.max_keys = 0;
   EXPECT_EQ(Publisher::Start(options).status().code(),
             absl::StatusCode::kInvalidArgument);
+  options = Options({"127.0.0.1:2379"});
+  options.write_delay = absl::Milliseconds(-1);
+  EXPECT_EQ(GetErrorDetail(Publisher::Start(options).status()).reason(),
+            "DIRECTORY_BAD_OPTIONS");
   options = Options({"not an endpoint"});
   EXPECT_EQ(GetErrorDetail(Publisher::Start(options).status()).reason(),
             "ETCD_BAD_ENDPOINT");
