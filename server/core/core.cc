@@ -891,6 +891,8 @@ absl::Status Core::GetDeviceInfo(v1::DeviceInfo* out) const {
   out->set_max_page_list_length(a.max_page_list_length);
   out->set_adapter_flags(a.adapter_flags);
   out->set_peer_address(a.peer_address);
+  out->set_gid(a.gid);
+  out->set_lid(a.lid);
   out->set_healthy(health.healthy);
   out->set_status_message(health.message);
   out->set_pinned_bytes(device_->PinnedBytes());

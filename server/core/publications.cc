@@ -15,6 +15,7 @@
 #include "server/cache/registration_cache.h"
 #include "server/common/log.h"
 #include "server/core/errors.h"
+#include "server/core/mooncake_layout.h"
 
 namespace mrd::core {
 namespace {
@@ -50,6 +51,11 @@ std::string PublishedKey(const DirectoryOptions& options,
                       EscapeTenant(tenant), "/names/", name);
 }
 
+std::string NodeKey(const DirectoryOptions& options) {
+  return absl::StrCat(options.root, "/v1/", options.cluster, "/nodes/",
+                      options.node);
+}
+
 absl::Status CheckPublishName(absl::string_view name) {
   if (name.empty() || name.size() > kMaxNameLength) {
     return MrdError(absl::StatusCode::kInvalidArgument, "BAD_PUBLISH_NAME",
@@ -58,11 +64,11 @@ absl::Status CheckPublishName(absl::string_view name) {
   }
   for (char c : name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' &&
-        c != '_' && c != '-') {
+        c != '_' && c != '-' && c != ':') {
       return MrdError(
           absl::StatusCode::kInvalidArgument, "BAD_PUBLISH_NAME",
-          absl::StrCat("a published name is made of A-Z, a-z, 0-9, '.', '_' "
-                       "and '-'; '",
+          absl::StrCat("a published name is made of A-Z, a-z, 0-9, '.', '_', "
+                       "':' and '-'; '",
                        absl::CHexEscape(name), "' is not"));
     }
   }
@@ -82,6 +88,45 @@ void Publications::Configure(directory::Publisher* publisher,
   } else {
     LogError("directory: the client of reads: ", reader.status().ToString());
   }
+  // The node entry: which mrd serves this node now, its devices and epoch.
+  v1::DirectoryNode node;
+  node.set_cluster(options_.cluster);
+  node.set_node(options_.node);
+  node.set_epoch(options_.epoch);
+  const device::DeviceAttributes& a = device_->Attributes();
+  v1::DeviceInfo* device = node.add_devices();
+  device->set_name(a.name);
+  device->set_kind(a.kind);
+  device->set_page_size(a.page_size);
+  device->set_max_mr_size(a.max_mr_size);
+  device->set_max_page_list_length(a.max_page_list_length);
+  device->set_adapter_flags(a.adapter_flags);
+  device->set_peer_address(a.peer_address);
+  device->set_gid(a.gid);
+  device->set_lid(a.lid);
+  node.set_started_unix_ms(absl::ToUnixMillis(absl::Now()));
+  std::string json;
+  absl::Status written =
+      google::protobuf::util::MessageToJsonString(node, &json).ok()
+          ? publisher_->Publish(NodeKey(options_), std::move(json))
+          : absl::InternalError("the node entry could not be written as JSON");
+  if (!written.ok()) {
+    LogError("directory: the node entry: ", written.ToString());
+  }
+}
+
+std::string Publications::MooncakeKey(const std::string& name) const {
+  if (options_.mooncake_prefix.empty()) return std::string();
+  return MooncakeSegmentKey(options_.mooncake_prefix, name);
+}
+
+absl::Status Publications::PublishMooncake(const v1::PublishedEntry& entry) {
+  if (options_.mooncake_prefix.empty()) return absl::OkStatus();
+  const device::DeviceAttributes& a = device_->Attributes();
+  return publisher_->Publish(
+      MooncakeKey(entry.name()),
+      MooncakeSegmentJson(entry, {MooncakeDevice{a.name, a.gid, a.lid}},
+                          absl::Now()));
 }
 
 namespace {
@@ -185,6 +230,7 @@ absl::Status Publications::Publish(Session& session,
   MRD_RETURN_IF_ERROR(CheckPublishName(req.name()));
   const std::string& tenant = session.tenant()->name();
   const std::string key = PublishedKey(options_, tenant, req.name());
+  const std::string segment = MooncakeKey(req.name());
   // Under the session's lock from the check of the registration to the
   // queued write: a deregistration's Sync, which needs that lock, queues
   // the delete after it, never before.
@@ -199,6 +245,17 @@ absl::Status Publications::Publish(Session& session,
     absl::MutexLock names(&mu_);
     auto [it, inserted] = owners_.try_emplace(key, session.id());
     if (inserted) {
+      // A Mooncake segment has no tenant in its key: another tenant's
+      // session may hold this name's.
+      if (auto held = segments_.find(segment);
+          held != segments_.end() && held->second != session.id()) {
+        owners_.erase(it);
+        return MrdError(
+            absl::StatusCode::kAlreadyExists, "SEGMENT_TAKEN",
+            absl::StrCat("another tenant has published '", req.name(),
+                         "' on this mrd as the Mooncake segment ", segment,
+                         "; pick another name"));
+      }
       // The tenant's share of --directory_max_entries.
       if (absl::Status s =
               session.tenant()->Reserve(TenantResource::kPublished, 1);
@@ -206,6 +263,7 @@ absl::Status Publications::Publish(Session& session,
         owners_.erase(it);
         return s;
       }
+      if (!segment.empty()) segments_[segment] = session.id();
     } else {
       auto mine = session.published.find(req.name());
       if (it->second == session.id() && mine != session.published.end() &&
@@ -213,6 +271,7 @@ absl::Status Publications::Publish(Session& session,
         // The same publication again: nothing new.
         *out = std::move(entry);
         out->set_key(key);
+        out->set_mooncake_key(segment);
         out->set_registration(req.registration());
         return absl::OkStatus();
       }
@@ -222,14 +281,21 @@ absl::Status Publications::Publish(Session& session,
                        "' on this mrd already; unpublish it first"));
     }
   }
-  if (absl::Status s = publisher_->Publish(key, json); !s.ok()) {
+  absl::Status queued = publisher_->Publish(key, json);
+  if (queued.ok()) {
+    queued = PublishMooncake(entry);
+    if (!queued.ok()) publisher_->Unpublish(key);
+  }
+  if (!queued.ok()) {
     absl::MutexLock names(&mu_);
     EraseOwnerLocked(key, *session.tenant());
-    return s;
+    if (!segment.empty()) segments_.erase(segment);
+    return queued;
   }
   session.published[req.name()] = req.registration();
   *out = std::move(entry);
   out->set_key(key);
+  out->set_mooncake_key(segment);
   out->set_registration(req.registration());
   out->set_state("pending");
   return absl::OkStatus();
@@ -241,12 +307,21 @@ absl::Status Publications::CheckPublishable(Session& session,
   MRD_RETURN_IF_ERROR(CheckPublishName(name));
   const std::string& tenant = session.tenant()->name();
   const std::string key = PublishedKey(options_, tenant, name);
+  const std::string segment = MooncakeKey(name);
   absl::MutexLock names(&mu_);
   auto it = owners_.find(key);
   if (it != owners_.end() && it->second != session.id()) {
     return MrdError(absl::StatusCode::kAlreadyExists, "NAME_TAKEN",
                     absl::StrCat("tenant ", tenant, " has published '", name,
                                  "' on this mrd already; unpublish it first"));
+  }
+  if (auto held = segments_.find(segment); !segment.empty() &&
+                                           held != segments_.end() &&
+                                           held->second != session.id()) {
+    return MrdError(absl::StatusCode::kAlreadyExists, "SEGMENT_TAKEN",
+                    absl::StrCat("another tenant has published '", name,
+                                 "' on this mrd as the Mooncake segment ",
+                                 segment, "; pick another name"));
   }
   return absl::OkStatus();
 }
@@ -295,11 +370,16 @@ void Publications::RepublishAll(
         std::string json;
         if (entry.ok() &&
             google::protobuf::util::MessageToJsonString(*entry, &json).ok() &&
-            publisher_->Publish(key, json).ok()) {
+            publisher_->Publish(key, json).ok() &&
+            PublishMooncake(*entry).ok()) {
           absl::MutexLock names(&mu_);
           // Handed over: held already, whatever the quota says now.
           if (owners_.insert_or_assign(key, session->id()).second) {
             session->tenant()->Force(TenantResource::kPublished, 1);
+          }
+          if (const std::string segment = MooncakeKey(it->first);
+              !segment.empty()) {
+            segments_[segment] = session->id();
           }
           ++written;
           ++it;
@@ -330,16 +410,24 @@ absl::Status Publications::Unpublish(Session& session,
   }
   const std::string key =
       PublishedKey(options_, session.tenant()->name(), req.name());
+  const std::string segment = MooncakeKey(req.name());
   {
     absl::MutexLock names(&mu_);
     EraseOwnerLocked(key, *session.tenant());
+    if (!segment.empty()) segments_.erase(segment);
   }
-  directory::Publisher::Done done = publisher_->Unpublish(key);
+  std::vector<directory::Publisher::Done> done = {publisher_->Unpublish(key)};
+  if (!segment.empty()) done.push_back(publisher_->Unpublish(segment));
   const bool reachable =
       publisher_->Stats().state == directory::DirectoryState::kServing;
-  out->set_deleted(done->HasBeenNotified() ||
-                   (reachable && done->WaitForNotificationWithTimeout(
-                                     options_.unpublish_wait)));
+  const absl::Time deadline = absl::Now() + options_.unpublish_wait;
+  bool deleted = true;
+  for (const directory::Publisher::Done& d : done) {
+    deleted = deleted && (d->HasBeenNotified() ||
+                          (reachable && d->WaitForNotificationWithTimeout(
+                                            deadline - absl::Now())));
+  }
+  out->set_deleted(deleted);
   return absl::OkStatus();
 }
 
@@ -359,9 +447,23 @@ absl::Status Publications::List(Session& session,
     entry->set_registration(registration);
     const std::string key = PublishedKey(options_, tenant, name);
     entry->set_key(key);
-    absl::StatusOr<directory::KeyState> state = publisher_->StateOf(key);
-    entry->set_state(state.ok() ? std::string(directory::KeyStateName(*state))
-                                : std::string("pending"));
+    // A name is published once all its keys are; in conflict if one is.
+    directory::KeyState state = directory::KeyState::kPublished;
+    std::vector<std::string> keys = {key};
+    if (std::string segment = MooncakeKey(name); !segment.empty()) {
+      entry->set_mooncake_key(segment);
+      keys.push_back(std::move(segment));
+    }
+    for (const std::string& k : keys) {
+      absl::StatusOr<directory::KeyState> s = publisher_->StateOf(k);
+      if (s.ok() && *s == directory::KeyState::kConflict) {
+        state = *s;
+      } else if (state == directory::KeyState::kPublished &&
+                 (!s.ok() || *s == directory::KeyState::kPending)) {
+        state = directory::KeyState::kPending;
+      }
+    }
+    entry->set_state(std::string(directory::KeyStateName(state)));
     if (std::optional<cache::EntryView> view =
             registrations_->Describe(registration)) {
       entry->set_address(view->key.base_address);
@@ -450,11 +552,14 @@ void Publications::Drop(const Session& session,
   for (const std::string& name : names) {
     const std::string key =
         PublishedKey(options_, session.tenant()->name(), name);
+    const std::string segment = MooncakeKey(name);
     {
       absl::MutexLock lock(&mu_);
       EraseOwnerLocked(key, *session.tenant());
+      if (!segment.empty()) segments_.erase(segment);
     }
     done.push_back(publisher_->Unpublish(key));
+    if (!segment.empty()) done.push_back(publisher_->Unpublish(segment));
   }
   if (!wait ||
       publisher_->Stats().state != directory::DirectoryState::kServing) {

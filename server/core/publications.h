@@ -61,13 +61,19 @@ struct DirectoryOptions {
   // WatchName streams at once, at most (--directory_max_watches); a tenant
   // may hold a quarter of them.
   size_t max_watches = 256;
+  // --directory_mooncake_prefix: "" (off), or the prefix of the Mooncake
+  // layout's keys ("mooncake/"): each name is also a Mooncake segment,
+  // <prefix>ram/<name> (mooncake_layout.h).
+  std::string mooncake_prefix;
 };
 
 // A name's etcd key: "<root>/v1/<cluster>/tenants/<tenant>/names/<name>",
 // with any '/' or '%' of the tenant written as %2F, %25.
 std::string PublishedKey(const DirectoryOptions& options,
                          absl::string_view tenant, absl::string_view name);
-// OK for 1 to 128 characters of [A-Za-z0-9._-]; INVALID_ARGUMENT
+// This mrd's node entry's key: "<root>/v1/<cluster>/nodes/<node>".
+std::string NodeKey(const DirectoryOptions& options);
+// OK for 1 to 128 characters of [A-Za-z0-9._:-]; INVALID_ARGUMENT
 // BAD_PUBLISH_NAME otherwise.
 absl::Status CheckPublishName(absl::string_view name);
 
@@ -79,7 +85,9 @@ class Publications {
   Publications(const Publications&) = delete;
   Publications& operator=(const Publications&) = delete;
 
-  // Turns the directory on, before any call (the publisher outlives this).
+  // Turns the directory on, before any call (the publisher outlives this),
+  // and publishes this mrd's node entry (NodeKey: the devices and their
+  // peer addresses, the epoch) under the publisher's lease.
   void Configure(directory::Publisher* publisher, DirectoryOptions options);
   bool enabled() const { return publisher_ != nullptr; }
   const DirectoryOptions& options() const { return options_; }
@@ -134,6 +142,11 @@ class Publications {
                                                  const std::string& name,
                                                  uint64_t registration) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  // The name's Mooncake segment key; "" when that layout is off.
+  std::string MooncakeKey(const std::string& name) const;
+  // Queues the Mooncake segment of `entry` (a no-op when that layout is
+  // off).
+  absl::Status PublishMooncake(const v1::PublishedEntry& entry);
   // Queues the delete of each name's key and forgets the name; waits for
   // them (bounded) when `wait` and etcd is reachable.
   void Drop(const Session& session, const std::vector<std::string>& names,
@@ -155,6 +168,9 @@ class Publications {
   mutable absl::Mutex mu_;
   // Every key published on this mrd -> the id of the session holding it.
   absl::flat_hash_map<std::string, uint64_t> owners_ ABSL_GUARDED_BY(mu_);
+  // Every Mooncake segment key -> the id of the session holding it (its
+  // keys have no tenant: the first session to publish a name has it).
+  absl::flat_hash_map<std::string, uint64_t> segments_ ABSL_GUARDED_BY(mu_);
   size_t watches_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<std::string, size_t> tenant_watches_ ABSL_GUARDED_BY(mu_);
 };

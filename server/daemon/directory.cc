@@ -59,6 +59,17 @@ absl::Status DirectoryParticipant::Start(core::Core* core, bool taking_over) {
   options_.node = absl::GetFlag(FLAGS_node_name);
   if (options_.node.empty()) options_.node = HostName();
   MRD_RETURN_IF_ERROR(CheckSegment("node_name", options_.node));
+  options_.mooncake_prefix = absl::GetFlag(FLAGS_directory_mooncake_prefix);
+  if (!options_.mooncake_prefix.empty()) {
+    const std::string& prefix = options_.mooncake_prefix;
+    bool printable = true;
+    for (char c : prefix) printable = printable && c > ' ' && c != 0x7f;
+    if (prefix.size() > 256 || prefix.back() != '/' || !printable) {
+      return Fail(absl::StrCat("--directory_mooncake_prefix='", prefix,
+                               "' must end with '/' and hold no space or "
+                               "control character (e.g. mooncake/)"));
+    }
+  }
   options_.unpublish_wait = absl::GetFlag(FLAGS_directory_unpublish_wait);
   options_.max_watches = absl::GetFlag(FLAGS_directory_max_watches);
   publisher_options_.etcd.endpoints = endpoints;

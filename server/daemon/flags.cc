@@ -256,4 +256,10 @@ ABSL_FLAG(uint64_t, directory_max_entries, 65536,
 ABSL_FLAG(uint64_t, directory_max_watches, 256,
           "WatchName streams at once, at most (each one etcd watch); a "
           "tenant may hold a quarter of them (WATCH_LIMIT past that).");
+ABSL_FLAG(std::string, directory_mooncake_prefix, "",
+          "Also write each published name as a segment of Mooncake's "
+          "transfer engine, in its JSON, under <prefix>ram/<name>, e.g. "
+          "'mooncake/' (or 'mooncake/<cluster id>/', as its readers' "
+          "MC_METADATA_CLUSTER_ID makes it). Must end with '/'. "
+          "Empty = off.");
 ABSL_FLAG(bool, verbose, false, "Log debug lines.");

@@ -75,6 +75,7 @@ ABSL_DECLARE_FLAG(std::vector<std::string>, etcd_endpoints);
 ABSL_DECLARE_FLAG(std::string, directory_root);
 ABSL_DECLARE_FLAG(std::string, directory_cluster);
 ABSL_DECLARE_FLAG(std::string, node_name);
+ABSL_DECLARE_FLAG(std::string, directory_mooncake_prefix);
 ABSL_DECLARE_FLAG(absl::Duration, directory_lease_ttl);
 ABSL_DECLARE_FLAG(absl::Duration, directory_unpublish_wait);
 ABSL_DECLARE_FLAG(uint64_t, directory_max_entries);

@@ -68,6 +68,10 @@ struct DeviceAttributes {
   uint32_t max_page_list_length = 0;  // fast-register page arrays
   uint32_t adapter_flags = 0;
   std::string peer_address;  // host:port where peers connect
+  // Verbs: the GID peers address (xx:xx:...:xx, 16 bytes) and the port's
+  // LID; the software device has neither ("" and 0).
+  std::string gid;
+  uint32_t lid = 0;
   // The adapter supports memory windows (verbs: IBV_DEVICE_MEM_WINDOW or
   // max_mw > 0). mrd does not use them; reported for inspection.
   bool supports_memory_windows = false;

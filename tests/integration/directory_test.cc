@@ -27,10 +27,12 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "google/protobuf/util/json_util.h"
 #include "grpcpp/grpcpp.h"
 #include "mrd/v1/mrd.grpc.pb.h"
 #include "server/directory/etcd_client.h"
 #include "tests/integration/test_env.h"
+#include "tests/unit/core/mooncake_reader.h"
 #include "tests/unit/directory/etcd_cluster.h"
 
 namespace mrd::testing {
@@ -159,6 +161,17 @@ class DirectoryTest : public MrdTest {
     return "";
   }
 
+  // The node's entry on etcd now (empty if none).
+  v1::DirectoryNode NodeOf(const std::string& node) {
+    v1::DirectoryNode out;
+    const std::string value = ValueOf(absl::StrCat(Prefix(), "nodes/", node));
+    if (!value.empty()) {
+      EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(value, &out).ok())
+          << value;
+    }
+    return out;
+  }
+
   struct Published {
     Buffer buffer;
     Registration registration;
@@ -187,6 +200,36 @@ class DirectoryTest : public MrdTest {
     absl::StatusOr<v1::SessionInfo> info = session.Info();
     EXPECT_TRUE(info.ok()) << info.status();
     return info.ok() ? info->tenant() : "";
+  }
+
+  // 4 KiB of shm file `file` (which anyone may read: an anonymous lease
+  // opens only such files) registered by a new anonymous lease session,
+  // of tenant "anonymous".
+  struct Anonymous {
+    Session session;
+    Buffer buffer;
+    Registration registration;
+  };
+  absl::StatusOr<Anonymous> RegisterAnonymously(const std::string& file) {
+    absl::StatusOr<v1::SessionInfo> lease =
+        client_->OpenLeaseSession(v1::OpenLeaseSessionRequest());
+    if (!lease.ok()) return lease.status();
+    EXPECT_EQ(lease->tenant(), "anonymous");
+    Session session = Session::Attach(*client_, lease->session());
+    MRD_RETURN_IF_ERROR(
+        WriteShmFile(mrd_->shm_dir(), file, "anonymous data ", 4096));
+    if (::chmod((mrd_->shm_dir() + "/" + file).c_str(), 0644) != 0) {
+      return absl::InternalError("chmod");
+    }
+    absl::StatusOr<Buffer> buffer = Buffer::ImportFile(session, file, false);
+    if (!buffer.ok()) return buffer.status();
+    client::RegisterOptions o;
+    o.buffer = buffer->id();
+    o.length = 4096;
+    o.flags = kRemoteRead;
+    absl::StatusOr<Registration> reg = Registration::Register(session, o);
+    if (!reg.ok()) return reg.status();
+    return Anonymous{std::move(session), *std::move(buffer), *std::move(reg)};
   }
 
   // Each of `names` registered and published by `session`, in order.
@@ -271,8 +314,9 @@ TEST_F(DirectoryTest,
   EXPECT_TRUE(
       absl::StrContains(*scrape, "mrd_directory_state{state=\"serving\"} 1"))
       << *scrape;
+  // The name's key and the node's.
   EXPECT_TRUE(absl::StrContains(
-      *scrape, "mrd_directory_entries{state=\"published\"} 1"));
+      *scrape, "mrd_directory_entries{state=\"published\"} 2"));
   EXPECT_TRUE(
       absl::StrContains(*scrape, "mrd_directory_leases_granted_total 1"));
   // Every directory family docs/METRICS.md lists (metrics_test checks the
@@ -292,6 +336,35 @@ TEST_F(DirectoryTest,
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->published(), 0u);
   ASSERT_TRUE((*other)->Stop().ok());
+}
+
+TEST_F(DirectoryTest, TheNodeEntryNamesItsDevicesAndGoesWithItsMrd) {
+  absl::StatusOr<v1::DeviceInfo> device = client_->GetDeviceInfo();
+  ASSERT_TRUE(device.ok()) << device.status();
+  // Written before this test's watch began: polled.
+  ASSERT_TRUE(PollUntil([&] { return NodeOf("node-a").node() == "node-a"; },
+                        absl::Seconds(10)));
+  v1::DirectoryNode node = NodeOf("node-a");
+  EXPECT_EQ(node.node(), "node-a");
+  EXPECT_EQ(node.cluster(), cluster_name_);
+  EXPECT_EQ(node.epoch(), 1u);
+  EXPECT_GT(node.started_unix_ms(), 0);
+  ASSERT_EQ(node.devices_size(), 1);
+  EXPECT_EQ(node.devices(0).name(), device->name());
+  EXPECT_EQ(node.devices(0).peer_address(), device->peer_address());
+
+  // Another node's mrd has its own entry, gone when it stops (its lease is
+  // revoked); this node's stays.
+  absl::StatusOr<std::unique_ptr<MrdProcess>> other =
+      MrdProcess::Start(NodeOptions("node-b"));
+  ASSERT_TRUE(other.ok()) << other.status();
+  const std::string key_b = absl::StrCat(Prefix(), "nodes/node-b");
+  ASSERT_TRUE(
+      events_.WaitFor(EtcdWatchEvent::Type::kPut, key_b, absl::Seconds(10)));
+  ASSERT_TRUE((*other)->Stop().ok());
+  EXPECT_TRUE(
+      events_.WaitFor(EtcdWatchEvent::Type::kDelete, key_b, absl::Seconds(10)));
+  EXPECT_EQ(NodeOf("node-a").node(), "node-a");
 }
 
 TEST_F(DirectoryTest, AWatcherOfANameSeesItPublishedAndItsTokenDie) {
@@ -532,26 +605,11 @@ TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
 
   // Another tenant (an anonymous lease) publishes the same name under its
   // own prefix; the first entry stays as it was.
-  absl::StatusOr<v1::SessionInfo> lease =
-      client_->OpenLeaseSession(v1::OpenLeaseSessionRequest());
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  ASSERT_EQ(lease->tenant(), "anonymous");
-  std::optional<Session> anonymous =
-      Session::Attach(*client_, lease->session());
-  ASSERT_TRUE(
-      WriteShmFile(mrd_->shm_dir(), "anon", "anonymous data ", 4096).ok());
-  // Anyone may read it: an anonymous lease opens only such files.
-  ASSERT_EQ(::chmod((mrd_->shm_dir() + "/anon").c_str(), 0644), 0);
-  absl::StatusOr<Buffer> file = Buffer::ImportFile(*anonymous, "anon", false);
-  ASSERT_TRUE(file.ok()) << file.status();
-  client::RegisterOptions o;
-  o.buffer = file->id();
-  o.length = 4096;
-  o.flags = kRemoteRead;
-  absl::StatusOr<Registration> reg = Registration::Register(*anonymous, o);
-  ASSERT_TRUE(reg.ok()) << reg.status();
+  absl::StatusOr<Anonymous> anonymous = RegisterAnonymously("anon");
+  ASSERT_TRUE(anonymous.ok()) << anonymous.status();
+  const Registration* reg = &anonymous->registration;
   v1::PublishRequest publish;
-  publish.set_session(anonymous->token());
+  publish.set_session(anonymous->session.token());
   publish.set_name("shared");
   publish.set_registration(reg->id());
   absl::StatusOr<v1::PublishedEntry> theirs = client_->Publish(publish);
@@ -574,7 +632,8 @@ TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut,
                               KeyOf("anonymous", "shared"), absl::Seconds(10)));
-  absl::StatusOr<directory::EtcdRange> all = etcd_->Get(Prefix());
+  absl::StatusOr<directory::EtcdRange> all =
+      etcd_->Get(absl::StrCat(Prefix(), "tenants/"));
   ASSERT_TRUE(all.ok());
   EXPECT_EQ(all->kvs.size(), 2u);
 }
@@ -642,7 +701,8 @@ TEST_F(DirectoryTest, RegistrationsOfABatchArePublishedAsTheyAreMade) {
   EXPECT_EQ(info->published(), 3u);
   // Deregistered in one batch: every entry is gone when it answers.
   ASSERT_TRUE(client_->DeregisterMrBatch(undo).ok());
-  absl::StatusOr<directory::EtcdRange> left = etcd_->Get(Prefix());
+  absl::StatusOr<directory::EtcdRange> left =
+      etcd_->Get(absl::StrCat(Prefix(), "tenants/"));
   ASSERT_TRUE(left.ok());
   EXPECT_TRUE(left->kvs.empty());
 }
@@ -651,7 +711,8 @@ TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {
   char dir_template[] = "/tmp/mrd-directory-handover-XXXXXX";
   ASSERT_NE(::mkdtemp(dir_template), nullptr);
   const std::string runtime_dir = dir_template;
-  MrdProcessOptions options = NodeOptions("node-a");
+  // Not the fixture's mrd's node: a node has one mrd.
+  MrdProcessOptions options = NodeOptions("node-h");
   options.runtime_dir = runtime_dir;
   absl::StatusOr<std::unique_ptr<MrdProcess>> old = MrdProcess::Start(options);
   ASSERT_TRUE(old.ok()) << old.status();
@@ -704,6 +765,9 @@ TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {
       },
       absl::Seconds(10)));
   EXPECT_EQ(epoch, 2u);
+  // The node entry says which process serves the node now.
+  EXPECT_TRUE(PollUntil([&] { return NodeOf("node-h").epoch() == 2; },
+                        absl::Seconds(10)));
   absl::StatusOr<directory::EtcdRange> after = etcd_->Get(key);
   ASSERT_TRUE(after.ok() && after->kvs.size() == 1u);
   EXPECT_EQ(after->kvs[0].lease, before->kvs[0].lease);
@@ -720,6 +784,87 @@ TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {
   EXPECT_TRUE((*successor)->Stop().ok()) << (*successor)->Log();
   std::error_code ignored;
   std::filesystem::remove_all(runtime_dir, ignored);
+}
+
+// mrd with the Mooncake layout: each name is also a Mooncake segment.
+class DirectoryMooncakeTest : public DirectoryTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions options = DirectoryTest::ServerOptions();
+    options.extra_flags.push_back(
+        absl::StrCat("--directory_mooncake_prefix=", MooncakePrefix()));
+    return options;
+  }
+  // The test's own: "mooncake/<cluster>/", as a reader's
+  // MC_METADATA_CLUSTER_ID makes it.
+  std::string MooncakePrefix() const {
+    return absl::StrCat("mooncake/", cluster_name_, "/");
+  }
+};
+
+TEST_F(DirectoryMooncakeTest, ANameIsASegmentItsReadersParseAndGoesWithIt) {
+  Events segments;
+  absl::StatusOr<std::unique_ptr<directory::EtcdWatch>> watch =
+      etcd_->Watch(MooncakePrefix(), 0, segments.Callback());
+  ASSERT_TRUE(watch.ok()) << watch.status();
+  Session session = OpenFdSession();
+  // Mooncake names a segment host:port.
+  const std::string name = "10.0.0.7:17001";
+  absl::StatusOr<Published> p = RegisterAndPublish(session, name);
+  ASSERT_TRUE(p.ok()) << p.status();
+  const std::string segment = absl::StrCat(MooncakePrefix(), "ram/", name);
+  EXPECT_EQ(p->entry.mooncake_key(), segment);
+  ASSERT_TRUE(
+      segments.WaitFor(EtcdWatchEvent::Type::kPut, segment, absl::Seconds(10)));
+  const std::string json = ValueOf(segment);
+  MooncakeSegmentRead read;
+  absl::Status parsed = ReadMooncakeSegment(json, &read);
+  ASSERT_TRUE(parsed.ok()) << parsed << "\n" << json;
+  absl::StatusOr<v1::DeviceInfo> device = client_->GetDeviceInfo();
+  ASSERT_TRUE(device.ok());
+  EXPECT_EQ(read.name, name);
+  ASSERT_EQ(read.devices.size(), 1u);
+  EXPECT_EQ(read.devices[0], device->name());
+  EXPECT_EQ(read.length, p->buffer.size());
+  ASSERT_EQ(read.rkeys.size(), 1u);
+  EXPECT_EQ(read.rkeys[0], p->registration.rkey());
+  EXPECT_TRUE(absl::StrContains(
+      json, absl::StrCat("\"addr\":", p->registration.base_address(), ",")))
+      << json;
+  // mrd's own entry is there too, and ListPublished shows both keys.
+  EXPECT_NE(ValueOf(p->entry.key()), "");
+  v1::ListPublishedRequest list;
+  list.set_session(session.token());
+  EXPECT_TRUE(PollUntil(
+      [&] {
+        absl::StatusOr<v1::ListPublishedResponse> listed =
+            client_->ListPublished(list);
+        return listed.ok() && listed->entries_size() == 1 &&
+               listed->entries(0).mooncake_key() == segment &&
+               listed->entries(0).state() == "published";
+      },
+      absl::Seconds(10)));
+
+  // Segment keys have no tenant: another tenant cannot take this one.
+  absl::StatusOr<Anonymous> theirs = RegisterAnonymously("anon");
+  ASSERT_TRUE(theirs.ok()) << theirs.status();
+  v1::PublishRequest publish;
+  publish.set_session(theirs->session.token());
+  publish.set_name(name);
+  publish.set_registration(theirs->registration.id());
+  absl::StatusOr<v1::PublishedEntry> taken = client_->Publish(publish);
+  ASSERT_FALSE(taken.ok());
+  EXPECT_EQ(taken.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(client::ReasonOf(taken.status()), "SEGMENT_TAKEN");
+
+  // Deregistered: both keys are gone when DeregisterMr answers.
+  ASSERT_TRUE(p->registration.Deregister().ok());
+  EXPECT_EQ(ValueOf(segment), "");
+  EXPECT_EQ(ValueOf(p->entry.key()), "");
+  // Then the name is free for the other tenant.
+  absl::StatusOr<v1::PublishedEntry> now = client_->Publish(publish);
+  ASSERT_TRUE(now.ok()) << now.status();
+  EXPECT_EQ(now->mooncake_key(), segment);
 }
 
 // Not in a suite with a shared cluster: it kills every member.

@@ -348,6 +348,17 @@ absl::Status VerbsDevice::QueryAdapter(const VerbsDeviceOptions& options,
       (attr.device_cap_flags & IBV_DEVICE_MEM_WINDOW) != 0 || attr.max_mw > 0;
   adapter->attributes.peer_address =
       verbs_internal::FormatSockaddr(rdma_get_local_addr(adapter->listen_id));
+  // The GID peers address: the one rdma_cm bound the listener to, else the
+  // port's first.
+  ibv_gid gid = adapter->listen_id->route.addr.addr.ibaddr.sgid;
+  if (gid.global.subnet_prefix == 0 && gid.global.interface_id == 0) {
+    if (int rc = ibv_query_gid(adapter->context, adapter->port_num, 0, &gid);
+        rc != 0) {
+      gid = ibv_gid{};
+    }
+  }
+  adapter->attributes.gid = verbs_internal::FormatGid(gid.raw);
+  adapter->attributes.lid = port.lid;
   adapter->max_message_size =
       port.max_msg_sz != 0 ? port.max_msg_sz : uint64_t{1} << 30;
   adapter->max_responder_resources = static_cast<uint32_t>(attr.max_qp_rd_atom);

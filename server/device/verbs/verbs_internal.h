@@ -74,6 +74,8 @@ namespace verbs_internal {
 
 // "host:port" ("[host]:port" for IPv6) of a socket address.
 std::string FormatSockaddr(const sockaddr* addr);
+// A GID's 16 bytes as two lower-case hex digits each, joined by ':'.
+std::string FormatGid(const uint8_t (&raw)[16]);
 
 // Wakes the thread waiting on eventfd `fd`.
 inline void Wake(int fd) {

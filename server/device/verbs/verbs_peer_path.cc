@@ -38,6 +38,16 @@ absl::Status Refused(absl::string_view data, absl::string_view why) {
 
 namespace verbs_internal {
 
+std::string FormatGid(const uint8_t (&raw)[16]) {
+  std::string out;
+  out.reserve(47);
+  for (size_t i = 0; i < 16; ++i) {
+    if (i > 0) out += ':';
+    absl::StrAppend(&out, absl::Hex(raw[i], absl::kZeroPad2));
+  }
+  return out;
+}
+
 std::string FormatSockaddr(const sockaddr* addr) {
   if (addr == nullptr) return "unknown";
   char host[INET6_ADDRSTRLEN] = {};
