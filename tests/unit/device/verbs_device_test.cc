@@ -10,6 +10,7 @@
 // on one peer's connection and probe with separate, disposable peers.
 #include "server/device/verbs/verbs_device.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -24,6 +25,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
@@ -221,6 +223,19 @@ TEST_F(VerbsDeviceTest, AttributesDescribeTheAdapter) {
   EXPECT_THAT(attributes.peer_address,
               HasSubstr(absl::StrCat(std::getenv("MRD_VERBS_ADDRESS"), ":")));
   EXPECT_FALSE(absl::EndsWith(attributes.peer_address, ":0"));
+  // The GID peers address, as the directory's Mooncake layout writes it.
+  EXPECT_THAT(attributes.gid,
+              ::testing::MatchesRegex("([0-9a-f]{2}:){15}[0-9a-f]{2}"))
+      << "lid " << attributes.lid;
+  // rdma_cm's source GID: RoCE's for the address mrd listens on, IPv4
+  // mapped.
+  in_addr ip{};
+  ASSERT_EQ(inet_pton(AF_INET, std::getenv("MRD_VERBS_ADDRESS"), &ip), 1);
+  const auto* b = reinterpret_cast<const uint8_t*>(&ip.s_addr);
+  EXPECT_EQ(attributes.gid,
+            absl::StrFormat("00:00:00:00:00:00:00:00:00:00:ff:ff:%02x:%02x:"
+                            "%02x:%02x",
+                            b[0], b[1], b[2], b[3]));
   EXPECT_GT(device_->max_message_size(), 0u);
   DeviceHealth health = device_->Health();
   EXPECT_TRUE(health.healthy) << health.message;
