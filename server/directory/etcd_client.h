@@ -68,8 +68,9 @@
 // user/password authentication when options name a user: the password is
 // read from a file (a flag would show it in ps), the client asks each
 // member for a token of its own (Auth.Authenticate on that member, when it
-// is first called there: a simple token is that member's until replicated,
-// and a member that restarted has forgotten it) and sends it with every
+// is first called there: etcd keeps simple tokens in each member's memory,
+// another member knows one only once it has applied the sign-in, and a
+// member that restarted has forgotten them all) and sends it with every
 // call, keeper renewal and watch. A token etcd no longer takes ("invalid
 // auth token": expired, or the member restarted) is replaced and the call
 // tried once more. Every PEM file and the password file are read at Create;

@@ -1,13 +1,15 @@
 // EtcdClient over TLS and with etcd's user/password authentication, against
-// a real one-member etcd (EtcdCluster's modes): with the CA the calls work,
-// with no TLS or another CA they fail UNAVAILABLE; a member that requires a
-// client certificate refuses a client without one. With authentication on,
-// the right password works for every kind of call, a wrong one is refused
-// (ETCD_AUTH_FAILED) without the error showing it, and a token that expired
-// is replaced without the caller seeing it. Options that name files that
-// cannot be read, are not PEM, or do not go together are refused at Create
-// (ETCD_BAD_CREDENTIALS), naming the file and never what it holds. Waits
-// poll a condition (or etcd's log) against a deadline.
+// a real etcd of one member (three for a failover; EtcdCluster's modes):
+// with the CA the calls work, with no TLS or another CA they fail
+// UNAVAILABLE; a member that requires a client certificate refuses a client
+// without one. With authentication on, the right password works for every
+// kind of call, a wrong one is refused (ETCD_AUTH_FAILED) without the error
+// showing it, a call that fails over signs in on its new member, and a
+// token that expired is replaced, neither seen by the caller. Options that
+// name files that cannot be read, are not PEM, or do not go together are
+// refused at Create (ETCD_BAD_CREDENTIALS), naming the file and never what
+// it holds. Waits poll a condition against a deadline, but for the token's
+// expiry, which etcd does not announce (a bounded wait).
 #include <unistd.h>
 
 #include <fstream>
@@ -264,6 +266,33 @@ TEST_F(EtcdAuthTest, AWrongPasswordIsRefusedWithoutShowingIt) {
   EXPECT_EQ(GetErrorDetail(watch.status()).reason(), "ETCD_AUTH_FAILED");
   EXPECT_FALSE(absl::StrContains(watch.status().ToString(), wrong));
   EXPECT_EQ((*client)->authentications(), 0);
+}
+
+// Three members: a call that fails over signs in on the member it moves to
+// (each member's token is its own), and the caller sees nothing of it.
+TEST(EtcdAuthFailoverTest, AClientSignsInOnTheMemberItFailsOverTo) {
+  EtcdClusterOptions cluster_options;
+  cluster_options.auth = true;
+  absl::StatusOr<std::unique_ptr<EtcdCluster>> cluster =
+      EtcdCluster::Start(3, cluster_options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  absl::StatusOr<std::unique_ptr<EtcdClient>> client =
+      NewClient((*cluster)->ClientOptions());
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->Put(Prefix() + "a", "1").ok());
+  ASSERT_EQ((*client)->authentications(), 1);
+  // The client starts on the first member; without it, the next.
+  (*cluster)->Kill(0);
+  absl::StatusOr<int64_t> put = (*client)->Put(Prefix() + "b", "2");
+  ASSERT_TRUE(put.ok()) << put.status();
+  // At least one more (a member tried while the others elect a leader
+  // gives its token too); then each member's token is kept.
+  const int64_t signed_in = (*client)->authentications();
+  EXPECT_GE(signed_in, 2);
+  absl::StatusOr<EtcdRange> range = (*client)->Get(Prefix());
+  ASSERT_TRUE(range.ok()) << range.status();
+  EXPECT_EQ(range->kvs.size(), 2u);
+  EXPECT_EQ((*client)->authentications(), signed_in);
 }
 
 // Tokens that live 1 s unused (--auth-token-ttl). etcd drops a token within
