@@ -33,10 +33,12 @@ PACKAGES=(
   # (tests/integration/readme_test.py)
   systemd util-linux iproute2
   # the directory on etcd (server/directory, docs/DIRECTORY.md): the etcd
-  # server its tests run as a three-member cluster on loopback, etcdctl, and
-  # etcd's own .proto files, from which the build makes the v3 API's client
-  # stubs (proto/etcd)
-  etcd-server etcd-client golang-etcd-server-dev
+  # server its tests run as a three-member cluster on loopback, etcdctl
+  # (the tests turn etcd's authentication on with it), and etcd's own
+  # .proto files, from which the build makes the v3 API's client stubs
+  # (proto/etcd); openssl: the tests make the CA and certificates of etcd
+  # over TLS
+  etcd-server etcd-client golang-etcd-server-dev openssl
   # tests and benchmarks
   libgtest-dev libgmock-dev libbenchmark-dev
   # `make bench`'s plots (bench/plot_bench.py, PNGs for docs/PERFORMANCE.md)

@@ -3,6 +3,7 @@
 #include <limits.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -13,6 +14,7 @@
 #include "server/common/log.h"
 #include "server/daemon/config.h"
 #include "server/daemon/flags.h"
+#include "server/directory/etcd_client.h"
 
 namespace mrd::daemon {
 namespace {
@@ -41,13 +43,58 @@ std::string HostName() {
   return name;
 }
 
+// The flags of TLS and etcd's authentication: pairs that go together, and
+// files that can be read and hold what they should (an EtcdClient made and
+// dropped: it reads them and connects to nothing), so that a mistake stops
+// the start rather than the first write. Errors name flags and files only.
+absl::Status SetCredentials(directory::EtcdClientOptions* etcd) {
+  etcd->ca_file = absl::GetFlag(FLAGS_etcd_ca_file);
+  etcd->cert_file = absl::GetFlag(FLAGS_etcd_cert_file);
+  etcd->key_file = absl::GetFlag(FLAGS_etcd_key_file);
+  etcd->user = absl::GetFlag(FLAGS_etcd_user);
+  etcd->password_file = absl::GetFlag(FLAGS_etcd_password_file);
+  if (etcd->cert_file.empty() != etcd->key_file.empty()) {
+    return Fail(etcd->cert_file.empty()
+                    ? "--etcd_key_file needs --etcd_cert_file (the "
+                      "certificate of that key)"
+                    : "--etcd_cert_file needs --etcd_key_file (the "
+                      "certificate's key)");
+  }
+  if (etcd->user.empty() != etcd->password_file.empty()) {
+    return Fail(etcd->user.empty()
+                    ? "--etcd_password_file needs --etcd_user (whose "
+                      "password it is)"
+                    : "--etcd_user needs --etcd_password_file (the file "
+                      "holding the user's password)");
+  }
+  if (etcd->endpoints.empty()) return absl::OkStatus();
+  absl::StatusOr<std::unique_ptr<directory::EtcdClient>> client =
+      directory::EtcdClient::Create(*etcd);
+  if (!client.ok()) {
+    return Fail(absl::StrCat("directory: ", client.status().message(), " (",
+                             GetErrorDetail(client.status()).reason(), ")"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status DirectoryParticipant::Start(core::Core* core, bool taking_over) {
   core_ = core;
   const std::vector<std::string> endpoints =
       absl::GetFlag(FLAGS_etcd_endpoints);
-  if (endpoints.empty()) return absl::OkStatus();
+  publisher_options_.etcd.endpoints = endpoints;
+  MRD_RETURN_IF_ERROR(SetCredentials(&publisher_options_.etcd));
+  if (endpoints.empty()) {
+    if (!publisher_options_.etcd.ca_file.empty() ||
+        !publisher_options_.etcd.cert_file.empty() ||
+        !publisher_options_.etcd.user.empty()) {
+      LogInfo(
+          "directory: off (no --etcd_endpoints); its TLS and user flags are "
+          "not used");
+    }
+    return absl::OkStatus();
+  }
   options_.root = absl::GetFlag(FLAGS_directory_root);
   if (options_.root.empty() || options_.root.front() != '/' ||
       options_.root.back() == '/') {
@@ -72,13 +119,19 @@ absl::Status DirectoryParticipant::Start(core::Core* core, bool taking_over) {
   }
   options_.unpublish_wait = absl::GetFlag(FLAGS_directory_unpublish_wait);
   options_.max_watches = absl::GetFlag(FLAGS_directory_max_watches);
-  publisher_options_.etcd.endpoints = endpoints;
   publisher_options_.lease_ttl = absl::GetFlag(FLAGS_directory_lease_ttl);
   publisher_options_.max_keys = absl::GetFlag(FLAGS_directory_max_entries);
   enabled_ = true;
-  LogInfo("directory: etcd ", absl::StrJoin(endpoints, ","), ", cluster ",
-          options_.cluster, ", node ", options_.node, ", lease TTL ",
-          absl::FormatDuration(publisher_options_.lease_ttl));
+  const directory::EtcdClientOptions& etcd = publisher_options_.etcd;
+  LogInfo("directory: etcd ", absl::StrJoin(endpoints, ","),
+          etcd.ca_file.empty() && etcd.cert_file.empty()
+              ? " (plain text)"
+              : absl::StrCat(
+                    " (TLS",
+                    etcd.cert_file.empty() ? "" : ", client certificate", ")"),
+          etcd.user.empty() ? "" : absl::StrCat(", user ", etcd.user),
+          ", cluster ", options_.cluster, ", node ", options_.node,
+          ", lease TTL ", absl::FormatDuration(publisher_options_.lease_ttl));
   if (taking_over) return absl::OkStatus();  // Commit starts it
   return StartPublisher(/*lease=*/0, /*republish=*/false);
 }

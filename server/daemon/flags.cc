@@ -230,9 +230,25 @@ ABSL_FLAG(std::string, handover_test_fault, "",
           "process_handover.h lists them).");
 ABSL_FLAG(std::vector<std::string>, etcd_endpoints, {},
           "The directory (docs/DIRECTORY.md): etcd members, host:port,... "
-          "(etcd's v3 gRPC API, plain text). Sessions publish registrations "
+          "(etcd's v3 gRPC API; TLS with --etcd_ca_file). Sessions publish "
+          "registrations "
           "there under names that peers on other nodes resolve; every entry "
           "is bound to mrd's lease. Empty = no directory.");
+ABSL_FLAG(std::string, etcd_ca_file, "",
+          "The directory over TLS: the PEM bundle of the CA that signed the "
+          "etcd members' certificates. Empty = plain text (unless "
+          "--etcd_cert_file is set: then the system's CAs).");
+ABSL_FLAG(std::string, etcd_cert_file, "",
+          "The directory over mutual TLS: mrd's client certificate (PEM), "
+          "for etcd members that require one (--client-cert-auth); with "
+          "--etcd_key_file.");
+ABSL_FLAG(std::string, etcd_key_file, "", "The key (PEM) of --etcd_cert_file.");
+ABSL_FLAG(std::string, etcd_user, "",
+          "etcd's authentication: the user mrd signs in as; with "
+          "--etcd_password_file. Empty = none.");
+ABSL_FLAG(std::string, etcd_password_file, "",
+          "The file holding --etcd_user's password (its first line). A file, "
+          "not a flag: a flag's value shows in ps.");
 ABSL_FLAG(std::string, directory_root, "/mrd",
           "The directory's root key on etcd (starts with '/').");
 ABSL_FLAG(std::string, directory_cluster, "default",

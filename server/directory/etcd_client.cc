@@ -1,9 +1,13 @@
 #include "server/directory/etcd_client.h"
 
+#include <fcntl.h>
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -14,6 +18,7 @@
 #include "etcd/etcdserver/etcdserverpb/rpc.grpc.pb.h"
 #include "mrd/net.h"
 #include "mrd/status.h"
+#include "mrd/unique_fd.h"
 #include "server/common/log.h"
 
 namespace mrd::directory {
@@ -32,6 +37,79 @@ constexpr char kRequireLeaderKey[] = "hasleader";
 constexpr char kRequireLeaderValue[] = "true";
 constexpr absl::string_view kLeaseNotFound = "requested lease not found";
 constexpr absl::string_view kLeaseExists = "lease already exists";
+// etcd's authentication (rpctypes): the token goes in this metadata.
+constexpr char kTokenKey[] = "token";
+constexpr absl::string_view kAuthNotEnabled = "authentication is not enabled";
+// Answers that mean the token sent is no good (any more), not the request.
+constexpr absl::string_view kTokenRefusals[] = {
+    "invalid auth token",             // expired, or the member restarted
+    "revision of auth store is old",  // users or roles changed since
+    "user name is empty",             // no token: auth enabled since
+};
+constexpr size_t kMaxPemBytes = size_t{1} << 20;
+constexpr size_t kMaxPasswordBytes = 4096;
+
+absl::Status BadCredentials(absl::string_view message) {
+  return MrdError(absl::StatusCode::kInvalidArgument, "ETCD_BAD_CREDENTIALS",
+                  message);
+}
+
+// The whole of a small file; the error names `what` and the path, never
+// what the file holds.
+absl::StatusOr<std::string> ReadSecretFile(absl::string_view what,
+                                           const std::string& path,
+                                           size_t max_bytes) {
+  UniqueFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) {
+    return BadCredentials(
+        absl::StrCat(what, " '", path, "' cannot be read: ", strerror(errno)));
+  }
+  std::string text;
+  char chunk[4096];
+  while (true) {
+    const ssize_t n = ::read(fd.get(), chunk, sizeof(chunk));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return BadCredentials(absl::StrCat(
+          what, " '", path, "' cannot be read: ", strerror(errno)));
+    }
+    if (n == 0) break;
+    text.append(chunk, static_cast<size_t>(n));
+    if (text.size() > max_bytes) {
+      return BadCredentials(absl::StrCat(what, " '", path, "' is larger than ",
+                                         max_bytes, " bytes"));
+    }
+  }
+  return text;
+}
+
+// A PEM file holding at least one block whose label ends with `label`
+// ("CERTIFICATE", "PRIVATE KEY": "EC PRIVATE KEY" too).
+absl::StatusOr<std::string> ReadPem(absl::string_view what,
+                                    const std::string& path,
+                                    absl::string_view label) {
+  MRD_ASSIGN_OR_RETURN(std::string text,
+                       ReadSecretFile(what, path, kMaxPemBytes));
+  const size_t begin = text.find("-----BEGIN ");
+  const size_t end = begin == std::string::npos
+                         ? std::string::npos
+                         : text.find(absl::StrCat(label, "-----"), begin);
+  if (end == std::string::npos ||
+      text.find("-----END ", end) == std::string::npos) {
+    return BadCredentials(
+        absl::StrCat(what, " '", path, "' is not PEM (no ", label, " block)"));
+  }
+  return text;
+}
+
+bool TokenRefused(const grpc::Status& status) {
+  if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) return true;
+  if (status.error_code() != grpc::StatusCode::INVALID_ARGUMENT) return false;
+  for (absl::string_view refusal : kTokenRefusals) {
+    if (absl::StrContains(status.error_message(), refusal)) return true;
+  }
+  return false;
+}
 
 absl::Status BadArgument(absl::string_view message) {
   return MrdError(absl::StatusCode::kInvalidArgument, "ETCD_BAD_ARGUMENT",
@@ -110,6 +188,11 @@ struct EtcdClient::Endpoint {
   std::unique_ptr<pb::KV::Stub> kv;
   std::unique_ptr<pb::Lease::Stub> lease;
   std::unique_ptr<pb::Watch::Stub> watch;
+  std::unique_ptr<pb::Auth::Stub> auth;
+  // This member's token (authenticating only); never logged.
+  mutable absl::Mutex mu;
+  mutable bool has_token ABSL_GUARDED_BY(mu) = false;
+  mutable std::string token ABSL_GUARDED_BY(mu);  // "": etcd's auth is off
 };
 
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(
@@ -132,11 +215,59 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(
       options.reconnect_backoff_max <= absl::ZeroDuration()) {
     return BadArgument("etcd client timeouts must be positive");
   }
-  return std::unique_ptr<EtcdClient>(new EtcdClient(std::move(options)));
+  if (options.cert_file.empty() != options.key_file.empty()) {
+    return BadCredentials(
+        options.cert_file.empty()
+            ? "an etcd client key without its certificate (cert_file)"
+            : "an etcd client certificate without its key (key_file)");
+  }
+  if (options.user.empty() != options.password_file.empty()) {
+    return BadCredentials(options.user.empty()
+                              ? "an etcd password file without a user"
+                              : "an etcd user without a password file");
+  }
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options.ca_file.empty() && options.cert_file.empty()) {
+    credentials = grpc::InsecureChannelCredentials();
+  } else {
+    grpc::SslCredentialsOptions ssl;
+    if (!options.ca_file.empty()) {
+      MRD_ASSIGN_OR_RETURN(
+          ssl.pem_root_certs,
+          ReadPem("etcd CA file", options.ca_file, "CERTIFICATE"));
+    }
+    if (!options.cert_file.empty()) {
+      MRD_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                           ReadPem("etcd client certificate file",
+                                   options.cert_file, "CERTIFICATE"));
+      MRD_ASSIGN_OR_RETURN(
+          ssl.pem_private_key,
+          ReadPem("etcd client key file", options.key_file, "PRIVATE KEY"));
+    }
+    credentials = grpc::SslCredentials(ssl);
+  }
+  std::string password;
+  if (!options.user.empty()) {
+    MRD_ASSIGN_OR_RETURN(
+        password, ReadSecretFile("etcd password file", options.password_file,
+                                 kMaxPasswordBytes));
+    // The first line: an editor's (or echo's) newline is no part of it.
+    password = password.substr(0, password.find('\n'));
+    if (!password.empty() && password.back() == '\r') password.pop_back();
+    if (password.empty()) {
+      return BadCredentials(absl::StrCat("etcd password file '",
+                                         options.password_file,
+                                         "' holds no password"));
+    }
+  }
+  return std::unique_ptr<EtcdClient>(
+      new EtcdClient(std::move(options), std::move(password), credentials));
 }
 
-EtcdClient::EtcdClient(EtcdClientOptions options)
-    : options_(std::move(options)) {
+EtcdClient::EtcdClient(
+    EtcdClientOptions options, std::string password,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials)
+    : options_(std::move(options)), password_(std::move(password)) {
   const int backoff_max_ms = static_cast<int>(std::max<int64_t>(
       100, absl::ToInt64Milliseconds(options_.reconnect_backoff_max)));
   for (const std::string& address : options_.endpoints) {
@@ -156,11 +287,11 @@ EtcdClient::EtcdClient(EtcdClientOptions options)
     args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
     auto endpoint = std::make_unique<Endpoint>();
     endpoint->address = address;
-    endpoint->channel = grpc::CreateCustomChannel(
-        address, grpc::InsecureChannelCredentials(), args);
+    endpoint->channel = grpc::CreateCustomChannel(address, credentials, args);
     endpoint->kv = pb::KV::NewStub(endpoint->channel);
     endpoint->lease = pb::Lease::NewStub(endpoint->channel);
     endpoint->watch = pb::Watch::NewStub(endpoint->channel);
+    endpoint->auth = pb::Auth::NewStub(endpoint->channel);
     endpoints_.push_back(std::move(endpoint));
   }
 }
@@ -168,6 +299,11 @@ EtcdClient::EtcdClient(EtcdClientOptions options)
 EtcdClient::~EtcdClient() {
   absl::MutexLock lock(&mu_);
   MRD_CHECK(handles_ == 0);  // a keeper or watch outlives its client
+}
+
+int64_t EtcdClient::authentications() const {
+  absl::MutexLock lock(&mu_);
+  return authentications_;
 }
 
 size_t EtcdClient::Preferred() const {
@@ -222,15 +358,11 @@ absl::Status EtcdClient::CallWithin(absl::string_view what, absl::Time deadline,
           absl::StrCat(endpoint.address, ": its connection is failing");
       continue;
     }
-    grpc::ClientContext context;
-    // A synchronous client makes progress on a connection only while a call
-    // waits on it: a fail-fast call would leave a member that is coming
-    // back unconnected. So every attempt waits for its member, up to its
-    // deadline.
-    context.set_wait_for_ready(true);
-    context.set_deadline(
-        absl::ToChronoTime(std::min(deadline, now + attempt_timeout)));
-    grpc::Status status = attempt(endpoint, context, tries);
+    absl::Status auth_failure;
+    grpc::Status status =
+        AttemptOn(endpoint, std::min(deadline, now + attempt_timeout), attempt,
+                  tries, &auth_failure);
+    if (!auth_failure.ok()) return auth_failure;
     if (status.ok()) {
       absl::MutexLock lock(&mu_);
       preferred_ = index;
@@ -256,6 +388,95 @@ absl::Status EtcdClient::CallWithin(absl::string_view what, absl::Time deadline,
       absl::StrCat(what, ": no etcd member answered in time (",
                    errors.empty() ? "no attempt" : absl::StrJoin(errors, "; "),
                    ")"));
+}
+
+grpc::Status EtcdClient::AttemptOn(const Endpoint& endpoint,
+                                   absl::Time deadline, Attempt attempt,
+                                   int tries, absl::Status* auth_failure) {
+  for (int round = 0;; ++round) {
+    std::string token;
+    bool fresh = false;
+    if (!options_.user.empty()) {
+      grpc::Status got =
+          TokenFor(endpoint, deadline, &token, &fresh, auth_failure);
+      if (!got.ok()) return got;
+    }
+    grpc::ClientContext context;
+    // A synchronous client makes progress on a connection only while a call
+    // waits on it: a fail-fast call would leave a member that is coming
+    // back unconnected. So every attempt waits for its member, up to its
+    // deadline.
+    context.set_wait_for_ready(true);
+    context.set_deadline(absl::ToChronoTime(deadline));
+    if (!token.empty()) context.AddMetadata(kTokenKey, token);
+    grpc::Status status = attempt(endpoint, context, tries);
+    // A token the member no longer takes: a new one, and once more (a
+    // token just fetched that is refused is the member's answer).
+    if (options_.user.empty() || round > 0 || fresh || !TokenRefused(status)) {
+      return status;
+    }
+    LogDebug("directory: etcd member ", endpoint.address,
+             " refused its token (", status.error_message(),
+             "): authenticating again");
+    ForgetToken(endpoint, token);
+  }
+}
+
+grpc::Status EtcdClient::TokenFor(const Endpoint& endpoint, absl::Time deadline,
+                                  std::string* token, bool* fresh,
+                                  absl::Status* auth_failure) {
+  {
+    absl::MutexLock lock(&endpoint.mu);
+    if (endpoint.has_token) {
+      *token = endpoint.token;
+      *fresh = false;
+      return grpc::Status::OK;
+    }
+  }
+  // Not under the lock: two threads may both fetch one; either serves.
+  pb::AuthenticateRequest request;
+  request.set_name(options_.user);
+  request.set_password(password_);
+  pb::AuthenticateResponse response;
+  grpc::ClientContext context;
+  context.set_wait_for_ready(true);
+  context.set_deadline(absl::ToChronoTime(deadline));
+  grpc::Status status =
+      endpoint.auth->Authenticate(&context, request, &response);
+  if (status.error_code() == grpc::StatusCode::FAILED_PRECONDITION &&
+      absl::StrContains(status.error_message(), kAuthNotEnabled)) {
+    // etcd takes every call without a token then; once it is turned on,
+    // the answer "user name is empty" brings a token.
+    LogDebug("directory: etcd member ", endpoint.address,
+             " has authentication off: calling it without a token");
+    response.clear_token();
+  } else if (Retryable(status)) {
+    return status;
+  } else if (!status.ok()) {
+    *auth_failure = MrdError(
+        absl::StatusCode::kUnauthenticated, "ETCD_AUTH_FAILED",
+        absl::StrCat("etcd member ", endpoint.address, " refused user '",
+                     options_.user, "' (password from '",
+                     options_.password_file, "'): ", status.error_message()));
+    return status;
+  }
+  if (!response.token().empty()) {
+    absl::MutexLock lock(&mu_);
+    ++authentications_;
+  }
+  absl::MutexLock lock(&endpoint.mu);
+  endpoint.has_token = true;
+  endpoint.token = response.token();
+  *token = response.token();
+  *fresh = true;
+  return grpc::Status::OK;
+}
+
+void EtcdClient::ForgetToken(const Endpoint& endpoint,
+                             const std::string& token) {
+  absl::MutexLock lock(&endpoint.mu);
+  // Another thread may have fetched a new one meanwhile: keep that.
+  if (endpoint.has_token && endpoint.token == token) endpoint.has_token = false;
 }
 
 absl::StatusOr<EtcdLease> EtcdClient::Grant(absl::Duration ttl) {
@@ -753,8 +974,27 @@ bool EtcdWatch::WatchOn(size_t index) {
           absl::Now() + client_->options().attempt_timeout))) {
     return true;
   }
+  std::string token;
+  if (!client_->options().user.empty()) {
+    bool fresh = false;
+    absl::Status auth_failure;
+    grpc::Status got = client_->TokenFor(
+        endpoint, absl::Now() + client_->options().attempt_timeout, &token,
+        &fresh, &auth_failure);
+    if (!auth_failure.ok()) {  // etcd refused the user: for good
+      {
+        absl::MutexLock lock(&mu_);
+        state_ = State::kEnded;
+        end_status_ = auth_failure;
+      }
+      callback_(auth_failure);
+      return false;
+    }
+    if (!got.ok()) return true;
+  }
   auto context = std::make_shared<grpc::ClientContext>();
   context->AddMetadata(kRequireLeaderKey, kRequireLeaderValue);
+  if (!token.empty()) context->AddMetadata(kTokenKey, token);
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return false;
@@ -773,7 +1013,9 @@ bool EtcdWatch::WatchOn(size_t index) {
   if (stream->Write(request)) {
     pb::WatchResponse response;
     while (stream->Read(&response)) {
-      if (response.created()) {
+      // A watch refused (its token, or permissions) comes created and
+      // cancelled at once: no watch.
+      if (response.created() && !response.canceled()) {
         // From now: the watch starts after the store's revision at its
         // creation, and resumes from there wherever it moves.
         if (next_revision_ == 0) {
@@ -795,6 +1037,11 @@ bool EtcdWatch::WatchOn(size_t index) {
         LogDebug("directory: etcd member ", endpoint.address,
                  " cancelled the watch of '", prefix_,
                  "': ", response.cancel_reason());
+        if (!client_->options().user.empty() &&
+            TokenRefused(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                      response.cancel_reason()))) {
+          EtcdClient::ForgetToken(endpoint, token);  // the next has another
+        }
         left = true;
         break;
       }

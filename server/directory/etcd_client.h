@@ -3,10 +3,10 @@
 // prefix reads and prefix watches, against a list of etcd members
 // ("host:port" each), with failover between them.
 //
-// Transport: etcd's own gRPC API (KV, Lease, Watch: proto/etcd, built from
-// the .proto files Debian installs) over the gRPC mrd already links; no other
-// client library. gRPC stays inside etcd_client.cc: this header names none of
-// its types.
+// Transport: etcd's own gRPC API (KV, Lease, Watch, and Auth's
+// Authenticate: proto/etcd, built from the .proto files Debian installs) over
+// the gRPC mrd already links; no other client library. gRPC stays inside
+// etcd_client.cc: this header names none of its types.
 //
 // Failover: one channel per member, chosen explicitly, rather than gRPC's
 // round_robin policy over a static list. round_robin picks a connected
@@ -43,13 +43,14 @@
 // id itself, so that a retry whose first attempt went through is recognized
 // (etcd's "lease already exists") instead of granting a second lease.
 //
-// Errors (mrd/status.h, MrdError): INVALID_ARGUMENT ETCD_BAD_ENDPOINT (Create)
-// and ETCD_BAD_ARGUMENT; UNAVAILABLE ETCD_UNAVAILABLE; ALREADY_EXISTS
-// ETCD_KEY_EXISTS (PutIfAbsent, PutIfAbsentOrOwned); NOT_FOUND
-// ETCD_LEASE_NOT_FOUND (expired or revoked); OUT_OF_RANGE ETCD_COMPACTED (a
-// watch's start revision is gone); UNAVAILABLE ETCD_LEASE_LOST (a keeper's
-// lease went unrenewed for its TTL); any other answer of etcd keeps etcd's
-// code, with reason ETCD_ERROR and etcd's message.
+// Errors (mrd/status.h, MrdError): INVALID_ARGUMENT ETCD_BAD_ENDPOINT and
+// ETCD_BAD_CREDENTIALS (Create) and ETCD_BAD_ARGUMENT; UNAUTHENTICATED
+// ETCD_AUTH_FAILED (etcd refused the user and password); UNAVAILABLE
+// ETCD_UNAVAILABLE; ALREADY_EXISTS ETCD_KEY_EXISTS (PutIfAbsent,
+// PutIfAbsentOrOwned); NOT_FOUND ETCD_LEASE_NOT_FOUND (expired or revoked);
+// OUT_OF_RANGE ETCD_COMPACTED (a watch's start revision is gone); UNAVAILABLE
+// ETCD_LEASE_LOST (a keeper's lease went unrenewed for its TTL); any other
+// answer of etcd keeps etcd's code, with reason ETCD_ERROR and etcd's message.
 //
 // Thread safety: an EtcdClient is thread-safe; any thread may call any
 // method, at once. EtcdLeaseKeeper and EtcdWatch each run one thread of
@@ -60,8 +61,20 @@
 // and aborts otherwise). A callback must not destroy its own keeper or
 // watch (that would join the thread it runs on).
 //
-// Not yet: TLS and etcd's user/password authentication (issue 27 asks for
-// both, by flags or files).
+// Security: TLS when options name a CA bundle or a client certificate
+// (grpc::SslCredentials: the member's certificate is checked against the CA
+// for the endpoint's host, an IP address in its SAN when the endpoint is
+// one), and mutual TLS with a client certificate and key. etcd's
+// user/password authentication when options name a user: the password is
+// read from a file (a flag would show it in ps), the client asks each
+// member for a token of its own (Auth.Authenticate on that member, when it
+// is first called there: etcd keeps simple tokens in each member's memory,
+// another member knows one only once it has applied the sign-in, and a
+// member that restarted has forgotten them all) and sends it with every
+// call, keeper renewal and watch. A token etcd no longer takes ("invalid
+// auth token": expired, or the member restarted) is replaced and the call
+// tried once more. Every PEM file and the password file are read at Create;
+// no password, token or key is ever written to a log or an error.
 #ifndef MRD_SERVER_DIRECTORY_ETCD_CLIENT_H_
 #define MRD_SERVER_DIRECTORY_ETCD_CLIENT_H_
 
@@ -83,6 +96,7 @@
 #include "server/common/thread.h"
 
 namespace grpc {
+class ChannelCredentials;
 class ClientContext;
 class Status;
 }  // namespace grpc
@@ -90,8 +104,19 @@ class Status;
 namespace mrd::directory {
 
 struct EtcdClientOptions {
-  // The members, "host:port" each (no scheme: plain-text gRPC).
+  // The members, "host:port" each (no scheme: TLS or not is chosen below).
   std::vector<std::string> endpoints;
+  // TLS, when ca_file or cert_file is set: PEM files, read at Create. The
+  // CA bundle that signed the members' certificates (empty: the system's
+  // roots), and for mutual TLS a client certificate and its key (both or
+  // neither).
+  std::string ca_file;
+  std::string cert_file;
+  std::string key_file;
+  // etcd's authentication, when user is set: the password is the first line
+  // of password_file (its trailing newline dropped), read at Create.
+  std::string user;
+  std::string password_file;
   absl::Duration call_timeout = absl::Seconds(5);     // a call, in all
   absl::Duration attempt_timeout = absl::Seconds(1);  // on one member
   // The longest wait before a channel tries a member that was down again.
@@ -126,7 +151,9 @@ struct EtcdWatchEvent {
 };
 
 // Events in revision order; or, once, the error that ended the watch for
-// good (OUT_OF_RANGE ETCD_COMPACTED), after which it is never called again.
+// good (OUT_OF_RANGE ETCD_COMPACTED; UNAUTHENTICATED ETCD_AUTH_FAILED when
+// etcd refused the user on a member it moved to), after which it is never
+// called again.
 using EtcdWatchCallback =
     absl::AnyInvocable<void(absl::StatusOr<std::vector<EtcdWatchEvent>>)>;
 
@@ -137,7 +164,12 @@ class EtcdClient {
  public:
   // INVALID_ARGUMENT ETCD_BAD_ENDPOINT for no endpoint or one that is not
   // "host:port"; INVALID_ARGUMENT ETCD_BAD_ARGUMENT for a timeout that is
-  // not positive. Connects lazily: a cluster that is down is no error here.
+  // not positive; INVALID_ARGUMENT ETCD_BAD_CREDENTIALS for a PEM or
+  // password file that cannot be read or holds no PEM (or no password), a
+  // certificate without its key or the other way round, a password file
+  // without a user or a user without one (each names the file or option,
+  // never what a file holds). Connects lazily: a cluster that is down is no
+  // error here, nor is a wrong password (the first call says so).
   static absl::StatusOr<std::unique_ptr<EtcdClient>> Create(
       EtcdClientOptions options);
   ~EtcdClient();
@@ -226,6 +258,9 @@ class EtcdClient {
 
   size_t endpoint_count() const { return endpoints_.size(); }
   const EtcdClientOptions& options() const { return options_; }
+  // How many tokens etcd gave this client (Authenticate calls that
+  // succeeded): one per member called, and one per token replaced.
+  int64_t authentications() const;
 
  private:
   friend class EtcdLeaseKeeper;
@@ -234,7 +269,24 @@ class EtcdClient {
   using Attempt = absl::FunctionRef<grpc::Status(
       const Endpoint& endpoint, grpc::ClientContext& context, int attempt)>;
 
-  explicit EtcdClient(EtcdClientOptions options);
+  EtcdClient(EtcdClientOptions options, std::string password,
+             const std::shared_ptr<grpc::ChannelCredentials>& credentials);
+
+  // One attempt on `endpoint` until `deadline`, with its token when
+  // authenticating (fetched first if the member has given none yet); a
+  // token the member refuses is replaced and the attempt made once more.
+  // An authentication etcd refused (not retryable) comes in *auth_failure.
+  grpc::Status AttemptOn(const Endpoint& endpoint, absl::Time deadline,
+                         Attempt attempt, int tries,
+                         absl::Status* auth_failure);
+  // The token for calls to `endpoint` ("" when not authenticating, or etcd's
+  // authentication is off), from Authenticate on that member unless it has
+  // one already. `fresh`: it was just fetched.
+  grpc::Status TokenFor(const Endpoint& endpoint, absl::Time deadline,
+                        std::string* token, bool* fresh,
+                        absl::Status* auth_failure);
+  // `token` was refused by `endpoint`: the next call there fetches another.
+  static void ForgetToken(const Endpoint& endpoint, const std::string& token);
 
   // Runs `attempt` on the preferred member, then on the others in turn,
   // until one gives an answer other than UNAVAILABLE or `deadline` passes.
@@ -252,9 +304,11 @@ class EtcdClient {
   void RemoveHandle();
 
   const EtcdClientOptions options_;
+  const std::string password_;  // options_.password_file's; never logged
   std::vector<std::unique_ptr<Endpoint>> endpoints_;  // fixed after Create
   mutable absl::Mutex mu_;
   size_t preferred_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t authentications_ ABSL_GUARDED_BY(mu_) = 0;
   int handles_ ABSL_GUARDED_BY(mu_) = 0;  // live keepers and watches
 };
 

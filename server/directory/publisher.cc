@@ -151,6 +151,12 @@ struct Publisher::Impl {
 
 void Publisher::Impl::Failed(const absl::Status& status, bool unavailable) {
   ++failed_writes;
+  // etcd refusing mrd's user does not pass by itself: said once (the
+  // error names the user and the password's file, never the password).
+  if (GetErrorDetail(status).reason() == "ETCD_AUTH_FAILED" &&
+      GetErrorDetail(last_error).reason() != "ETCD_AUTH_FAILED") {
+    LogWarning("directory: ", status.message(), "; trying again");
+  }
   last_error = status;
   if (unavailable && ever_leased) state = DirectoryState::kUnavailable;
 }

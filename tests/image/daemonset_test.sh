@@ -44,12 +44,14 @@
 # /dev/shm/mrd, /dev/infiniband and /var/log/pods become directories of the
 # test's work dir (the shm one a tmpfs, as the host's /dev/shm is; the
 # infiniband one empty, so --device=auto picks the software device; the pod
-# logs one empty: podman pods are named by their ids); NODE_IP, from
-# status.hostIP, becomes 127.0.0.1 and `$(NODE_IP)` in args is expanded
-# (the kubelet's work: podman 4.3 refuses that fieldRef and passes
-# `$(NODE_IP)` on literally), NODE_NAME (spec.nodeName) becomes test-node
-# and the variables taken from configmap.yaml's ConfigMaps (the
-# directory's, empty endpoints: no directory) their values there; mrd's
+# logs one empty: podman pods are named by their ids); the optional Secret
+# of etcd's credentials, which the test does not make, becomes an empty
+# directory; NODE_IP, from status.hostIP, becomes 127.0.0.1 and
+# `$(NODE_IP)` in args is expanded (the kubelet's work: podman 4.3 refuses
+# that fieldRef and passes `$(NODE_IP)` on literally), NODE_NAME
+# (spec.nodeName) becomes test-node and the variables taken from
+# configmap.yaml's ConfigMaps (the directory's, empty endpoints: no
+# directory; empty TLS and user flags: none) their values there; mrd's
 # two ports become 0 (any free one: this
 # machine's network may have another mrd on 7471 or 9464; peers learn the
 # port from their ticket); and args after the flag file (which win) add the
@@ -125,6 +127,11 @@ def to_pod(name, template, spec):
     for v in spec["volumes"]:
         if "hostPath" in v:
             v["hostPath"]["path"] = host_dirs[v["hostPath"]["path"]]
+        elif "secret" in v and v["secret"].get("optional"):
+            # An optional Secret nobody made (the directory's etcd
+            # credentials): an empty directory, as the kubelet mounts it.
+            del v["secret"]
+            v["emptyDir"] = {}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": template["metadata"]["labels"]},
             "spec": spec}

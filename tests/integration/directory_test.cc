@@ -6,8 +6,10 @@
 // lease's TTL, tenants publish only under their own prefix, and with every
 // etcd member down registrations go on and the entries appear once etcd is
 // back; a watcher of a name (the C++ client's NameWatch) hears it published
-// and its token die, and a cancel from another thread ends its wait. Every
-// wait is on an etcd watch or a condition with a deadline.
+// and its token die, and a cancel from another thread ends its wait; over
+// TLS with etcd's authentication, mrds publish and resolve and never log
+// the password or key. Every wait is on an etcd watch or a condition with a
+// deadline.
 #include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
@@ -15,6 +17,7 @@
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -929,6 +932,142 @@ TEST(DirectoryOutageTest, RegistrationsGoOnAndEntriesAppearOnceEtcdIsBack) {
   ASSERT_TRUE(reg->Deregister().ok());
   session->Close().IgnoreError();
   EXPECT_TRUE((*mrd)->Stop().ok());
+}
+
+// etcd over mutual TLS with authentication on (one member is enough): two
+// mrds given the CA, a client certificate and a user with a password file
+// publish and resolve a name, and neither's log, debug lines included,
+// holds the password or the key; an mrd given a wrong password says so
+// (ETCD_AUTH_FAILED) without showing it either.
+TEST(DirectorySecureTest, MrdsOverTlsWithAUserPublishAndResolveAndLogNoSecret) {
+  EtcdClusterOptions cluster_options;
+  cluster_options.tls = true;
+  cluster_options.client_cert_auth = true;
+  cluster_options.auth = true;
+  absl::StatusOr<std::unique_ptr<EtcdCluster>> cluster =
+      EtcdCluster::Start(1, cluster_options);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const EtcdCluster& etcd = **cluster;
+  auto node = [&](const std::string& name, const std::string& password_file) {
+    MrdProcessOptions options;
+    options.extra_flags = {
+        absl::StrCat("--etcd_endpoints=", absl::StrJoin(etcd.endpoints(), ",")),
+        "--etcd_ca_file=" + etcd.ca_file(),
+        "--etcd_cert_file=" + etcd.client_cert_file(),
+        "--etcd_key_file=" + etcd.client_key_file(),
+        absl::StrCat("--etcd_user=", EtcdCluster::kUser),
+        "--etcd_password_file=" + password_file,
+        "--node_name=" + name,
+        "--directory_lease_ttl=2s",
+        "--verbose"};
+    return MrdProcess::Start(options);
+  };
+  // What no log line may hold: the password, and the client key's body.
+  std::vector<std::string> secrets = {etcd.password()};
+  {
+    std::ifstream in(etcd.client_key_file());
+    std::string line;
+    while (std::getline(in, line)) {
+      if (!line.empty() && !absl::StartsWith(line, "-----")) {
+        secrets.push_back(line);
+      }
+    }
+  }
+  ASSERT_GE(secrets.size(), 2u);
+  auto expect_no_secret = [&](const std::string& log) {
+    for (const std::string& secret : secrets) {
+      EXPECT_FALSE(absl::StrContains(log, secret)) << "a secret in mrd's log:\n"
+                                                   << log;
+    }
+  };
+
+  absl::StatusOr<std::unique_ptr<MrdProcess>> a =
+      node("node-a", etcd.password_file());
+  ASSERT_TRUE(a.ok()) << a.status();
+  client::ClientOptions client_options;
+  client_options.socket_path = (*a)->grpc_socket();
+  client_options.fd_socket_path = (*a)->fd_socket();
+  absl::StatusOr<client::Client> client =
+      client::Client::Connect(client_options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  absl::StatusOr<Session> session = Session::OpenFd(*client);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 64 << 10, "sec");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::RegisterOptions o;
+  o.buffer = buffer->id();
+  o.length = buffer->size();
+  o.flags = kRemoteRead;
+  absl::StatusOr<Registration> reg = Registration::Register(*session, o);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  v1::PublishRequest publish;
+  publish.set_session(session->token());
+  publish.set_name("secure.0");
+  publish.set_registration(reg->id());
+  absl::StatusOr<v1::PublishedEntry> entry = client->Publish(publish);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  v1::ListPublishedRequest list;
+  list.set_session(session->token());
+  auto state = [&]() -> std::string {
+    absl::StatusOr<v1::ListPublishedResponse> listed =
+        client->ListPublished(list);
+    if (!listed.ok() || listed->entries_size() != 1) return "?";
+    return listed->entries(0).state();
+  };
+  ASSERT_TRUE(
+      PollUntil([&] { return state() == "published"; }, absl::Seconds(20)))
+      << state() << "\n"
+      << (*a)->Log();
+
+  absl::StatusOr<std::unique_ptr<MrdProcess>> b =
+      node("node-b", etcd.password_file());
+  ASSERT_TRUE(b.ok()) << b.status();
+  client::ClientOptions remote_options;
+  remote_options.socket_path = (*b)->grpc_socket();
+  remote_options.fd_socket_path = (*b)->fd_socket();
+  absl::StatusOr<client::Client> remote =
+      client::Client::Connect(remote_options);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  absl::StatusOr<Session> peer = Session::OpenFd(*remote);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  absl::StatusOr<v1::SessionInfo> info = session->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  v1::ResolveRequest resolve;
+  resolve.set_session(peer->token());
+  resolve.set_name("secure.0");
+  resolve.set_tenant(info->tenant());
+  absl::StatusOr<v1::PublishedEntry> found = remote->Resolve(resolve);
+  ASSERT_TRUE(found.ok()) << found.status() << "\n" << (*b)->Log();
+  EXPECT_EQ(found->node(), "node-a");
+  EXPECT_EQ(found->address(), reg->base_address());
+  EXPECT_TRUE(absl::StrContains((*a)->Log(),
+                                "(TLS, client certificate), "
+                                "user root"))
+      << (*a)->Log();
+
+  // A wrong password: mrd starts, and says etcd refused it.
+  const std::string wrong_file = etcd.dir() + "/wrong-password";
+  const std::string wrong = "not-" + etcd.password();
+  {
+    std::ofstream out(wrong_file);
+    out << wrong << "\n";
+  }
+  secrets.push_back(wrong);
+  absl::StatusOr<std::unique_ptr<MrdProcess>> c = node("node-c", wrong_file);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_TRUE(PollUntil(
+      [&] { return absl::StrContains((*c)->Log(), "refused user 'root'"); },
+      absl::Seconds(20)))
+      << (*c)->Log();
+  ASSERT_TRUE(reg->Deregister().ok());
+  session->Close().IgnoreError();
+  peer->Close().IgnoreError();
+  EXPECT_TRUE((*c)->Stop().ok());
+  EXPECT_TRUE((*b)->Stop().ok());
+  EXPECT_TRUE((*a)->Stop().ok());
+  expect_no_secret((*a)->Log());
+  expect_no_secret((*b)->Log());
+  expect_no_secret((*c)->Log());
 }
 
 }  // namespace

@@ -132,6 +132,46 @@ check(objects >= 8, `found the manifests (${objects} objects)`);
   check(spec.terminationGracePeriodSeconds >= awaitSeconds + 15,
         `DaemonSet: the grace period (${spec.terminationGracePeriodSeconds} s) ` +
         `covers preStop (${awaitSeconds} s) and a drain after it`);
+
+  // Every $(VAR) of mrd's args is a variable of its env, and every one taken
+  // from a ConfigMap names a key that configmap.yaml has (a missing one
+  // would keep the pod from starting; an unset variable would reach mrd as
+  // the text "$(VAR)").
+  const configmaps = YAML.parseAllDocuments(
+    fs.readFileSync(path.join(deploy, "daemonset", "configmap.yaml"), "utf8"))
+    .map((d) => d.toJS()).filter((o) => o && o.kind === "ConfigMap");
+  const env = new Map((mrd.env || []).map((e) => [e.name, e]));
+  for (const arg of args) {
+    for (const m of arg.matchAll(/\$\((\w+)\)/g)) {
+      check(env.has(m[1]), `DaemonSet: ${arg}: ${m[1]} is in mrd's env`);
+    }
+  }
+  for (const e of env.values()) {
+    const ref = ((e.valueFrom || {}).configMapKeyRef);
+    if (!ref) continue;
+    const cm = configmaps.find((c) => c.metadata.name === ref.name);
+    check(Boolean(cm && cm.data && ref.key in cm.data),
+          `DaemonSet: env ${e.name} comes from ConfigMap ${ref.name} key ${ref.key}, which configmap.yaml has`);
+  }
+  // The directory's TLS and user (docs/DIRECTORY.md, "On Kubernetes"):
+  // passed from the ConfigMap, the files from an optional Secret that only
+  // mrd reads, and no password as a flag's value.
+  for (const flag of ["etcd_ca_file", "etcd_cert_file", "etcd_key_file",
+                      "etcd_user", "etcd_password_file"]) {
+    check(args.some((a) => a.startsWith(`--${flag}=$(`)),
+          `DaemonSet: mrd gets --${flag} from the ConfigMap`);
+  }
+  check(!args.some((a) => a.startsWith("--etcd_password=")),
+        "DaemonSet: no password on mrd's command line");
+  const secret = spec.volumes.find(
+    (v) => v.secret && v.secret.secretName === "mrd-etcd-credentials");
+  check(Boolean(secret && secret.secret.optional === true &&
+                (secret.secret.defaultMode & 0o077) === 0),
+        "DaemonSet: the Secret mrd-etcd-credentials is optional and readable by its owner only");
+  const secretMount = secret &&
+    (mrd.volumeMounts || []).find((m) => m.name === secret.name);
+  check(Boolean(secretMount && secretMount.readOnly),
+        "DaemonSet: mrd mounts the etcd credentials read-only");
 }
 console.log(`${failures} failure(s)`);
 process.exit(failures ? 1 : 0);

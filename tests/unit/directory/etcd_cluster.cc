@@ -24,6 +24,9 @@
 #ifndef MRD_ETCD_BINARY
 #error "MRD_ETCD_BINARY must name the etcd executable"
 #endif
+#ifndef MRD_ETCDCTL_BINARY
+#error "MRD_ETCDCTL_BINARY must name the etcdctl executable"
+#endif
 
 namespace mrd::testing {
 
@@ -58,12 +61,127 @@ absl::StatusOr<std::vector<int>> FreePorts(int count) {
   return ports;
 }
 
-std::string Url(int port) { return absl::StrCat("http://127.0.0.1:", port); }
+std::string PeerUrl(int port) {
+  return absl::StrCat("http://127.0.0.1:", port);
+}
+
+// Runs `args` (args[0] an absolute path), its output appended to `log`, and
+// waits for it: its exit status, or -1.
+int RunTool(std::vector<std::string> args, const std::string& log) {
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    // Only async-signal-safe calls: the test process has other threads.
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    int fd = open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND, 0644);
+    if (fd >= 0) {
+      dup2(fd, STDOUT_FILENO);
+      dup2(fd, STDERR_FILENO);
+    }
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  int status = 0;
+  while (waitpid(pid, &status, 0) < 0) {
+    if (errno != EINTR) return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A CA, another CA that signed nothing here, a server certificate for
+// 127.0.0.1 (for clients and peers alike) and a client certificate, each
+// with an EC P-256 key. All PEM, valid for two days.
+constexpr char kMakeCertificates[] = R"(set -e
+cd "$1"
+key() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:prime256v1 -out "$1.key"; }
+ca() { key "$1"; openssl req -x509 -new -key "$1.key" -subj "/CN=$2" -days 2 -out "$1.crt"; }
+leaf() {
+  key "$1"
+  printf '%s
+' "$4" > "$1.ext"
+  openssl req -new -key "$1.key" -subj "/CN=$2" |
+    openssl x509 -req -CA "$3.crt" -CAkey "$3.key" -set_serial "$5" -days 2 -extfile "$1.ext" -out "$1.crt"
+}
+ca ca mrd-test-ca
+ca other-ca mrd-test-other-ca
+leaf server 127.0.0.1 ca 'subjectAltName=IP:127.0.0.1
+extendedKeyUsage=serverAuth,clientAuth' 2
+leaf client mrd-test-client ca extendedKeyUsage=clientAuth 3
+)";
 
 }  // namespace
 
+std::string EtcdCluster::Url(int port) const {
+  return absl::StrCat(options_.tls ? "https" : "http", "://127.0.0.1:", port);
+}
+
+absl::Status EtcdCluster::MakeCertificates() {
+  const std::string log = dir_ + "/openssl.log";
+  if (RunTool({"/bin/sh", "-c", kMakeCertificates, "sh", dir_}, log) != 0) {
+    return absl::InternalError(
+        absl::StrCat("making the test certificates failed:\n", ReadAll(log)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status EtcdCluster::Etcdctl(int member,
+                                  const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {
+      MRD_ETCDCTL_BINARY,
+      "--endpoints=" + Url(members_[static_cast<size_t>(member)].client_port),
+      "--dial-timeout=5s", "--command-timeout=10s"};
+  if (options_.tls) argv.push_back("--cacert=" + ca_file());
+  if (options_.client_cert_auth) {
+    argv.push_back("--cert=" + client_cert_file());
+    argv.push_back("--key=" + client_key_file());
+  }
+  for (const std::string& arg : args) argv.push_back(arg);
+  const std::string log = dir_ + "/etcdctl.log";
+  if (RunTool(argv, log) != 0) {
+    return absl::InternalError(absl::StrCat(
+        "etcdctl ", absl::StrJoin(args, " "), " failed:\n", ReadAll(log)));
+  }
+  return absl::OkStatus();
+}
+
+directory::EtcdClientOptions EtcdCluster::ClientOptions() const {
+  directory::EtcdClientOptions options;
+  options.endpoints = endpoints_;
+  if (options_.tls) options.ca_file = ca_file();
+  if (options_.client_cert_auth) {
+    options.cert_file = client_cert_file();
+    options.key_file = client_key_file();
+  }
+  if (options_.auth) {
+    options.user = kUser;
+    options.password_file = password_file();
+  }
+  return options;
+}
+
+directory::EtcdClientOptions EtcdCluster::ClientOptions(int member) const {
+  directory::EtcdClientOptions options = ClientOptions();
+  options.endpoints = {endpoint(member)};
+  return options;
+}
+
 absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(
     int members, absl::Duration timeout) {
+  return Start(members, EtcdClusterOptions(), timeout);
+}
+
+absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(
+    int members, const EtcdClusterOptions& options, absl::Duration timeout) {
   // The ports are free when picked, but another process (another test run
   // in parallel) may bind one before etcd does: such a start is tried again
   // on other ports. The race is the harness's, not what is tested.
@@ -71,14 +189,16 @@ absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::Start(
   for (int attempt = 1;; ++attempt) {
     bool port_taken = false;
     absl::StatusOr<std::unique_ptr<EtcdCluster>> cluster =
-        StartOnce(members, deadline, &port_taken);
+        StartOnce(members, options, deadline, &port_taken);
     if (cluster.ok() || !port_taken || attempt == 3) return cluster;
   }
 }
 
 absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::StartOnce(
-    int members, absl::Time deadline, bool* port_taken) {
+    int members, const EtcdClusterOptions& options, absl::Time deadline,
+    bool* port_taken) {
   std::unique_ptr<EtcdCluster> cluster(new EtcdCluster());
+  cluster->options_ = options;
   const char* tmp = std::getenv("TMPDIR");
   std::string dir_template = absl::StrCat(
       tmp != nullptr && *tmp != '\0' ? tmp : "/tmp", "/mrd-etcd-test.XXXXXX");
@@ -89,6 +209,20 @@ absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::StartOnce(
   cluster->token_ =
       absl::StrCat("mrd-test-", getpid(), "-",
                    cluster->dir_.substr(cluster->dir_.size() - 6));
+  if (options.tls) {
+    absl::Status made = cluster->MakeCertificates();
+    if (!made.ok()) return made;
+  }
+  if (options.auth) {
+    // Unlike any other text of a test: a log that holds it is easy to see.
+    cluster->password_ =
+        absl::StrCat("pw-", cluster->dir_.substr(cluster->dir_.size() - 6), "-",
+                     getpid(), "-secret");
+    std::ofstream out(cluster->password_file());
+    out << cluster->password_ << "\n";
+    out.close();
+    if (!out) return absl::InternalError("cannot write the password file");
+  }
   absl::StatusOr<std::vector<int>> ports = FreePorts(2 * members);
   if (!ports.ok()) return ports.status();
   std::vector<std::string> peers;
@@ -97,7 +231,7 @@ absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::StartOnce(
     member.name = absl::StrCat("m", i);
     member.client_port = (*ports)[static_cast<size_t>(2 * i)];
     member.peer_port = (*ports)[static_cast<size_t>(2 * i + 1)];
-    peers.push_back(absl::StrCat(member.name, "=", Url(member.peer_port)));
+    peers.push_back(absl::StrCat(member.name, "=", PeerUrl(member.peer_port)));
     cluster->endpoints_.push_back(
         absl::StrCat("127.0.0.1:", member.client_port));
     cluster->members_.push_back(std::move(member));
@@ -121,6 +255,14 @@ absl::StatusOr<std::unique_ptr<EtcdCluster>> EtcdCluster::StartOnce(
                        " log:\n", cluster->Log(i)));
     }
   }
+  if (options.auth) {
+    // Through one member, replicated to all; etcd wants root before auth.
+    absl::Status done =
+        cluster->Etcdctl(0, {"user", "add", kUser, "--interactive=false",
+                             "--new-user-password=" + cluster->password_});
+    if (done.ok()) done = cluster->Etcdctl(0, {"auth", "enable"});
+    if (!done.ok()) return done;
+  }
   return cluster;
 }
 
@@ -141,7 +283,7 @@ const std::string& EtcdCluster::endpoint(int member) const {
 absl::Status EtcdCluster::Spawn(int index) {
   Member& member = members_[static_cast<size_t>(index)];
   const std::string client = Url(member.client_port);
-  const std::string peer = Url(member.peer_port);
+  const std::string peer = PeerUrl(member.peer_port);
   std::vector<std::string> args = {
       MRD_ETCD_BINARY,
       "--name=" + member.name,
@@ -158,6 +300,18 @@ absl::Status EtcdCluster::Spawn(int index) {
       "--heartbeat-interval=50",
       "--election-timeout=500",
   };
+  if (options_.tls) {
+    args.push_back("--cert-file=" + dir_ + "/server.crt");
+    args.push_back("--key-file=" + dir_ + "/server.key");
+    if (options_.client_cert_auth) {
+      args.push_back("--client-cert-auth");
+      args.push_back("--trusted-ca-file=" + ca_file());
+    }
+  }
+  if (options_.auth_token_ttl_seconds > 0) {
+    args.push_back(
+        absl::StrCat("--auth-token-ttl=", options_.auth_token_ttl_seconds));
+  }
   const std::string log = absl::StrCat(dir_, "/", member.name, ".log");
   std::vector<char*> argv;
   for (std::string& arg : args) argv.push_back(arg.data());
@@ -197,8 +351,7 @@ absl::Status EtcdCluster::Restart(int index) {
 }
 
 absl::Status EtcdCluster::WaitReady(int member, absl::Duration timeout) {
-  directory::EtcdClientOptions options;
-  options.endpoints = {endpoint(member)};
+  directory::EtcdClientOptions options = ClientOptions(member);
   options.call_timeout = absl::Milliseconds(500);
   options.attempt_timeout = absl::Milliseconds(500);
   options.reconnect_backoff_max = absl::Milliseconds(200);
@@ -224,11 +377,8 @@ absl::Status EtcdCluster::WaitReady(int member, absl::Duration timeout) {
 }
 
 std::string EtcdCluster::Log(int member) const {
-  std::ifstream in(absl::StrCat(
+  return ReadAll(absl::StrCat(
       dir_, "/", members_[static_cast<size_t>(member)].name, ".log"));
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
 }
 
 }  // namespace mrd::testing
