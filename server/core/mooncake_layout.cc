@@ -3,7 +3,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "server/core/entry_json.h"
 
 namespace mrd::core {
 namespace {
@@ -12,24 +12,6 @@ constexpr absl::string_view kNullGid =
     "00:00:00:00:00:00:00:00:00:00:00:00:00:00:00:00";
 // The memory's location in the segment's priority matrix.
 constexpr absl::string_view kLocation = "cpu:0";
-
-// `text` as a JSON string, quotes included.
-std::string Quoted(absl::string_view text) {
-  std::string out = "\"";
-  for (char c : text) {
-    const auto u = static_cast<unsigned char>(c);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += c;
-    } else if (u < 0x20 || u == 0x7f) {
-      absl::StrAppendFormat(&out, "\\u%04x", u);
-    } else {
-      out += c;
-    }
-  }
-  out += '"';
-  return out;
-}
 
 const MooncakeDevice* Find(const std::vector<MooncakeDevice>& devices,
                            absl::string_view name) {
@@ -63,27 +45,29 @@ std::string MooncakeSegmentJson(const v1::PublishedEntry& entry,
                                       ? absl::string_view(device->gid)
                                       : kNullGid;
     const absl::string_view sep = i == 0 ? "" : ",";
-    absl::StrAppend(&device_list, sep, "{\"name\":", Quoted(token.device()),
+    absl::StrAppend(&device_list, sep, "{\"name\":", JsonQuoted(token.device()),
                     ",\"lid\":", device != nullptr ? device->lid : 0,
-                    ",\"gid\":", Quoted(gid), "}");
-    absl::StrAppend(&names, sep, Quoted(token.device()));
+                    ",\"gid\":", JsonQuoted(gid), "}");
+    absl::StrAppend(&names, sep, JsonQuoted(token.device()));
     absl::StrAppend(&rkeys, sep, token.rkey());
     absl::StrAppend(&lkeys, sep, "0");
-    absl::StrAppend(&peers, sep, "{\"device\":", Quoted(token.device()),
-                    ",\"peer_address\":", Quoted(token.peer_address()), "}");
+    absl::StrAppend(&peers, sep, "{\"device\":", JsonQuoted(token.device()),
+                    ",\"peer_address\":", JsonQuoted(token.peer_address()),
+                    "}");
   }
   return absl::StrCat(
-      "{\"name\":", Quoted(entry.name()), ",\"protocol\":\"rdma\"",
+      "{\"name\":", JsonQuoted(entry.name()), ",\"protocol\":\"rdma\"",
       ",\"tcp_data_port\":0,\"timestamp\":",
-      Quoted(absl::FormatTime("%Y-%m-%d %H:%M:%E6S", now, absl::UTCTimeZone())),
+      JsonQuoted(
+          absl::FormatTime("%Y-%m-%d %H:%M:%E6S", now, absl::UTCTimeZone())),
       ",\"devices\":[", device_list,
-      "],\"buffers\":[{\"name\":", Quoted(kLocation),
+      "],\"buffers\":[{\"name\":", JsonQuoted(kLocation),
       ",\"addr\":", entry.address(), ",\"length\":", entry.length(),
       ",\"rkey\":[", rkeys, "],\"lkey\":[", lkeys, "]}],\"priority_matrix\":{",
-      Quoted(kLocation), ":[[", names,
-      "],[]]},\"mrd\":{\"tenant\":", Quoted(entry.tenant()),
-      ",\"cluster\":", Quoted(entry.cluster()),
-      ",\"node\":", Quoted(entry.node()), ",\"epoch\":", entry.epoch(),
+      JsonQuoted(kLocation), ":[[", names,
+      "],[]]},\"mrd\":{\"tenant\":", JsonQuoted(entry.tenant()),
+      ",\"cluster\":", JsonQuoted(entry.cluster()),
+      ",\"node\":", JsonQuoted(entry.node()), ",\"epoch\":", entry.epoch(),
       ",\"flags\":", entry.flags(), ",\"tokens\":[", peers, "]}}");
 }
 

@@ -14,6 +14,7 @@
 #include "mrd/status.h"
 #include "server/cache/registration_cache.h"
 #include "server/common/log.h"
+#include "server/core/entry_json.h"
 #include "server/core/errors.h"
 #include "server/core/mooncake_layout.h"
 
@@ -237,10 +238,7 @@ absl::Status Publications::Publish(Session& session,
   absl::MutexLock lock(&session.mu);
   MRD_ASSIGN_OR_RETURN(v1::PublishedEntry entry,
                        EntryLocked(session, req.name(), req.registration()));
-  std::string json;
-  if (!google::protobuf::util::MessageToJsonString(entry, &json).ok()) {
-    return absl::InternalError("the entry could not be written as JSON");
-  }
+  std::string json = PublishedEntryJson(entry);
   {
     absl::MutexLock names(&mu_);
     auto [it, inserted] = owners_.try_emplace(key, session.id());
@@ -367,10 +365,8 @@ void Publications::RepublishAll(
             PublishedKey(options_, session->tenant()->name(), it->first);
         absl::StatusOr<v1::PublishedEntry> entry =
             EntryLocked(*session, it->first, it->second);
-        std::string json;
         if (entry.ok() &&
-            google::protobuf::util::MessageToJsonString(*entry, &json).ok() &&
-            publisher_->Publish(key, json).ok() &&
+            publisher_->Publish(key, PublishedEntryJson(*entry)).ok() &&
             PublishMooncake(*entry).ok()) {
           absl::MutexLock names(&mu_);
           // Handed over: held already, whatever the quota says now.
