@@ -93,9 +93,13 @@ if(MRD_SANITIZE STREQUAL "thread")
     _ZN4absl7debian35Mutex12ReaderUnlockEv
     _ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE
     _ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE
+    _ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE
     _ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE
+    _ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE
+    _ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE
     _ZN4absl7debian37CondVar4WaitEPNS0_5MutexE
     _ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE
+    _ZN4absl7debian37CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE
     _ZN4absl7debian312Notification6NotifyEv
     _ZNK4absl7debian312Notification19WaitForNotificationEv
     _ZNK4absl7debian312Notification30WaitForNotificationWithTimeoutENS0_8DurationE)

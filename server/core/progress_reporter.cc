@@ -75,9 +75,6 @@ void ProgressReporter::Run() {
       continue;
     }
     wake_ = false;
-    // AwaitWithTimeout, not AwaitWithDeadline: the TSan build wraps the
-    // former to tell TSan about the lock it releases and takes back
-    // (tests/support/tsan_absl_annotations.cc).
     mu_.AwaitWithTimeout(absl::Condition(&wake_), next - now);
   }
 }

@@ -1062,9 +1062,10 @@ TEST(DirectorySecureTest, MrdsOverTlsWithAUserPublishAndResolveAndLogNoSecret) {
   ASSERT_TRUE(reg->Deregister().ok());
   session->Close().IgnoreError();
   peer->Close().IgnoreError();
-  EXPECT_TRUE((*c)->Stop().ok());
-  EXPECT_TRUE((*b)->Stop().ok());
-  EXPECT_TRUE((*a)->Stop().ok());
+  for (auto* mrd : {&*c, &*b, &*a}) {
+    absl::Status stopped = (*mrd)->Stop();
+    EXPECT_TRUE(stopped.ok()) << stopped << "\n" << (*mrd)->Log();
+  }
   expect_no_secret((*a)->Log());
   expect_no_secret((*b)->Log());
   expect_no_secret((*c)->Log());

@@ -202,8 +202,14 @@ FrameKind ClassifyFrame(absl::string_view line) {
   if (open == absl::string_view::npos || line.back() != ')') {
     return FrameKind::kMrd;
   }
+  // "libstdc++.so.6+0x1409" or "mrd+0x12)": the name ends at the offset
+  // (names hold '+' of their own: libstdc++, libgrpc++).
   absl::string_view module = line.substr(open + 1);
-  module = module.substr(0, module.find_first_of("+)"));
+  module = module.substr(0, module.size() - 1);  // the ')'
+  if (const size_t offset = module.rfind("+0x");
+      offset != absl::string_view::npos) {
+    module = module.substr(0, offset);
+  }
   const size_t slash = module.rfind('/');
   if (slash != absl::string_view::npos) module = module.substr(slash + 1);
   for (const char* grpc : {"libgrpc.so.", "libgrpc++.so.",

@@ -7,10 +7,11 @@
 // about the happens-before edge each of them creates: acquire after locking
 // or waiting, release before unlocking or notifying.
 //
-// Mutex::Await/AwaitWithTimeout/LockWhen and CondVar::Wait release the lock
-// inside the library while they block: their wrappers release before the
-// call and acquire after it. A Condition may be evaluated by the thread that
-// unlocks; that thread holds the lock then, so its reads are ordered too.
+// Mutex::Await, LockWhen and CondVar::Wait, with or without a timeout or a
+// deadline, release the lock inside the library while they block: their
+// wrappers release before the call and acquire after it. A Condition may be
+// evaluated by the thread that unlocks; that thread holds the lock then, so its
+// reads are ordered too.
 //
 // The symbol names carry Debian's inline namespace (absl::debian3). If that
 // changes, the link fails on an undefined __real_ symbol instead of silently
@@ -100,12 +101,20 @@ void __real__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(
     absl::Mutex* mu, const absl::Condition& cond);
 bool __real__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(
     absl::Mutex* mu, const absl::Condition& cond, absl::Duration timeout);
+bool __real__ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE(
+    absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline);
 void __real__ZN4absl7debian35Mutex8LockWhenERKNS0_9ConditionE(
     absl::Mutex* mu, const absl::Condition& cond);
+bool __real__ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE(
+    absl::Mutex* mu, const absl::Condition& cond, absl::Duration timeout);
+bool __real__ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE(
+    absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline);
 void __real__ZN4absl7debian37CondVar4WaitEPNS0_5MutexE(absl::CondVar* cv,
                                                        absl::Mutex* mu);
 bool __real__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(
     absl::CondVar* cv, absl::Mutex* mu, absl::Duration timeout);
+bool __real__ZN4absl7debian37CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE(
+    absl::CondVar* cv, absl::Mutex* mu, absl::Time deadline);
 
 void __wrap__ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE(
     absl::Mutex* mu, const absl::Condition& cond) {
@@ -124,6 +133,40 @@ bool __wrap__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8Durat
   const bool met =
       __real__ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE(
           mu, wrapped, timeout);
+  __tsan_acquire(mu);
+  return met;
+}
+
+bool __wrap__ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE(
+    absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline) {
+  TsanCondition ctx{mu, &cond};
+  const absl::Condition wrapped(&EvalForTsan, &ctx);
+  __tsan_release(mu);
+  const bool met =
+      __real__ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE(
+          mu, wrapped, deadline);
+  __tsan_acquire(mu);
+  return met;
+}
+
+bool __wrap__ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE(
+    absl::Mutex* mu, const absl::Condition& cond, absl::Duration timeout) {
+  TsanCondition ctx{mu, &cond};
+  const absl::Condition wrapped(&EvalForTsan, &ctx);
+  const bool met =
+      __real__ZN4absl7debian35Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE(
+          mu, wrapped, timeout);
+  __tsan_acquire(mu);
+  return met;
+}
+
+bool __wrap__ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE(
+    absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline) {
+  TsanCondition ctx{mu, &cond};
+  const absl::Condition wrapped(&EvalForTsan, &ctx);
+  const bool met =
+      __real__ZN4absl7debian35Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE(
+          mu, wrapped, deadline);
   __tsan_acquire(mu);
   return met;
 }
@@ -149,6 +192,16 @@ bool __wrap__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE
   const bool timed_out =
       __real__ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE(
           cv, mu, timeout);
+  __tsan_acquire(mu);
+  return timed_out;
+}
+
+bool __wrap__ZN4absl7debian37CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE(
+    absl::CondVar* cv, absl::Mutex* mu, absl::Time deadline) {
+  __tsan_release(mu);
+  const bool timed_out =
+      __real__ZN4absl7debian37CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE(
+          cv, mu, deadline);
   __tsan_acquire(mu);
   return timed_out;
 }
