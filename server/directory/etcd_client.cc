@@ -46,6 +46,8 @@ constexpr absl::string_view kTokenRefusals[] = {
     "revision of auth store is old",  // users or roles changed since
     "user name is empty",             // no token: auth enabled since
 };
+// A watch the user's roles do not allow is cancelled with this reason.
+constexpr absl::string_view kPermissionDenied = "permission denied";
 constexpr size_t kMaxPemBytes = size_t{1} << 20;
 constexpr size_t kMaxPasswordBytes = 4096;
 
@@ -1007,7 +1009,7 @@ bool EtcdWatch::WatchOn(size_t index) {
   create->set_key(prefix_.empty() ? std::string(1, '\0') : prefix_);
   create->set_range_end(PrefixEnd(prefix_));
   create->set_start_revision(next_revision_);
-  bool ended = false;  // for good: compacted
+  bool ended = false;  // for good: compacted, or not permitted
   bool left = false;   // this member's stream, still open
   absl::Status end_status;
   if (stream->Write(request)) {
@@ -1030,6 +1032,17 @@ bool EtcdWatch::WatchOn(size_t index) {
             absl::StrCat("etcd watch of '", prefix_, "' from revision ",
                          next_revision_, ": compacted up to revision ",
                          response.compact_revision()));
+        ended = left = true;
+        break;
+      }
+      if (response.canceled() &&
+          absl::StrContains(response.cancel_reason(), kPermissionDenied)) {
+        // Every member answers the same: the user may not read the prefix.
+        end_status = MrdError(
+            absl::StatusCode::kPermissionDenied, "ETCD_PERMISSION_DENIED",
+            absl::StrCat("etcd watch of '", prefix_, "': etcd user '",
+                         client_->options().user, "' may not read it (",
+                         response.cancel_reason(), ")"));
         ended = left = true;
         break;
       }

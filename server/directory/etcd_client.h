@@ -48,7 +48,9 @@
 // ETCD_AUTH_FAILED (etcd refused the user and password); UNAVAILABLE
 // ETCD_UNAVAILABLE; ALREADY_EXISTS ETCD_KEY_EXISTS (PutIfAbsent,
 // PutIfAbsentOrOwned); NOT_FOUND ETCD_LEASE_NOT_FOUND (expired or revoked);
-// OUT_OF_RANGE ETCD_COMPACTED (a watch's start revision is gone); UNAVAILABLE
+// OUT_OF_RANGE ETCD_COMPACTED (a watch's start revision is gone);
+// PERMISSION_DENIED ETCD_PERMISSION_DENIED (the user's roles do not let it
+// watch the prefix); UNAVAILABLE
 // ETCD_LEASE_LOST (a keeper's lease went unrenewed for its TTL); any other
 // answer of etcd keeps etcd's code, with reason ETCD_ERROR and etcd's message.
 //
@@ -151,7 +153,9 @@ struct EtcdWatchEvent {
 };
 
 // Events in revision order; or, once, the error that ended the watch for
-// good (OUT_OF_RANGE ETCD_COMPACTED; UNAUTHENTICATED ETCD_AUTH_FAILED when
+// good (OUT_OF_RANGE ETCD_COMPACTED; PERMISSION_DENIED
+// ETCD_PERMISSION_DENIED when the user may no longer read the prefix;
+// UNAUTHENTICATED ETCD_AUTH_FAILED when
 // etcd refused the user on a member it moved to), after which it is never
 // called again.
 using EtcdWatchCallback =
@@ -251,7 +255,8 @@ class EtcdClient {
   // watch moves to another and resumes after the last event delivered:
   // nothing is delivered twice or lost, unless the revisions in between have
   // been compacted (then the callback gets ETCD_COMPACTED and the watch
-  // ends).
+  // ends). A user that may not read the prefix gets PERMISSION_DENIED
+  // ETCD_PERMISSION_DENIED at once, not a retry until the call timeout.
   absl::StatusOr<std::unique_ptr<EtcdWatch>> Watch(absl::string_view prefix,
                                                    int64_t start_revision,
                                                    EtcdWatchCallback callback);

@@ -268,6 +268,56 @@ TEST_F(EtcdAuthTest, AWrongPasswordIsRefusedWithoutShowingIt) {
   EXPECT_EQ((*client)->authentications(), 0);
 }
 
+// A user whose role may read only part of the keys: a watch elsewhere is
+// refused at once with PERMISSION_DENIED (before, the client retried it on
+// every member until its call timeout and said UNAVAILABLE), while a watch
+// of what it may read works.
+TEST_F(EtcdAuthTest, AWatchTheUserMayNotReadIsRefusedAtOnce) {
+  const std::string root = "--user=root:" + cluster_->password();
+  const std::string allowed = Prefix() + "allowed/";
+  ASSERT_TRUE(
+      cluster_
+          ->Etcdctl(0, {root, "user", "add", "reader", "--interactive=false",
+                        "--new-user-password=reader-secret"})
+          .ok());
+  ASSERT_TRUE(cluster_->Etcdctl(0, {root, "role", "add", "readers"}).ok());
+  ASSERT_TRUE(cluster_
+                  ->Etcdctl(0, {root, "role", "grant-permission", "readers",
+                                "read", allowed, "--prefix=true"})
+                  .ok());
+  ASSERT_TRUE(
+      cluster_->Etcdctl(0, {root, "user", "grant-role", "reader", "readers"})
+          .ok());
+  const std::string password_file = cluster_->dir() + "/reader-password";
+  {
+    std::ofstream out(password_file);
+    out << "reader-secret\n";
+  }
+  EtcdClientOptions options = cluster_->ClientOptions();
+  options.user = "reader";
+  options.password_file = password_file;
+  absl::StatusOr<std::unique_ptr<EtcdClient>> client =
+      NewClient(options, absl::Seconds(20));
+  ASSERT_TRUE(client.ok()) << client.status();
+
+  Puts puts;
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::unique_ptr<EtcdWatch>> refused =
+      (*client)->Watch(Prefix() + "secret/", 0, puts.Callback());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kPermissionDenied)
+      << refused.status();
+  EXPECT_EQ(GetErrorDetail(refused.status()).reason(),
+            "ETCD_PERMISSION_DENIED");
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "reader"));
+  // Refused, not timed out (the call timeout is 20 s).
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+
+  absl::StatusOr<std::unique_ptr<EtcdWatch>> watch =
+      (*client)->Watch(allowed, 0, puts.Callback());
+  ASSERT_TRUE(watch.ok()) << watch.status();
+}
+
 // Three members: a call that fails over signs in on the member it moves to
 // (each member's token is its own), and the caller sees nothing of it.
 TEST(EtcdAuthFailoverTest, AClientSignsInOnTheMemberItFailsOverTo) {

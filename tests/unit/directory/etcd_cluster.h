@@ -85,6 +85,9 @@ class EtcdCluster {
   bool running(int member) const { return members_[member].pid > 0; }
   // The member's process; -1 when it is not running.
   pid_t pid(int member) const { return members_[member].pid; }
+  // Runs etcdctl against `member` with `args` (TLS options added in the TLS
+  // modes; with auth on, pass "--user=root:<password()>"), waits for it.
+  absl::Status Etcdctl(int member, const std::vector<std::string>& args);
   // The member's output (for failure messages).
   std::string Log(int member) const;
 
@@ -101,8 +104,6 @@ class EtcdCluster {
       bool* port_taken);
   absl::Status Spawn(int member);
   absl::Status MakeCertificates();
-  // Runs etcdctl against `member` with `args`, waits for it.
-  absl::Status Etcdctl(int member, const std::vector<std::string>& args);
   std::string Url(int port) const;
 
   EtcdClusterOptions options_;
