@@ -61,6 +61,41 @@ bool PollUntil(Fn done, absl::Duration limit) {
   return true;
 }
 
+// A client of `mrd`'s gRPC and fd sockets.
+absl::StatusOr<client::Client> ConnectTo(const MrdProcess& mrd) {
+  client::ClientOptions options;
+  options.socket_path = mrd.grpc_socket();
+  options.fd_socket_path = mrd.fd_socket();
+  return client::Client::Connect(options);
+}
+
+struct Published {
+  Buffer buffer;
+  Registration registration;
+  v1::PublishedEntry entry;
+};
+// A remote-readable registration of a fresh buffer of `session`, published
+// as `name` through `client`.
+absl::StatusOr<Published> RegisterAndPublishVia(client::Client& client,
+                                                const Session& session,
+                                                const std::string& name) {
+  absl::StatusOr<Buffer> buffer = Buffer::Create(session, 64 << 10, name);
+  if (!buffer.ok()) return buffer.status();
+  client::RegisterOptions o;
+  o.buffer = buffer->id();
+  o.length = buffer->size();
+  o.flags = kRemoteRead;
+  absl::StatusOr<Registration> reg = Registration::Register(session, o);
+  if (!reg.ok()) return reg.status();
+  v1::PublishRequest req;
+  req.set_session(session.token());
+  req.set_name(name);
+  req.set_registration(reg->id());
+  absl::StatusOr<v1::PublishedEntry> entry = client.Publish(req);
+  if (!entry.ok()) return entry.status();
+  return Published{std::move(*buffer), std::move(*reg), std::move(*entry)};
+}
+
 // Every event a watch delivered, waited on by condition.
 class Events {
  public:
@@ -175,29 +210,10 @@ class DirectoryTest : public MrdTest {
     return out;
   }
 
-  struct Published {
-    Buffer buffer;
-    Registration registration;
-    v1::PublishedEntry entry;
-  };
-  // A remote-readable registration of a fresh buffer, published as `name`.
+  // RegisterAndPublishVia the fixture's mrd.
   absl::StatusOr<Published> RegisterAndPublish(const Session& session,
                                                const std::string& name) {
-    absl::StatusOr<Buffer> buffer = Buffer::Create(session, 64 << 10, name);
-    if (!buffer.ok()) return buffer.status();
-    client::RegisterOptions o;
-    o.buffer = buffer->id();
-    o.length = buffer->size();
-    o.flags = kRemoteRead;
-    absl::StatusOr<Registration> reg = Registration::Register(session, o);
-    if (!reg.ok()) return reg.status();
-    v1::PublishRequest req;
-    req.set_session(session.token());
-    req.set_name(name);
-    req.set_registration(reg->id());
-    absl::StatusOr<v1::PublishedEntry> entry = client_->Publish(req);
-    if (!entry.ok()) return entry.status();
-    return Published{std::move(*buffer), std::move(*reg), std::move(*entry)};
+    return RegisterAndPublishVia(*client_, session, name);
   }
   std::string TenantOf(const Session& session) {
     absl::StatusOr<v1::SessionInfo> info = session.Info();
@@ -271,10 +287,7 @@ TEST_F(DirectoryTest,
   absl::StatusOr<std::unique_ptr<MrdProcess>> other =
       MrdProcess::Start(NodeOptions("node-b"));
   ASSERT_TRUE(other.ok()) << other.status();
-  client::ClientOptions options;
-  options.socket_path = (*other)->grpc_socket();
-  options.fd_socket_path = (*other)->fd_socket();
-  absl::StatusOr<client::Client> remote = client::Client::Connect(options);
+  absl::StatusOr<client::Client> remote = ConnectTo(**other);
   ASSERT_TRUE(remote.ok()) << remote.status();
   {
     absl::StatusOr<Session> peer = Session::OpenFd(*remote);
@@ -719,29 +732,15 @@ TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {
   options.runtime_dir = runtime_dir;
   absl::StatusOr<std::unique_ptr<MrdProcess>> old = MrdProcess::Start(options);
   ASSERT_TRUE(old.ok()) << old.status();
-  client::ClientOptions client_options;
-  client_options.socket_path = (*old)->grpc_socket();
-  client_options.fd_socket_path = (*old)->fd_socket();
-  absl::StatusOr<client::Client> client =
-      client::Client::Connect(client_options);
+  absl::StatusOr<client::Client> client = ConnectTo(**old);
   ASSERT_TRUE(client.ok()) << client.status();
   absl::StatusOr<Session> session = Session::OpenFd(*client);
   ASSERT_TRUE(session.ok()) << session.status();
-  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 64 << 10, "kept");
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
-  client::RegisterOptions o;
-  o.buffer = buffer->id();
-  o.length = buffer->size();
-  o.flags = kRemoteRead;
-  absl::StatusOr<Registration> reg = Registration::Register(*session, o);
-  ASSERT_TRUE(reg.ok()) << reg.status();
-  v1::PublishRequest publish;
-  publish.set_session(session->token());
-  publish.set_name("kept");
-  publish.set_registration(reg->id());
-  absl::StatusOr<v1::PublishedEntry> entry = client->Publish(publish);
-  ASSERT_TRUE(entry.ok()) << entry.status();
-  const std::string key = entry->key();
+  absl::StatusOr<Published> kept =
+      RegisterAndPublishVia(*client, *session, "kept");
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  Registration* reg = &kept->registration;
+  const std::string key = kept->entry.key();
   ASSERT_TRUE(
       events_.WaitFor(EtcdWatchEvent::Type::kPut, key, absl::Seconds(10)));
   absl::StatusOr<directory::EtcdRange> before = etcd_->Get(key);
@@ -881,11 +880,7 @@ TEST(DirectoryOutageTest, RegistrationsGoOnAndEntriesAppearOnceEtcdIsBack) {
       "--node_name=node-a", "--directory_lease_ttl=2s"};
   absl::StatusOr<std::unique_ptr<MrdProcess>> mrd = MrdProcess::Start(options);
   ASSERT_TRUE(mrd.ok()) << mrd.status();
-  client::ClientOptions client_options;
-  client_options.socket_path = (*mrd)->grpc_socket();
-  client_options.fd_socket_path = (*mrd)->fd_socket();
-  absl::StatusOr<client::Client> client =
-      client::Client::Connect(client_options);
+  absl::StatusOr<client::Client> client = ConnectTo(**mrd);
   ASSERT_TRUE(client.ok()) << client.status();
   absl::StatusOr<Session> session = Session::OpenFd(*client);
   ASSERT_TRUE(session.ok()) << session.status();
@@ -984,28 +979,14 @@ TEST(DirectorySecureTest, MrdsOverTlsWithAUserPublishAndResolveAndLogNoSecret) {
   absl::StatusOr<std::unique_ptr<MrdProcess>> a =
       node("node-a", etcd.password_file());
   ASSERT_TRUE(a.ok()) << a.status();
-  client::ClientOptions client_options;
-  client_options.socket_path = (*a)->grpc_socket();
-  client_options.fd_socket_path = (*a)->fd_socket();
-  absl::StatusOr<client::Client> client =
-      client::Client::Connect(client_options);
+  absl::StatusOr<client::Client> client = ConnectTo(**a);
   ASSERT_TRUE(client.ok()) << client.status();
   absl::StatusOr<Session> session = Session::OpenFd(*client);
   ASSERT_TRUE(session.ok()) << session.status();
-  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 64 << 10, "sec");
-  ASSERT_TRUE(buffer.ok()) << buffer.status();
-  client::RegisterOptions o;
-  o.buffer = buffer->id();
-  o.length = buffer->size();
-  o.flags = kRemoteRead;
-  absl::StatusOr<Registration> reg = Registration::Register(*session, o);
-  ASSERT_TRUE(reg.ok()) << reg.status();
-  v1::PublishRequest publish;
-  publish.set_session(session->token());
-  publish.set_name("secure.0");
-  publish.set_registration(reg->id());
-  absl::StatusOr<v1::PublishedEntry> entry = client->Publish(publish);
-  ASSERT_TRUE(entry.ok()) << entry.status();
+  absl::StatusOr<Published> published =
+      RegisterAndPublishVia(*client, *session, "secure.0");
+  ASSERT_TRUE(published.ok()) << published.status();
+  Registration* reg = &published->registration;
   v1::ListPublishedRequest list;
   list.set_session(session->token());
   auto state = [&]() -> std::string {
@@ -1022,11 +1003,7 @@ TEST(DirectorySecureTest, MrdsOverTlsWithAUserPublishAndResolveAndLogNoSecret) {
   absl::StatusOr<std::unique_ptr<MrdProcess>> b =
       node("node-b", etcd.password_file());
   ASSERT_TRUE(b.ok()) << b.status();
-  client::ClientOptions remote_options;
-  remote_options.socket_path = (*b)->grpc_socket();
-  remote_options.fd_socket_path = (*b)->fd_socket();
-  absl::StatusOr<client::Client> remote =
-      client::Client::Connect(remote_options);
+  absl::StatusOr<client::Client> remote = ConnectTo(**b);
   ASSERT_TRUE(remote.ok()) << remote.status();
   absl::StatusOr<Session> peer = Session::OpenFd(*remote);
   ASSERT_TRUE(peer.ok()) << peer.status();
