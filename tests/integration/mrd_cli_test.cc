@@ -6,10 +6,10 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -99,6 +99,32 @@ TEST(MrdCliTest, ByteSizeFlagsTakeUnits) {
                       /*with_stderr=*/true);
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_TRUE(absl::StrContains(bad.out, "'16Q' is not a size")) << bad.out;
+}
+
+// The directory's flags are checked at start, each refusal naming the flag
+// (etcd is never reached: port 1 on loopback).
+TEST(MrdCliTest, BadDirectoryFlagsAreRefusedByName) {
+  char dir[] = "/tmp/mrd-cli-directory-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  const std::string common = absl::StrCat(
+      "--device=software --runtime_dir=", dir,
+      "/run --shm_dir= --metrics_address= --peer_address=127.0.0.1:0 "
+      "--etcd_endpoints=127.0.0.1:1 ");
+  struct Case {
+    const char* flags;
+    const char* says;
+  };
+  for (const Case& c : {
+           Case{"--directory_mooncake_prefix=mooncake",
+                "--directory_mooncake_prefix='mooncake' must end with '/'"},
+           Case{"--etcd_cert_file=/nonexistent",
+                "--etcd_cert_file needs --etcd_key_file"},
+       }) {
+    MrdRun bad = RunMrd(common + c.flags, /*with_stderr=*/true);
+    EXPECT_EQ(bad.exit_code, 1) << c.flags << "\n" << bad.out;
+    EXPECT_TRUE(absl::StrContains(bad.out, c.says)) << bad.out;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 TEST(MrdCliTest, VersionNamesTheVersion) {
