@@ -261,7 +261,7 @@ void BM_Cache_Miss(benchmark::State& state) {
           if (mlock(m.address, m.size) != 0) {
             return absl::ResourceExhaustedError("mlock");
           }
-          return cache::CachedRegistration{1, 2, 3, m.size, nullptr};
+          return cache::CachedRegistration{1, 2, 3, 1, m.size, nullptr};
         });
     if (!r.ok() || r->hit) {
       state.SkipWithError("expected a miss");
@@ -286,7 +286,7 @@ void BM_Cache_Hit(benchmark::State& state) {
   cache::RegistrationCache cache;
   const cache::CacheKey key = WholeBuffer(m.size);
   auto create = [&]() -> absl::StatusOr<cache::CachedRegistration> {
-    return cache::CachedRegistration{1, 2, 3, m.size, nullptr};
+    return cache::CachedRegistration{1, 2, 3, 1, m.size, nullptr};
   };
   absl::StatusOr<cache::AcquireResult> held = cache.Acquire(key, create);
   for (auto _ : state) {

@@ -124,6 +124,8 @@ class Daemon final : public handover::Participant {
   std::unique_ptr<FdBudget> fd_budget_;
   daemon::Config config_;  // paths, peers, the device chosen
   std::unique_ptr<device::Device> device_;
+  // --software_devices: the devices after the first, served beside it.
+  std::vector<std::unique_ptr<device::Device>> more_devices_;
   core::CoreOptions core_options_;
   // The directory (--etcd_endpoints) and its part in a handover: outlives
   // the core, which publishes through it.
@@ -236,14 +238,15 @@ absl::Status Daemon::OpenDevice(UniqueFd peer_listener) {
   }
   LogInfo("device: ", kind, " (", device_->Attributes().name,
           "), peers connect to ", device_->Attributes().peer_address);
-  return absl::OkStatus();
+  return daemon::OpenMoreSoftwareDevices(config_, &more_devices_);
 }
 
 absl::Status Daemon::StartCore() {
   MRD_RETURN_IF_ERROR(daemon::MakeCoreOptions(
       config_, *device_, fd_budget_.get(), &core_options_));
-  core_ = std::make_unique<core::Core>(device_.get(), RealClock::Get(),
-                                       core_options_);
+  core_ = std::make_unique<core::Core>(
+      daemon::AllDevices(device_.get(), more_devices_), RealClock::Get(),
+      core_options_);
   core_handover_.SetCore(core_.get());
   if (absl::Status s = core_->Start(); !s.ok()) {
     return daemon::Fail(absl::StrCat("core: ", s.ToString()));
@@ -519,7 +522,7 @@ absl::Status Daemon::StartHealthWatch() {
     server_->Shutdown();
     fd_server_->Shutdown();
     core_->Shutdown();
-    device_->Shutdown();
+    daemon::ShutdownDevices(device_.get(), more_devices_);
     return daemon::Fail(
         absl::StrCat("health watch: ", watch.status().ToString()));
   }
@@ -625,7 +628,7 @@ void Daemon::ServeUntil(const sigset_t& signals) {
   // Calls still running on the workers end before what they use goes.
   if (!workers_->Drain(absl::Seconds(10))) LogWarning("workers still busy");
   TsanTakeOverFromGrpc();  // and after what gRPC's callbacks did
-  device_->Shutdown();
+  daemon::ShutdownDevices(device_.get(), more_devices_);
   unlink(config_.grpc_socket.c_str());
   WriteStatus("stopped");
   LogInfo("mrd stopped; device pinned bytes: ", device_->PinnedBytes());

@@ -17,8 +17,11 @@ namespace mrd::client {
 
 class PeerTicket {
  public:
-  // Errors: FAILED_PRECONDITION (WSAENOTCONN), RESOURCE_EXHAUSTED.
-  static absl::StatusOr<PeerTicket> Create(const Session& session);
+  // For the peer path of mrd's device `device` ("": the first). Errors:
+  // FAILED_PRECONDITION (WSAENOTCONN), RESOURCE_EXHAUSTED, INVALID_ARGUMENT
+  // UNKNOWN_DEVICE.
+  static absl::StatusOr<PeerTicket> Create(const Session& session,
+                                           const std::string& device = "");
 
   PeerTicket(PeerTicket&&) noexcept = default;
   PeerTicket& operator=(PeerTicket&&) noexcept = default;
@@ -29,6 +32,8 @@ class PeerTicket {
   const std::string& ticket() const { return ticket_.ticket(); }
   // host:port where peers connect.
   const std::string& peer_address() const { return ticket_.peer_address(); }
+  // The device whose peer path it opens.
+  const std::string& device() const { return ticket_.device(); }
   const v1::PeerTicket& proto() const { return ticket_; }
 
  private:

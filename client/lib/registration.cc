@@ -24,6 +24,13 @@ v1::RegisterMrRequest ToRequest(const std::string& session,
   request.set_mr(options.mr);
   request.set_descriptor_capacity(options.descriptor_capacity);
   request.set_request_id(options.request_id);
+  if (options.all_devices) {
+    request.mutable_devices()->set_all(true);
+  } else {
+    for (const std::string& device : options.devices) {
+      request.mutable_devices()->add_names(device);
+    }
+  }
   return request;
 }
 

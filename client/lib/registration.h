@@ -37,6 +37,11 @@ struct RegisterOptions {
   uint64_t mr = 0;  // an Mr created with fast_register=false (R4); 0: implicit
   uint32_t descriptor_capacity = 0;  // W2; 0 = no limit
   std::string request_id = {};       // idempotency key
+  // The devices to register on, by name (GetDeviceInfo's devices), or all
+  // of mrd's; neither: the first device. The registration is on all of
+  // them or on none; its tokens() give one token per device.
+  std::vector<std::string> devices = {};
+  bool all_devices = false;
 };
 
 v1::RegisterMrRequest ToRequest(const std::string& session,
@@ -93,6 +98,10 @@ class Registration {
   bool valid() const { return core_ != nullptr; }
   uint64_t id() const { return response_.registration(); }
   uint32_t rkey() const { return response_.rkey(); }
+  // One token per device it is on (device name, rkey, lkey, peer address).
+  const google::protobuf::RepeatedPtrField<v1::DeviceToken>& tokens() const {
+    return response_.tokens();
+  }
   uint32_t lkey() const { return response_.lkey(); }
   uint64_t base_address() const { return response_.base_address(); }
   uint64_t length() const { return response_.length(); }

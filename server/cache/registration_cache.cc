@@ -29,6 +29,7 @@ CacheKey RegistrationCache::KeyOfLocked(const Entry& entry) const {
   key.length = entry.length;
   key.access = entry.access;
   key.base_address = entry.base_address;
+  key.devices = entry.devices;
   return key;
 }
 
@@ -36,8 +37,8 @@ std::optional<uint32_t> RegistrationCache::FindKeyLocked(
     const CacheKey& key) const {
   std::optional<uint32_t> source = sources_.Find({key.session, key.buffer});
   if (!source.has_value()) return std::nullopt;
-  auto it = by_key_.find(
-      EntryKey{*source, key.access, key.offset, key.length, key.base_address});
+  auto it = by_key_.find(EntryKey{*source, key.access, key.offset, key.length,
+                                  key.base_address, key.devices});
   if (it == by_key_.end()) return std::nullopt;
   return *it;
 }
@@ -48,6 +49,7 @@ void RegistrationCache::SetKeyLocked(Entry& entry, const CacheKey& key) {
   entry.length = key.length;
   entry.access = key.access;
   entry.base_address = key.base_address;
+  entry.devices = key.devices;
 }
 
 absl::StatusOr<AcquireResult> RegistrationCache::Acquire(const CacheKey& key,
@@ -179,6 +181,7 @@ CachedRegistration RegistrationCache::RegistrationOf(const Entry& entry) const {
   registration.device_mr = entry.device_mr;
   registration.lkey = entry.lkey;
   registration.rkey = entry.rkey;
+  registration.devices = entry.devices;
   registration.pinned_bytes = entry.pinned_bytes;
   if (entry.memory != 0) registration.memory = memories_.Get(entry.memory - 1);
   return registration;
@@ -360,9 +363,15 @@ std::optional<EntryView> RegistrationCache::View(uint64_t entry_id) const {
   absl::MutexLock lock(&mu_);
   const Entry* entry = FindReadyLocked(entry_id);
   if (entry == nullptr) return std::nullopt;
-  return EntryView{KeyOfLocked(*entry), entry->lkey,
-                   entry->rkey,         entry->references,
-                   entry->pinned_bytes, entry->restored != 0};
+  EntryView view;
+  view.key = KeyOfLocked(*entry);
+  view.device_mr = entry->device_mr;
+  view.lkey = entry->lkey;
+  view.rkey = entry->rkey;
+  view.references = entry->references;
+  view.pinned_bytes = entry->pinned_bytes;
+  view.restored = entry->restored != 0;
+  return view;
 }
 
 CacheStats RegistrationCache::Stats() const {

@@ -73,19 +73,29 @@ struct CacheKey {
   uint64_t length = 0;
   uint32_t access = 0;        // device::AccessBits
   uint64_t base_address = 0;  // the region's address on the wire
+  // The devices it is registered on: bit i is the core's device i. The
+  // same range on another set of devices is another registration.
+  uint32_t devices = 1;
   auto operator<=>(const CacheKey&) const = default;
   template <typename H>
   friend H AbslHashValue(H h, const CacheKey& k) {
     return H::combine(std::move(h), k.session, k.buffer, k.offset, k.length,
-                      k.access, k.base_address);
+                      k.access, k.base_address, k.devices);
   }
 };
 
+// At most this many devices (the bits of CacheKey::devices an entry keeps).
+inline constexpr int kMaxCacheDevices = 24;
+
 // The device-side result of a registration, opaque to the cache.
 struct CachedRegistration {
+  // The MR and keys on the first device of the entry's key's `devices`
+  // (the caller keeps the others' where it needs them: one device's suffice
+  // for most registrations, and an entry stays small).
   uint64_t device_mr = 0;
   uint32_t lkey = 0;
   uint32_t rkey = 0;
+  uint32_t devices = 1;       // the key's devices (set by the cache)
   uint64_t pinned_bytes = 0;  // what it counts against limits
   // Keeps the memory the device MR points into (the buffer's mapping and
   // file) alive until whoever deregisters it drops this copy: a buffer
@@ -112,6 +122,7 @@ struct ReleaseResult {
 // What an entry says, for listing it.
 struct EntryView {
   CacheKey key;
+  uint64_t device_mr = 0;  // on the first of key.devices
   uint32_t lkey = 0;
   uint32_t rkey = 0;
   uint32_t references = 0;
@@ -285,7 +296,8 @@ class RegistrationCache {
     uint64_t device_mr = 0;
     uint64_t pinned_bytes = 0;
     uint32_t source = 0;  // ... its session and buffer: a slot of sources_
-    uint32_t access = 0;  // ... and its access bits.
+    uint32_t access : 32 - kMaxCacheDevices = 0;  // ... its access bits
+    uint32_t devices : kMaxCacheDevices = 1;      // ... and devices.
     uint32_t lkey = 0;
     uint32_t rkey = 0;
     uint32_t references = 0;
@@ -308,17 +320,21 @@ class RegistrationCache {
     uint64_t offset = 0;
     uint64_t length = 0;
     uint64_t base_address = 0;
+    uint32_t devices = 1;
   };
   // by_key_ holds the slots of the entries in entries_: 4 bytes an entry.
   struct KeyLess {
     using is_transparent = void;
     const Slab<Entry>* entries;
     static auto Tie(const EntryKey& k) {
-      return std::tie(k.source, k.offset, k.length, k.access, k.base_address);
+      return std::make_tuple(k.source, k.offset, k.length, k.access,
+                             k.base_address, k.devices);
     }
     auto Tie(uint32_t slot) const {
       const Entry& e = *entries->Get(slot);
-      return std::tie(e.source, e.offset, e.length, e.access, e.base_address);
+      return std::make_tuple(e.source, e.offset, e.length,
+                             static_cast<uint32_t>(e.access), e.base_address,
+                             static_cast<uint32_t>(e.devices));
     }
     template <typename A, typename B>
     bool operator()(const A& a, const B& b) const {

@@ -59,7 +59,12 @@ void FillBufferInfo(const BufferRecord& b, v1::BufferInfo* out) {
 }  // namespace
 
 Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
-    : device_(device),
+    : Core(std::vector<device::Device*>{device}, clock, std::move(options)) {}
+
+Core::Core(std::vector<device::Device*> devices, const Clock* clock,
+           CoreOptions options)
+    : devices_(std::move(devices)),
+      device_(devices_.at(0)),
       clock_(clock),
       options_(std::move(options)),
       sessions_(options_.max_sessions),
@@ -70,13 +75,13 @@ Core::Core(device::Device* device, const Clock* clock, CoreOptions options)
           options_.max_total_mrs}),
       progress_(options_.progress),
       registrations_(
-          device, &budgets_,
+          devices_, &budgets_,
           RegistrationOptions{
               options_.request_id_memory,
               cache::WarmPinLimits{options_.warm_pin_bytes_per_session,
                                    options_.warm_pin_bytes_total},
               &progress_}),
-      fast_(device, &budgets_, &registrations_, &next_handle_,
+      fast_(device_, &budgets_, &registrations_, &next_handle_,
             FastRegistrationLimits{
                 options_.max_session_lams,
                 // A registration counts its MR objects in 28 bits.
@@ -154,20 +159,34 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(
   auto session = std::make_shared<Session>(id, RandomToken(), kind,
                                            options_.completion_queue_depth,
                                            identity, tenant);
-  absl::StatusOr<device::PdId> pd = device_->AllocatePd(session.get());
-  if (!pd.ok()) {
-    tenant->Release(TenantResource::kSessions, 1);
-    sessions_.Unreserve();
-    return pd.status();
+  // A PD on every device, or none.
+  std::vector<device::PdId> pds;
+  absl::Status allocated;
+  for (size_t i = 0; i < devices_.size() && allocated.ok(); ++i) {
+    absl::StatusOr<device::PdId> pd =
+        devices_[i]->AllocatePd(session->SinkFor(i));
+    if (pd.ok()) {
+      pds.push_back(*pd);
+    } else {
+      allocated = pd.status();
+    }
   }
-  {
-    absl::MutexLock lock(&session->mu);
-    session->pd = *pd;
+  const bool reserved = !allocated.ok();  // Insert gives it back itself
+  if (allocated.ok()) {
+    {
+      absl::MutexLock lock(&session->mu);
+      session->pd = pds[0];
+      session->pds = pds;
+    }
+    allocated = sessions_.Insert(session);
   }
-  if (absl::Status s = sessions_.Insert(session); !s.ok()) {
+  if (!allocated.ok()) {
+    for (size_t i = 0; i < pds.size(); ++i) {
+      (void)devices_[i]->DeallocatePd(pds[i]);
+    }
     tenant->Release(TenantResource::kSessions, 1);
-    (void)device_->DeallocatePd(*pd);
-    return s;
+    if (reserved) sessions_.Unreserve();
+    return allocated;
   }
   return session;
 }
@@ -207,7 +226,7 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   std::vector<uint64_t> entries;
   std::map<uint64_t, LamRecord> lams;
   std::map<uint64_t, BufferRecord> buffers;
-  device::PdId pd;
+  std::vector<device::PdId> pds;
   {
     absl::MutexLock lock(&session->mu);
     if (session->closing) return;
@@ -217,7 +236,7 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
     lams.swap(session->lams);
     buffers.swap(session->buffers);
     session->page_to_lam.clear();
-    pd = session->pd;
+    pds = session->pds;
   }
   // Its names leave the directory (CloseSession waited for that already).
   publications_.DropAll(*session, /*wait=*/false);
@@ -225,7 +244,7 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   // registrations), then LAM pages are unpinned, then the PD goes with its
   // connections.
   // The pages unpinned from here to DeallocatePd leave the device together.
-  std::unique_ptr<device::DeviceBatch> batch = device_->BeginBatch();
+  std::vector<std::unique_ptr<device::DeviceBatch>> batches = BeginBatches();
   fast_.FreeMrs(*session, mrs);
   (void)registrations_.Invalidate(*session, entries);
   std::vector<const LamRecord*> lam_records;
@@ -233,11 +252,15 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   fast_.ReleaseLams(*session, lam_records, "teardown");
   // `closing` is set: no warm pin of this session can be kept from now on.
   registrations_.DropWarm(session->id(), /*buffer=*/0);
-  if (pd != 0) {
-    absl::Status s = device_->DeallocatePd(pd);
-    if (!s.ok()) LogWarning("teardown: deallocate PD: ", s.ToString());
+  for (size_t i = 0; i < pds.size(); ++i) {
+    if (pds[i] == 0) continue;
+    absl::Status s = devices_[i]->DeallocatePd(pds[i]);
+    if (!s.ok()) {
+      LogWarning("teardown: deallocate PD on ", devices_[i]->Attributes().name,
+                 ": ", s.ToString());
+    }
   }
-  batch.reset();
+  batches.clear();
   // Only now may the mappings go: DeallocatePd unpins whatever the PD still
   // held (an MR or LAM released concurrently), through these mappings.
   session->MarkPdGone().clear();
@@ -754,7 +777,8 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindBatchSession(req.session(), req.items_size()));
   // The items' pages leave the device together, before the reply.
-  const std::unique_ptr<device::DeviceBatch> batch = device_->BeginBatch();
+  const std::vector<std::unique_ptr<device::DeviceBatch>> batches =
+      BeginBatches();
   uint64_t released = 0;
   int done = 0;
   for (const v1::DeregisterMrRequest& item : req.items()) {
@@ -858,32 +882,61 @@ absl::Status Core::CreatePeerTicket(const v1::CreatePeerTicketRequest& req,
                                     v1::PeerTicket* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
+  size_t index = 0;
+  if (!req.device().empty()) {
+    MRD_ASSIGN_OR_RETURN(index, registrations_.DeviceIndex(req.device()));
+  }
+  device::Device* const device = devices_[index];
+  out->set_device(device->Attributes().name);
+  out->set_peer_address(device->Attributes().peer_address);
   device::PdId pd;
   {
     absl::MutexLock lock(&session->mu);
-    if (!session->peer_ticket_locked().empty()) {
-      out->set_ticket(session->peer_ticket_locked());
-      out->set_peer_address(device_->Attributes().peer_address);
+    if (std::string ticket = session->PeerTicketLocked(index);
+        !ticket.empty()) {
+      out->set_ticket(std::move(ticket));
       return absl::OkStatus();
     }
-    pd = session->pd;
+    if (index >= session->pds.size()) {
+      return NotConnected("the session has no PD on that device");
+    }
+    pd = session->pds[index];
   }
-  absl::StatusOr<std::string> ticket = device_->CreatePeerTicket(pd);
+  absl::StatusOr<std::string> ticket = device->CreatePeerTicket(pd);
   if (!ticket.ok()) {
     return SessionAwareError(*session, ticket.status(), "CreatePeerTicket");
   }
   absl::MutexLock lock(&session->mu);
-  session->SetPeerTicketLocked(*ticket);
-  out->set_ticket(session->peer_ticket_locked());
-  out->set_peer_address(device_->Attributes().peer_address);
+  session->SetPeerTicketLocked(index, *ticket);
+  out->set_ticket(session->PeerTicketLocked(index));
   return absl::OkStatus();
+}
+
+std::vector<std::unique_ptr<device::DeviceBatch>> Core::BeginBatches() {
+  std::vector<std::unique_ptr<device::DeviceBatch>> batches;
+  batches.reserve(devices_.size());
+  for (device::Device* device : devices_) {
+    batches.push_back(device->BeginBatch());
+  }
+  return batches;
 }
 
 // --- inspection -------------------------------------------------------------
 
 absl::Status Core::GetDeviceInfo(v1::DeviceInfo* out) const {
-  const device::DeviceAttributes& a = device_->Attributes();
-  device::DeviceHealth health = device_->Health();
+  DescribeDevice(*device_, out);
+  for (const device::Device* device : devices_) {
+    DescribeDevice(*device, out->add_devices());
+  }
+  // Always answered: this is where a lost or unhealthy device is reported
+  // (healthy = false, status_message says why); requests that need the
+  // device fail with UNAVAILABLE instead.
+  return absl::OkStatus();
+}
+
+void Core::DescribeDevice(const device::Device& device, v1::DeviceInfo* out) {
+  const device::DeviceAttributes& a = device.Attributes();
+  device::DeviceHealth health = device.Health();
   out->set_name(a.name);
   out->set_kind(a.kind);
   out->set_page_size(a.page_size);
@@ -895,11 +948,10 @@ absl::Status Core::GetDeviceInfo(v1::DeviceInfo* out) const {
   out->set_lid(a.lid);
   out->set_healthy(health.healthy);
   out->set_status_message(health.message);
-  out->set_pinned_bytes(device_->PinnedBytes());
-  // Always answered: this is where a lost or unhealthy device is reported
-  // (healthy = false, status_message says why); requests that need the
-  // device fail with UNAVAILABLE instead.
-  return absl::OkStatus();
+  out->set_pinned_bytes(device.PinnedBytes());
+  out->set_numa_node(a.numa_node);
+  out->set_pci_address(a.pci_address);
+  out->set_link_layer(a.link_layer);
 }
 
 absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
@@ -927,6 +979,7 @@ absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
       info->set_lkey(e->lkey);
       info->set_rkey(e->rkey);
       info->set_base_address(e->key.base_address);
+      registrations_.AddTokens(*e, info->mutable_tokens());
     }
   }
   for (const auto& [id, l] : session->lams) {

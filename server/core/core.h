@@ -163,10 +163,18 @@ PreparedBuffers PrepareBuffers(const v1::HandoverSnapshot& prepare,
                                std::vector<UniqueFd>& fds,
                                device::Device* device);
 
+// The most devices one core serves.
+inline constexpr uint32_t kMaxDevices = cache::kMaxCacheDevices;
+
 class Core final : public fd_socket::FdSessionHandler {
  public:
   // `device` and `clock` must outlive the core; the device must be Started.
   Core(device::Device* device, const Clock* clock, CoreOptions options);
+  // The same with several devices (at most cache::kMaxCacheDevices): every
+  // session has a PD on each; registrations go on the devices they name
+  // (all or none), everything else on the first.
+  Core(std::vector<device::Device*> devices, const Clock* clock,
+       CoreOptions options);
   ~Core() override;
   Core(const Core&) = delete;
   Core& operator=(const Core&) = delete;
@@ -194,6 +202,9 @@ class Core final : public fd_socket::FdSessionHandler {
 
   // --- RPCs ---
   absl::Status GetDeviceInfo(v1::DeviceInfo* out) const;
+  // Whether this core's devices can be handed over (one device only, for
+  // now). Errors: FAILED_PRECONDITION HANDOVER_SEVERAL_DEVICES.
+  absl::Status CanHandOverDevices() const;
   absl::Status OpenLeaseSession(const v1::OpenLeaseSessionRequest& req,
                                 v1::SessionInfo* out);
   absl::Status GetSession(const v1::GetSessionRequest& req,
@@ -392,9 +403,15 @@ class Core final : public fd_socket::FdSessionHandler {
       const std::shared_ptr<Session>& session,
       std::shared_ptr<fd_socket::MappedFile> file);
 
+  // A batch on every device (Device::BeginBatch), for work that unpins.
+  std::vector<std::unique_ptr<device::DeviceBatch>> BeginBatches();
+  // GetDeviceInfo's description of one device.
+  static void DescribeDevice(const device::Device& device, v1::DeviceInfo* out);
+
   // Freed objects between two ReturnFreedMemory calls.
   static constexpr uint64_t kReturnMemoryEvery = 4096;
 
+  const std::vector<device::Device*> devices_;  // devices_[0] == device_
   device::Device* const device_;
   const Clock* const clock_;
   const CoreOptions options_;
@@ -404,7 +421,7 @@ class Core final : public fd_socket::FdSessionHandler {
   ProgressReporter progress_;    // started by Start, stopped by Shutdown
   Registrations registrations_;  // with the cache and warm pins
   FastRegistration fast_;        // LAMs and MR objects
-  Publications publications_{&registrations_, device_};  // the directory
+  Publications publications_{&registrations_, devices_};  // the directory
   // Objects freed, for giving the allocator's free pages back now and then.
   FreedObjects freed_{kReturnMemoryEvery};
   std::shared_ptr<TenantTable> tenants_;

@@ -167,8 +167,18 @@ absl::Status Core::ExportFastRegistrationLocked(const Session& session,
   return absl::OkStatus();
 }
 
+absl::Status Core::CanHandOverDevices() const {
+  if (devices_.size() == 1) return absl::OkStatus();
+  return MrdError(absl::StatusCode::kFailedPrecondition,
+                  "HANDOVER_SEVERAL_DEVICES",
+                  absl::StrCat("this mrd serves ", devices_.size(),
+                               " devices; a live handover of more than one "
+                               "is not supported yet: restart it instead"));
+}
+
 absl::Status Core::ExportState(v1::HandoverSnapshot* out,
                                std::vector<UniqueFd>* fds) {
+  MRD_RETURN_IF_ERROR(CanHandOverDevices());
   const absl::Time now = clock_->Now();
   absl::flat_hash_map<uint64_t,
                       std::vector<std::pair<cache::WarmKey, uint64_t>>>
@@ -491,6 +501,7 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
   {
     absl::MutexLock lock(&session->mu);
     session->pd = *pd;
+    session->pds = {*pd};
     session->AdoptLocked(in, clock_->Now());
   }
   if (absl::Status s = sessions_.Adopt(session); !s.ok()) {
@@ -714,6 +725,7 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
                               std::vector<UniqueFd>& fds,
                               PreparedBuffers* prepared) {
   MRD_RETURN_IF_ERROR(device_->handover().CanHandOver());
+  MRD_RETURN_IF_ERROR(CanHandOverDevices());
   const absl::Time start = absl::Now();
   AdoptTimes times;
   // Before any session: its tenant is made with the settings it had.

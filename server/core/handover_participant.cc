@@ -9,6 +9,7 @@ namespace mrd::core {
 
 absl::Status CoreParticipant::Check(const v1::HandoverHello& hello) {
   MRD_RETURN_IF_ERROR(device_->handover().CanHandOver());
+  MRD_RETURN_IF_ERROR(core_->CanHandOverDevices());
   if (hello.device_kind() != device_->Attributes().kind) {
     return MrdError(
         absl::StatusCode::kFailedPrecondition, "HANDOVER_DEVICE_MISMATCH",

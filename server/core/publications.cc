@@ -94,17 +94,22 @@ void Publications::Configure(directory::Publisher* publisher,
   node.set_cluster(options_.cluster);
   node.set_node(options_.node);
   node.set_epoch(options_.epoch);
-  const device::DeviceAttributes& a = device_->Attributes();
-  v1::DeviceInfo* device = node.add_devices();
-  device->set_name(a.name);
-  device->set_kind(a.kind);
-  device->set_page_size(a.page_size);
-  device->set_max_mr_size(a.max_mr_size);
-  device->set_max_page_list_length(a.max_page_list_length);
-  device->set_adapter_flags(a.adapter_flags);
-  device->set_peer_address(a.peer_address);
-  device->set_gid(a.gid);
-  device->set_lid(a.lid);
+  for (const device::Device* d : devices_) {
+    const device::DeviceAttributes& a = d->Attributes();
+    v1::DeviceInfo* device = node.add_devices();
+    device->set_name(a.name);
+    device->set_kind(a.kind);
+    device->set_page_size(a.page_size);
+    device->set_max_mr_size(a.max_mr_size);
+    device->set_max_page_list_length(a.max_page_list_length);
+    device->set_adapter_flags(a.adapter_flags);
+    device->set_peer_address(a.peer_address);
+    device->set_gid(a.gid);
+    device->set_lid(a.lid);
+    device->set_numa_node(a.numa_node);
+    device->set_pci_address(a.pci_address);
+    device->set_link_layer(a.link_layer);
+  }
   node.set_started_unix_ms(absl::ToUnixMillis(absl::Now()));
   std::string json;
   absl::Status written =
@@ -123,11 +128,13 @@ std::string Publications::MooncakeKey(const std::string& name) const {
 
 absl::Status Publications::PublishMooncake(const v1::PublishedEntry& entry) {
   if (options_.mooncake_prefix.empty()) return absl::OkStatus();
-  const device::DeviceAttributes& a = device_->Attributes();
-  return publisher_->Publish(
-      MooncakeKey(entry.name()),
-      MooncakeSegmentJson(entry, {MooncakeDevice{a.name, a.gid, a.lid}},
-                          absl::Now()));
+  std::vector<MooncakeDevice> devices;
+  for (const device::Device* d : devices_) {
+    const device::DeviceAttributes& a = d->Attributes();
+    devices.push_back(MooncakeDevice{a.name, a.gid, a.lid});
+  }
+  return publisher_->Publish(MooncakeKey(entry.name()),
+                             MooncakeSegmentJson(entry, devices, absl::Now()));
 }
 
 namespace {
@@ -324,6 +331,17 @@ absl::Status Publications::CheckPublishable(Session& session,
   return absl::OkStatus();
 }
 
+void Publications::AddTokens(const cache::EntryView& view,
+                             v1::PublishedEntry* entry) const {
+  for (const DeviceMr& mr : registrations_->MrsOf(view)) {
+    const device::DeviceAttributes& a = devices_[mr.device]->Attributes();
+    v1::PublishedToken* token = entry->add_tokens();
+    token->set_device(a.name);
+    token->set_rkey(mr.rkey);
+    token->set_peer_address(a.peer_address);
+  }
+}
+
 absl::StatusOr<v1::PublishedEntry> Publications::EntryLocked(
     const Session& session, const std::string& name,
     uint64_t registration) const {
@@ -333,7 +351,6 @@ absl::StatusOr<v1::PublishedEntry> Publications::EntryLocked(
   }
   std::optional<cache::EntryView> view = registrations_->Describe(r->first);
   if (!view.has_value()) return UnknownHandle("registration", registration);
-  const device::DeviceAttributes& device = device_->Attributes();
   v1::PublishedEntry entry;
   entry.set_name(name);
   entry.set_tenant(session.tenant()->name());
@@ -342,10 +359,7 @@ absl::StatusOr<v1::PublishedEntry> Publications::EntryLocked(
   entry.set_address(view->key.base_address);
   entry.set_length(view->key.length);
   entry.set_flags(r->second.flags);
-  v1::PublishedToken* token = entry.add_tokens();
-  token->set_device(device.name);
-  token->set_rkey(view->rkey);
-  token->set_peer_address(device.peer_address);
+  AddTokens(*view, &entry);
   entry.set_epoch(options_.epoch);
   entry.set_published_unix_ms(absl::ToUnixMillis(absl::Now()));
   return entry;
@@ -464,10 +478,7 @@ absl::Status Publications::List(Session& session,
             registrations_->Describe(registration)) {
       entry->set_address(view->key.base_address);
       entry->set_length(view->key.length);
-      v1::PublishedToken* token = entry->add_tokens();
-      token->set_device(device_->Attributes().name);
-      token->set_rkey(view->rkey);
-      token->set_peer_address(device_->Attributes().peer_address);
+      AddTokens(*view, entry);
     }
     if (auto r = session.registrations.find(registration);
         r != session.registrations.end()) {

@@ -79,9 +79,10 @@ absl::Status CheckPublishName(absl::string_view name);
 
 class Publications {
  public:
-  // `registrations` and `device` must outlive this.
-  Publications(Registrations* registrations, device::Device* device)
-      : registrations_(registrations), device_(device) {}
+  // `registrations` and `devices` must outlive this.
+  Publications(Registrations* registrations,
+               const std::vector<device::Device*>& devices)
+      : registrations_(registrations), devices_(devices) {}
   Publications(const Publications&) = delete;
   Publications& operator=(const Publications&) = delete;
 
@@ -136,6 +137,8 @@ class Publications {
   void RepublishAll(const std::vector<std::shared_ptr<Session>>& sessions);
 
  private:
+  // One token per device the registration `view` is on.
+  void AddTokens(const cache::EntryView& view, v1::PublishedEntry* entry) const;
   // The entry of `registration` of the session under `name`; NOT_FOUND if
   // the session holds no such registration.
   absl::StatusOr<v1::PublishedEntry> EntryLocked(const Session& session,
@@ -153,7 +156,7 @@ class Publications {
             bool wait);
 
   Registrations* const registrations_;
-  device::Device* const device_;
+  const std::vector<device::Device*> devices_;
   // Releases a watch's slot.
   void EndWatch(const std::string& tenant);
   // Forgets the key's owner and gives its tenant the name back.

@@ -5,7 +5,9 @@
 #include <string>
 #include <utility>
 
+#include "absl/numeric/bits.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
@@ -76,19 +78,117 @@ struct WarmOwner {
   std::shared_ptr<fd_socket::MappedFile> file;
 };
 
+// `status` with its message saying which device gave it (its code and
+// error detail unchanged).
+absl::Status OnDevice(const absl::Status& status, absl::string_view device) {
+  absl::Status out(status.code(),
+                   absl::StrCat("on device ", device, ": ", status.message()));
+  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, payload);
+  });
+  return out;
+}
+
 cache::WarmKey WarmKeyOf(const cache::CacheKey& key) {
   return cache::WarmKey{key.session, key.buffer, key.offset, key.length};
 }
 
 }  // namespace
 
-Registrations::Registrations(device::Device* device, Budgets* budgets,
+Registrations::Registrations(std::vector<device::Device*> devices,
+                             Budgets* budgets,
                              const RegistrationOptions& options)
-    : device_(device),
+    : devices_(std::move(devices)),
+      device_(devices_.at(0)),
       budgets_(budgets),
       options_(options),
-      page_size_(device->Attributes().page_size),
+      page_size_(device_->Attributes().page_size),
       warm_(options.warm) {}
+
+// --- devices -----------------------------------------------------------------
+
+absl::StatusOr<size_t> Registrations::DeviceIndex(
+    absl::string_view name) const {
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    if (devices_[i]->Attributes().name == name) return i;
+  }
+  std::vector<std::string> names;
+  for (const device::Device* d : devices_)
+    names.push_back(d->Attributes().name);
+  return MrdError(absl::StatusCode::kInvalidArgument, "UNKNOWN_DEVICE",
+                  absl::StrCat("no device '", name, "': mrd serves ",
+                               absl::StrJoin(names, ", ")));
+}
+
+absl::StatusOr<uint32_t> Registrations::DeviceBits(
+    const v1::DeviceSelection& selection) const {
+  if (selection.all()) {
+    return devices_.size() >= 32 ? ~uint32_t{0}
+                                 : (uint32_t{1} << devices_.size()) - 1;
+  }
+  if (selection.names().empty()) return 1;
+  uint32_t bits = 0;
+  for (const std::string& name : selection.names()) {
+    MRD_ASSIGN_OR_RETURN(const size_t index, DeviceIndex(name));
+    bits |= uint32_t{1} << index;
+  }
+  return bits;
+}
+
+uint32_t Registrations::FirstDevice(uint32_t bits) {
+  return static_cast<uint32_t>(absl::countr_zero(bits));
+}
+
+std::vector<DeviceMr> Registrations::MrsOf(const cache::EntryView& view) const {
+  std::vector<DeviceMr> mrs;
+  const uint32_t first = FirstDevice(view.key.devices);
+  mrs.push_back(DeviceMr{first, view.device_mr, view.lkey, view.rkey});
+  if ((view.key.devices & (view.key.devices - 1)) == 0) return mrs;
+  absl::MutexLock lock(&others_mu_);
+  auto it = others_.find(OthersKey(first, view.device_mr));
+  if (it != others_.end()) {
+    mrs.insert(mrs.end(), it->second.begin(), it->second.end());
+  }
+  return mrs;
+}
+
+void Registrations::AddTokens(
+    const cache::EntryView& view,
+    google::protobuf::RepeatedPtrField<v1::DeviceToken>* out) const {
+  for (const DeviceMr& mr : MrsOf(view)) {
+    const device::DeviceAttributes& a = devices_[mr.device]->Attributes();
+    v1::DeviceToken* token = out->Add();
+    token->set_device(a.name);
+    token->set_rkey(mr.rkey);
+    token->set_lkey(mr.lkey);
+    token->set_peer_address(a.peer_address);
+  }
+}
+
+void Registrations::DeregisterOthers(Session& session,
+                                     const cache::CachedRegistration& reg) {
+  if ((reg.devices & (reg.devices - 1)) == 0) return;
+  std::vector<DeviceMr> others;
+  {
+    absl::MutexLock lock(&others_mu_);
+    auto it = others_.find(OthersKey(FirstDevice(reg.devices), reg.device_mr));
+    if (it == others_.end()) return;
+    others = std::move(it->second);
+    others_.erase(it);
+  }
+  for (auto mr = others.rbegin(); mr != others.rend(); ++mr) {
+    absl::Status s = devices_[mr->device]->DeregisterMr(mr->mr);
+    if (s.ok()) continue;
+    // Not deregistered: its pages stay pinned until the PD goes (NOT_FOUND:
+    // the PD is going already), so the mapping stays too.
+    session.KeepUntilPdGone(reg.memory);
+    if (s.code() != absl::StatusCode::kNotFound) {
+      LogWarning("deregister MR ", mr->mr, " on ",
+                 devices_[mr->device]->Attributes().name,
+                 " (kept until the session ends): ", s.ToString());
+    }
+  }
+}
 
 // --- RegisterMr --------------------------------------------------------------
 
@@ -239,7 +339,7 @@ absl::Status Registrations::CheckTargetsLocked(Session& session,
                                   " was imported read-only; write access "
                                   "cannot be granted on it (W6)"));
   }
-  plan->pd = session.pd;
+  plan->pds.assign(session.pds.begin(), session.pds.end());
   plan->key.base_address = b->second.address + req.offset();
   return absl::OkStatus();
 }
@@ -271,6 +371,9 @@ absl::Status Registrations::PlanRegistration(Session& session,
         absl::StrCat("base_address ", key.base_address, " + length ",
                      req.length(), " overflows the address space"));
   }
+  if (req.has_devices()) {
+    MRD_ASSIGN_OR_RETURN(key.devices, DeviceBits(req.devices()));
+  }
   key.session = session.id();
   key.offset = req.offset();
   key.length = req.length();
@@ -298,8 +401,10 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   const uint64_t map_splits = MapSplitsOf(*plan.file);
   MRD_RETURN_IF_ERROR(budgets_->ReserveRegistration(*session, map_splits));
   // A warm pin of exactly these pages: its reservation becomes this
-  // registration's, and the device pins nothing anew.
-  std::optional<cache::WarmPin> warm = warm_.Take(WarmKeyOf(plan.key));
+  // registration's, and the device pins nothing anew. Warm pins are the
+  // first device's: a registration on others makes its own pins.
+  std::optional<cache::WarmPin> warm;
+  if (plan.key.devices == 1) warm = warm_.Take(WarmKeyOf(plan.key));
   if (!warm.has_value()) {
     if (absl::Status s = ReservePinned(*session, plan.pin_bytes); !s.ok()) {
       budgets_->UnreserveRegistration(*session, map_splits);
@@ -311,14 +416,39 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   if (!warm.has_value()) {
     plan.file->Prefault(plan.key.offset, plan.key.length, span.progress);
   }
-  absl::StatusOr<device::MrKeys> keys;
-  do {
-    keys = device_->RegisterMr(plan.pd, span, plan.key.base_address,
-                               plan.key.access);
-  } while (!keys.ok() &&
-           keys.status().code() == absl::StatusCode::kResourceExhausted &&
-           EvictWarmForDevice());
-  if (!keys.ok()) {
+  // On every device of the key, or on none: what one refuses, the others
+  // that made theirs undo, last first.
+  absl::InlinedVector<DeviceMr, 2> made;
+  absl::Status failed;
+  for (uint32_t bits = plan.key.devices; bits != 0 && failed.ok();
+       bits &= bits - 1) {
+    const uint32_t index = FirstDevice(bits);
+    absl::StatusOr<device::MrKeys> keys;
+    do {
+      keys = devices_[index]->RegisterMr(
+          plan.pds[index], span, plan.key.base_address, plan.key.access);
+    } while (!keys.ok() &&
+             keys.status().code() == absl::StatusCode::kResourceExhausted &&
+             EvictWarmForDevice());
+    if (keys.ok()) {
+      made.push_back(DeviceMr{index, keys->mr, keys->lkey, keys->rkey});
+    } else {
+      failed = keys.status();
+      if (plan.key.devices != 1) {
+        failed = OnDevice(failed, devices_[index]->Attributes().name);
+      }
+    }
+  }
+  if (!failed.ok()) {
+    for (auto mr = made.rbegin(); mr != made.rend(); ++mr) {
+      absl::Status s = devices_[mr->device]->DeregisterMr(mr->mr);
+      if (!s.ok()) {
+        session->KeepUntilPdGone(plan.file);
+        LogWarning("undo of MR ", mr->mr, " on ",
+                   devices_[mr->device]->Attributes().name,
+                   " (kept until the session ends): ", s.ToString());
+      }
+    }
     if (warm.has_value()) {
       std::vector<cache::WarmPin> pins;
       pins.push_back(std::move(*warm));
@@ -327,13 +457,19 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
       budgets_->UnreservePinned(*session, plan.pin_bytes);
     }
     budgets_->UnreserveRegistration(*session, map_splits);
-    return keys.status();
+    return failed;
   }
   if (warm.has_value()) ReleaseWarmAfterHit(session, std::move(*warm));
+  if (made.size() > 1) {
+    absl::MutexLock lock(&others_mu_);
+    others_[OthersKey(made[0].device, made[0].mr)].assign(made.begin() + 1,
+                                                          made.end());
+  }
   cache::CachedRegistration reg;
-  reg.device_mr = keys->mr;
-  reg.lkey = keys->lkey;
-  reg.rkey = keys->rkey;
+  reg.device_mr = made[0].mr;
+  reg.lkey = made[0].lkey;
+  reg.rkey = made[0].rkey;
+  reg.devices = plan.key.devices;
   reg.pinned_bytes = plan.pin_bytes;
   reg.memory = plan.file;  // unmapped only after the MR is deregistered
   return reg;
@@ -378,6 +514,12 @@ absl::Status Registrations::CommitLocked(Session& session,
   out->set_rdma_descriptor(
       EncodeDescriptor(acquired.registration.rkey, base, req.length()));
   out->set_mr(req.mr());
+  cache::EntryView view;
+  view.key = plan.key;
+  view.device_mr = acquired.registration.device_mr;
+  view.lkey = acquired.registration.lkey;
+  view.rkey = acquired.registration.rkey;
+  AddTokens(view, out->mutable_tokens());
   if (!req.request_id().empty()) {
     session.RememberRequestLocked(req.request_id(), *out,
                                   options_.request_id_memory);
@@ -490,9 +632,12 @@ absl::StatusOr<uint32_t> Registrations::DropReference(
     const cache::CachedRegistration& reg = *result.released;
     // The warm pin takes the pages before the MR lets go of them, so that
     // they are never unpinned in between; the key dies either way.
-    std::optional<cache::WarmPin> warm =
-        MakeWarmPin(session, WarmKeyOf(result.key), reg.pinned_bytes);
-    absl::Status s = device_->DeregisterMr(reg.device_mr);
+    std::optional<cache::WarmPin> warm;
+    if (reg.devices == 1) {
+      warm = MakeWarmPin(session, WarmKeyOf(result.key), reg.pinned_bytes);
+    }
+    absl::Status s =
+        devices_[FirstDevice(reg.devices)]->DeregisterMr(reg.device_mr);
     if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
       if (warm.has_value()) {
         // The MR still holds the reservation; only the LAM goes.
@@ -515,6 +660,7 @@ absl::StatusOr<uint32_t> Registrations::DropReference(
     }
     // NOT_FOUND: the PD is being torn down and unpins the MR itself.
     if (!s.ok()) session->KeepUntilPdGone(reg.memory);
+    DeregisterOthers(*session, reg);
     budgets_->UnreserveRegistration(*session, MapSplitsOf(reg));
     if (warm.has_value()) {
       KeepWarm(session, std::move(*warm));  // the reservation moves to it
@@ -565,13 +711,15 @@ uint32_t Registrations::Invalidate(Session& session,
 
 void Registrations::DeregisterCached(Session& session,
                                      const cache::CachedRegistration& reg) {
-  absl::Status s = device_->DeregisterMr(reg.device_mr);
+  absl::Status s =
+      devices_[FirstDevice(reg.devices)]->DeregisterMr(reg.device_mr);
   // Not deregistered (NOT_FOUND: the PD is being torn down): the pages stay
   // pinned until the PD goes, so the mapping stays too.
   if (!s.ok()) session.KeepUntilPdGone(reg.memory);
   if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
     LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
   }
+  DeregisterOthers(session, reg);
   budgets_->UnreserveRegistration(session, MapSplitsOf(reg));
   budgets_->UnreservePinned(session, reg.pinned_bytes);
 }

@@ -20,8 +20,12 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "mrd/v1/handover.pb.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/cache/registration_cache.h"
@@ -42,10 +46,19 @@ struct RegistrationOptions {
   ProgressReporter* progress = nullptr;
 };
 
+// A registration's MR on one of the core's devices.
+struct DeviceMr {
+  uint32_t device = 0;  // the core's device index
+  device::MrId mr = 0;
+  uint32_t lkey = 0;
+  uint32_t rkey = 0;
+};
+
 class Registrations {
  public:
-  // `device` and `budgets` must outlive this.
-  Registrations(device::Device* device, Budgets* budgets,
+  // `devices` (one at least; the first is where warm pins, LAMs and MR
+  // objects live) and `budgets` must outlive this.
+  Registrations(std::vector<device::Device*> devices, Budgets* budgets,
                 const RegistrationOptions& options);
   Registrations(const Registrations&) = delete;
   Registrations& operator=(const Registrations&) = delete;
@@ -113,6 +126,21 @@ class Registrations {
   std::optional<cache::EntryView> Describe(uint64_t entry) const {
     return cache_.View(entry);
   }
+  // A registration's MR on each of its devices, in device order.
+  std::vector<DeviceMr> MrsOf(const cache::EntryView& view) const;
+  // The same as tokens for the wire: device names, keys, peer addresses.
+  void AddTokens(
+      const cache::EntryView& view,
+      google::protobuf::RepeatedPtrField<v1::DeviceToken>* out) const;
+
+  // The devices, and a device's index by name. Errors: INVALID_ARGUMENT
+  // UNKNOWN_DEVICE.
+  const std::vector<device::Device*>& devices() const { return devices_; }
+  absl::StatusOr<size_t> DeviceIndex(absl::string_view name) const;
+  // The devices a request selects, as CacheKey::devices bits: none named,
+  // the first device. Errors: INVALID_ARGUMENT UNKNOWN_DEVICE.
+  absl::StatusOr<uint32_t> DeviceBits(
+      const v1::DeviceSelection& selection) const;
 
   // Handover (core/handover.cc): registers `r`, a registration another mrd
   // process handed over, on the device with the keys it had, and puts it in
@@ -147,7 +175,7 @@ class Registrations {
   struct Plan {
     std::shared_ptr<fd_socket::MappedFile> file;
     cache::CacheKey key;
-    device::PdId pd = 0;
+    absl::InlinedVector<device::PdId, 2> pds;  // the session's, by device
     device::MemorySpan span;
     uint64_t pin_bytes = 0;
     CancelCheck cancelled;  // the caller's, may be empty
@@ -199,6 +227,19 @@ class Registrations {
       TakenReference* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
   void DeregisterCached(Session& session, const cache::CachedRegistration& reg);
+  // The MRs of a registration on its devices after the first, made by
+  // RegisterOnDevice (none for a registration on one device): deregistered
+  // and forgotten. A device that cannot deregister one keeps it until the
+  // session's PD there goes (and so do the pages: `reg.memory` stays with
+  // the session); logged.
+  void DeregisterOthers(Session& session, const cache::CachedRegistration& reg);
+  // The index of the first device in `bits` (CacheKey::devices).
+  static uint32_t FirstDevice(uint32_t bits);
+  // Where the MRs on the devices after the first are kept: by the first
+  // device's index and MR id.
+  static uint64_t OthersKey(uint32_t device, device::MrId mr) {
+    return (uint64_t{device} << 48) | mr;
+  }
   // The memory maps a pin of `file`'s memory may cost (the device's
   // attributes: read-only memory is mlocked on the software device), charged
   // to the tenant with each registration.
@@ -220,12 +261,18 @@ class Registrations {
   // Releases warm pins: their LAMs on the device, then their reservations.
   void ReleaseWarm(std::vector<cache::WarmPin> pins);
 
-  device::Device* const device_;
+  const std::vector<device::Device*> devices_;
+  device::Device* const device_;  // devices_[0]
   Budgets* const budgets_;
   const RegistrationOptions options_;
   const uint64_t page_size_;
   cache::RegistrationCache cache_;
   cache::WarmPinSet warm_;
+  // Registrations on several devices: the MRs after the first device's
+  // (which the cache keeps), by OthersKey of the first.
+  mutable absl::Mutex others_mu_;
+  absl::flat_hash_map<uint64_t, std::vector<DeviceMr>> others_
+      ABSL_GUARDED_BY(others_mu_);
 };
 
 }  // namespace mrd::core

@@ -69,6 +69,64 @@ void Session::OnCompletion(const device::WorkCompletion& wc) {
   Push(std::move(c));
 }
 
+namespace {
+
+// A session's PD on a device other than the core's first: its events reach
+// the session with their connection ids tagged by the device.
+class TaggedSink final : public device::PdEventSink {
+ public:
+  TaggedSink(Session* session, size_t device)
+      : session_(session), device_(device) {}
+  void OnCompletion(const device::WorkCompletion& completion) override {
+    device::WorkCompletion tagged = completion;
+    tagged.connection =
+        Session::ConnectionOnDevice(device_, completion.connection);
+    session_->OnCompletion(tagged);
+  }
+  void OnPeerConnected(device::ConnectionId connection,
+                       const std::string& peer) override {
+    session_->OnPeerConnected(Session::ConnectionOnDevice(device_, connection),
+                              peer);
+  }
+  void OnPeerDisconnected(device::ConnectionId connection) override {
+    session_->OnPeerDisconnected(
+        Session::ConnectionOnDevice(device_, connection));
+  }
+  absl::Status AdmitPeerConnection() override {
+    return session_->AdmitPeerConnection();
+  }
+
+ private:
+  Session* const session_;
+  const size_t device_;
+};
+
+}  // namespace
+
+device::PdEventSink* Session::SinkFor(size_t device) {
+  if (device == 0) return this;
+  absl::MutexLock lock(&sinks_mu_);
+  if (device_sinks_.size() < device) device_sinks_.resize(device);
+  std::unique_ptr<device::PdEventSink>& sink = device_sinks_[device - 1];
+  if (sink == nullptr) sink = std::make_unique<TaggedSink>(this, device);
+  return sink.get();
+}
+
+std::string Session::PeerTicketLocked(size_t device) const {
+  if (device == 0) return peer_ticket_;
+  if (device_tickets_.size() < device) return "";
+  return device_tickets_[device - 1];
+}
+
+void Session::SetPeerTicketLocked(size_t device, const std::string& ticket) {
+  if (device == 0) {
+    SetPeerTicketLocked(ticket);
+    return;
+  }
+  if (device_tickets_.size() < device) device_tickets_.resize(device);
+  if (device_tickets_[device - 1].empty()) device_tickets_[device - 1] = ticket;
+}
+
 void Session::OnPeerConnected(device::ConnectionId connection,
                               const std::string& peer) {
   {

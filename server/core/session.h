@@ -191,6 +191,24 @@ class Session final : public device::PdEventSink {
   // Keeps the first ticket made; later ones are dropped.
   void SetPeerTicketLocked(const std::string& ticket)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The same for the core's device `device` (0: the two above).
+  std::string PeerTicketLocked(size_t device) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void SetPeerTicketLocked(size_t device, const std::string& ticket)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // The event sink of the session's PD on the core's device `device`: the
+  // session itself for device 0; for another device, one that tags the
+  // connection ids it reports with the device (ConnectionOnDevice), so
+  // that the connections of every device share `connections` without
+  // colliding. Alive as long as the session.
+  device::PdEventSink* SinkFor(size_t device);
+  // A connection id of device `device` as the session lists it.
+  static device::ConnectionId ConnectionOnDevice(size_t device,
+                                                 device::ConnectionId id) {
+    return id | (static_cast<device::ConnectionId>(device) << kDeviceShift);
+  }
+  static constexpr int kDeviceShift = 56;
 
   // Idempotency: the first answer to `request_id` (null if none is
   // remembered), forgetting one whose registration is gone.
@@ -223,6 +241,9 @@ class Session final : public device::PdEventSink {
   mutable absl::Mutex mu;
   bool closing ABSL_GUARDED_BY(mu) = false;
   device::PdId pd ABSL_GUARDED_BY(mu) = 0;
+  // The session's PD on each of the core's devices (pds[0] == pd; LAMs, MR
+  // objects and fast registration use device 0's).
+  std::vector<device::PdId> pds ABSL_GUARDED_BY(mu);
   uint64_t pinned_bytes ABSL_GUARDED_BY(mu) = 0;
   // Registrations made on the device for this session and not yet
   // deregistered (what the registration limit counts; cache hits are not).
@@ -258,6 +279,12 @@ class Session final : public device::PdEventSink {
       ABSL_GUARDED_BY(mu);
   bool pd_gone_ ABSL_GUARDED_BY(mu) = false;
   std::string peer_ticket_ ABSL_GUARDED_BY(mu);
+  // Devices 1 and up: their tickets, by device - 1 ("" not made yet).
+  std::vector<std::string> device_tickets_ ABSL_GUARDED_BY(mu);
+  // Devices 1 and up: the sinks of SinkFor, by device - 1.
+  absl::Mutex sinks_mu_;
+  std::vector<std::unique_ptr<device::PdEventSink>> device_sinks_
+      ABSL_GUARDED_BY(sinks_mu_);
   uint64_t next_buffer_address_ ABSL_GUARDED_BY(mu) = uint64_t{1} << 32;
   // Idempotency: request_id -> the response first returned.
   std::map<std::string, v1::RegisterMrResponse> request_ids_

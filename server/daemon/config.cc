@@ -17,11 +17,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "mrd/net.h"
 #include "mrd/status.h"
 #include "mrd/unique_fd.h"
 #include "server/common/cgroup_identity.h"
 #include "server/common/log.h"
 #include "server/common/path_trust.h"
+#include "server/core/core.h"
 #include "server/daemon/flags.h"
 #include "server/device/verbs/verbs_device.h"
 
@@ -366,10 +368,88 @@ absl::Status OpenVerbsDevice(Config* config, const std::string& device_flag,
   return absl::OkStatus();
 }
 
+namespace {
+
+absl::Status OpenSoftwareDeviceNumber(const Config& config, int peer_listener,
+                                      uint32_t index,
+                                      std::unique_ptr<device::Device>* device);
+
+}  // namespace
+
 absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
                                 std::unique_ptr<device::Device>* device) {
+  return OpenSoftwareDeviceNumber(config, peer_listener, 0, device);
+}
+
+absl::Status OpenMoreSoftwareDevices(
+    const Config& config, std::vector<std::unique_ptr<device::Device>>* more) {
+  const uint32_t count = absl::GetFlag(FLAGS_software_devices);
+  if (count < 1 || count > core::kMaxDevices) {
+    return Fail(absl::StrCat("refusing to start: --software_devices=", count,
+                             " must be 1 to ", core::kMaxDevices));
+  }
+  if (count > 1 && config.use_verbs) {
+    return Fail(absl::StrCat(
+        "refusing to start: --software_devices=", count,
+        " needs the software device, and mrd runs the verbs device"));
+  }
+  for (uint32_t i = 1; i < count; ++i) {
+    std::unique_ptr<device::Device> device;
+    MRD_RETURN_IF_ERROR(OpenSoftwareDeviceNumber(config, -1, i, &device));
+    if (absl::Status s = device->Start(); !s.ok()) {
+      return Fail(absl::StrCat(device->Attributes().name,
+                               " device start: ", s.ToString()));
+    }
+    LogInfo("device: ", device->Attributes().name, ", peers connect to ",
+            device->Attributes().peer_address);
+    more->push_back(std::move(device));
+  }
+  return absl::OkStatus();
+}
+
+void ShutdownDevices(device::Device* first,
+                     const std::vector<std::unique_ptr<device::Device>>& more) {
+  first->Shutdown();
+  for (const std::unique_ptr<device::Device>& device : more) {
+    device->Shutdown();
+  }
+}
+
+std::vector<device::Device*> AllDevices(
+    device::Device* first,
+    const std::vector<std::unique_ptr<device::Device>>& more) {
+  std::vector<device::Device*> devices = {first};
+  for (const std::unique_ptr<device::Device>& device : more) {
+    devices.push_back(device.get());
+  }
+  return devices;
+}
+
+namespace {
+
+absl::Status OpenSoftwareDeviceNumber(const Config& config, int peer_listener,
+                                      uint32_t index,
+                                      std::unique_ptr<device::Device>* device) {
   device::SoftwareDeviceOptions options;
   options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
+  if (index > 0) {
+    options.name = absl::StrCat("software", index);
+    // Device i's peers on the port after device i - 1's (any free one when
+    // the first's is).
+    absl::StatusOr<std::pair<std::string, std::string>> host_port =
+        peer::SplitHostPort(options.peer_listen_address);
+    uint32_t port = 0;
+    if (!host_port.ok() || !absl::SimpleAtoi(host_port->second, &port) ||
+        port > 65535 - index) {
+      return Fail(absl::StrCat("--peer_address ", options.peer_listen_address,
+                               " leaves no port for software device ", index));
+    }
+    options.peer_listen_address =
+        absl::StrCat(host_port->first.find(':') != std::string::npos
+                         ? absl::StrCat("[", host_port->first, "]")
+                         : host_port->first,
+                     ":", port == 0 ? 0 : port + index);
+  }
   options.pin_options.method = config.pin_method;
   options.pin_options.max_map_splits = absl::GetFlag(FLAGS_pin_max_map_splits);
   // The key space covers everything the core's global limits allow, so no
@@ -407,6 +487,8 @@ absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
   *device = std::move(*software);
   return absl::OkStatus();
 }
+
+}  // namespace
 
 absl::Status MakeCoreOptions(const Config& config, const device::Device& device,
                              FdBudget* fd_budget, core::CoreOptions* options) {

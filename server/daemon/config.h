@@ -62,6 +62,19 @@ absl::Status OpenVerbsDevice(Config* config, const std::string& device_flag,
 // duplicate).
 absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
                                 std::unique_ptr<device::Device>* device);
+// The software devices after the first (--software_devices), started:
+// device i named "software<i>", its peers on --peer_address's port + i.
+// Errors: --software_devices out of range or with the verbs device,
+// OpenSoftwareDevice's, and a device's start.
+absl::Status OpenMoreSoftwareDevices(
+    const Config& config, std::vector<std::unique_ptr<device::Device>>* more);
+// Shuts `first`, then `more`, down.
+void ShutdownDevices(device::Device* first,
+                     const std::vector<std::unique_ptr<device::Device>>& more);
+// The core's devices: `first`, then `more`.
+std::vector<device::Device*> AllDevices(
+    device::Device* first,
+    const std::vector<std::unique_ptr<device::Device>>& more);
 // The core's options: limits, tenants, who an anonymous lease session may
 // be; warns when mrd cannot pin what its limits allow.
 absl::Status MakeCoreOptions(const Config& config, const device::Device& device,

@@ -31,6 +31,12 @@ ABSL_FLAG(std::string, debug_tcp_address, "",
 ABSL_FLAG(std::string, device, "auto",
           "RDMA device: software, verbs or auto (verbs where a device exists, "
           "else software).");
+ABSL_FLAG(uint32_t, software_devices, 1,
+          "How many software devices mrd serves (1 to 24), named software, "
+          "software1, ...: a node without NICs, or tests, with several "
+          "devices. Device i's peers connect to --peer_address's port + i "
+          "(any free port when that is 0). Software device only; a live "
+          "handover needs 1.");
 ABSL_FLAG(std::string, peer_address, "127.0.0.1:7471",
           "Where remote peers connect (numeric host:port; port 0 = any free "
           "port). Software device: the TCP listener. Verbs device: the "

@@ -18,6 +18,7 @@ ABSL_DECLARE_FLAG(std::string, fd_socket);
 ABSL_DECLARE_FLAG(std::string, socket_mode);
 ABSL_DECLARE_FLAG(std::string, debug_tcp_address);
 ABSL_DECLARE_FLAG(std::string, device);
+ABSL_DECLARE_FLAG(uint32_t, software_devices);
 ABSL_DECLARE_FLAG(std::string, peer_address);
 ABSL_DECLARE_FLAG(std::string, pin_method);
 ABSL_DECLARE_FLAG(uint64_t, pin_max_map_splits);

@@ -72,6 +72,13 @@ struct DeviceAttributes {
   // LID; the software device has neither ("" and 0).
   std::string gid;
   uint32_t lid = 0;
+  // Where the adapter sits (verbs: sysfs), for placing registrations near
+  // their memory: its NUMA node (-1 unknown; the software device), its PCI
+  // address ("" for the software device) and its port's link layer
+  // ("InfiniBand", "Ethernet"; "" for the software device).
+  int32_t numa_node = -1;
+  std::string pci_address;
+  std::string link_layer;
   // The adapter supports memory windows (verbs: IBV_DEVICE_MEM_WINDOW or
   // max_mw > 0). mrd does not use them; reported for inspection.
   bool supports_memory_windows = false;

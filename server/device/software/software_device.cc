@@ -226,7 +226,7 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   model.iova_limit = kIovaLimit / ps * ps;
   model.fault_points = options.fault_points;
   DeviceAttributes attributes;
-  attributes.name = "software";
+  attributes.name = options.name;
   attributes.kind = "software";
   attributes.shares_pins = true;  // PinTracker: page refcounts
   if (own_pin_ops != nullptr) {

@@ -101,6 +101,9 @@ struct SoftwareDeviceOptions {
   // costs memory only when used (docs/RELIABILITY.md, "Key space").
   uint32_t max_keys = kDefaultMaxKeys;
   uint32_t key_chunk_slots = KeyTable::kDefaultChunkSlots;
+  // The device's name (DeviceAttributes::name): mrd runs several software
+  // devices as "software", "software1", ... (--software_devices).
+  std::string name = "software";
   // Largest peer READ/WRITE (advertised in the hello reply), <= 1 GiB.
   uint64_t max_message_size = uint64_t{16} << 20;
   // Peer path limits (peer_listener.h, docs/RELIABILITY.md "Peer path").

@@ -143,7 +143,9 @@ TEST(OutputFormTest, LamCompletionAndTicket) {
   v1::PeerTicket t;
   t.set_ticket("abc");
   t.set_peer_address("127.0.0.1:1");
-  EXPECT_EQ(HumanForm(t), "ticket=abc\npeer_address=127.0.0.1:1\n");
+  t.set_device("software1");
+  EXPECT_EQ(HumanForm(t),
+            "ticket=abc\npeer_address=127.0.0.1:1\ndevice=software1\n");
 }
 
 TEST(OutputFormTest, PrefixesNestTheWayHoldPrintsThem) {

@@ -91,26 +91,14 @@ class SoftwareCoreTest : public ::testing::Test {
     options.max_total_pinned_bytes = 8 * kPages * page_;
     core_ =
         std::make_unique<core::Core>(device_.get(), RealClock::Get(), options);
-    absl::StatusOr<std::string> token =
-        core_->OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
-    ASSERT_TRUE(token.ok()) << token.status();
-    session_ = *token;
     // The test keeps its own descriptor of the memfd to check the bytes.
-    memfd_ = MakeSealedMemfd(kPages * page_);
-    ASSERT_TRUE(memfd_.valid());
-    std::string pattern(kPages * page_, '\0');
-    for (size_t i = 0; i < pattern.size(); ++i) {
-      pattern[i] = static_cast<char>('a' + (i * 7 + i / page_) % 26);
-    }
-    ASSERT_EQ(pwrite(memfd_.get(), pattern.data(), pattern.size(), 0),
-              static_cast<ssize_t>(pattern.size()));
-    pattern_ = pattern;
-    v1::ImportMemfd import;
-    import.set_writable(true);
-    absl::StatusOr<v1::BufferInfo> info =
-        core_->OnImport(session_, UniqueFd(dup(memfd_.get())), import);
-    ASSERT_TRUE(info.ok()) << info.status();
-    buffer_ = *info;
+    absl::StatusOr<SessionWithBuffer> opened =
+        OpenSessionWithBuffer(*core_, kPages * page_);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    session_ = opened->session;
+    memfd_ = std::move(opened->memfd);
+    pattern_ = opened->pattern;
+    buffer_ = opened->buffer;
     v1::CreatePeerTicketRequest ticket_req;
     ticket_req.set_session(session_);
     ASSERT_OK(core_->CreatePeerTicket(ticket_req, &ticket_));
@@ -141,16 +129,10 @@ class SoftwareCoreTest : public ::testing::Test {
     req.set_offset(offset);
     req.set_length(length);
     req.set_flags(kMrRemoteRead);
-    v1::RegisterMrResponse out;
-    MRD_RETURN_IF_ERROR(core_->RegisterMr(req, &out));
-    return out;
+    return RegisterOn(*core_, req);
   }
   absl::Status Deregister(uint64_t registration) {
-    v1::DeregisterMrRequest req;
-    req.set_session(session_);
-    req.set_registration(registration);
-    v1::DeregisterMrResponse out;
-    return core_->DeregisterMr(req, &out);
+    return DeregisterOn(*core_, session_, registration).status();
   }
 
   uint64_t page_ = 0;

@@ -162,12 +162,54 @@ v1::RegisterMrRequest CoreTest::RegisterRequest(const std::string& session,
   return req;
 }
 
-absl::StatusOr<v1::RegisterMrResponse> CoreTest::Register(
-    const v1::RegisterMrRequest& req) {
+absl::StatusOr<SessionWithBuffer> OpenSessionWithBuffer(core::Core& core,
+                                                        uint64_t size) {
+  SessionWithBuffer out;
+  MRD_ASSIGN_OR_RETURN(
+      out.session,
+      core.OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""}));
+  out.memfd = MakeSealedMemfd(size);
+  if (!out.memfd.valid()) return absl::InternalError("memfd");
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  out.pattern.resize(size);
+  for (size_t i = 0; i < size; ++i) {
+    out.pattern[i] = static_cast<char>('a' + (i * 7 + i / page) % 26);
+  }
+  if (pwrite(out.memfd.get(), out.pattern.data(), size, 0) !=
+      static_cast<ssize_t>(size)) {
+    return absl::InternalError("pwrite");
+  }
+  v1::ImportMemfd import;
+  import.set_writable(true);
+  MRD_ASSIGN_OR_RETURN(
+      out.buffer,
+      core.OnImport(out.session, UniqueFd(dup(out.memfd.get())), import));
+  return out;
+}
+
+absl::StatusOr<v1::RegisterMrResponse> RegisterOn(
+    core::Core& core, const v1::RegisterMrRequest& req) {
   v1::RegisterMrResponse out;
-  absl::Status s = core_->RegisterMr(req, &out);
+  absl::Status s = core.RegisterMr(req, &out);
   if (!s.ok()) return s;
   return out;
+}
+
+absl::StatusOr<uint32_t> DeregisterOn(core::Core& core,
+                                      const std::string& session,
+                                      uint64_t registration) {
+  v1::DeregisterMrRequest req;
+  req.set_session(session);
+  req.set_registration(registration);
+  v1::DeregisterMrResponse out;
+  absl::Status s = core.DeregisterMr(req, &out);
+  if (!s.ok()) return s;
+  return out.references();
+}
+
+absl::StatusOr<v1::RegisterMrResponse> CoreTest::Register(
+    const v1::RegisterMrRequest& req) {
+  return RegisterOn(*core_, req);
 }
 
 absl::StatusOr<v1::RegisterMrResponse> CoreTest::Register(
@@ -178,13 +220,7 @@ absl::StatusOr<v1::RegisterMrResponse> CoreTest::Register(
 
 absl::StatusOr<uint32_t> CoreTest::Deregister(const std::string& session,
                                               uint64_t registration) {
-  v1::DeregisterMrRequest req;
-  req.set_session(session);
-  req.set_registration(registration);
-  v1::DeregisterMrResponse out;
-  absl::Status s = core_->DeregisterMr(req, &out);
-  if (!s.ok()) return s;
-  return out.references();
+  return DeregisterOn(*core_, session, registration);
 }
 
 absl::StatusOr<uint32_t> CoreTest::DeregisterByMr(const std::string& session,

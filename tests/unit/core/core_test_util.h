@@ -51,6 +51,26 @@ namespace mrd::core_test {
 // F_SEAL_SHRINK. Fails the test and returns an invalid fd on error.
 UniqueFd MakeSealedMemfd(uint64_t size);
 
+// An fd session of this process on `core` with one writable buffer: a
+// sealed memfd of `size` bytes, filled with a pattern of letters, that the
+// test keeps a descriptor of to check bytes through.
+struct SessionWithBuffer {
+  std::string session;
+  UniqueFd memfd;
+  std::string pattern;  // what the memfd holds
+  v1::BufferInfo buffer;
+};
+absl::StatusOr<SessionWithBuffer> OpenSessionWithBuffer(core::Core& core,
+                                                        uint64_t size);
+
+// RegisterMr and DeregisterMr (one implicit reference; the references left)
+// on `core`.
+absl::StatusOr<v1::RegisterMrResponse> RegisterOn(
+    core::Core& core, const v1::RegisterMrRequest& req);
+absl::StatusOr<uint32_t> DeregisterOn(core::Core& core,
+                                      const std::string& session,
+                                      uint64_t registration);
+
 // NDK_MR_FLAG_* and NDK_OP_FLAG_* values, for readable tests.
 inline constexpr uint32_t kMrLocalRead = v1::NDK_MR_FLAG_ALLOW_LOCAL_READ;
 inline constexpr uint32_t kMrLocalWrite = v1::NDK_MR_FLAG_ALLOW_LOCAL_WRITE;

@@ -1,0 +1,314 @@
+// The core serving two real software devices (issue 26): a registration on
+// both is made on both or on neither — whichever step of either device's
+// RegisterMr fails, the other device is left holding nothing of it — gives
+// one token per device, each usable only on its own device's peer path, and
+// its deregistration (or the session's end) releases it on both. The cache
+// keeps one registration per (range, access, device set).
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "client/peer/soft_peer.h"
+#include "gtest/gtest.h"
+#include "mrd/status.h"
+#include "mrd/unique_fd.h"
+#include "server/common/clock.h"
+#include "server/common/log.h"
+#include "server/core/core.h"
+#include "server/device/fault_points.h"
+#include "server/device/software/software_device.h"
+#include "tests/unit/core/core_test_util.h"
+
+namespace mrd::core_test {
+namespace {
+
+constexpr uint64_t kPages = 8;
+
+class CoreDevicesTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SetMinLogLevel(LogLevel::kError);
+    page_ = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    for (int i = 0; i < 2; ++i) {
+      device::SoftwareDeviceOptions options;
+      options.name = i == 0 ? "software" : "software1";
+      options.peer_listen_address = "127.0.0.1:0";
+      options.fault_points = &faults_[i];
+      auto device = device::SoftwareDevice::Create(options);
+      ASSERT_TRUE(device.ok()) << device.status();
+      devices_[i] = std::move(*device);
+      ASSERT_OK(devices_[i]->Start());
+    }
+    core::CoreOptions options;
+    options.max_session_pinned_bytes = 16 * kPages * page_;
+    options.max_total_pinned_bytes = 16 * kPages * page_;
+    core_ = std::make_unique<core::Core>(
+        std::vector<device::Device*>{devices_[0].get(), devices_[1].get()},
+        RealClock::Get(), options);
+    absl::StatusOr<SessionWithBuffer> opened =
+        OpenSessionWithBuffer(*core_, kPages * page_);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    own_ = std::move(*opened);
+  }
+
+  void TearDown() override {
+    if (core_ != nullptr) core_->Shutdown();
+    for (auto& device : devices_) {
+      if (device == nullptr) continue;
+      ExpectEmpty(*device);
+      device->Shutdown();
+    }
+  }
+
+  // The device holds nothing of the session's memory.
+  static void ExpectEmpty(const device::SoftwareDevice& device) {
+    const device::SoftwareDevice::ResourceCounts counts =
+        device.CountResources();
+    EXPECT_EQ(counts.mrs, 0u) << device.Attributes().name;
+    EXPECT_EQ(counts.keys, 0u) << device.Attributes().name;
+    EXPECT_EQ(device.PinnedBytes(), 0u) << device.Attributes().name;
+  }
+
+  v1::RegisterMrRequest Request(uint64_t offset, uint64_t length,
+                                const std::vector<std::string>& devices,
+                                bool all = false) {
+    v1::RegisterMrRequest req;
+    req.set_session(own_.session);
+    req.set_buffer(own_.buffer.buffer());
+    req.set_offset(offset);
+    req.set_length(length);
+    req.set_flags(kMrRemoteRead);
+    for (const std::string& d : devices) req.mutable_devices()->add_names(d);
+    if (all) req.mutable_devices()->set_all(true);
+    return req;
+  }
+  absl::StatusOr<v1::RegisterMrResponse> Register(
+      const v1::RegisterMrRequest& req) {
+    return RegisterOn(*core_, req);
+  }
+  absl::Status Deregister(uint64_t registration) {
+    return DeregisterOn(*core_, own_.session, registration).status();
+  }
+  // A peer on `device`'s peer path, with the session's ticket there.
+  std::unique_ptr<peer::SoftPeer> PeerOn(const std::string& device) {
+    v1::CreatePeerTicketRequest req;
+    req.set_session(own_.session);
+    req.set_device(device);
+    v1::PeerTicket ticket;
+    absl::Status s = core_->CreatePeerTicket(req, &ticket);
+    EXPECT_TRUE(s.ok()) << s;
+    if (!s.ok()) return nullptr;
+    EXPECT_EQ(ticket.device(), device);
+    absl::StatusOr<std::unique_ptr<peer::SoftPeer>> p =
+        peer::SoftPeer::Connect(ticket.peer_address(), ticket.ticket());
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? std::move(*p) : nullptr;
+  }
+
+  uint64_t page_ = 0;
+  device::FaultPoints faults_[2];
+  std::unique_ptr<device::SoftwareDevice> devices_[2];
+  std::unique_ptr<core::Core> core_;
+  SessionWithBuffer own_;  // the test's session and buffer
+};
+
+TEST_F(CoreDevicesTest, GetDeviceInfoListsBothDevicesWithTheirPeerPaths) {
+  v1::DeviceInfo info;
+  ASSERT_OK(core_->GetDeviceInfo(&info));
+  EXPECT_EQ(info.name(), "software");
+  ASSERT_EQ(info.devices_size(), 2);
+  EXPECT_EQ(info.devices(0).name(), "software");
+  EXPECT_EQ(info.devices(1).name(), "software1");
+  EXPECT_NE(info.devices(0).peer_address(), info.devices(1).peer_address());
+  EXPECT_EQ(info.devices(1).kind(), "software");
+  EXPECT_EQ(info.devices(1).numa_node(), -1);
+}
+
+TEST_F(CoreDevicesTest, ARegistrationOnBothHasATokenPerDeviceUsableOnlyThere) {
+  absl::StatusOr<v1::RegisterMrResponse> both =
+      Register(Request(page_, 2 * page_, {}, /*all=*/true));
+  ASSERT_TRUE(both.ok()) << both.status();
+  ASSERT_EQ(both->tokens_size(), 2);
+  EXPECT_EQ(both->tokens(0).device(), "software");
+  EXPECT_EQ(both->tokens(1).device(), "software1");
+  EXPECT_EQ(both->tokens(0).rkey(), both->rkey());
+  EXPECT_EQ(both->tokens(0).peer_address(),
+            devices_[0]->Attributes().peer_address);
+  EXPECT_EQ(both->tokens(1).peer_address(),
+            devices_[1]->Attributes().peer_address);
+  EXPECT_EQ(devices_[0]->CountResources().mrs, 1u);
+  EXPECT_EQ(devices_[1]->CountResources().mrs, 1u);
+  // The core counts the memory once, whatever the devices pin.
+  EXPECT_EQ(core_->Stats().accounted_pinned_bytes, 2 * page_);
+
+  const uint64_t base = both->base_address();
+  for (int i = 0; i < 2; ++i) {
+    std::unique_ptr<peer::SoftPeer> peer = PeerOn(both->tokens(i).device());
+    ASSERT_NE(peer, nullptr);
+    absl::StatusOr<std::string> read =
+        peer->Read(both->tokens(i).rkey(), base + 8, 64);
+    ASSERT_TRUE(read.ok()) << i << ": " << read.status();
+    EXPECT_EQ(*read, own_.pattern.substr(page_ + 8, 64));
+  }
+
+  // A registration on the second device only: the first holds no key at
+  // all, so its token is refused there whatever its value.
+  absl::StatusOr<v1::RegisterMrResponse> second =
+      Register(Request(0, page_, {"software1"}));
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_EQ(second->tokens_size(), 1);
+  EXPECT_EQ(second->tokens(0).device(), "software1");
+  ASSERT_OK(Deregister(both->registration()));
+  std::unique_ptr<peer::SoftPeer> first_peer = PeerOn("software");
+  ASSERT_NE(first_peer, nullptr);
+  EXPECT_FALSE(
+      first_peer->Read(second->rkey(), second->base_address(), 64).ok());
+  std::unique_ptr<peer::SoftPeer> second_peer = PeerOn("software1");
+  ASSERT_NE(second_peer, nullptr);
+  absl::StatusOr<std::string> read =
+      second_peer->Read(second->rkey(), second->base_address(), 64);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, own_.pattern.substr(0, 64));
+  // The deregistered tokens are dead on both devices.
+  std::unique_ptr<peer::SoftPeer> again = PeerOn("software1");
+  ASSERT_NE(again, nullptr);
+  EXPECT_FALSE(again->Read(both->tokens(1).rkey(), base, 64).ok());
+  EXPECT_EQ(devices_[0]->CountResources().mrs, 0u);
+  EXPECT_EQ(devices_[1]->CountResources().mrs, 1u);
+  ASSERT_OK(Deregister(second->registration()));
+  ExpectEmpty(*devices_[0]);
+  ExpectEmpty(*devices_[1]);
+}
+
+TEST_F(CoreDevicesTest, TheCacheKeepsOneRegistrationPerDeviceSet) {
+  absl::StatusOr<v1::RegisterMrResponse> first =
+      Register(Request(0, page_, {}));
+  absl::StatusOr<v1::RegisterMrResponse> both =
+      Register(Request(0, page_, {"software", "software1"}));
+  absl::StatusOr<v1::RegisterMrResponse> both_again =
+      Register(Request(0, page_, {}, /*all=*/true));
+  ASSERT_TRUE(first.ok() && both.ok() && both_again.ok());
+  EXPECT_FALSE(both->cache_hit());
+  EXPECT_NE(both->registration(), first->registration());
+  EXPECT_TRUE(both_again->cache_hit());
+  EXPECT_EQ(both_again->registration(), both->registration());
+  EXPECT_EQ(both_again->references(), 2u);
+  ASSERT_EQ(both_again->tokens_size(), 2);
+  EXPECT_EQ(both_again->tokens(1).rkey(), both->tokens(1).rkey());
+  EXPECT_EQ(first->tokens_size(), 1);
+  // ListRegistrations gives each its tokens.
+  v1::ListRegistrationsRequest list_req;
+  list_req.set_session(own_.session);
+  v1::ListRegistrationsResponse list;
+  ASSERT_OK(core_->ListRegistrations(list_req, &list));
+  ASSERT_EQ(list.registrations_size(), 2);
+  for (const v1::RegistrationInfo& r : list.registrations()) {
+    EXPECT_EQ(r.tokens_size(),
+              r.registration() == first->registration() ? 1 : 2);
+  }
+  ASSERT_OK(Deregister(both->registration()));
+  EXPECT_EQ(devices_[1]->CountResources().mrs, 1u);  // one reference left
+  ASSERT_OK(Deregister(both->registration()));
+  ASSERT_OK(Deregister(first->registration()));
+  ExpectEmpty(*devices_[1]);
+}
+
+TEST_F(CoreDevicesTest, AnUnknownDeviceIsRefusedByNameAndNothingIsPinned) {
+  absl::StatusOr<v1::RegisterMrResponse> r =
+      Register(Request(0, page_, {"software", "mlx5_9"}));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(GetErrorDetail(r.status()).reason(), "UNKNOWN_DEVICE");
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "mlx5_9"));
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "software1"));
+  v1::CreatePeerTicketRequest ticket_req;
+  ticket_req.set_session(own_.session);
+  ticket_req.set_device("mlx5_9");
+  v1::PeerTicket ticket;
+  EXPECT_EQ(
+      GetErrorDetail(core_->CreatePeerTicket(ticket_req, &ticket)).reason(),
+      "UNKNOWN_DEVICE");
+  ExpectEmpty(*devices_[0]);
+  ExpectEmpty(*devices_[1]);
+  EXPECT_EQ(core_->Stats().accounted_pinned_bytes, 0u);
+}
+
+// Every step of either device's RegisterMr fails once: the call fails with
+// that device's error and names it, neither device keeps an MR, a key or a
+// pinned page of it, the core accounts nothing, and the same call then
+// succeeds.
+TEST_F(CoreDevicesTest, AFailureAtAnyStepOfEitherDeviceUndoesTheOther) {
+  const v1::RegisterMrRequest req = Request(page_, 3 * page_, {}, true);
+  std::vector<std::string> steps[2];
+  faults_[0].Reset();
+  faults_[1].Reset();
+  {
+    absl::StatusOr<v1::RegisterMrResponse> clean = Register(req);
+    ASSERT_TRUE(clean.ok()) << clean.status();
+    steps[0] = faults_[0].Steps();
+    steps[1] = faults_[1].Steps();
+    ASSERT_OK(Deregister(clean->registration()));
+  }
+  ASSERT_FALSE(steps[1].empty());
+  std::cout << "[ STEPS    ] software1: " << absl::StrJoin(steps[1], ", ")
+            << "\n";
+  int failures = 0;
+  for (int device = 0; device < 2; ++device) {
+    for (size_t k = 1; k <= steps[device].size(); ++k) {
+      SCOPED_TRACE(absl::StrCat("device ", device, " step ", k, " (",
+                                steps[device][k - 1], ")"));
+      const absl::Status injected =
+          MrdError(absl::StatusCode::kResourceExhausted, "INJECTED",
+                   absl::StrCat("injected at ", steps[device][k - 1]));
+      faults_[device].Arm(static_cast<int>(k), injected);
+      absl::StatusOr<v1::RegisterMrResponse> r = Register(req);
+      ASSERT_FALSE(r.ok());
+      ++failures;
+      EXPECT_EQ(GetErrorDetail(r.status()).reason(), "INJECTED");
+      EXPECT_TRUE(absl::StrContains(
+          r.status().message(),
+          absl::StrCat("on device ", device == 0 ? "software" : "software1")))
+          << r.status();
+      faults_[device].Reset();
+      ExpectEmpty(*devices_[0]);
+      ExpectEmpty(*devices_[1]);
+      EXPECT_EQ(core_->Stats().accounted_pinned_bytes, 0u);
+      EXPECT_EQ(core_->Stats().cache.entries, 0u);
+      absl::StatusOr<v1::RegisterMrResponse> again = Register(req);
+      ASSERT_TRUE(again.ok()) << again.status();
+      ASSERT_EQ(again->tokens_size(), 2);
+      ASSERT_OK(Deregister(again->registration()));
+    }
+  }
+  EXPECT_EQ(failures, static_cast<int>(steps[0].size() + steps[1].size()));
+}
+
+TEST_F(CoreDevicesTest, TheSessionsEndReleasesItsRegistrationsOnBothDevices) {
+  absl::StatusOr<v1::RegisterMrResponse> r =
+      Register(Request(0, 4 * page_, {}, /*all=*/true));
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::unique_ptr<peer::SoftPeer> peer = PeerOn("software1");
+  ASSERT_NE(peer, nullptr);
+  EXPECT_EQ(devices_[1]->CountResources().pds, 1u);
+  core_->OnDisconnect(own_.session);
+  EXPECT_FALSE(peer->Read(r->tokens(1).rkey(), r->base_address(), 64).ok());
+  ExpectEmpty(*devices_[0]);
+  ExpectEmpty(*devices_[1]);
+  EXPECT_EQ(devices_[0]->CountResources().pds, 0u);
+  EXPECT_EQ(devices_[1]->CountResources().pds, 0u);
+}
+
+TEST_F(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
+  absl::Status s = core_->CanHandOverDevices();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(GetErrorDetail(s).reason(), "HANDOVER_SEVERAL_DEVICES");
+}
+
+}  // namespace
+}  // namespace mrd::core_test
