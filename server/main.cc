@@ -238,7 +238,7 @@ absl::Status Daemon::OpenDevice(UniqueFd peer_listener) {
   }
   LogInfo("device: ", kind, " (", device_->Attributes().name,
           "), peers connect to ", device_->Attributes().peer_address);
-  return daemon::OpenMoreSoftwareDevices(config_, &more_devices_);
+  return daemon::OpenMoreSoftwareDevices(config_, *device_, &more_devices_);
 }
 
 absl::Status Daemon::StartCore() {

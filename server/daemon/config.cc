@@ -372,17 +372,19 @@ namespace {
 
 absl::Status OpenSoftwareDeviceNumber(const Config& config, int peer_listener,
                                       uint32_t index,
+                                      const device::SoftwareDevice* first,
                                       std::unique_ptr<device::Device>* device);
 
 }  // namespace
 
 absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
                                 std::unique_ptr<device::Device>* device) {
-  return OpenSoftwareDeviceNumber(config, peer_listener, 0, device);
+  return OpenSoftwareDeviceNumber(config, peer_listener, 0, nullptr, device);
 }
 
 absl::Status OpenMoreSoftwareDevices(
-    const Config& config, std::vector<std::unique_ptr<device::Device>>* more) {
+    const Config& config, const device::Device& first,
+    std::vector<std::unique_ptr<device::Device>>* more) {
   const uint32_t count = absl::GetFlag(FLAGS_software_devices);
   if (count < 1 || count > core::kMaxDevices) {
     return Fail(absl::StrCat("refusing to start: --software_devices=", count,
@@ -393,9 +395,13 @@ absl::Status OpenMoreSoftwareDevices(
         "refusing to start: --software_devices=", count,
         " needs the software device, and mrd runs the verbs device"));
   }
+  // Not the verbs device: the first is the software device, whose pins the
+  // others share (a page registered on several is pinned once).
+  const auto* software = static_cast<const device::SoftwareDevice*>(&first);
   for (uint32_t i = 1; i < count; ++i) {
     std::unique_ptr<device::Device> device;
-    MRD_RETURN_IF_ERROR(OpenSoftwareDeviceNumber(config, -1, i, &device));
+    MRD_RETURN_IF_ERROR(
+        OpenSoftwareDeviceNumber(config, -1, i, software, &device));
     if (absl::Status s = device->Start(); !s.ok()) {
       return Fail(absl::StrCat(device->Attributes().name,
                                " device start: ", s.ToString()));
@@ -429,8 +435,10 @@ namespace {
 
 absl::Status OpenSoftwareDeviceNumber(const Config& config, int peer_listener,
                                       uint32_t index,
+                                      const device::SoftwareDevice* first,
                                       std::unique_ptr<device::Device>* device) {
   device::SoftwareDeviceOptions options;
+  options.share_pins_with = first;
   options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
   if (index > 0) {
     options.name = absl::StrCat("software", index);

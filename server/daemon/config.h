@@ -63,11 +63,13 @@ absl::Status OpenVerbsDevice(Config* config, const std::string& device_flag,
 absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
                                 std::unique_ptr<device::Device>* device);
 // The software devices after the first (--software_devices), started:
-// device i named "software<i>", its peers on --peer_address's port + i.
+// device i named "software<i>", its peers on --peer_address's port + i,
+// its pins shared with `first` (the software device, unless this refuses).
 // Errors: --software_devices out of range or with the verbs device,
 // OpenSoftwareDevice's, and a device's start.
 absl::Status OpenMoreSoftwareDevices(
-    const Config& config, std::vector<std::unique_ptr<device::Device>>* more);
+    const Config& config, const device::Device& first,
+    std::vector<std::unique_ptr<device::Device>>* more);
 // Shuts `first`, then `more`, down.
 void ShutdownDevices(device::Device* first,
                      const std::vector<std::unique_ptr<device::Device>>& more);

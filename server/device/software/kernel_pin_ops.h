@@ -123,6 +123,8 @@ class KernelPinOps final : public PinOps {
   // What the object uses: "io_uring", "mlock", or "io_uring+mlock" (auto)
   // and why io_uring is not used when it is not.
   std::string Describe() const;
+  // The options it was made with.
+  const KernelPinOptions& options() const { return options_; }
   bool io_uring_available() const { return io_uring_ok_; }
   uint64_t max_map_splits() const { return max_map_splits_; }
 

@@ -211,11 +211,19 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   }
   uint64_t pick = 0;
   MRD_RETURN_IF_ERROR(SecureRandomBytes(&pick, sizeof(pick)));
-  std::unique_ptr<KernelPinOps> own_pin_ops;
-  if (options.pin_ops == nullptr) {
-    MRD_ASSIGN_OR_RETURN(own_pin_ops,
-                         KernelPinOps::Create(options.pin_options, true));
+  std::shared_ptr<Pins> pins;
+  if (options.share_pins_with != nullptr) {
+    pins = options.share_pins_with->pins_;
+  } else {
+    std::unique_ptr<KernelPinOps> own_pin_ops;
+    if (options.pin_ops == nullptr) {
+      MRD_ASSIGN_OR_RETURN(own_pin_ops,
+                           KernelPinOps::Create(options.pin_options, true));
+    }
+    pins = std::make_shared<Pins>(ps, options.pin_ops, std::move(own_pin_ops),
+                                  options.fault_points);
   }
+  const KernelPinOps* own_pin_ops = pins->own_ops.get();
 
   DeviceModelOptions model;
   model.page_size = ps;
@@ -232,7 +240,7 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   if (own_pin_ops != nullptr) {
     // Read-only memory is mlocked (io_uring pins for writing); all of it
     // when io_uring is not used.
-    const PinMethod method = options.pin_options.method;
+    const PinMethod method = own_pin_ops->options().method;
     const bool uring =
         method != PinMethod::kMlock && own_pin_ops->io_uring_available();
     attributes.map_splits_per_read_only_pin =
@@ -246,20 +254,17 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   attributes.peer_address = listener->address();
   return std::unique_ptr<SoftwareDevice>(
       new SoftwareDevice(options, model, std::move(attributes),
-                         std::move(listener), std::move(own_pin_ops)));
+                         std::move(listener), std::move(pins)));
 }
 
 SoftwareDevice::SoftwareDevice(const SoftwareDeviceOptions& options,
                                DeviceModelOptions model,
                                DeviceAttributes attributes,
                                std::unique_ptr<PeerListener> listener,
-                               std::unique_ptr<KernelPinOps> own_pin_ops)
+                               std::shared_ptr<Pins> pins)
     : DeviceModel(std::move(attributes), model),
       options_(options),
-      own_pin_ops_(std::move(own_pin_ops)),
-      pins_(model.page_size,
-            options.pin_ops != nullptr ? options.pin_ops : own_pin_ops_.get(),
-            options.fault_points),
+      pins_(std::move(pins)),
       listener_(std::move(listener)),
       keys_(options.max_keys, &random_, options.fault_points,
             options.key_chunk_slots) {}
@@ -279,7 +284,9 @@ DeviceHealth SoftwareDevice::Health() const {
                              Attributes().peer_address)};
 }
 
-uint64_t SoftwareDevice::PinnedBytes() const { return pins_.PinnedBytes(); }
+uint64_t SoftwareDevice::PinnedBytes() const {
+  return pins_->tracker.PinnedBytes();
+}
 
 absl::Status SoftwareDevice::ProviderStart() {
   PeerListener::Handler handler;
@@ -457,8 +464,8 @@ class ClearingBatch final : public DeviceBatch {
 }  // namespace
 
 std::unique_ptr<DeviceBatch> SoftwareDevice::BeginBatch() {
-  if (options_.pin_ops != nullptr || own_pin_ops_ == nullptr) return nullptr;
-  return std::make_unique<ClearingBatch>(own_pin_ops_.get());
+  if (pins_->own_ops == nullptr) return nullptr;
+  return std::make_unique<ClearingBatch>(pins_->own_ops.get());
 }
 
 absl::Status SoftwareDevice::ProviderPin(const MemorySpan& span) {
@@ -470,12 +477,12 @@ absl::Status SoftwareDevice::ProviderPin(const MemorySpan& span) {
     huge = span.fd >= 0 && ::fstatfs(span.fd, &fs) == 0 &&
            static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
   }
-  return pins_.Pin(reinterpret_cast<uint64_t>(span.host_address), span.length,
+  return pins_->tracker.Pin(reinterpret_cast<uint64_t>(span.host_address), span.length,
                    huge, span.progress);
 }
 
 void SoftwareDevice::ProviderUnpin(const MemorySpan& span) {
-  pins_.Unpin(reinterpret_cast<uint64_t>(span.host_address), span.length);
+  pins_->tracker.Unpin(reinterpret_cast<uint64_t>(span.host_address), span.length);
 }
 
 absl::StatusOr<DeviceModel::Registration> SoftwareDevice::NewKey(

@@ -81,6 +81,8 @@ namespace mrd::device {
 inline constexpr uint32_t kDefaultMaxKeys =
     (1u << 20) + (1u << 18) + (1u << 18);
 
+class SoftwareDevice;
+
 struct SoftwareDeviceOptions {
   // Numeric host:port for the peer listener; port 0 picks a free one, which
   // Attributes().peer_address then reports.
@@ -122,6 +124,12 @@ struct SoftwareDeviceOptions {
   // Tests substitute watching or failing ones. Not owned; nullptr means the
   // device's own KernelPinOps.
   PinOps* pin_ops = nullptr;
+  // Another software device whose pins this one shares: a page either
+  // registers is pinned once, and stays pinned while either holds it (the
+  // software devices of one mrd all share the first's). Its pin options,
+  // pin_ops and fault points for pins apply, not these. Not owned; what
+  // they share lives as long as either device.
+  const SoftwareDevice* share_pins_with = nullptr;
   // Tests only: called on a peer worker thread inside every peer READ/WRITE
   // after the checks passed and before the I/O, while the op is in flight.
   std::function<void()> peer_io_hook_for_test;
@@ -245,10 +253,21 @@ class SoftwareDevice final : public DeviceModel {
   struct Key;   // a ProviderState: one key of the key table
   struct Peer;  // one TCP connection of the peer path
 
+  // The pins a device makes, shared with the devices that share them.
+  struct Pins {
+    Pins(uint64_t page_size, PinOps* ops, std::unique_ptr<KernelPinOps> own,
+         FaultPoints* faults)
+        : own_ops(std::move(own)),
+          tracker(page_size, ops != nullptr ? ops : own_ops.get(), faults) {}
+    // Before tracker, which uses it (when no PinOps was given).
+    const std::unique_ptr<KernelPinOps> own_ops;
+    PinTracker tracker;
+  };
+
   SoftwareDevice(const SoftwareDeviceOptions& options, DeviceModelOptions model,
                  DeviceAttributes attributes,
                  std::unique_ptr<PeerListener> listener,
-                 std::unique_ptr<KernelPinOps> own_pin_ops);
+                 std::shared_ptr<Pins> pins);
 
   // A new key owned by `owner`; with a Key object as the registration's
   // state (LAMs and MR objects, whose key the object carries and a fast
@@ -279,9 +298,7 @@ class SoftwareDevice final : public DeviceModel {
   void CloseConnection(const std::shared_ptr<Peer>& peer);
 
   const SoftwareDeviceOptions options_;
-  // Before pins_, which uses it (when options_.pin_ops is nullptr).
-  const std::unique_ptr<KernelPinOps> own_pin_ops_;
-  PinTracker pins_;
+  const std::shared_ptr<Pins> pins_;
   const std::unique_ptr<PeerListener> listener_;
 
   mutable absl::Mutex keys_mu_;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "client/peer/soft_peer.h"
@@ -30,7 +31,9 @@ namespace {
 
 constexpr uint64_t kPages = 8;
 
-class CoreDevicesTest : public ::testing::Test {
+// The parameter: whether the second device shares the first's pins, as
+// mrd's software devices do.
+class CoreDevicesTest : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
     SetMinLogLevel(LogLevel::kError);
@@ -40,6 +43,7 @@ class CoreDevicesTest : public ::testing::Test {
       options.name = i == 0 ? "software" : "software1";
       options.peer_listen_address = "127.0.0.1:0";
       options.fault_points = &faults_[i];
+      if (i == 1 && GetParam()) options.share_pins_with = devices_[0].get();
       auto device = device::SoftwareDevice::Create(options);
       ASSERT_TRUE(device.ok()) << device.status();
       devices_[i] = std::move(*device);
@@ -118,7 +122,7 @@ class CoreDevicesTest : public ::testing::Test {
   SessionWithBuffer own_;  // the test's session and buffer
 };
 
-TEST_F(CoreDevicesTest, GetDeviceInfoListsBothDevicesWithTheirPeerPaths) {
+TEST_P(CoreDevicesTest, GetDeviceInfoListsBothDevicesWithTheirPeerPaths) {
   v1::DeviceInfo info;
   ASSERT_OK(core_->GetDeviceInfo(&info));
   EXPECT_EQ(info.name(), "software");
@@ -130,7 +134,7 @@ TEST_F(CoreDevicesTest, GetDeviceInfoListsBothDevicesWithTheirPeerPaths) {
   EXPECT_EQ(info.devices(1).numa_node(), -1);
 }
 
-TEST_F(CoreDevicesTest, ARegistrationOnBothHasATokenPerDeviceUsableOnlyThere) {
+TEST_P(CoreDevicesTest, ARegistrationOnBothHasATokenPerDeviceUsableOnlyThere) {
   absl::StatusOr<v1::RegisterMrResponse> both =
       Register(Request(page_, 2 * page_, {}, /*all=*/true));
   ASSERT_TRUE(both.ok()) << both.status();
@@ -186,7 +190,7 @@ TEST_F(CoreDevicesTest, ARegistrationOnBothHasATokenPerDeviceUsableOnlyThere) {
   ExpectEmpty(*devices_[1]);
 }
 
-TEST_F(CoreDevicesTest, TheCacheKeepsOneRegistrationPerDeviceSet) {
+TEST_P(CoreDevicesTest, TheCacheKeepsOneRegistrationPerDeviceSet) {
   absl::StatusOr<v1::RegisterMrResponse> first =
       Register(Request(0, page_, {}));
   absl::StatusOr<v1::RegisterMrResponse> both =
@@ -219,7 +223,7 @@ TEST_F(CoreDevicesTest, TheCacheKeepsOneRegistrationPerDeviceSet) {
   ExpectEmpty(*devices_[1]);
 }
 
-TEST_F(CoreDevicesTest, AnUnknownDeviceIsRefusedByNameAndNothingIsPinned) {
+TEST_P(CoreDevicesTest, AnUnknownDeviceIsRefusedByNameAndNothingIsPinned) {
   absl::StatusOr<v1::RegisterMrResponse> r =
       Register(Request(0, page_, {"software", "mlx5_9"}));
   ASSERT_FALSE(r.ok());
@@ -243,7 +247,7 @@ TEST_F(CoreDevicesTest, AnUnknownDeviceIsRefusedByNameAndNothingIsPinned) {
 // that device's error and names it, neither device keeps an MR, a key or a
 // pinned page of it, the core accounts nothing, and the same call then
 // succeeds.
-TEST_F(CoreDevicesTest, AFailureAtAnyStepOfEitherDeviceUndoesTheOther) {
+TEST_P(CoreDevicesTest, AFailureAtAnyStepOfEitherDeviceUndoesTheOther) {
   const v1::RegisterMrRequest req = Request(page_, 3 * page_, {}, true);
   std::vector<std::string> steps[2];
   faults_[0].Reset();
@@ -258,6 +262,8 @@ TEST_F(CoreDevicesTest, AFailureAtAnyStepOfEitherDeviceUndoesTheOther) {
   ASSERT_FALSE(steps[1].empty());
   std::cout << "[ STEPS    ] software1: " << absl::StrJoin(steps[1], ", ")
             << "\n";
+  // Sharing the first's pins, the second pins nothing itself.
+  EXPECT_EQ(absl::c_linear_search(steps[1], "pin.mlock"), !GetParam());
   int failures = 0;
   for (int device = 0; device < 2; ++device) {
     for (size_t k = 1; k <= steps[device].size(); ++k) {
@@ -289,7 +295,7 @@ TEST_F(CoreDevicesTest, AFailureAtAnyStepOfEitherDeviceUndoesTheOther) {
   EXPECT_EQ(failures, static_cast<int>(steps[0].size() + steps[1].size()));
 }
 
-TEST_F(CoreDevicesTest, TheSessionsEndReleasesItsRegistrationsOnBothDevices) {
+TEST_P(CoreDevicesTest, TheSessionsEndReleasesItsRegistrationsOnBothDevices) {
   absl::StatusOr<v1::RegisterMrResponse> r =
       Register(Request(0, 4 * page_, {}, /*all=*/true));
   ASSERT_TRUE(r.ok()) << r.status();
@@ -304,11 +310,16 @@ TEST_F(CoreDevicesTest, TheSessionsEndReleasesItsRegistrationsOnBothDevices) {
   EXPECT_EQ(devices_[1]->CountResources().pds, 0u);
 }
 
-TEST_F(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
+TEST_P(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
   absl::Status s = core_->CanHandOverDevices();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(GetErrorDetail(s).reason(), "HANDOVER_SEVERAL_DEVICES");
 }
+
+INSTANTIATE_TEST_SUITE_P(Pins, CoreDevicesTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Shared" : "OwnPins";
+                         });
 
 }  // namespace
 }  // namespace mrd::core_test

@@ -217,6 +217,54 @@ TEST_F(SoftwareDeviceTest, AttributesDescribeTheSoftwareDevice) {
       IsMrdError(absl::StatusCode::kFailedPrecondition, "ALREADY_STARTED"));
 }
 
+// The software devices of one mrd share their pins: a page registered on
+// two devices is pinned once for the kernel, and stays pinned until the
+// last of them lets it go; each device's keys work only on its own peer
+// path.
+TEST_F(SoftwareDeviceTest, DevicesThatSharePinsPinAPageOnce) {
+  SoftwareDeviceOptions options;
+  options.name = "software1";
+  options.share_pins_with = device_.get();
+  absl::StatusOr<std::unique_ptr<SoftwareDevice>> second =
+      SoftwareDevice::Create(options);
+  ASSERT_TRUE(second.ok()) << second.status();
+  ASSERT_TRUE((*second)->Start().ok());
+  RecordingSink second_sink;
+  absl::StatusOr<PdId> second_pd = (*second)->AllocatePd(&second_sink);
+  ASSERT_TRUE(second_pd.ok()) << second_pd.status();
+  const PdId pd = NewPd();
+  const MemfdBuffer& buffer = NewBuffer(8);
+  const uint64_t size = 8 * PageSize();
+
+  const MrKeys first_keys = Register(pd, buffer, 0, size, kRemoteRw);
+  ASSERT_EQ(KernelPinnedBytesSettled(kernel_pinned_before_ + size),
+            kernel_pinned_before_ + size);
+  absl::StatusOr<MrKeys> second_keys =
+      (*second)->RegisterMr(*second_pd, buffer.Span(0, size), kBase, kRemoteRw);
+  ASSERT_TRUE(second_keys.ok()) << second_keys.status();
+  EXPECT_EQ(test_support::KernelPinnedBytes(), kernel_pinned_before_ + size);
+  EXPECT_EQ((*second)->PinnedBytes(), size);
+
+  ASSERT_TRUE(device_->DeregisterMr(first_keys.mr).ok());
+  // The second device still holds the pages, pinned, and serves them.
+  EXPECT_EQ(device_->PinnedBytes(), size);
+  EXPECT_EQ(test_support::KernelPinnedBytes(), kernel_pinned_before_ + size);
+  absl::StatusOr<std::string> ticket = (*second)->CreatePeerTicket(*second_pd);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  absl::StatusOr<std::unique_ptr<SoftPeer>> peer =
+      SoftPeer::Connect((*second)->Attributes().peer_address, *ticket);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  absl::StatusOr<std::string> read =
+      (*peer)->Read(second_keys->rkey, kBase, 16);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, buffer.Bytes(0, 16));
+
+  ASSERT_TRUE((*second)->DeregisterMr(second_keys->mr).ok());
+  EXPECT_EQ((*second)->PinnedBytes(), 0u);
+  ASSERT_TRUE((*second)->DeallocatePd(*second_pd).ok());
+  second->reset();
+}
+
 TEST_F(SoftwareDeviceTest, BadOptionsAreRefused) {
   SoftwareDeviceOptions options;
   options.max_keys = 0;
