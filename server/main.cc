@@ -120,6 +120,9 @@ class Daemon final : public handover::Participant {
   void StopAdmin(bool handed_over = false);
   absl::Status StartHealthWatch();
   void WatchHealth();
+  // Readiness: each device's (health of kServiceName/<device>), and the
+  // whole's (kServiceName: SERVING while any device is healthy).
+  void UpdateReadiness();
 
   std::unique_ptr<FdBudget> fd_budget_;
   daemon::Config config_;  // paths, peers, the device chosen
@@ -136,10 +139,8 @@ class Daemon final : public handover::Participant {
   service::GrpcAcceptorOptions acceptor_options_;
   // The gRPC socket's acceptor, replaced only by a handover that failed.
   service::GrpcAcceptorParticipant acceptor_;
-  // Readiness's view of the device (the health watch keeps it; the metrics
-  // read it, so it outlives them).
-  std::atomic<bool> device_healthy_{true};
   std::unique_ptr<metrics::Metrics> metrics_;
+  bool ready_ = false;  // readiness as last set (UpdateReadiness)
   std::unique_ptr<FairScheduler> workers_;
   std::unique_ptr<service::MrdService> service_;
   std::unique_ptr<grpc::Server> server_;
@@ -383,8 +384,6 @@ void Daemon::SetMetricsSources() {
   info.device = config_.use_verbs ? "verbs" : "software";
   info.device_fallback = config_.device_fallback;
   metrics_->SetServerInfo(info);
-  metrics_->SetDeviceHealthSource(
-      [this] { return device_healthy_.load(std::memory_order_relaxed); });
   metrics_->SetHandoverSource(
       [this] { return metrics::GaugesOf(handover_->counts()); });
 }
@@ -445,7 +444,7 @@ absl::Status Daemon::StartGrpc() {
   // "" (the server) and mrd's service name: Kubernetes gRPC probes and
   // grpc_health_probe ask for a service by name.
   health_->SetServingStatus(true);
-  health_->SetServingStatus(kServiceName, true);
+  UpdateReadiness();
   LogInfo("mrd serving: grpc unix:", config_.grpc_socket, ", fd socket ",
           config_.fd_socket,
           config_.debug_tcp.empty()
@@ -507,13 +506,10 @@ void Daemon::StopAdmin(bool handed_over) {
   }
 }
 
-// Liveness is "" (the server): SERVING from here until shutdown, whatever the
-// device does, so that a port flap never gets mrd restarted (which would end
-// every session on the node). Readiness is kServiceName: it follows the
-// device, NOT_SERVING while the device reports itself unhealthy (device
-// lost, port down), SERVING again when it recovers. GetDeviceInfo carries
-// the device's own message. The same thread samples the open fds once a
-// second (loud log when the fd reserve is being eaten).
+// Liveness is "" (the server): SERVING until shutdown, whatever the devices
+// do, so that a port flap never gets mrd restarted (ending every session).
+// Readiness follows the devices (UpdateReadiness). The same thread samples
+// the open fds once a second (loud log when the fd reserve is being eaten).
 absl::Status Daemon::StartHealthWatch() {
   absl::StatusOr<Thread> watch =
       Thread::Start("mrd-health", [this] { WatchHealth(); });
@@ -531,7 +527,6 @@ absl::Status Daemon::StartHealthWatch() {
 }
 
 void Daemon::WatchHealth() {
-  bool serving = true;
   absl::Time pruned = absl::Now();
   while (
       !stop_health_.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
@@ -544,18 +539,24 @@ void Daemon::WatchHealth() {
         workers_->Forget(tenant);
       }
     }
-    device::DeviceHealth now = device_->Health();
-    if (now.healthy == serving) continue;
-    serving = now.healthy;
-    health_->SetServingStatus(kServiceName, serving);
-    device_healthy_.store(serving, std::memory_order_relaxed);
-    if (serving) {
-      LogInfo("device healthy again: readiness SERVING");
-    } else {
-      LogError("device unhealthy (", now.message,
-               "): readiness NOT_SERVING (liveness stays SERVING)");
-    }
+    UpdateReadiness();
   }
+}
+
+void Daemon::UpdateReadiness() {
+  for (const core::DeviceState& d : core_->TakeDeviceHealthChanges()) {
+    health_->SetServingStatus(absl::StrCat(kServiceName, "/", d.name),
+                              d.healthy);
+  }
+  bool any = false;
+  for (const core::DeviceState& d : core_->DeviceStates()) any |= d.healthy;
+  if (any == ready_) return;
+  ready_ = any;
+  health_->SetServingStatus(kServiceName, any);
+  LogLine(any ? LogLevel::kInfo : LogLevel::kError,
+          any ? "a device is healthy: readiness SERVING"
+              : "no device is healthy: readiness NOT_SERVING (liveness stays "
+                "SERVING)");
 }
 
 // --- live handover -----------------------------------------------------------

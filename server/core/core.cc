@@ -934,6 +934,51 @@ absl::Status Core::GetDeviceInfo(v1::DeviceInfo* out) const {
   return absl::OkStatus();
 }
 
+std::vector<DeviceState> Core::DeviceStates() const {
+  std::vector<DeviceState> states;
+  states.reserve(devices_.size());
+  for (const device::Device* device : devices_) {
+    const device::DeviceHealth health = device->Health();
+    states.push_back(DeviceState{device->Attributes().name, health.healthy,
+                                 health.message, device->PinnedBytes()});
+  }
+  return states;
+}
+
+std::vector<DeviceState> Core::TakeDeviceHealthChanges() {
+  std::vector<DeviceState> changes;
+  bool first;
+  {
+    absl::MutexLock lock(&health_mu_);
+    std::vector<DeviceState> now = DeviceStates();
+    first = last_healthy_.empty();
+    last_healthy_.resize(now.size(), true);
+    for (size_t i = 0; i < now.size(); ++i) {
+      if (!first && now[i].healthy == last_healthy_[i]) continue;
+      last_healthy_[i] = now[i].healthy;
+      changes.push_back(std::move(now[i]));
+    }
+  }
+  if (first) return changes;
+  for (const DeviceState& change : changes) {
+    if (change.healthy) {
+      LogInfo("device ", change.name, " is healthy again");
+    } else {
+      LogError("device ", change.name, " is unhealthy: ", change.message);
+    }
+    v1::Completion c;
+    c.set_kind(v1::Completion::DEVICE_HEALTH);
+    c.set_status(change.healthy ? v1::STATUS_SUCCESS
+                                : v1::STATUS_CONNECTION_INVALID);
+    c.set_device(change.name);
+    c.set_message(change.message);
+    for (const std::shared_ptr<Session>& session : sessions_.All()) {
+      session->Push(c);
+    }
+  }
+  return changes;
+}
+
 void Core::DescribeDevice(const device::Device& device, v1::DeviceInfo* out) {
   const device::DeviceAttributes& a = device.Attributes();
   device::DeviceHealth health = device.Health();

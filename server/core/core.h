@@ -127,6 +127,14 @@ absl::StatusOr<TenantSettings> TenantSettingsFromProto(
     const google::protobuf::RepeatedPtrField<v1::TenantQuotaValue>& quotas,
     uint32_t weight);
 
+// One device as the core sees it now.
+struct DeviceState {
+  std::string name;
+  bool healthy = true;
+  std::string message;  // the device's own (why it is unhealthy)
+  uint64_t pinned_bytes = 0;
+};
+
 struct CoreStats {
   uint64_t sessions = 0;
   uint64_t fd_sessions = 0;
@@ -205,6 +213,13 @@ class Core final : public fd_socket::FdSessionHandler {
   // Whether this core's devices can be handed over (one device only, for
   // now). Errors: FAILED_PRECONDITION HANDOVER_SEVERAL_DEVICES.
   absl::Status CanHandOverDevices() const;
+  // Every device now, in order.
+  std::vector<DeviceState> DeviceStates() const;
+  // The devices whose health changed since the last call (every device, on
+  // the first): each change is logged and, after the first call, told to
+  // every session (a DEVICE_HEALTH completion naming the device).
+  std::vector<DeviceState> TakeDeviceHealthChanges()
+      ABSL_LOCKS_EXCLUDED(health_mu_);
   absl::Status OpenLeaseSession(const v1::OpenLeaseSessionRequest& req,
                                 v1::SessionInfo* out);
   absl::Status GetSession(const v1::GetSessionRequest& req,
@@ -427,6 +442,11 @@ class Core final : public fd_socket::FdSessionHandler {
   std::shared_ptr<TenantTable> tenants_;
   int shm_dir_fd_ = -1;
   std::function<void(const std::string&)> fd_hangup_;  // fixed after Start
+
+  // What TakeDeviceHealthChanges last saw of each device (empty before its
+  // first call).
+  absl::Mutex health_mu_;
+  std::vector<bool> last_healthy_ ABSL_GUARDED_BY(health_mu_);
 
   absl::Mutex reaper_mu_;
   bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;

@@ -249,7 +249,15 @@ void DeviceModel::Shutdown() {
   worker.Join();
 }
 
-absl::Status DeviceModel::UsableLocked() const { return ProviderUsable(); }
+absl::Status DeviceModel::UsableLocked() const {
+  // Nothing new on a device that was shut down (the other devices of an
+  // mrd that serves several go on).
+  if (shut_down_) {
+    return MrdError(absl::StatusCode::kUnavailable, "DEVICE_SHUT_DOWN",
+                    absl::StrCat("device ", attributes_.name, " is shut down"));
+  }
+  return ProviderUsable();
+}
 
 DeviceModel::Phase DeviceModel::phase() const {
   absl::MutexLock lock(&mu_);

@@ -329,7 +329,7 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override {
     const Sources src = Snapshot();
     const auto& [peer_path, handover, grpc_connections, scheduler, server_info,
-                 device_healthy, limits] = src;
+                 limits] = src;
     core::CoreStats s = core_->Stats();
     auto d = [](uint64_t v) { return static_cast<double>(v); };
     std::vector<prometheus::MetricFamily> out = {
@@ -470,10 +470,32 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
                             "start, one more after each lease lost).",
                             static_cast<double>(dir->leases_granted)));
     }
-    out.push_back(Gauge("mrd_device_healthy",
-                        "1 while the device is healthy (readiness SERVING), "
-                        "0 while it is lost or its port is down.",
-                        !device_healthy || device_healthy() ? 1 : 0));
+    {
+      // Per device: health, and what each has pinned.
+      prometheus::MetricFamily healthy =
+          Gauge("mrd_device_healthy",
+                "1 while the device is healthy, 0 while it is lost or its "
+                "port is down (readiness is SERVING while any device is "
+                "healthy).",
+                0);
+      prometheus::MetricFamily pinned = Gauge(
+          "mrd_device_pinned_bytes",
+          "Bytes the device has pinned (software devices share their pins).",
+          0);
+      healthy.metric.clear();
+      pinned.metric.clear();
+      for (const core::DeviceState& device : core_->DeviceStates()) {
+        prometheus::ClientMetric metric;
+        metric.label.push_back(
+            prometheus::ClientMetric::Label{"device", device.name});
+        metric.gauge.value = device.healthy ? 1 : 0;
+        healthy.metric.push_back(metric);
+        metric.gauge.value = d(device.pinned_bytes);
+        pinned.metric.push_back(std::move(metric));
+      }
+      out.push_back(std::move(healthy));
+      out.push_back(std::move(pinned));
+    }
     {
       prometheus::MetricFamily family =
           Gauge("mrd_limit",
@@ -763,7 +785,6 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
     std::function<GrpcConnectionStats()> grpc_connections;
     std::function<std::vector<FairQueueStats>()> scheduler;
     ServerInfo server_info;
-    std::function<bool()> device_healthy;
     std::vector<std::pair<std::string, double>> limits;
   };
   template <typename F>
@@ -784,11 +805,6 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
 
 void Metrics::SetServerInfo(const ServerInfo& info) {
   collector_->Update([&](CoreCollector::Sources& s) { s.server_info = info; });
-}
-
-void Metrics::SetDeviceHealthSource(std::function<bool()> source) {
-  collector_->Update(
-      [&](CoreCollector::Sources& s) { s.device_healthy = std::move(source); });
 }
 
 void Metrics::SetLimits(std::vector<std::pair<std::string, double>> limits) {

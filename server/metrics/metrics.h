@@ -91,8 +91,6 @@ class Metrics final : public RpcObserver {
   // Call these before Serve; sources must be thread-safe and outlive this
   // object.
   void SetServerInfo(const ServerInfo& info);
-  // The device's health as readiness reports it (true = healthy).
-  void SetDeviceHealthSource(std::function<bool()> source);
   // Each configured limit: the flag's name (without --) and its value.
   void SetLimits(std::vector<std::pair<std::string, double>> limits);
 

@@ -69,21 +69,6 @@ class DeviceLossTest : public MrdTest {
     Sh(absl::StrCat("rdma link delete ", Rdma(), " 2>/dev/null; ip link del ",
                     Netdev(), " 2>/dev/null"));
   }
-
-  // `service`: "" is liveness, "mrd.v1.MemoryRegistration" readiness.
-  grpc::health::v1::HealthCheckResponse::ServingStatus Health(
-      const std::string& service) {
-    auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
-        mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::seconds(5));
-    grpc::health::v1::HealthCheckRequest req;
-    req.set_service(service);
-    grpc::health::v1::HealthCheckResponse resp;
-    EXPECT_TRUE(stub->Check(&ctx, req, &resp).ok());
-    return resp.status();
-  }
 };
 
 TEST_F(DeviceLossTest, LostDeviceIsReportedAndRequestsFailClearly) {

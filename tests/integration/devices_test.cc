@@ -65,6 +65,13 @@ TEST_F(TwoDevicesTest, GetDeviceInfoListsBothWithPeerPathsOfTheirOwn) {
   EXPECT_EQ(info->devices(1).name(), "software1");
   EXPECT_TRUE(info->devices(1).healthy());
   EXPECT_NE(info->devices(0).peer_address(), info->devices(1).peer_address());
+  // Readiness as a whole and per device.
+  for (const char* service :
+       {"mrd.v1.MemoryRegistration", "mrd.v1.MemoryRegistration/software",
+        "mrd.v1.MemoryRegistration/software1"}) {
+    EXPECT_EQ(Health(service), grpc::health::v1::HealthCheckResponse::SERVING)
+        << service;
+  }
 }
 
 TEST_F(TwoDevicesTest, PeersReadThroughEachDevicesTokenUntilItIsDeregistered) {

@@ -5,8 +5,10 @@
 #ifndef MRD_TESTS_INTEGRATION_TEST_ENV_H_
 #define MRD_TESTS_INTEGRATION_TEST_ENV_H_
 
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -17,6 +19,7 @@
 #include "absl/time/time.h"
 #include "client/lib/mrd_client.h"
 #include "client/peer/peer.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "mrd/status.h"
 #include "tests/integration/mrd_process.h"
 
@@ -155,6 +158,23 @@ class MrdTest : public ::testing::Test {
   absl::StatusOr<std::unique_ptr<peer::Peer>> TryConnectPeer(
       const std::string& peer_address, const std::string& ticket) {
     return peer::ConnectPeer(TestDeviceKind(), peer_address, ticket);
+  }
+
+  // mrd's health of `service` ("" liveness, "mrd.v1.MemoryRegistration"
+  // readiness, "mrd.v1.MemoryRegistration/<device>" a device's).
+  grpc::health::v1::HealthCheckResponse::ServingStatus Health(
+      const std::string& service) {
+    auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
+        mrd_->grpc_target(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::seconds(5));
+    grpc::health::v1::HealthCheckRequest req;
+    req.set_service(service);
+    grpc::health::v1::HealthCheckResponse resp;
+    grpc::Status status = stub->Check(&ctx, req, &resp);
+    EXPECT_TRUE(status.ok()) << service << ": " << status.error_message();
+    return resp.status();
   }
 
   // Waits for the next completion of `kind`, skipping peer events of other

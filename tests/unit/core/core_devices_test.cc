@@ -310,6 +310,58 @@ TEST_P(CoreDevicesTest, TheSessionsEndReleasesItsRegistrationsOnBothDevices) {
   EXPECT_EQ(devices_[1]->CountResources().pds, 0u);
 }
 
+// The second device goes down (shut down: its health turns false): every
+// session hears of it once, naming it; registrations on it are refused and
+// leave nothing on the first; the first device's registrations and peers
+// go on.
+TEST_P(CoreDevicesTest, ADeviceThatGoesDownLeavesTheOtherServing) {
+  absl::StatusOr<std::shared_ptr<core::Session>> stream =
+      core_->SubscribeCompletions(own_.session, [] {});
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  EXPECT_EQ(core_->TakeDeviceHealthChanges().size(), 2u);  // the first look
+  EXPECT_TRUE(core_->TakeDeviceHealthChanges().empty());
+  absl::StatusOr<v1::RegisterMrResponse> first =
+      Register(Request(0, page_, {"software"}));
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::unique_ptr<peer::SoftPeer> peer = PeerOn("software");
+  ASSERT_NE(peer, nullptr);
+
+  devices_[1]->Shutdown();
+  std::vector<core::DeviceState> changes = core_->TakeDeviceHealthChanges();
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_EQ(changes[0].name, "software1");
+  EXPECT_FALSE(changes[0].healthy);
+  EXPECT_TRUE(core_->TakeDeviceHealthChanges().empty());
+  std::optional<v1::Completion> told = (*stream)->PopCompletion();
+  while (told.has_value() &&
+         told->kind() == v1::Completion::PEER_CONNECTED) {  // our peer's
+    told = (*stream)->PopCompletion();
+  }
+  ASSERT_TRUE(told.has_value());
+  EXPECT_EQ(told->kind(), v1::Completion::DEVICE_HEALTH);
+  EXPECT_EQ(told->device(), "software1");
+  EXPECT_EQ(told->status(), v1::STATUS_CONNECTION_INVALID);
+  EXPECT_FALSE(told->message().empty());
+  EXPECT_FALSE((*stream)->PopCompletion().has_value());
+
+  absl::StatusOr<v1::RegisterMrResponse> both =
+      Register(Request(page_, page_, {}, /*all=*/true));
+  ASSERT_FALSE(both.ok());
+  EXPECT_TRUE(absl::StrContains(both.status().message(), "software1"))
+      << both.status();
+  EXPECT_EQ(devices_[0]->CountResources().mrs, 1u);  // `first` alone
+  absl::StatusOr<std::string> read =
+      peer->Read(first->rkey(), first->base_address(), 32);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, own_.pattern.substr(0, 32));
+  absl::StatusOr<v1::RegisterMrResponse> again =
+      Register(Request(page_, page_, {"software"}));
+  ASSERT_TRUE(again.ok()) << again.status();
+  ASSERT_OK(Deregister(again->registration()));
+  ASSERT_OK(Deregister(first->registration()));
+  core_->UnsubscribeCompletions(*stream);
+}
+
 TEST_P(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
   absl::Status s = core_->CanHandOverDevices();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);

@@ -187,7 +187,6 @@ TEST_F(MetricsListenerTest, SourcesMayBeSetWhileAScrapeRuns) {
     metrics.SetPeerPathSource([] { return metrics::PeerPathGauges{}; });
     metrics.SetGrpcConnectionsSource(
         [] { return metrics::GrpcConnectionStats{}; });
-    metrics.SetDeviceHealthSource([] { return true; });
     metrics.SetLimits({{"max_sessions", 1.0}});
     metrics::ServerInfo info;
     info.version = "test";
@@ -195,7 +194,8 @@ TEST_F(MetricsListenerTest, SourcesMayBeSetWhileAScrapeRuns) {
   }
   done = true;
   scraper->Join();
-  EXPECT_TRUE(absl::StrContains(metrics.Render(), "mrd_device_healthy 1"));
+  EXPECT_TRUE(absl::StrContains(metrics.Render(),
+                                "mrd_device_healthy{device=\"software\"} 1"));
 }
 
 }  // namespace
