@@ -410,6 +410,23 @@ absl::Status Core::GetSession(const v1::GetSessionRequest& req,
   return absl::OkStatus();
 }
 
+absl::Status Core::SetDefaultDevices(const v1::SetDefaultDevicesRequest& req,
+                                     v1::SessionInfo* out) {
+  MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
+                       FindSession(req.session()));
+  MRD_ASSIGN_OR_RETURN(const uint32_t bits,
+                       registrations_.DeviceBits(req.devices()));
+  {
+    absl::MutexLock lock(&session->mu);
+    session->default_devices = req.devices();
+    session->default_device_bits = bits != 0 ? bits : 1;
+    session->default_nearest = req.devices().nearest();
+  }
+  v1::GetSessionRequest get;
+  get.set_session(req.session());
+  return GetSession(get, out);
+}
+
 std::shared_ptr<Tenant> Core::TenantOfSession(const std::string& token) const {
   if (token.empty()) return nullptr;
   std::shared_ptr<Session> session = sessions_.Find(token);

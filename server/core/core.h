@@ -224,6 +224,8 @@ class Core final : public fd_socket::FdSessionHandler {
                                 v1::SessionInfo* out);
   absl::Status GetSession(const v1::GetSessionRequest& req,
                           v1::SessionInfo* out);
+  absl::Status SetDefaultDevices(const v1::SetDefaultDevicesRequest& req,
+                                 v1::SessionInfo* out);
   absl::Status CloseSession(const v1::CloseSessionRequest& req);
   absl::Status ImportFile(const v1::ImportFileRequest& req,
                           v1::BufferInfo* out);

@@ -1,5 +1,8 @@
 #include "server/core/registrations.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <limits>
 #include <optional>
 #include <string>
@@ -89,6 +92,11 @@ absl::Status OnDevice(const absl::Status& status, absl::string_view device) {
   return out;
 }
 
+// get_mempolicy's flags (<numaif.h> is libnuma's; the system call is the
+// kernel's).
+constexpr unsigned long kMpolFNode = 1;
+constexpr unsigned long kMpolFAddr = 2;
+
 cache::WarmKey WarmKeyOf(const cache::CacheKey& key) {
   return cache::WarmKey{key.session, key.buffer, key.offset, key.length};
 }
@@ -122,6 +130,14 @@ absl::StatusOr<size_t> Registrations::DeviceIndex(
 
 absl::StatusOr<uint32_t> Registrations::DeviceBits(
     const v1::DeviceSelection& selection) const {
+  if (int{selection.all()} + int{selection.nearest()} +
+          int{!selection.names().empty()} >
+      1) {
+    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_DEVICE_SELECTION",
+                    "a device selection gives names, all or nearest: one of "
+                    "them");
+  }
+  if (selection.nearest()) return 0;
   if (selection.all()) {
     return devices_.size() >= 32 ? ~uint32_t{0}
                                  : (uint32_t{1} << devices_.size()) - 1;
@@ -133,6 +149,25 @@ absl::StatusOr<uint32_t> Registrations::DeviceBits(
     bits |= uint32_t{1} << index;
   }
   return bits;
+}
+
+uint32_t Registrations::NearestDevices(const void* address) const {
+  const uint32_t all = devices_.size() >= 32
+                           ? ~uint32_t{0}
+                           : (uint32_t{1} << devices_.size()) - 1;
+  // The node of the page at `address` (MPOL_F_NODE | MPOL_F_ADDR); the
+  // page is the client's, already in the file, so looking it up costs a
+  // fault of mrd's mapping at most, which the pin makes anyway.
+  int node = -1;
+  if (::syscall(SYS_get_mempolicy, &node, nullptr, 0,
+                const_cast<void*>(address), kMpolFNode | kMpolFAddr) != 0) {
+    return all;
+  }
+  uint32_t bits = 0;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    if (devices_[i]->Attributes().numa_node == node) bits |= uint32_t{1} << i;
+  }
+  return bits != 0 ? bits : all;
 }
 
 uint32_t Registrations::FirstDevice(uint32_t bits) {
@@ -340,6 +375,8 @@ absl::Status Registrations::CheckTargetsLocked(Session& session,
                                   "cannot be granted on it (W6)"));
   }
   plan->pds.assign(session.pds.begin(), session.pds.end());
+  plan->key.devices = session.default_device_bits;
+  plan->nearest = session.default_nearest;
   plan->key.base_address = b->second.address + req.offset();
   return absl::OkStatus();
 }
@@ -373,7 +410,9 @@ absl::Status Registrations::PlanRegistration(Session& session,
   }
   if (req.has_devices()) {
     MRD_ASSIGN_OR_RETURN(key.devices, DeviceBits(req.devices()));
+    plan->nearest = req.devices().nearest();
   }
+  if (plan->nearest) key.devices = NearestDevices(plan->span.host_address);
   key.session = session.id();
   key.offset = req.offset();
   key.length = req.length();

@@ -137,10 +137,16 @@ class Registrations {
   // UNKNOWN_DEVICE.
   const std::vector<device::Device*>& devices() const { return devices_; }
   absl::StatusOr<size_t> DeviceIndex(absl::string_view name) const;
-  // The devices a request selects, as CacheKey::devices bits: none named,
-  // the first device. Errors: INVALID_ARGUMENT UNKNOWN_DEVICE.
+  // The devices a selection names, as CacheKey::devices bits: none named,
+  // the first device; `nearest` is left to NearestDevices (0 here).
+  // Errors: INVALID_ARGUMENT UNKNOWN_DEVICE, BAD_DEVICE_SELECTION (more
+  // than one of names, all and nearest).
   absl::StatusOr<uint32_t> DeviceBits(
       const v1::DeviceSelection& selection) const;
+  // The devices on the NUMA node of the memory at `address` (mrd's
+  // mapping), as bits; every device when none is on that node or the node
+  // is unknown.
+  uint32_t NearestDevices(const void* address) const;
 
   // Handover (core/handover.cc): registers `r`, a registration another mrd
   // process handed over, on the device with the keys it had, and puts it in
@@ -176,6 +182,7 @@ class Registrations {
     std::shared_ptr<fd_socket::MappedFile> file;
     cache::CacheKey key;
     absl::InlinedVector<device::PdId, 2> pds;  // the session's, by device
+    bool nearest = false;  // key.devices: NearestDevices of the span
     device::MemorySpan span;
     uint64_t pin_bytes = 0;
     CancelCheck cancelled;  // the caller's, may be empty

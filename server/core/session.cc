@@ -235,6 +235,9 @@ void Session::FillInfoLocked(v1::SessionInfo* out) const {
   out->set_registrations(static_cast<uint32_t>(registrations.size()));
   out->set_tenant(tenant_->name());
   out->set_verified(identity_.verified);
+  if (default_devices.ByteSizeLong() != 0) {
+    *out->mutable_default_devices() = default_devices;
+  }
 }
 
 uint64_t Session::NextBufferAddressLocked(uint64_t size) {

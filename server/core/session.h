@@ -244,6 +244,11 @@ class Session final : public device::PdEventSink {
   // The session's PD on each of the core's devices (pds[0] == pd; LAMs, MR
   // objects and fast registration use device 0's).
   std::vector<device::PdId> pds ABSL_GUARDED_BY(mu);
+  // SetDefaultDevices: as the caller gave it, and as CacheKey::devices bits
+  // (or `nearest`), for registrations that name no devices.
+  v1::DeviceSelection default_devices ABSL_GUARDED_BY(mu);
+  uint32_t default_device_bits ABSL_GUARDED_BY(mu) = 1;
+  bool default_nearest ABSL_GUARDED_BY(mu) = false;
   uint64_t pinned_bytes ABSL_GUARDED_BY(mu) = 0;
   // Registrations made on the device for this session and not yet
   // deregistered (what the registration limit counts; cache hits are not).

@@ -471,6 +471,14 @@ grpc::ServerUnaryReactor* MrdService::GetSession(
                    [this, req, resp] { return core_->GetSession(*req, resp); });
 }
 
+grpc::ServerUnaryReactor* MrdService::SetDefaultDevices(
+    grpc::CallbackServerContext* ctx, const v1::SetDefaultDevicesRequest* req,
+    v1::SessionInfo* resp) {
+  return RunInline(ctx, "SetDefaultDevices", [this, req, resp] {
+    return core_->SetDefaultDevices(*req, resp);
+  });
+}
+
 grpc::ServerUnaryReactor* MrdService::CloseSession(
     grpc::CallbackServerContext* ctx, const v1::CloseSessionRequest* req,
     v1::CloseSessionResponse*) {

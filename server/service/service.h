@@ -59,6 +59,9 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* ctx,
                                        const v1::GetSessionRequest* req,
                                        v1::SessionInfo* resp) override;
+  grpc::ServerUnaryReactor* SetDefaultDevices(
+      grpc::CallbackServerContext* ctx, const v1::SetDefaultDevicesRequest* req,
+      v1::SessionInfo* resp) override;
   grpc::ServerUnaryReactor* CloseSession(
       grpc::CallbackServerContext* ctx, const v1::CloseSessionRequest* req,
       v1::CloseSessionResponse* resp) override;

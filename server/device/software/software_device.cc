@@ -235,6 +235,7 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   model.fault_points = options.fault_points;
   DeviceAttributes attributes;
   attributes.name = options.name;
+  attributes.numa_node = options.numa_node;
   attributes.kind = "software";
   attributes.shares_pins = true;  // PinTracker: page refcounts
   if (own_pin_ops != nullptr) {
@@ -477,12 +478,13 @@ absl::Status SoftwareDevice::ProviderPin(const MemorySpan& span) {
     huge = span.fd >= 0 && ::fstatfs(span.fd, &fs) == 0 &&
            static_cast<uint64_t>(fs.f_type) == HUGETLBFS_MAGIC;
   }
-  return pins_->tracker.Pin(reinterpret_cast<uint64_t>(span.host_address), span.length,
-                   huge, span.progress);
+  return pins_->tracker.Pin(reinterpret_cast<uint64_t>(span.host_address),
+                            span.length, huge, span.progress);
 }
 
 void SoftwareDevice::ProviderUnpin(const MemorySpan& span) {
-  pins_->tracker.Unpin(reinterpret_cast<uint64_t>(span.host_address), span.length);
+  pins_->tracker.Unpin(reinterpret_cast<uint64_t>(span.host_address),
+                       span.length);
 }
 
 absl::StatusOr<DeviceModel::Registration> SoftwareDevice::NewKey(

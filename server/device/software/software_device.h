@@ -106,6 +106,9 @@ struct SoftwareDeviceOptions {
   // The device's name (DeviceAttributes::name): mrd runs several software
   // devices as "software", "software1", ... (--software_devices).
   std::string name = "software";
+  // The NUMA node it reports (DeviceAttributes::numa_node): -1, none; tests
+  // place devices on nodes to choose the nearest.
+  int32_t numa_node = -1;
   // Largest peer READ/WRITE (advertised in the hello reply), <= 1 GiB.
   uint64_t max_message_size = uint64_t{16} << 20;
   // Peer path limits (peer_listener.h, docs/RELIABILITY.md "Peer path").

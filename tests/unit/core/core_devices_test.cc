@@ -5,6 +5,7 @@
 // its deregistration (or the session's end) releases it on both. The cache
 // keeps one registration per (range, access, device set).
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -81,7 +82,7 @@ class CoreDevicesTest : public ::testing::TestWithParam<bool> {
 
   v1::RegisterMrRequest Request(uint64_t offset, uint64_t length,
                                 const std::vector<std::string>& devices,
-                                bool all = false) {
+                                bool all = false, bool nearest = false) {
     v1::RegisterMrRequest req;
     req.set_session(own_.session);
     req.set_buffer(own_.buffer.buffer());
@@ -90,6 +91,7 @@ class CoreDevicesTest : public ::testing::TestWithParam<bool> {
     req.set_flags(kMrRemoteRead);
     for (const std::string& d : devices) req.mutable_devices()->add_names(d);
     if (all) req.mutable_devices()->set_all(true);
+    if (nearest) req.mutable_devices()->set_nearest(true);
     return req;
   }
   absl::StatusOr<v1::RegisterMrResponse> Register(
@@ -360,6 +362,92 @@ TEST_P(CoreDevicesTest, ADeviceThatGoesDownLeavesTheOtherServing) {
   ASSERT_OK(Deregister(again->registration()));
   ASSERT_OK(Deregister(first->registration()));
   core_->UnsubscribeCompletions(*stream);
+}
+
+TEST_P(CoreDevicesTest, TheSessionsDefaultDevicesApplyWhenACallNamesNone) {
+  v1::SetDefaultDevicesRequest set;
+  set.set_session(own_.session);
+  set.mutable_devices()->set_all(true);
+  v1::SessionInfo info;
+  ASSERT_OK(core_->SetDefaultDevices(set, &info));
+  EXPECT_TRUE(info.default_devices().all());
+  absl::StatusOr<v1::RegisterMrResponse> r = Register(Request(0, page_, {}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens_size(), 2);
+  // A call that names its devices still chooses.
+  absl::StatusOr<v1::RegisterMrResponse> one =
+      Register(Request(0, page_, {"software1"}));
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ(one->tokens_size(), 1);
+  EXPECT_EQ(one->tokens(0).device(), "software1");
+  ASSERT_OK(Deregister(r->registration()));
+  ASSERT_OK(Deregister(one->registration()));
+
+  set.mutable_devices()->add_names("software1");  // and all: refused
+  absl::Status both = core_->SetDefaultDevices(set, &info);
+  EXPECT_EQ(GetErrorDetail(both).reason(), "BAD_DEVICE_SELECTION") << both;
+  set.mutable_devices()->set_all(false);
+  set.mutable_devices()->add_names("nope");
+  EXPECT_EQ(GetErrorDetail(core_->SetDefaultDevices(set, &info)).reason(),
+            "UNKNOWN_DEVICE");
+  // Refused, the default stays what it was.
+  v1::GetSessionRequest get;
+  get.set_session(own_.session);
+  ASSERT_OK(core_->GetSession(get, &info));
+  EXPECT_TRUE(info.default_devices().all());
+}
+
+// `nearest`: the devices on the NUMA node of the registered memory, or
+// every device when none is on it. The second device is placed on the
+// memory's node here.
+TEST_P(CoreDevicesTest, NearestChoosesTheDevicesOnTheMemorysNode) {
+  absl::StatusOr<v1::RegisterMrResponse> anywhere =
+      Register(Request(0, page_, {}, false, /*nearest=*/true));
+  ASSERT_TRUE(anywhere.ok()) << anywhere.status();
+  EXPECT_EQ(anywhere->tokens_size(), 2);  // neither device has a node
+  ASSERT_OK(Deregister(anywhere->registration()));
+
+  // A buffer whose first page the test places (writes) and then asks the
+  // node of, through a mapping of its own.
+  UniqueFd memfd = MakeSealedMemfd(4 * page_);
+  ASSERT_TRUE(memfd.valid());
+  void* page =
+      mmap(nullptr, page_, PROT_READ | PROT_WRITE, MAP_SHARED, memfd.get(), 0);
+  ASSERT_NE(page, MAP_FAILED);
+  static_cast<char*>(page)[0] = 'n';
+  int node = -1;
+  const long got = ::syscall(SYS_get_mempolicy, &node, nullptr, 0, page,
+                             3 /* MPOL_F_NODE | MPOL_F_ADDR */);
+  munmap(page, page_);
+  ASSERT_EQ(got, 0);
+  device::SoftwareDeviceOptions options;
+  options.name = "near";
+  options.peer_listen_address = "127.0.0.1:0";
+  options.numa_node = node;
+  auto near = device::SoftwareDevice::Create(options);
+  ASSERT_TRUE(near.ok()) << near.status();
+  ASSERT_OK((*near)->Start());
+  {
+    core::Core core(
+        std::vector<device::Device*>{devices_[0].get(), near->get()},
+        RealClock::Get(), core::CoreOptions{});
+    absl::StatusOr<std::string> session =
+        core.OnConnect({getpid(), getuid(), getgid(), std::nullopt, ""});
+    ASSERT_TRUE(session.ok()) << session.status();
+    v1::ImportMemfd import;
+    absl::StatusOr<v1::BufferInfo> buffer =
+        core.OnImport(*session, UniqueFd(dup(memfd.get())), import);
+    ASSERT_TRUE(buffer.ok()) << buffer.status();
+    v1::RegisterMrRequest req = Request(0, page_, {}, false, true);
+    req.set_session(*session);
+    req.set_buffer(buffer->buffer());
+    absl::StatusOr<v1::RegisterMrResponse> r = RegisterOn(core, req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->tokens_size(), 1);
+    EXPECT_EQ(r->tokens(0).device(), "near");
+    core.Shutdown();
+  }
+  (*near)->Shutdown();
 }
 
 TEST_P(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
