@@ -81,7 +81,7 @@ Core::Core(std::vector<device::Device*> devices, const Clock* clock,
               cache::WarmPinLimits{options_.warm_pin_bytes_per_session,
                                    options_.warm_pin_bytes_total},
               &progress_}),
-      fast_(device_, &budgets_, &registrations_, &next_handle_,
+      fast_(&budgets_, &registrations_, &next_handle_,
             FastRegistrationLimits{
                 options_.max_session_lams,
                 // A registration counts its MR objects in 28 bits.
@@ -1051,6 +1051,7 @@ absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
     info->set_offset(l.offset);
     info->set_length(l.length);
     info->set_page_count(static_cast<uint32_t>(l.pages.size()));
+    info->set_device(devices_[l.device]->Attributes().name);
     info->set_fbo(l.fbo);
   }
   for (const auto& [id, m] : session->mrs) {
@@ -1058,6 +1059,7 @@ absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
     info->set_mr(id);
     info->set_fast_register(m.fast_register);
     info->set_allow_remote_access(m.allow_remote);
+    info->set_device(devices_[m.device]->Attributes().name);
     if (m.fast_register) {
       info->set_state(m.fast_registered ? "fast_registered" : "free");
       info->set_lkey(m.lkey);

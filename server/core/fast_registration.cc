@@ -38,16 +38,23 @@ absl::Status ConnectionError(const absl::Status& device_status,
 
 }  // namespace
 
-FastRegistration::FastRegistration(device::Device* device, Budgets* budgets,
+FastRegistration::FastRegistration(Budgets* budgets,
                                    Registrations* registrations,
                                    std::atomic<uint64_t>* handles,
                                    const FastRegistrationLimits& limits)
-    : device_(device),
+    : devices_(registrations->devices()),
       budgets_(budgets),
       registrations_(registrations),
       handles_(handles),
       limits_(limits),
-      page_size_(device->Attributes().page_size) {}
+      page_size_(devices_[0]->Attributes().page_size) {}
+
+absl::StatusOr<uint32_t> FastRegistration::DeviceOf(
+    const std::string& name) const {
+  if (name.empty()) return 0;
+  MRD_ASSIGN_OR_RETURN(const size_t index, registrations_->DeviceIndex(name));
+  return static_cast<uint32_t>(index);
+}
 
 // --- MR objects --------------------------------------------------------------
 
@@ -55,6 +62,8 @@ absl::Status FastRegistration::CreateMr(const std::shared_ptr<Session>& session,
                                         const v1::CreateMrRequest& req,
                                         v1::MrInfo* out) {
   MrObject mr;
+  MRD_ASSIGN_OR_RETURN(mr.device, DeviceOf(req.device()));
+  device::Device* const device = devices_[mr.device];
   device::PdId pd;
   {
     absl::MutexLock lock(&session->mu);
@@ -64,7 +73,7 @@ absl::Status FastRegistration::CreateMr(const std::shared_ptr<Session>& session,
                                     limits_.max_session_mrs, " MR objects"));
     }
     MRD_RETURN_IF_ERROR(budgets_->TakeObject(*session, TenantResource::kMrs));
-    pd = session->pd;
+    pd = session->pds[mr.device];
   }
   absl::Cleanup give_back = [&] {
     budgets_->ReturnObjects(*session, TenantResource::kMrs, 1);
@@ -73,8 +82,8 @@ absl::Status FastRegistration::CreateMr(const std::shared_ptr<Session>& session,
   mr.fast_register = req.fast_register();
   mr.allow_remote = req.allow_remote_access();
   if (mr.fast_register) {
-    absl::StatusOr<device::MrKeys> keys = device_->AllocateFastRegisterMr(
-        pd, mr.allow_remote, device_->Attributes().max_page_list_length);
+    absl::StatusOr<device::MrKeys> keys = device->AllocateFastRegisterMr(
+        pd, mr.allow_remote, device->Attributes().max_page_list_length);
     if (!keys.ok()) {
       return SessionAwareError(*session, keys.status(), "CreateMr");
     }
@@ -85,7 +94,7 @@ absl::Status FastRegistration::CreateMr(const std::shared_ptr<Session>& session,
   absl::MutexLock lock(&session->mu);
   if (session->closing) {
     session->mu.Unlock();
-    if (mr.device_mr != 0) (void)device_->FreeFastRegisterMr(mr.device_mr);
+    if (mr.device_mr != 0) (void)device->FreeFastRegisterMr(mr.device_mr);
     session->mu.Lock();
     return NotConnected("the session is closing");
   }
@@ -94,6 +103,7 @@ absl::Status FastRegistration::CreateMr(const std::shared_ptr<Session>& session,
   out->set_allow_remote_access(mr.allow_remote);
   out->set_state("free");
   out->set_lkey(mr.lkey);
+  out->set_device(device->Attributes().name);
   session->mrs.emplace(mr.id, std::move(mr));
   std::move(give_back).Cancel();
   return absl::OkStatus();
@@ -123,7 +133,7 @@ absl::Status FastRegistration::CloseMr(const std::shared_ptr<Session>& session,
     // device_mr 0: its device object could not be recreated after a
     // ReleaseBuffer (logged then); there is nothing left to free.
     if (mr.device_mr == 0) return absl::OkStatus();
-    return device_->FreeFastRegisterMr(mr.device_mr);
+    return devices_[mr.device]->FreeFastRegisterMr(mr.device_mr);
   }
   if (mr.registration != 0) {
     MRD_RETURN_IF_ERROR(
@@ -138,16 +148,18 @@ void FastRegistration::ResetFastRegistration(Session& session, uint64_t id,
   // device MR object, which kills the old key at once.
   bool allow_remote;
   device::PdId pd;
+  device::Device* device;
   {
     absl::MutexLock lock(&session.mu);
     auto it = session.mrs.find(id);
     if (it == session.mrs.end()) return;
     allow_remote = it->second.allow_remote;
-    pd = session.pd;
+    pd = session.pds[it->second.device];
+    device = devices_[it->second.device];
   }
-  (void)device_->FreeFastRegisterMr(device_mr);
-  absl::StatusOr<device::MrKeys> keys = device_->AllocateFastRegisterMr(
-      pd, allow_remote, device_->Attributes().max_page_list_length);
+  (void)device->FreeFastRegisterMr(device_mr);
+  absl::StatusOr<device::MrKeys> keys = device->AllocateFastRegisterMr(
+      pd, allow_remote, device->Attributes().max_page_list_length);
   absl::MutexLock lock(&session.mu);
   auto it = session.mrs.find(id);
   if (it == session.mrs.end()) return;
@@ -180,6 +192,8 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
                                              " was cancelled before it began"));
   }
   std::shared_ptr<fd_socket::MappedFile> file;
+  MRD_ASSIGN_OR_RETURN(const uint32_t index, DeviceOf(req.device()));
+  device::Device* const device = devices_[index];
   device::PdId pd;
   {
     absl::MutexLock lock(&session->mu);
@@ -194,7 +208,7 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
     }
     MRD_RETURN_IF_ERROR(budgets_->TakeObject(*session, TenantResource::kLams));
     file = b->second.file;
-    pd = session->pd;
+    pd = session->pds[index];
   }
   absl::Cleanup give_back = [&] {
     budgets_->ReturnObjects(*session, TenantResource::kLams, 1);
@@ -222,7 +236,7 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
   file->Prefault(req.offset(), req.length(), span.progress);
   absl::StatusOr<device::LogicalMapping> mapping;
   do {
-    mapping = device_->BuildLam(pd, span);
+    mapping = device->BuildLam(pd, span);
   } while (!mapping.ok() &&
            mapping.status().code() == absl::StatusCode::kResourceExhausted &&
            registrations_->EvictWarmForDevice());
@@ -230,9 +244,16 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
     budgets_->UnreservePinned(*session, pin_bytes);
     return SessionAwareError(*session, mapping.status(), "BuildLam");
   }
-  LamRecord lam{handles_->fetch_add(1), mapping->lam, req.buffer(),
-                req.offset(),           req.length(), mapping->pages,
-                mapping->fbo,           pin_bytes,    file,
+  LamRecord lam{handles_->fetch_add(1),
+                index,
+                mapping->lam,
+                req.buffer(),
+                req.offset(),
+                req.length(),
+                mapping->pages,
+                mapping->fbo,
+                pin_bytes,
+                file,
                 mapping->privileged_key};
   // The caller is gone: no one would learn of this LAM.
   const bool gone = cancelled && cancelled();
@@ -242,8 +263,9 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
       out->set_lam(lam.id);
       for (uint64_t page : lam.pages) {
         out->add_pages(page);
-        session->page_to_lam[page] = lam.id;
+        session->page_to_lam[Session::LamPageKey(index, page)] = lam.id;
       }
+      out->set_device(device->Attributes().name);
       out->set_fbo(lam.fbo);
       out->set_length(lam.length);
       out->set_lam_size(static_cast<uint32_t>(lam_size));
@@ -255,7 +277,7 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
   }
   // The caller, the session or the buffer went away meanwhile (L7: leave
   // nothing).
-  if (!device_->ReleaseLam(lam.device_lam).ok()) {
+  if (!device->ReleaseLam(lam.device_lam).ok()) {
     session->KeepUntilPdGone(lam.file);
   }
   budgets_->UnreservePinned(*session, pin_bytes);
@@ -270,6 +292,7 @@ absl::Status FastRegistration::BuildLam(const std::shared_ptr<Session>& session,
 absl::Status FastRegistration::ReleaseLam(
     const std::shared_ptr<Session>& session, const v1::ReleaseLamRequest& req) {
   device::LamId device_lam;
+  device::Device* device;
   std::shared_ptr<fd_socket::MappedFile> file;
   {
     absl::MutexLock lock(&session->mu);
@@ -286,18 +309,21 @@ absl::Status FastRegistration::ReleaseLam(
       }
     }
     device_lam = l->second.device_lam;
+    device = devices_[l->second.device];
     // Held until the device has unpinned: a ReleaseBuffer racing this call
     // must not unmap the pages first.
     file = l->second.file;
   }
-  MRD_RETURN_IF_ERROR(device_->ReleaseLam(device_lam));
+  MRD_RETURN_IF_ERROR(device->ReleaseLam(device_lam));
   uint64_t pinned = 0;
   {
     absl::MutexLock lock(&session->mu);
     auto l = session->lams.find(req.lam());
     if (l != session->lams.end()) {
       pinned = l->second.pinned_bytes;
-      for (uint64_t page : l->second.pages) session->page_to_lam.erase(page);
+      for (uint64_t page : l->second.pages) {
+        session->page_to_lam.erase(Session::LamPageKey(l->second.device, page));
+      }
       session->lams.erase(l);
       budgets_->ReturnObjects(*session, TenantResource::kLams, 1);
     }
@@ -315,7 +341,9 @@ FastRegistration::Detached FastRegistration::DetachLocked(Session& session,
   for (auto l = session.lams.begin(); l != session.lams.end();) {
     if (l->second.buffer == buffer) {
       lam_ids.insert(l->first);
-      for (uint64_t page : l->second.pages) session.page_to_lam.erase(page);
+      for (uint64_t page : l->second.pages) {
+        session.page_to_lam.erase(Session::LamPageKey(l->second.device, page));
+      }
       detached.lams.push_back(std::move(l->second));
       l = session.lams.erase(l);
     } else {
@@ -346,7 +374,7 @@ void FastRegistration::FreeMrs(Session& session,
                                const std::map<uint64_t, MrObject>& mrs) {
   for (const auto& [id, mr] : mrs) {
     if (mr.fast_register && mr.device_mr != 0) {
-      absl::Status s = device_->FreeFastRegisterMr(mr.device_mr);
+      absl::Status s = devices_[mr.device]->FreeFastRegisterMr(mr.device_mr);
       if (!s.ok()) LogWarning("teardown: free MR ", id, ": ", s.ToString());
     }
   }
@@ -357,7 +385,7 @@ void FastRegistration::ReleaseLams(Session& session,
                                    const std::vector<const LamRecord*>& lams,
                                    absl::string_view why) {
   for (const LamRecord* lam : lams) {
-    absl::Status s = device_->ReleaseLam(lam->device_lam);
+    absl::Status s = devices_[lam->device]->ReleaseLam(lam->device_lam);
     if (!s.ok()) {
       LogWarning(why, ": release LAM ", lam->id, ": ", s.ToString());
       session.KeepUntilPdGone(lam->file);  // still pinned: keep it mapped
@@ -380,6 +408,14 @@ absl::Status FastRegistration::QueueFastRegisterLocked(
         STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER",
         absl::StrCat("MR ", req.mr(), " was created with fast_register=false"));
   }
+  const uint32_t device = Session::DeviceOfConnection(req.connection());
+  if (mr.device != device) {
+    return SeedError(
+        STATUS_CONNECTION_INVALID, "MR_ON_ANOTHER_DEVICE",
+        absl::StrCat("MR ", req.mr(), " belongs to device ",
+                     devices_[mr.device]->Attributes().name, "; connection ",
+                     req.connection(), " is on another"));
+  }
   if ((access & (device::kAccessRemoteRead | device::kAccessRemoteWrite)) &&
       !mr.allow_remote) {
     return SeedError(STATUS_ACCESS_VIOLATION, "MR_NOT_REMOTE",
@@ -392,12 +428,13 @@ absl::Status FastRegistration::QueueFastRegisterLocked(
   pending.base_address = req.base_address();
   pending.length = req.length();
   for (uint64_t page : req.pages()) {
-    auto p = session.page_to_lam.find(page);
+    auto p = session.page_to_lam.find(Session::LamPageKey(device, page));
     if (p == session.page_to_lam.end()) {
       return SeedError(STATUS_INVALID_PARAMETER, "UNKNOWN_LOGICAL_ADDRESS",
                        absl::StrCat("page 0x", absl::Hex(page),
                                     " is not a logical address of any LAM "
-                                    "of this session"));
+                                    "of this session on the connection's "
+                                    "device"));
     }
     if (std::find(pending.lams.begin(), pending.lams.end(), p->second) ==
         pending.lams.end()) {
@@ -422,8 +459,17 @@ absl::Status FastRegistration::FastRegister(
     const std::shared_ptr<Session>& session, const v1::FastRegisterRequest& req,
     v1::FastRegisterResponse* out) {
   MRD_ASSIGN_OR_RETURN(uint32_t access, FastRegisterAccess(req.flags()));
+  const uint32_t index = Session::DeviceOfConnection(req.connection());
+  if (index >= devices_.size()) {
+    return ConnectionError(
+        SeedError(STATUS_CONNECTION_INVALID, "UNKNOWN_CONNECTION",
+                  absl::StrCat("connection ", req.connection(),
+                               " is on no device of this mrd")),
+        req.connection());
+  }
+  device::Device* const device = devices_[index];
   MRD_RETURN_IF_ERROR(device::ValidatePageArray(
-      page_size_, device_->Attributes().max_page_list_length,
+      page_size_, device->Attributes().max_page_list_length,
       absl::MakeConstSpan(req.pages().data(), req.pages().size()), req.fbo(),
       req.length(), req.base_address()));
   device::FastRegisterWork work;
@@ -442,7 +488,7 @@ absl::Status FastRegistration::FastRegister(
   work.flags = req.flags() & (device::kWorkReadFence | device::kWorkDefer);
   work.request_context = req.request_context();
   absl::StatusOr<uint64_t> posted =
-      device_->PostFastRegister(req.connection(), work);
+      device->PostFastRegister(req.connection(), work);
   if (!posted.ok()) {
     absl::MutexLock lock(&session->mu);
     auto m = session->mrs.find(req.mr());
@@ -466,11 +512,19 @@ absl::Status FastRegistration::InvalidateMr(
                                   " has bits InvalidateMr does not know: 0x",
                                   absl::Hex(req.flags() & ~kKnown)));
   }
+  const uint32_t index = Session::DeviceOfConnection(req.connection());
   device::InvalidateWork work;
   {
     absl::MutexLock lock(&session->mu);
     auto m = session->mrs.find(req.mr());
     if (m == session->mrs.end()) return UnknownHandle("mr", req.mr());
+    if (m->second.device != index) {
+      return SeedError(
+          STATUS_CONNECTION_INVALID, "MR_ON_ANOTHER_DEVICE",
+          absl::StrCat("MR ", req.mr(), " belongs to device ",
+                       devices_[m->second.device]->Attributes().name,
+                       "; connection ", req.connection(), " is on another"));
+    }
     if (!m->second.fast_register) {
       return SeedError(STATUS_INVALID_PARAMETER, "MR_NOT_FAST_REGISTER",
                        absl::StrCat("MR ", req.mr(),
@@ -484,7 +538,7 @@ absl::Status FastRegistration::InvalidateMr(
   work.flags = req.flags() & ~device::kWorkSilentSuccess;
   work.request_context = req.request_context();
   absl::StatusOr<uint64_t> posted =
-      device_->PostInvalidate(req.connection(), work);
+      devices_[index]->PostInvalidate(req.connection(), work);
   if (!posted.ok()) {
     absl::MutexLock lock(&session->mu);
     auto m = session->mrs.find(req.mr());

@@ -42,9 +42,10 @@ struct FastRegistrationLimits {
 class FastRegistration {
  public:
   // Everything given must outlive this; `handles` numbers new LAMs and MR
-  // objects (it is shared with the session's buffers).
-  FastRegistration(device::Device* device, Budgets* budgets,
-                   Registrations* registrations, std::atomic<uint64_t>* handles,
+  // objects (it is shared with the session's buffers). MR objects and LAMs
+  // live on the device their request names (registrations->devices()).
+  FastRegistration(Budgets* budgets, Registrations* registrations,
+                   std::atomic<uint64_t>* handles,
                    const FastRegistrationLimits& limits);
   FastRegistration(const FastRegistration&) = delete;
   FastRegistration& operator=(const FastRegistration&) = delete;
@@ -103,7 +104,10 @@ class FastRegistration {
                                        uint32_t access, device::MrId* mr)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
-  device::Device* const device_;
+  // The device a request names ("" the first), and its index.
+  absl::StatusOr<uint32_t> DeviceOf(const std::string& name) const;
+
+  const std::vector<device::Device*> devices_;
   Budgets* const budgets_;
   Registrations* const registrations_;
   std::atomic<uint64_t>* const handles_;

@@ -32,7 +32,10 @@ void Session::OnCompletion(const device::WorkCompletion& wc) {
     absl::MutexLock lock(&mu);
     // Find the MR object by its device MR and update its token state.
     for (auto& [id, mr] : mrs) {
-      if (!mr.fast_register || mr.device_mr != wc.mr) continue;
+      if (!mr.fast_register || mr.device_mr != wc.mr ||
+          mr.device != DeviceOfConnection(wc.connection)) {
+        continue;
+      }
       c.set_mr(id);
       if (wc.kind == device::WorkCompletion::Kind::kFastRegister) {
         PendingFastRegister params;

@@ -62,6 +62,7 @@ struct PendingFastRegister {
 
 struct MrObject {
   uint64_t id = 0;
+  uint32_t device = 0;  // the core's device it belongs to
   bool fast_register = false;
   bool allow_remote = false;
   // Normal MR objects: the registration they hold (0 = none).
@@ -82,6 +83,7 @@ struct MrObject {
 
 struct LamRecord {
   uint64_t id = 0;
+  uint32_t device = 0;  // the core's device that maps it
   device::LamId device_lam = 0;
   uint64_t buffer = 0;
   uint64_t offset = 0;
@@ -201,7 +203,10 @@ class Session final : public device::PdEventSink {
   // session itself for device 0; for another device, one that tags the
   // connection ids it reports with the device (ConnectionOnDevice), so
   // that the connections of every device share `connections` without
-  // colliding. Alive as long as the session.
+  // colliding. mrd's devices number their connections so (device i's ids
+  // start at i << kDeviceShift: DeviceModelOptions::connection_id_base),
+  // and then the tag changes nothing: the id the session lists is the one
+  // the peer learns and FastRegister names. Alive as long as the session.
   device::PdEventSink* SinkFor(size_t device);
   // A connection id of device `device` as the session lists it.
   static device::ConnectionId ConnectionOnDevice(size_t device,
@@ -253,8 +258,17 @@ class Session final : public device::PdEventSink {
   // Registrations made on the device for this session and not yet
   // deregistered (what the registration limit counts; cache hits are not).
   uint64_t device_registrations ABSL_GUARDED_BY(mu) = 0;
-  // Logical page address -> LAM id, for FastRegister page checks.
+  // Logical page address on a device (LamPageKey) -> LAM id, for
+  // FastRegister page checks.
   std::map<uint64_t, uint64_t> page_to_lam ABSL_GUARDED_BY(mu);
+  // page_to_lam's key: every device has a logical address space of its own.
+  static uint64_t LamPageKey(uint32_t device, uint64_t page) {
+    return ConnectionOnDevice(device, page);
+  }
+  // The device a connection id the session lists is on.
+  static uint32_t DeviceOfConnection(device::ConnectionId id) {
+    return static_cast<uint32_t>(id >> kDeviceShift);
+  }
 
   std::map<uint64_t, BufferRecord> buffers ABSL_GUARDED_BY(mu);
   // A B-tree: ordered by id like the other tables, at a few bytes per

@@ -189,6 +189,8 @@ DeviceModel::DeviceModel(DeviceAttributes attributes,
   attributes_.page_size = options.page_size;
   attributes_.max_mr_size = options.max_mr_size;
   attributes_.max_page_list_length = options.max_page_list_length;
+  absl::MutexLock lock(&mu_);
+  next_connection_ = options.connection_id_base + 1;
 }
 
 DeviceModel::~DeviceModel() {

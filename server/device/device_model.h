@@ -95,6 +95,10 @@ struct DeviceModelOptions {
   uint64_t iova_limit = 0;
   // Not owned; nullptr in production (fault_points.h).
   FaultPoints* fault_points = nullptr;
+  // Connection ids start above this (peers learn their id in the hello):
+  // mrd gives device i the base i << 56, so that the ids of all its
+  // devices differ and each says which device it is on.
+  uint64_t connection_id_base = 0;
 };
 
 // The model is also the device's part in a handover (device_handover.h):

@@ -233,6 +233,7 @@ absl::StatusOr<std::unique_ptr<SoftwareDevice>> SoftwareDevice::Create(
   model.iova_start = (kIovaFloorPages + pick % kIovaSpreadPages) * ps;
   model.iova_limit = kIovaLimit / ps * ps;
   model.fault_points = options.fault_points;
+  model.connection_id_base = options.connection_id_base;
   DeviceAttributes attributes;
   attributes.name = options.name;
   attributes.numa_node = options.numa_node;

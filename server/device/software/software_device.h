@@ -109,6 +109,8 @@ struct SoftwareDeviceOptions {
   // The NUMA node it reports (DeviceAttributes::numa_node): -1, none; tests
   // place devices on nodes to choose the nearest.
   int32_t numa_node = -1;
+  // DeviceModelOptions::connection_id_base.
+  uint64_t connection_id_base = 0;
   // Largest peer READ/WRITE (advertised in the hello reply), <= 1 GiB.
   uint64_t max_message_size = uint64_t{16} << 20;
   // Peer path limits (peer_listener.h, docs/RELIABILITY.md "Peer path").

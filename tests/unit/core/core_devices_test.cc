@@ -44,6 +44,8 @@ class CoreDevicesTest : public ::testing::TestWithParam<bool> {
       options.name = i == 0 ? "software" : "software1";
       options.peer_listen_address = "127.0.0.1:0";
       options.fault_points = &faults_[i];
+      options.connection_id_base = uint64_t{1} * i
+                                   << core::Session::kDeviceShift;
       if (i == 1 && GetParam()) options.share_pins_with = devices_[0].get();
       auto device = device::SoftwareDevice::Create(options);
       ASSERT_TRUE(device.ok()) << device.status();
@@ -448,6 +450,88 @@ TEST_P(CoreDevicesTest, NearestChoosesTheDevicesOnTheMemorysNode) {
     core.Shutdown();
   }
   (*near)->Shutdown();
+}
+
+// An MR object and a LAM belong to one device (NDK's adapter): a fast
+// registration is posted on a connection of that device, maps pages of that
+// device's LAMs only, and its token works on that device's peer path.
+TEST_P(CoreDevicesTest, FastRegistrationLivesOnTheDeviceOfItsMrAndLam) {
+  absl::Mutex mu;
+  bool woken = false;
+  absl::StatusOr<std::shared_ptr<core::Session>> stream =
+      core_->SubscribeCompletions(own_.session, [&] {
+        absl::MutexLock lock(&mu);
+        woken = true;
+      });
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  v1::CreateMrRequest create;
+  create.set_session(own_.session);
+  create.set_fast_register(true);
+  create.set_allow_remote_access(true);
+  create.set_device("software1");
+  v1::MrInfo mr;
+  ASSERT_OK(core_->CreateMr(create, &mr));
+  EXPECT_EQ(mr.device(), "software1");
+  v1::BuildLamRequest build;
+  build.set_session(own_.session);
+  build.set_buffer(own_.buffer.buffer());
+  build.set_length(2 * page_);
+  build.set_device("software1");
+  v1::BuildLamResponse lam;
+  ASSERT_OK(core_->BuildLam(build, &lam));
+  EXPECT_EQ(lam.device(), "software1");
+  build.clear_device();
+  v1::BuildLamResponse first_lam;  // on the first device
+  ASSERT_OK(core_->BuildLam(build, &first_lam));
+  EXPECT_EQ(first_lam.device(), "software");
+  std::unique_ptr<peer::SoftPeer> first = PeerOn("software");
+  std::unique_ptr<peer::SoftPeer> second = PeerOn("software1");
+  ASSERT_TRUE(first != nullptr && second != nullptr);
+  // The id the peer learns says which device it is on.
+  EXPECT_EQ(core::Session::DeviceOfConnection(second->connection_id()), 1u);
+  EXPECT_NE(first->connection_id(), second->connection_id());
+
+  constexpr uint64_t kFrBase = uint64_t{0x7000} << 32;
+  v1::FastRegisterRequest fr;
+  fr.set_session(own_.session);
+  fr.set_mr(mr.mr());
+  fr.mutable_pages()->CopyFrom(lam.pages());
+  fr.set_fbo(lam.fbo());
+  fr.set_length(lam.length());
+  fr.set_base_address(kFrBase);
+  fr.set_flags(kOpRemoteRead);
+  fr.set_request_context(7);
+  v1::FastRegisterResponse posted;
+  fr.set_connection(first->connection_id());
+  absl::Status wrong = core_->FastRegister(fr, &posted);
+  EXPECT_EQ(GetErrorDetail(wrong).reason(), "MR_ON_ANOTHER_DEVICE") << wrong;
+  fr.set_connection(second->connection_id());
+  fr.mutable_pages()->CopyFrom(first_lam.pages());
+  EXPECT_EQ(GetErrorDetail(core_->FastRegister(fr, &posted)).reason(),
+            "UNKNOWN_LOGICAL_ADDRESS");
+  fr.mutable_pages()->CopyFrom(lam.pages());
+  ASSERT_OK(core_->FastRegister(fr, &posted));
+
+  // Its completion, with the new token.
+  std::optional<v1::Completion> done;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (!done.has_value() && absl::Now() < deadline) {
+    for (std::optional<v1::Completion> c = (*stream)->PopCompletion();
+         c.has_value(); c = (*stream)->PopCompletion()) {
+      if (c->kind() == v1::Completion::FAST_REGISTER) done = c;
+    }
+    absl::MutexLock lock(&mu);
+    mu.AwaitWithDeadline(absl::Condition(&woken), deadline);
+    woken = false;
+  }
+  ASSERT_TRUE(done.has_value());
+  ASSERT_EQ(done->status(), v1::STATUS_SUCCESS) << done->message();
+  EXPECT_EQ(done->connection(), second->connection_id());
+  EXPECT_EQ(done->mr(), mr.mr());
+  absl::StatusOr<std::string> read = second->Read(done->rkey(), kFrBase, 64);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, own_.pattern.substr(0, 64));
+  core_->UnsubscribeCompletions(*stream);
 }
 
 TEST_P(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
