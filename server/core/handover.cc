@@ -673,16 +673,11 @@ absl::Status Core::AdoptLams(Session& session, device::PdId pd,
     budgets_.Adopt(session, l.pinned_bytes(), 0, 0);
     budgets_.AdoptObjects(session, TenantResource::kLams, 1);
     LamRecord lam{l.id(),
-                  /*device=*/0,
-                  mapping.lam,
-                  l.buffer(),
-                  l.offset(),
-                  l.length(),
-                  std::move(mapping.pages),
-                  l.fbo(),
-                  l.pinned_bytes(),
-                  file,
-                  l.privileged_key()};
+                  /*device=*/0, mapping.lam,
+                  l.buffer(),   l.offset(),
+                  l.length(),   std::move(mapping.pages),
+                  l.fbo(),      l.pinned_bytes(),
+                  file,         l.privileged_key()};
     absl::MutexLock lock(&session.mu);
     for (uint64_t page : lam.pages) session.page_to_lam[page] = lam.id;
     session.lams.emplace(lam.id, std::move(lam));
