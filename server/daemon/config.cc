@@ -440,8 +440,7 @@ absl::Status OpenSoftwareDeviceNumber(const Config& config, int peer_listener,
   device::SoftwareDeviceOptions options;
   options.share_pins_with = first;
   options.peer_listen_address = absl::GetFlag(FLAGS_peer_address);
-  options.connection_id_base = uint64_t{index}
-                               << core::Session::kDeviceShift;
+  options.connection_id_base = uint64_t{index} << core::Session::kDeviceShift;
   if (index > 0) {
     options.name = absl::StrCat("software", index);
     // Device i's peers on the port after device i - 1's (any free one when
