@@ -80,7 +80,7 @@ Core::Core(std::vector<device::Device*> devices, const Clock* clock,
               options_.request_id_memory,
               cache::WarmPinLimits{options_.warm_pin_bytes_per_session,
                                    options_.warm_pin_bytes_total},
-              &progress_}),
+              &progress_, options_.parallel_devices_min_bytes}),
       fast_(&budgets_, &registrations_, &next_handle_,
             FastRegistrationLimits{
                 options_.max_session_lams,

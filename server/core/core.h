@@ -110,6 +110,9 @@ struct CoreOptions {
   // them on).
   uint64_t warm_pin_bytes_per_session = 0;
   uint64_t warm_pin_bytes_total = 0;
+  // RegistrationOptions::parallel_devices_min_bytes.
+  uint64_t parallel_devices_min_bytes =
+      RegistrationOptions{}.parallel_devices_min_bytes;
   size_t completion_queue_depth = 65536;
   size_t request_id_memory = 4096;  // idempotency keys remembered per session
   // Items in one RegisterMrBatch or DeregisterMrBatch.

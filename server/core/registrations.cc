@@ -14,6 +14,7 @@
 #include "absl/synchronization/mutex.h"
 #include "mrd/status.h"
 #include "server/common/log.h"
+#include "server/common/thread.h"
 #include "server/core/errors.h"
 #include "server/core/flags.h"
 
@@ -198,6 +199,18 @@ void Registrations::AddTokens(
     token->set_lkey(mr.lkey);
     token->set_peer_address(a.peer_address);
   }
+}
+
+absl::StatusOr<device::MrKeys> Registrations::RegisterOn(
+    uint32_t index, const Plan& plan, const device::MemorySpan& span) {
+  absl::StatusOr<device::MrKeys> keys;
+  do {
+    keys = devices_[index]->RegisterMr(plan.pds[index], span,
+                                       plan.key.base_address, plan.key.access);
+  } while (!keys.ok() &&
+           keys.status().code() == absl::StatusCode::kResourceExhausted &&
+           EvictWarmForDevice());
+  return keys;
 }
 
 void Registrations::DeregisterOthers(Session& session,
@@ -456,26 +469,44 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
     plan.file->Prefault(plan.key.offset, plan.key.length, span.progress);
   }
   // On every device of the key, or on none: what one refuses, the others
-  // that made theirs undo, last first.
+  // that made theirs undo, last first. A big registration is made on the
+  // devices after the first on threads of their own (one that cannot start
+  // leaves its device to the sequence below).
+  absl::InlinedVector<uint32_t, 2> order;
+  for (uint32_t bits = plan.key.devices; bits != 0; bits &= bits - 1) {
+    order.push_back(FirstDevice(bits));
+  }
+  std::vector<std::optional<absl::StatusOr<device::MrKeys>>> results(
+      order.size());
+  std::vector<Thread> helpers;
+  if (order.size() > 1 &&
+      plan.pin_bytes >= options_.parallel_devices_min_bytes) {
+    for (size_t k = 1; k < order.size(); ++k) {
+      absl::StatusOr<Thread> helper = Thread::Start(
+          "mrd-device-reg", [this, &results, &order, &plan, &span, k] {
+            results[k] = RegisterOn(order[k], plan, span);
+          });
+      if (helper.ok()) helpers.push_back(*std::move(helper));
+    }
+  }
+  results[0] = RegisterOn(order[0], plan, span);
+  for (Thread& helper : helpers) helper.Join();
   absl::InlinedVector<DeviceMr, 2> made;
   absl::Status failed;
-  for (uint32_t bits = plan.key.devices; bits != 0 && failed.ok();
-       bits &= bits - 1) {
-    const uint32_t index = FirstDevice(bits);
-    absl::StatusOr<device::MrKeys> keys;
-    do {
-      keys = devices_[index]->RegisterMr(
-          plan.pds[index], span, plan.key.base_address, plan.key.access);
-    } while (!keys.ok() &&
-             keys.status().code() == absl::StatusCode::kResourceExhausted &&
-             EvictWarmForDevice());
+  for (size_t k = 0; k < order.size(); ++k) {
+    // Sequential: not tried once a device before it refused.
+    if (!results[k].has_value() && failed.ok()) {
+      results[k] = RegisterOn(order[k], plan, span);
+    }
+    if (!results[k].has_value()) continue;
+    const absl::StatusOr<device::MrKeys>& keys = *results[k];
     if (keys.ok()) {
-      made.push_back(DeviceMr{index, keys->mr, keys->lkey, keys->rkey});
-    } else {
-      failed = keys.status();
-      if (plan.key.devices != 1) {
-        failed = OnDevice(failed, devices_[index]->Attributes().name);
-      }
+      made.push_back(DeviceMr{order[k], keys->mr, keys->lkey, keys->rkey});
+    } else if (failed.ok()) {
+      failed =
+          plan.key.devices == 1
+              ? keys.status()
+              : OnDevice(keys.status(), devices_[order[k]]->Attributes().name);
     }
   }
   if (!failed.ok()) {

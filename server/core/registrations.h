@@ -44,6 +44,11 @@ struct RegistrationOptions {
   cache::WarmPinLimits warm;        // 0 in either field: no warm pins
   // Reports the progress of long registrations (not owned; null: none).
   ProgressReporter* progress = nullptr;
+  // A registration on several devices of at least this many bytes is made
+  // on the devices after the first on threads of their own, beside the
+  // first's (a NIC pins per registration: together the pins take the time
+  // of one); smaller ones go device after device.
+  uint64_t parallel_devices_min_bytes = uint64_t{64} << 20;
 };
 
 // A registration's MR on one of the core's devices.
@@ -234,6 +239,10 @@ class Registrations {
       TakenReference* taken) ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
 
   void DeregisterCached(Session& session, const cache::CachedRegistration& reg);
+  // Registers `span` on the core's device `index`, evicting warm pins while
+  // the device runs out of pinnable memory or keys.
+  absl::StatusOr<device::MrKeys> RegisterOn(uint32_t index, const Plan& plan,
+                                            const device::MemorySpan& span);
   // The MRs of a registration on its devices after the first, made by
   // RegisterOnDevice (none for a registration on one device): deregistered
   // and forgotten. A device that cannot deregister one keeps it until the

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/algorithm/container.h"
@@ -32,9 +33,11 @@ namespace {
 
 constexpr uint64_t kPages = 8;
 
-// The parameter: whether the second device shares the first's pins, as
-// mrd's software devices do.
-class CoreDevicesTest : public ::testing::TestWithParam<bool> {
+// The parameters: whether the second device shares the first's pins, as
+// mrd's software devices do, and whether the devices register side by side
+// (on threads of their own, as big registrations do) or one after the other.
+class CoreDevicesTest
+    : public ::testing::TestWithParam<std::tuple<bool, bool>> {
  protected:
   void SetUp() override {
     SetMinLogLevel(LogLevel::kError);
@@ -46,7 +49,7 @@ class CoreDevicesTest : public ::testing::TestWithParam<bool> {
       options.fault_points = &faults_[i];
       options.connection_id_base = uint64_t{1} * i
                                    << core::Session::kDeviceShift;
-      if (i == 1 && GetParam()) options.share_pins_with = devices_[0].get();
+      if (i == 1 && Shared()) options.share_pins_with = devices_[0].get();
       auto device = device::SoftwareDevice::Create(options);
       ASSERT_TRUE(device.ok()) << device.status();
       devices_[i] = std::move(*device);
@@ -55,6 +58,7 @@ class CoreDevicesTest : public ::testing::TestWithParam<bool> {
     core::CoreOptions options;
     options.max_session_pinned_bytes = 16 * kPages * page_;
     options.max_total_pinned_bytes = 16 * kPages * page_;
+    if (std::get<1>(GetParam())) options.parallel_devices_min_bytes = 0;
     core_ = std::make_unique<core::Core>(
         std::vector<device::Device*>{devices_[0].get(), devices_[1].get()},
         RealClock::Get(), options);
@@ -72,6 +76,8 @@ class CoreDevicesTest : public ::testing::TestWithParam<bool> {
       device->Shutdown();
     }
   }
+
+  static bool Shared() { return std::get<0>(GetParam()); }
 
   // The device holds nothing of the session's memory.
   static void ExpectEmpty(const device::SoftwareDevice& device) {
@@ -267,7 +273,7 @@ TEST_P(CoreDevicesTest, AFailureAtAnyStepOfEitherDeviceUndoesTheOther) {
   std::cout << "[ STEPS    ] software1: " << absl::StrJoin(steps[1], ", ")
             << "\n";
   // Sharing the first's pins, the second pins nothing itself.
-  EXPECT_EQ(absl::c_linear_search(steps[1], "pin.mlock"), !GetParam());
+  EXPECT_EQ(absl::c_linear_search(steps[1], "pin.mlock"), !Shared());
   int failures = 0;
   for (int device = 0; device < 2; ++device) {
     for (size_t k = 1; k <= steps[device].size(); ++k) {
@@ -540,10 +546,13 @@ TEST_P(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
   EXPECT_EQ(GetErrorDetail(s).reason(), "HANDOVER_SEVERAL_DEVICES");
 }
 
-INSTANTIATE_TEST_SUITE_P(Pins, CoreDevicesTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "Shared" : "OwnPins";
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Pins, CoreDevicesTest,
+    ::testing::Combine(::testing::Bool(), ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<bool, bool>>& info) {
+      return absl::StrCat(std::get<0>(info.param) ? "Shared" : "OwnPins",
+                          std::get<1>(info.param) ? "SideBySide" : "InTurn");
+    });
 
 }  // namespace
 }  // namespace mrd::core_test
