@@ -175,8 +175,9 @@ uint32_t Registrations::FirstDevice(uint32_t bits) {
   return static_cast<uint32_t>(absl::countr_zero(bits));
 }
 
-std::vector<DeviceMr> Registrations::MrsOf(const cache::EntryView& view) const {
-  std::vector<DeviceMr> mrs;
+Registrations::DeviceMrs Registrations::MrsOf(
+    const cache::EntryView& view) const {
+  DeviceMrs mrs;
   const uint32_t first = FirstDevice(view.key.devices);
   mrs.push_back(DeviceMr{first, view.device_mr, view.lkey, view.rkey});
   if ((view.key.devices & (view.key.devices - 1)) == 0) return mrs;
@@ -216,7 +217,7 @@ absl::StatusOr<device::MrKeys> Registrations::RegisterOn(
 void Registrations::DeregisterOthers(Session& session,
                                      const cache::CachedRegistration& reg) {
   if ((reg.devices & (reg.devices - 1)) == 0) return;
-  std::vector<DeviceMr> others;
+  absl::InlinedVector<DeviceMr, 1> others;
   {
     absl::MutexLock lock(&others_mu_);
     auto it = others_.find(OthersKey(FirstDevice(reg.devices), reg.device_mr));

@@ -132,7 +132,8 @@ class Registrations {
     return cache_.View(entry);
   }
   // A registration's MR on each of its devices, in device order.
-  std::vector<DeviceMr> MrsOf(const cache::EntryView& view) const;
+  using DeviceMrs = absl::InlinedVector<DeviceMr, 2>;
+  DeviceMrs MrsOf(const cache::EntryView& view) const;
   // The same as tokens for the wire: device names, keys, peer addresses.
   void AddTokens(
       const cache::EntryView& view,
@@ -287,7 +288,7 @@ class Registrations {
   // Registrations on several devices: the MRs after the first device's
   // (which the cache keeps), by OthersKey of the first.
   mutable absl::Mutex others_mu_;
-  absl::flat_hash_map<uint64_t, std::vector<DeviceMr>> others_
+  absl::flat_hash_map<uint64_t, absl::InlinedVector<DeviceMr, 1>> others_
       ABSL_GUARDED_BY(others_mu_);
 };
 
