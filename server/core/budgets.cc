@@ -126,47 +126,51 @@ void Budgets::ChangeObjectTotal(TenantResource resource, uint64_t n, bool add) {
   *total = add ? *total + n : *total - std::min(n, *total);
 }
 
-absl::Status Budgets::ReserveRegistration(Session& session,
-                                          uint64_t map_splits) {
+absl::Status Budgets::ReserveRegistration(Session& session, uint64_t map_splits,
+                                          uint32_t devices) {
   absl::MutexLock session_lock(&session.mu);
   if (session.closing) return Closing();
-  if (session.device_registrations >= limits_.max_session_registrations) {
+  if (session.device_registrations + devices >
+      limits_.max_session_registrations) {
     return SeedError(
         STATUS_INSUFFICIENT_RESOURCES, "LIMIT_SESSION_REGISTRATIONS",
         absl::StrCat("the session holds its maximum of ",
                      limits_.max_session_registrations, " registrations"));
   }
   absl::MutexLock lock(&mu_);
-  if (totals_.registrations >= limits_.max_total_registrations) {
+  if (totals_.registrations + devices > limits_.max_total_registrations) {
     return SeedError(
         STATUS_INSUFFICIENT_RESOURCES, "LIMIT_TOTAL_REGISTRATIONS",
         absl::StrCat("the server holds its maximum of ",
                      limits_.max_total_registrations, " registrations"));
   }
   MRD_RETURN_IF_ERROR(
-      session.tenant()->Reserve(TenantResource::kRegistrations, 1));
+      session.tenant()->Reserve(TenantResource::kRegistrations, devices));
   if (map_splits != 0) {
     if (absl::Status s =
             session.tenant()->Reserve(TenantResource::kMemoryMaps, map_splits);
         !s.ok()) {
-      session.tenant()->Release(TenantResource::kRegistrations, 1);
+      session.tenant()->Release(TenantResource::kRegistrations, devices);
       return s;
     }
   }
-  ++session.device_registrations;
-  ++totals_.registrations;
+  session.device_registrations += devices;
+  totals_.registrations += devices;
   return absl::OkStatus();
 }
 
-void Budgets::UnreserveRegistration(Session& session, uint64_t map_splits) {
+void Budgets::UnreserveRegistration(Session& session, uint64_t map_splits,
+                                    uint32_t devices) {
   absl::MutexLock session_lock(&session.mu);
   if (session.device_registrations > 0) {
-    --session.device_registrations;
-    session.tenant()->Release(TenantResource::kRegistrations, 1);
+    const uint64_t n =
+        std::min<uint64_t>(devices, session.device_registrations);
+    session.device_registrations -= n;
+    session.tenant()->Release(TenantResource::kRegistrations, n);
     session.tenant()->Release(TenantResource::kMemoryMaps, map_splits);
   }
   absl::MutexLock lock(&mu_);
-  if (totals_.registrations > 0) --totals_.registrations;
+  totals_.registrations -= std::min<uint64_t>(devices, totals_.registrations);
 }
 
 void Budgets::Adopt(Session& session, uint64_t pinned_bytes,

@@ -86,9 +86,13 @@ class Budgets {
   // total and the tenant's quota, with the memory maps its pin may cost
   // (Registrations::MapSplitsOf) against the tenant's share of them.
   // WSAENOTCONN when the session is closing.
-  absl::Status ReserveRegistration(Session& session, uint64_t map_splits = 0)
+  // `devices`: the devices it is registered on, each of which holds an MR
+  // and a key of it, so that it counts once per device.
+  absl::Status ReserveRegistration(Session& session, uint64_t map_splits = 0,
+                                   uint32_t devices = 1)
       ABSL_LOCKS_EXCLUDED(mu_, session.mu);
-  void UnreserveRegistration(Session& session, uint64_t map_splits = 0)
+  void UnreserveRegistration(Session& session, uint64_t map_splits = 0,
+                             uint32_t devices = 1)
       ABSL_LOCKS_EXCLUDED(mu_, session.mu);
 
   // Handover: what a session brings from the mrd process it came from

@@ -452,7 +452,11 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   const LongPin long_pin(options_.progress, session, span, plan.cancelled,
                          call);
   const uint64_t map_splits = MapSplitsOf(*plan.file);
-  MRD_RETURN_IF_ERROR(budgets_->ReserveRegistration(*session, map_splits));
+  // Each device holds an MR and a key of it: it counts once per device.
+  const uint32_t device_count =
+      static_cast<uint32_t>(absl::popcount(plan.key.devices));
+  MRD_RETURN_IF_ERROR(
+      budgets_->ReserveRegistration(*session, map_splits, device_count));
   // A warm pin of exactly these pages: its reservation becomes this
   // registration's, and the device pins nothing anew. Warm pins are the
   // first device's: a registration on others makes its own pins.
@@ -460,7 +464,7 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   if (plan.key.devices == 1) warm = warm_.Take(WarmKeyOf(plan.key));
   if (!warm.has_value()) {
     if (absl::Status s = ReservePinned(*session, plan.pin_bytes); !s.ok()) {
-      budgets_->UnreserveRegistration(*session, map_splits);
+      budgets_->UnreserveRegistration(*session, map_splits, device_count);
       return s;
     }
   }
@@ -527,7 +531,7 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
     } else {
       budgets_->UnreservePinned(*session, plan.pin_bytes);
     }
-    budgets_->UnreserveRegistration(*session, map_splits);
+    budgets_->UnreserveRegistration(*session, map_splits, device_count);
     return failed;
   }
   if (warm.has_value()) ReleaseWarmAfterHit(session, std::move(*warm));
@@ -732,7 +736,8 @@ absl::StatusOr<uint32_t> Registrations::DropReference(
     // NOT_FOUND: the PD is being torn down and unpins the MR itself.
     if (!s.ok()) session->KeepUntilPdGone(reg.memory);
     DeregisterOthers(*session, reg);
-    budgets_->UnreserveRegistration(*session, MapSplitsOf(reg));
+    budgets_->UnreserveRegistration(*session, MapSplitsOf(reg),
+                                    absl::popcount(reg.devices));
     if (warm.has_value()) {
       KeepWarm(session, std::move(*warm));  // the reservation moves to it
     } else {
@@ -791,7 +796,8 @@ void Registrations::DeregisterCached(Session& session,
     LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
   }
   DeregisterOthers(session, reg);
-  budgets_->UnreserveRegistration(session, MapSplitsOf(reg));
+  budgets_->UnreserveRegistration(session, MapSplitsOf(reg),
+                                  absl::popcount(reg.devices));
   budgets_->UnreservePinned(session, reg.pinned_bytes);
 }
 

@@ -540,6 +540,44 @@ TEST_P(CoreDevicesTest, FastRegistrationLivesOnTheDeviceOfItsMrAndLam) {
   core_->UnsubscribeCompletions(*stream);
 }
 
+// A registration on two devices holds an MR and a key on each: it counts
+// twice against the registration limits (the pinned bytes once).
+TEST_P(CoreDevicesTest, ARegistrationCountsOncePerDeviceAgainstTheLimits) {
+  core::CoreOptions options;
+  options.max_session_registrations = 3;
+  core::Core core(
+      std::vector<device::Device*>{devices_[0].get(), devices_[1].get()},
+      RealClock::Get(), options);
+  absl::StatusOr<SessionWithBuffer> own =
+      OpenSessionWithBuffer(core, 8 * page_);
+  ASSERT_TRUE(own.ok()) << own.status();
+  auto request = [&](uint64_t page, bool all) {
+    v1::RegisterMrRequest req = Request(page * page_, page_, {}, all);
+    req.set_session(own->session);
+    req.set_buffer(own->buffer.buffer());
+    return req;
+  };
+  absl::StatusOr<v1::RegisterMrResponse> both =
+      RegisterOn(core, request(0, true));
+  ASSERT_TRUE(both.ok()) << both.status();
+  absl::StatusOr<v1::RegisterMrResponse> more =
+      RegisterOn(core, request(1, true));
+  ASSERT_FALSE(more.ok());
+  EXPECT_EQ(GetErrorDetail(more.status()).reason(),
+            "LIMIT_SESSION_REGISTRATIONS");
+  EXPECT_EQ(devices_[0]->CountResources().mrs, 1u);
+  EXPECT_EQ(devices_[1]->CountResources().mrs, 1u);
+  absl::StatusOr<v1::RegisterMrResponse> one =
+      RegisterOn(core, request(1, false));
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(core.Stats().accounted_pinned_bytes, 2 * page_);
+  ASSERT_TRUE(DeregisterOn(core, own->session, both->registration()).ok());
+  absl::StatusOr<v1::RegisterMrResponse> again =
+      RegisterOn(core, request(2, true));
+  ASSERT_TRUE(again.ok()) << again.status();
+  core.Shutdown();
+}
+
 TEST_P(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
   absl::Status s = core_->CanHandOverDevices();
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
