@@ -1,6 +1,9 @@
 // Fuzzes the core's request handling (server/core/core.cc) with fuzzed
 // protobuf requests: a real Core on a real SoftwareDevice, a shared-memory
-// directory with files, real memfds and real peers on the device's TCP port.
+// directory with files, real memfds and real peers on the device's TCP port;
+// the core serves two software devices (the second, "software1", sharing
+// the first's pins, as mrd's do), and the fix-ups choose devices for
+// registrations, LAMs, MR objects and peers now and then.
 //
 // The input is a sequence of (RPC selector, serialized request, fix-ups).
 // The request bytes are parsed as that RPC's message (whatever parses);
@@ -61,9 +64,19 @@ constexpr uint64_t kPage = 4096;
 
 struct Fixture {
   std::unique_ptr<device::SoftwareDevice> device;
+  std::unique_ptr<device::SoftwareDevice> device2;  // "software1"
   std::string shm_dir;
   uint16_t port = 0;
+  uint16_t port2 = 0;  // device2's peer path
 };
+
+// The port of `peer_address` (host:port).
+uint16_t PortOf(const std::string& peer_address) {
+  std::vector<std::string> host_port = absl::StrSplit(peer_address, ':');
+  uint32_t port = 0;
+  FUZZ_CHECK(host_port.size() == 2 && absl::SimpleAtoi(host_port[1], &port));
+  return static_cast<uint16_t>(port);
+}
 
 void WriteFile(const std::string& path, uint64_t size, mode_t mode) {
   UniqueFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, mode));
@@ -83,11 +96,15 @@ Fixture* GetFixture() {
     FUZZ_CHECK(dev.ok(), dev.status().ToString());
     f->device = *std::move(dev);
     FUZZ_CHECK(f->device->Start().ok());
-    std::vector<std::string> host_port =
-        absl::StrSplit(f->device->Attributes().peer_address, ':');
-    uint32_t port = 0;
-    FUZZ_CHECK(host_port.size() == 2 && absl::SimpleAtoi(host_port[1], &port));
-    f->port = static_cast<uint16_t>(port);
+    f->port = PortOf(f->device->Attributes().peer_address);
+    options.name = "software1";
+    options.share_pins_with = f->device.get();
+    options.connection_id_base = uint64_t{1} << core::Session::kDeviceShift;
+    dev = device::SoftwareDevice::Create(options);
+    FUZZ_CHECK(dev.ok(), dev.status().ToString());
+    f->device2 = *std::move(dev);
+    FUZZ_CHECK(f->device2->Start().ok());
+    f->port2 = PortOf(f->device2->Attributes().peer_address);
     f->shm_dir = MakeTempDir("/dev/shm", "mrd-fuzz-core-");
     WriteFile(f->shm_dir + "/a", 8 * kPage, 0600);
     WriteFile(f->shm_dir + "/b", 3 * kPage + 17, 0600);
@@ -289,6 +306,49 @@ void Preamble(core::Core& core, Live& live) {
   }
 }
 
+// A device name for a request: mostly one of the core's, now and then
+// whatever the input said.
+std::string PickDevice(Reader& in, const std::string& fuzzed) {
+  switch (in.ConsumeIntegralInRange<int>(0, 3)) {
+    case 0:
+      return "";
+    case 1:
+      return "software";
+    case 2:
+      return "software1";
+    default:
+      return fuzzed;
+  }
+}
+
+// A registration's devices: none, one, both, all, nearest, or the input's.
+void FixDevices(Reader& in, v1::DeviceSelection* devices) {
+  switch (in.ConsumeIntegralInRange<int>(0, 5)) {
+    case 0:
+      devices->Clear();
+      break;
+    case 1:
+      devices->Clear();
+      devices->add_names(in.ConsumeBool() ? "software" : "software1");
+      break;
+    case 2:
+      devices->Clear();
+      devices->add_names("software1");
+      devices->add_names("software");
+      break;
+    case 3:
+      devices->Clear();
+      devices->set_all(true);
+      break;
+    case 4:
+      devices->Clear();
+      devices->set_nearest(true);
+      break;
+    default:
+      break;  // as fuzzed
+  }
+}
+
 void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
             Live& live) {
   Preamble(core, live);
@@ -414,6 +474,7 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
               {0x1, 0x3, 0x5, 0x7, 0xf, 0x2, 0x13, 0x10}));
           req.clear_mem_flags();
         }
+        if (fix_handles) FixDevices(in, req.mutable_devices());
         // The three ways in: the worker's call, the gRPC thread's quick
         // form (then the worker's when it declines, as the service does),
         // and a batch of this item and a copy of it.
@@ -506,6 +567,7 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
             if (in.ConsumeBool()) req.set_lam_capacity(0);
           }
         }
+        if (fix_handles) req.set_device(PickDevice(in, req.device()));
         v1::BuildLamResponse out;
         status = core.BuildLam(req, &out);
         if (status.ok()) {
@@ -532,6 +594,7 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
         v1::CreateMrRequest req;
         ParseNext(in, &req);
         if (fix_session) req.set_session(session);
+        if (fix_handles) req.set_device(PickDevice(in, req.device()));
         v1::MrInfo out;
         status = core.CreateMr(req, &out);
         if (status.ok()) {
@@ -607,11 +670,14 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
         v1::CreatePeerTicketRequest req;
         ParseNext(in, &req);
         if (fix_session) req.set_session(session);
+        if (fix_handles) req.set_device(PickDevice(in, req.device()));
         v1::PeerTicket out;
         status = core.CreatePeerTicket(req, &out);
         if (status.ok() && live.peers.size() < 4) {
           std::string refusal;
-          UniqueFd peer = ConnectPeer(f.port, out.ticket(), &refusal);
+          UniqueFd peer =
+              ConnectPeer(out.device() == "software1" ? f.port2 : f.port,
+                          out.ticket(), &refusal);
           // A fresh ticket gets in unless the session's tenant holds its
           // quota of peer connections already.
           FUZZ_CHECK(
@@ -622,6 +688,7 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
           live.peers.push_back(std::move(peer));
           // The core learns of the connection from the device's worker.
           f.device->WaitForWorkerIdle();
+          f.device2->WaitForWorkerIdle();
           v1::ListRegistrationsRequest list;
           list.set_session(req.session());
           v1::ListRegistrationsResponse listed;
@@ -664,6 +731,7 @@ void RunOne(Reader& in, Fixture& f, core::Core& core, FakeClock& clock,
         clock.Advance(absl::Seconds(in.ConsumeIntegralInRange<int>(0, 7200)));
         core.ReapExpiredLeases();
         f.device->WaitForWorkerIdle();
+        f.device2->WaitForWorkerIdle();
         break;
       }
     }
@@ -684,7 +752,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Reader in(data, size);
   {
     mrd::FakeClock clock;
-    mrd::core::Core core(f->device.get(), &clock, MakeOptions(in, *f));
+    mrd::core::Core core(
+        std::vector<mrd::device::Device*>{f->device.get(), f->device2.get()},
+        &clock, MakeOptions(in, *f));
     Live live;
     RunOne(in, *f, core, clock, live);
     // Every session ends the way it would in mrd.
@@ -699,6 +769,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
     f->device->WaitForWorkerIdle();
+    f->device2->WaitForWorkerIdle();
     const mrd::core::CoreStats stats = core.Stats();
     FUZZ_CHECK(stats.sessions == 0 && stats.buffers == 0 &&
                    stats.registrations == 0 && stats.lams == 0 &&
@@ -711,13 +782,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                stats.accounted_pinned_bytes);
     FUZZ_CHECK(f->device->PinnedBytes() == 0, "the device still pins ",
                f->device->PinnedBytes(), " bytes");
-    const auto counts = f->device->CountResources();
-    FUZZ_CHECK(counts.pds == 0 && counts.mrs == 0 && counts.lams == 0 &&
-                   counts.keys == 0 && counts.tickets == 0 &&
-                   counts.iova_ranges == 0,
-               "the device holds objects: pds ", counts.pds, " mrs ",
-               counts.mrs, " lams ", counts.lams, " keys ", counts.keys,
-               " tickets ", counts.tickets, " iova ", counts.iova_ranges);
+    for (const mrd::device::SoftwareDevice* device :
+         {f->device.get(), f->device2.get()}) {
+      const auto counts = device->CountResources();
+      FUZZ_CHECK(counts.pds == 0 && counts.mrs == 0 && counts.lams == 0 &&
+                     counts.keys == 0 && counts.tickets == 0 &&
+                     counts.iova_ranges == 0,
+                 device->Attributes().name, " holds objects: pds ", counts.pds,
+                 " mrs ", counts.mrs, " lams ", counts.lams, " keys ",
+                 counts.keys, " tickets ", counts.tickets, " iova ",
+                 counts.iova_ranges);
+    }
     // The peers' connections were closed by the device with their PDs; ours
     // see the end of stream.
     for (mrd::UniqueFd& peer : live.peers) {
