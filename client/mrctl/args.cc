@@ -26,6 +26,16 @@ const char kOpFlagsHelp[] =
     "NDK_OP_FLAG_* bits: a number or names joined by ',': silent_success, "
     "read_fence, remote_read, local_write, remote_write, read_sink, defer";
 
+const char kDevicesHelp[] =
+    "the devices to register on: names joined by ',' (info's "
+    "devices[].name), or all (default: mrd's first device); it is on all of "
+    "them or on none, with one token per device";
+
+const char kPeerDeviceHelp[] =
+    "the local mrd's device whose peer path to use (info's devices[].name): "
+    "the default of --address and --kind; its ticket and token must be of "
+    "that device";
+
 const char kProgressHelp[] =
     "while mrd pins (ranges of 32 MiB or more, after a second), print its "
     "progress reports to stderr (reads the session's completion stream); "
@@ -121,6 +131,7 @@ std::vector<CommandSpec> BuildCommands() {
         {"mr", "ID", "register through this MR object (create-mr)"},
         {"capacity", "N", "descriptor space in bytes (W2; default no limit)"},
         {"request-id", "KEY", "idempotency key for retries"},
+        {"devices", "NAME,...|all", kDevicesHelp},
         {"progress", "", kProgressHelp}}});
   c.push_back(
       {"register-batch",
@@ -140,7 +151,8 @@ std::vector<CommandSpec> BuildCommands() {
          "from one range's start to the next (default: length)"},
         {"flags", "FLAGS", kMrFlagsHelp},
         {"mem", "read|write|readwrite",
-         "MEM_* access instead of --flags (WSPRegisterRdmaMemory form)"}}});
+         "MEM_* access instead of --flags (WSPRegisterRdmaMemory form)"},
+        {"devices", "NAME,...|all", kDevicesHelp}}});
   c.push_back({"deregister-batch",
                "",
                0,
@@ -219,8 +231,11 @@ std::vector<CommandSpec> BuildCommands() {
                0,
                true,
                "Create a ticket for remote peers (CreatePeerTicket).",
-               "",
-               {}});
+               "A ticket opens the peer path of one device; a registration's "
+               "token on that device is used with it.",
+               {{"device", "NAME",
+                 "the device whose peer path it opens (info's "
+                 "devices[].name; default: mrd's first)"}}});
   c.push_back({"list",
                "",
                0,
@@ -297,12 +312,14 @@ std::vector<CommandSpec> BuildCommands() {
        "Writes the bytes read to stdout, raw (or hex with --hex). Exit 4 on "
        "a remote access error or a bad ticket.",
        {{"address", "HOST:PORT",
-         "the device's peer address (default: info's peer_address)"},
+         "the device's peer address (default: info's peer_address, or "
+         "--device's)"},
         {"kind", "KIND",
          "software or verbs (default: the local mrd's device kind)"},
         {"ticket", "TICKET", "a ticket from peer-ticket (required)"},
         {"rkey", "KEY", "the remote token (required)"},
         {"va", "ADDR", "remote address (required)"},
+        {"device", "NAME", kPeerDeviceHelp},
         {"length", "SIZE", "bytes to read (required)"},
         {"hex", "", "print hex instead of raw bytes"}}});
   c.push_back({"peer write",
@@ -312,12 +329,14 @@ std::vector<CommandSpec> BuildCommands() {
                "One-sided RDMA WRITE as a remote peer (software or verbs).",
                "",
                {{"address", "HOST:PORT",
-                 "the device's peer address (default: info's peer_address)"},
+                 "the device's peer address (default: info's peer_address, or "
+                 "--device's)"},
                 {"kind", "KIND",
                  "software or verbs (default: the local mrd's device kind)"},
                 {"ticket", "TICKET", "a ticket from peer-ticket (required)"},
                 {"rkey", "KEY", "the remote token (required)"},
                 {"va", "ADDR", "remote address (required)"},
+                {"device", "NAME", kPeerDeviceHelp},
                 {"data", "STRING", "bytes to write"},
                 {"hex", "HEX", "bytes to write, in hex (instead of --data)"}}});
   c.push_back(
@@ -346,6 +365,7 @@ std::vector<CommandSpec> BuildCommands() {
         {"flags", "FLAGS", kMrFlagsHelp},
         {"mem", "read|write|readwrite", "MEM_* access instead of --flags"},
         {"base", "ADDR", "base address on the wire (default: mrd's mapping)"},
+        {"devices", "NAME,...|all", kDevicesHelp},
         {"progress", "", kProgressHelp},
         {"duration", "DURATION", "hold at most this long"},
         {"until-written", "STRING",
@@ -895,6 +915,27 @@ absl::StatusOr<uint32_t> ParseMemFlags(absl::string_view text) {
   if (word == "readwrite" || word == "read,write" || word == "rw") return 3u;
   return UsageError(
       absl::StrCat("--mem takes read, write or readwrite, not '", text, "'"));
+}
+
+absl::StatusOr<DeviceChoice> ParseDevices(absl::string_view text) {
+  DeviceChoice choice;
+  for (absl::string_view part :
+       absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    std::string name(absl::StripAsciiWhitespace(part));
+    if (name == "all") {
+      choice.all = true;
+    } else {
+      choice.names.push_back(std::move(name));
+    }
+  }
+  if (choice.all && !choice.names.empty()) {
+    return UsageError(absl::StrCat(
+        "'all' takes no device names beside it, got '", text, "'"));
+  }
+  if (!choice.all && choice.names.empty()) {
+    return UsageError("give device names joined by ',', or all");
+  }
+  return choice;
 }
 
 absl::StatusOr<std::vector<uint64_t>> ParseUint64List(absl::string_view text) {

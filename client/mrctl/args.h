@@ -124,6 +124,13 @@ absl::StatusOr<uint32_t> ParseMrFlags(absl::string_view text);
 absl::StatusOr<uint32_t> ParseOpFlags(absl::string_view text);
 // MEM_*: none, read, write, readwrite (or a number).
 absl::StatusOr<uint32_t> ParseMemFlags(absl::string_view text);
+// --devices: device names joined by ',' (as GetDeviceInfo names them), or
+// "all" alone.
+struct DeviceChoice {
+  std::vector<std::string> names;
+  bool all = false;
+};
+absl::StatusOr<DeviceChoice> ParseDevices(absl::string_view text);
 // "a,b,c" of ParseUint64 values.
 absl::StatusOr<std::vector<uint64_t>> ParseUint64List(absl::string_view text);
 // An absl duration ("1.5s", "250ms", "1m") or a bare number of seconds.

@@ -116,6 +116,18 @@ absl::StatusOr<uint32_t> MemFlagsOf(const FlagValues& flags) {
   return ParseMemFlags(*text);
 }
 
+// --devices into `options`: absent, the first device.
+absl::Status DevicesOf(const FlagValues& flags,
+                       client::RegisterOptions& options) {
+  std::optional<std::string> text = flags.String("devices");
+  if (!text.has_value()) return absl::OkStatus();
+  absl::StatusOr<DeviceChoice> choice = ParseDevices(*text);
+  if (!choice.ok()) return FlagError("devices", choice.status());
+  options.devices = std::move(choice->names);
+  options.all_devices = choice->all;
+  return absl::OkStatus();
+}
+
 absl::StatusOr<uint64_t> PositionalId(const Context& ctx) {
   absl::StatusOr<uint64_t> id = ParseUint64(ctx.inv.positional[0]);
   if (!id.ok()) {
@@ -318,6 +330,7 @@ absl::Status Register(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(options.descriptor_capacity,
                        ctx.flags.Uint32Or("capacity", 0));
   options.request_id = ctx.flags.String("request-id").value_or("");
+  MRD_RETURN_IF_ERROR(DevicesOf(ctx.flags, options));
   MRD_ASSIGN_OR_RETURN(bool progress, ctx.flags.Bool("progress"));
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
   if (!progress) {
@@ -382,6 +395,7 @@ absl::Status RegisterBatch(Context& ctx) {
                        ctx.flags.SizeOr("stride", options.length));
   MRD_ASSIGN_OR_RETURN(options.flags, MrFlagsOf(ctx.flags));
   MRD_ASSIGN_OR_RETURN(options.mem_flags, MemFlagsOf(ctx.flags));
+  MRD_RETURN_IF_ERROR(DevicesOf(ctx.flags, options));
   // The server refuses more than its --max_batch_items; this bound only
   // keeps mrctl from building a request it could never send.
   constexpr uint64_t kMaxCount = uint64_t{1} << 20;
@@ -533,6 +547,7 @@ absl::Status PeerTicketCmd(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
   v1::CreatePeerTicketRequest request;
   request.set_session(ctx.token());
+  request.set_device(ctx.flags.String("device").value_or(""));
   MRD_ASSIGN_OR_RETURN(v1::PeerTicket ticket, c.CreatePeerTicket(request));
   return Emit(ctx, ticket);
 }
@@ -697,6 +712,7 @@ absl::Status Hold(Context& ctx) {
   MRD_ASSIGN_OR_RETURN(options.flags, MrFlagsOf(f));
   MRD_ASSIGN_OR_RETURN(options.mem_flags, MemFlagsOf(f));
   MRD_ASSIGN_OR_RETURN(options.base_address, f.OptionalUint64("base"));
+  MRD_RETURN_IF_ERROR(DevicesOf(f, options));
   if (f.String("until-written").value_or("").size() > options.length) {
     return UsageError("--until-written is longer than the registered range");
   }

@@ -3,9 +3,11 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/mrctl/commands.h"
 #include "client/mrctl/output.h"
 #include "client/peer/peer.h"
@@ -16,7 +18,8 @@ namespace {
 
 struct Target {
   std::string address;
-  std::string kind;  // "software" | "verbs"
+  std::string kind;    // "software" | "verbs"
+  std::string device;  // --device: whose address and kind are the defaults
   std::string ticket;
   uint32_t rkey = 0;
   uint64_t va = 0;
@@ -32,6 +35,7 @@ absl::StatusOr<Target> TargetOf(const Invocation& inv) {
   MRD_ASSIGN_OR_RETURN(target.va, flags.Uint64("va"));
   target.address = flags.String("address").value_or("");
   target.kind = flags.String("kind").value_or("");
+  target.device = flags.String("device").value_or("");
   if (!target.kind.empty() && target.kind != "software" &&
       target.kind != "verbs") {
     return UsageError(absl::StrCat("--kind must be software or verbs, not '",
@@ -40,12 +44,29 @@ absl::StatusOr<Target> TargetOf(const Invocation& inv) {
   return target;
 }
 
+// The entry of GetDeviceInfo's devices named `name`. INVALID_ARGUMENT
+// UNKNOWN_DEVICE, naming the devices mrd serves, when there is none.
+absl::StatusOr<v1::DeviceInfo> DeviceNamed(const v1::DeviceInfo& info,
+                                           const std::string& name) {
+  std::vector<std::string> names;
+  for (const v1::DeviceInfo& device : info.devices()) {
+    if (device.name() == name) return device;
+    names.push_back(device.name());
+  }
+  return MrdError(absl::StatusCode::kInvalidArgument, "UNKNOWN_DEVICE",
+                  absl::StrCat("no device '", name, "': mrd serves ",
+                               absl::StrJoin(names, ", ")));
+}
+
 // The peer address and device kind: --address and --kind, else what the
-// local mrd's GetDeviceInfo reports.
+// local mrd's GetDeviceInfo reports for --device (default: its first).
 absl::Status ResolveAddress(const Invocation& inv, Target& target) {
   if (!target.address.empty() && !target.kind.empty()) return absl::OkStatus();
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(inv.global));
   MRD_ASSIGN_OR_RETURN(v1::DeviceInfo info, c.GetDeviceInfo());
+  if (!target.device.empty()) {
+    MRD_ASSIGN_OR_RETURN(info, DeviceNamed(info, target.device));
+  }
   if (target.kind.empty()) target.kind = info.kind();
   if (target.address.empty()) {
     if (info.peer_address().empty()) {

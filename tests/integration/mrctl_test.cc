@@ -1205,6 +1205,255 @@ TEST_F(MrctlTest, HoldExitsSevenWhenItsSessionIsClosedElsewhere) {
   EXPECT_TRUE(absl::StrContains(r.err, "SESSION_ENDED")) << r;
 }
 
+// ---- Several devices -------------------------------------------------------
+
+// mrd on two software devices (software, software1): mrctl registers on
+// both and prints a token per device, a peer reads through each token with
+// a ticket of its device, and unknown names are refused by name.
+class MrctlTwoDevicesTest : public MrctlTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions options;
+    options.extra_flags = {"--software_devices=2"};
+    return options;
+  }
+  void SetUp() override {
+    if (TestDeviceKind() != "software") {
+      GTEST_SKIP() << "software devices only";
+    }
+    MrctlTest::SetUp();
+  }
+
+  // Pinned bytes of each device (GetDeviceInfo's devices).
+  std::vector<uint64_t> DevicePinnedBytes() {
+    absl::StatusOr<v1::DeviceInfo> info = client_->GetDeviceInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    std::vector<uint64_t> pinned;
+    if (info.ok()) {
+      for (const v1::DeviceInfo& d : info->devices()) {
+        pinned.push_back(d.pinned_bytes());
+      }
+    }
+    return pinned;
+  }
+
+  // A lease (MRD_SESSION of later commands) and a file of `size` bytes
+  // starting with `text`, imported: the buffer's id.
+  std::string ImportedBuffer(const std::string& text, uint64_t size) {
+    OpenLease();
+    EXPECT_TRUE(WriteShmFile(mrd_->shm_dir(), "two", text, size).ok());
+    Result imported = Mrctl({"import-file", "two"});
+    EXPECT_EQ(imported.code, kExitOk) << imported;
+    return Fields(imported.out)["buffer"];
+  }
+
+  // `peer read` of `length` bytes at `va` through `token`, with a ticket
+  // of the token's device from `peer-ticket --device`.
+  Result ReadThrough(const v1::DeviceToken& token, uint64_t va,
+                     uint64_t length) {
+    Result ticket = Mrctl({"peer-ticket", "--device=" + token.device()});
+    EXPECT_EQ(ticket.code, kExitOk) << ticket;
+    auto tf = Fields(ticket.out);
+    EXPECT_EQ(tf["device"], token.device());
+    EXPECT_EQ(tf["peer_address"], token.peer_address());
+    return Mrctl(
+        {"peer", "read", "--device=" + token.device(),
+         "--ticket=" + tf["ticket"], absl::StrCat("--rkey=", token.rkey()),
+         absl::StrCat("--va=", va), absl::StrCat("--length=", length)});
+  }
+};
+
+TEST_F(MrctlTwoDevicesTest, InfoShowsEveryDevice) {
+  absl::StatusOr<v1::DeviceInfo> expected = client_->GetDeviceInfo();
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  ASSERT_EQ(expected->devices_size(), 2);
+  Result human = Mrctl({"info"});
+  ASSERT_EQ(human.code, kExitOk) << human;
+  auto f = Fields(human.out);
+  EXPECT_EQ(f["name"], "software");  // the first device's, as before
+  EXPECT_EQ(f["devices[0].name"], "software");
+  EXPECT_EQ(f["devices[1].name"], "software1");
+  EXPECT_EQ(f["devices[1].kind"], "software");
+  EXPECT_EQ(f["devices[0].peer_address"], expected->devices(0).peer_address());
+  EXPECT_EQ(f["devices[1].peer_address"], expected->devices(1).peer_address());
+  EXPECT_NE(f["devices[0].peer_address"], f["devices[1].peer_address"]);
+  EXPECT_EQ(f.count("devices[2].name"), 0u);
+  Result json = Mrctl({"info", "--json"});
+  ASSERT_EQ(json.code, kExitOk) << json;
+  v1::DeviceInfo parsed = FromJson<v1::DeviceInfo>(json.out);
+  ASSERT_EQ(parsed.devices_size(), 2);
+  EXPECT_EQ(parsed.devices(1).name(), "software1");
+  EXPECT_EQ(parsed.devices(1).peer_address(),
+            expected->devices(1).peer_address());
+}
+
+TEST_F(MrctlTwoDevicesTest, RegisterOnBothAndReadThroughEachDevicesToken) {
+  const std::string buffer = ImportedBuffer("two devices", 8192);
+  ASSERT_FALSE(buffer.empty());
+  absl::StatusOr<v1::DeviceInfo> info = client_->GetDeviceInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->devices_size(), 2);
+
+  Result reg = Mrctl({"register", "--buffer=" + buffer, "--length=8192",
+                      "--flags=remote_read", "--devices=all"});
+  ASSERT_EQ(reg.code, kExitOk) << reg;
+  auto f = Fields(reg.out);
+  EXPECT_EQ(f["references"], "1");
+  for (int i = 0; i < 2; ++i) {
+    const std::string key = absl::StrCat("tokens[", i, "].");
+    EXPECT_EQ(f[key + "device"], info->devices(i).name());
+    EXPECT_NE(ToU64(f[key + "rkey"]), 0u) << key;
+    EXPECT_EQ(f[key + "peer_address"], info->devices(i).peer_address());
+  }
+  EXPECT_EQ(f["rkey"], f["tokens[0].rkey"]);
+  EXPECT_EQ(f.count("tokens[2].device"), 0u);
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{8192, 8192}));
+
+  // The same devices by name: the same registration, in JSON.
+  Result named =
+      Mrctl({"register", "--json", "--buffer=" + buffer, "--length=8192",
+             "--flags=remote_read", "--devices=software,software1"});
+  ASSERT_EQ(named.code, kExitOk) << named;
+  v1::RegisterMrResponse hit = FromJson<v1::RegisterMrResponse>(named.out);
+  EXPECT_TRUE(hit.cache_hit());
+  EXPECT_EQ(absl::StrCat(hit.registration()), f["registration"]);
+  ASSERT_EQ(hit.tokens_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    const std::string key = absl::StrCat("tokens[", i, "].");
+    EXPECT_EQ(hit.tokens(i).device(), f[key + "device"]);
+    EXPECT_EQ(absl::StrCat(hit.tokens(i).rkey()), f[key + "rkey"]);
+    EXPECT_EQ(absl::StrCat(hit.tokens(i).lkey()), f[key + "lkey"]);
+    EXPECT_EQ(hit.tokens(i).peer_address(), f[key + "peer_address"]);
+  }
+
+  // A peer of each device reads through that device's token.
+  const uint64_t base = hit.base_address();
+  for (const v1::DeviceToken& token : hit.tokens()) {
+    Result read = ReadThrough(token, base, 11);
+    EXPECT_EQ(read.code, kExitOk) << token.device() << ": " << read;
+    EXPECT_EQ(read.out, "two devices") << token.device();
+  }
+
+  // list shows the tokens too.
+  auto lf = Fields(Mrctl({"list"}).out);
+  EXPECT_EQ(lf["registrations[0].tokens[1].device"], "software1");
+  EXPECT_EQ(lf["registrations[0].tokens[1].rkey"], f["tokens[1].rkey"]);
+
+  // Both references given back: neither token reads any more.
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(Mrctl({"deregister", "--registration=" + f["registration"]}).code,
+              kExitOk);
+  }
+  for (const v1::DeviceToken& token : hit.tokens()) {
+    Result dead = ReadThrough(token, base, 11);
+    EXPECT_EQ(dead.code, kExitDenied) << token.device() << ": " << dead;
+  }
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 0}));
+
+  // The second device alone: one token, of that device.
+  Result second =
+      Mrctl({"register", "--json", "--buffer=" + buffer, "--length=4096",
+             "--flags=remote_read", "--devices=software1"});
+  ASSERT_EQ(second.code, kExitOk) << second;
+  v1::RegisterMrResponse on_second =
+      FromJson<v1::RegisterMrResponse>(second.out);
+  ASSERT_EQ(on_second.tokens_size(), 1);
+  EXPECT_EQ(on_second.tokens(0).device(), "software1");
+  EXPECT_EQ(on_second.rkey(), on_second.tokens(0).rkey());
+  Result read = ReadThrough(on_second.tokens(0), on_second.base_address(), 3);
+  EXPECT_EQ(read.code, kExitOk) << read;
+  EXPECT_EQ(read.out, "two");
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 4096}));
+  CloseLease();
+}
+
+TEST_F(MrctlTwoDevicesTest, BatchAndHoldRegisterOnTheDevicesGiven) {
+  const std::string buffer = ImportedBuffer("batch", 4 * 4096);
+  ASSERT_FALSE(buffer.empty());
+  Result batch = Mrctl({"register-batch", "--json", "--buffer=" + buffer,
+                        "--length=4K", "--count=2", "--stride=8K",
+                        "--flags=remote_read", "--devices=all"});
+  ASSERT_EQ(batch.code, kExitOk) << batch;
+  v1::RegisterMrBatchResponse items =
+      FromJson<v1::RegisterMrBatchResponse>(batch.out);
+  ASSERT_EQ(items.items_size(), 2);
+  for (const auto& item : items.items()) {
+    ASSERT_EQ(item.registration().tokens_size(), 2);
+    EXPECT_EQ(item.registration().tokens(0).device(), "software");
+    EXPECT_EQ(item.registration().tokens(1).device(), "software1");
+  }
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{8192, 8192}));
+  Result read = ReadThrough(items.items(0).registration().tokens(1),
+                            items.items(0).registration().base_address(), 5);
+  EXPECT_EQ(read.code, kExitOk) << read;
+  EXPECT_EQ(read.out, "batch");
+  CloseLease();
+
+  std::unique_ptr<Child> hold =
+      Spawn({"hold", "--size=4096", "--fill=held", "--flags=remote_read",
+             "--devices=software1", "--json"});
+  ASSERT_NE(hold, nullptr);
+  absl::StatusOr<std::string> line = hold->ReadLine(absl::Seconds(30));
+  ASSERT_TRUE(line.ok()) << line.status();
+  auto held = FromJson<google::protobuf::Struct>(*line);
+  v1::RegisterMrResponse reg =
+      Member<v1::RegisterMrResponse>(held, "registration");
+  ASSERT_EQ(reg.tokens_size(), 1);
+  EXPECT_EQ(reg.tokens(0).device(), "software1");
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 4096}));
+  session_ = Member<v1::SessionInfo>(held, "session").session();
+  Result held_read = ReadThrough(reg.tokens(0), reg.base_address(), 4);
+  EXPECT_EQ(held_read.code, kExitOk) << held_read;
+  EXPECT_EQ(held_read.out, "held");
+  session_.clear();
+  hold->CloseStdin();
+  Result r = hold->Finish();
+  EXPECT_EQ(r.code, kExitOk) << r;
+}
+
+TEST_F(MrctlTwoDevicesTest, UnknownDevicesAreRefusedByName) {
+  const std::string buffer = ImportedBuffer("x", 4096);
+  ASSERT_FALSE(buffer.empty());
+  const std::string refused =
+      "mrctl: INVALID_ARGUMENT SEED_STATUS_UNSPECIFIED UNKNOWN_DEVICE: no "
+      "device 'mlx5_7': mrd serves software, software1\n";
+  Result reg = Mrctl({"register", "--buffer=" + buffer, "--length=4096",
+                      "--devices=software1,mlx5_7"});
+  EXPECT_EQ(reg.code, kExitFailed) << reg;
+  EXPECT_EQ(reg.out, "");
+  EXPECT_EQ(reg.err, refused);
+  EXPECT_EQ(ListOf(session_).registrations_size(), 0);
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 0}));
+
+  Result batch = Mrctl({"register-batch", "--buffer=" + buffer, "--length=4096",
+                        "--count=1", "--devices=mlx5_7"});
+  EXPECT_EQ(batch.code, kExitFailed) << batch;
+  EXPECT_TRUE(absl::StrContains(batch.err,
+                                "UNKNOWN_DEVICE: item 0: no "
+                                "device 'mlx5_7'"))
+      << batch;
+
+  Result ticket = Mrctl({"peer-ticket", "--device=mlx5_7"});
+  EXPECT_EQ(ticket.code, kExitFailed) << ticket;
+  EXPECT_EQ(ticket.out, "");
+  EXPECT_EQ(ticket.err, refused);
+
+  Result read = Mrctl({"peer", "read", "--device=mlx5_7", "--ticket=t",
+                       "--rkey=1", "--va=1", "--length=1"});
+  EXPECT_EQ(read.code, kExitFailed) << read;
+  EXPECT_EQ(read.err, refused);
+
+  // `all` stands alone: mrctl's own usage error.
+  Result mixed = Mrctl({"register", "--buffer=" + buffer, "--length=4096",
+                        "--devices=all,software"});
+  EXPECT_EQ(mixed.code, kExitUsage) << mixed;
+  EXPECT_TRUE(absl::StartsWith(mixed.err,
+                               "mrctl: --devices: 'all' takes no "
+                               "device names beside it"))
+      << mixed;
+  CloseLease();
+}
+
 // ---- Finding mrd -----------------------------------------------------------
 
 TEST_F(MrctlTest, GlobalFlagsFindMrdWithoutTheEnvironment) {

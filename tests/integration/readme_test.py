@@ -11,7 +11,8 @@ network namespaces (unshare; needs root, as CI is), mounts fresh tmpfs on
 `mrd --device=software` (what `make run` runs).
 
 The "Two nodes" block starts its own etcd (Debian's etcd-server) and two
-mrd of its own, beside that one. Each block then runs line by line in one bash, in a directory where
+mrd of its own, beside that one; the "Several devices" block one mrd of its
+own on two software devices. Each block then runs line by line in one bash, in a directory where
 `build/client/mrctl/mrctl` is the mrctl under test, with the `grpcurl` of
 tests/support/grpcurl.cc (reflection only, as grpcurl) first on PATH. A
 command must exit 0 unless the README says otherwise; a `# → TEXT` comment,
@@ -237,6 +238,12 @@ def inside(src, mrd, mrctl, grpcurl_dir, python_gen):
         cmds = list(run_block(shell, "two nodes", two_nodes))
         check(len(cmds) >= 15, "the two-node recipe has its %d commands" %
               len(cmds))
+        # Several devices: the recipe starts its own mrd on two software
+        # devices (its own runtime and shm directories, ports picked free).
+        several = block_after(readme, "## Several devices")
+        cmds = list(run_block(shell, "several devices", several))
+        check(len(cmds) >= 17, "the several-device recipe has its %d "
+              "commands" % len(cmds))
         python_block = block_after(readme, "## Python client")
         cmds = list(run_block(shell, "python", python_block))
         check(len(cmds) == 2, "the Python recipe is its 2 commands")

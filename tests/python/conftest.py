@@ -90,6 +90,21 @@ def client(mrd):
         yield c
 
 
+@pytest.fixture
+def two_devices():
+    """A Client of an mrd of its own on two software devices
+    (--software_devices=2: software, software1)."""
+    if os.environ.get("MRD_TEST_DEVICE") == "verbs":
+        pytest.skip("software devices only")
+    server = Mrd(["--software_devices=2"])
+    with mrd_client.Client(socket_path=server.socket_path,
+                           fd_socket_path=server.fd_socket_path) as c:
+        yield c
+    code, log = server.stop()
+    assert code == 0, log
+    assert "device pinned bytes: 0" in log, log
+
+
 def free_port():
     """A free TCP port on 127.0.0.1 (bound and released)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

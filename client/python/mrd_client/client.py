@@ -25,6 +25,9 @@ LOCAL_WRITE = mrd_pb2.NDK_MR_FLAG_ALLOW_LOCAL_WRITE
 REMOTE_READ = mrd_pb2.NDK_MR_FLAG_ALLOW_REMOTE_READ
 REMOTE_WRITE = mrd_pb2.NDK_MR_FLAG_ALLOW_REMOTE_WRITE
 
+# register(devices=ALL_DEVICES): every device mrd serves.
+ALL_DEVICES = "all"
+
 # The fd socket's limits (fd.proto): a request datagram of at most 4096
 # bytes with at most one fd; replies fit in 4096 bytes.
 FD_MAX_REQUEST_BYTES = 4096
@@ -73,7 +76,15 @@ class Client:
             raise errors.from_rpc_error(e) from None
 
     def device_info(self):
+        """GetDeviceInfo: the first device's attributes, and in `devices`
+        every device mrd serves."""
         return self.call("GetDeviceInfo", mrd_pb2.GetDeviceInfoRequest())
+
+    def devices(self):
+        """Every device mrd serves (DeviceInfo messages, in mrd's order; the
+        first is every call's default). Their `name`s are what register()'s
+        `devices` and peer_ticket()'s `device` take."""
+        return list(self.device_info().devices)
 
     def health(self, service=""):
         """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... ("" is
@@ -139,9 +150,15 @@ class Session:
 
     def register(self, buffer, length=None, offset=0, flags=LOCAL_READ,
                  mem_flags=0, base_address=None, mr=None,
-                 descriptor_capacity=0, request_id="", timeout=None,
-                 on_progress=None):
+                 descriptor_capacity=0, request_id="", devices=None,
+                 timeout=None, on_progress=None):
         """RegisterMr on a Buffer (or a buffer id): the Registration.
+
+        devices: the devices to register on, as a list of names (Client's
+        devices()) or ALL_DEVICES; None: mrd's first device. The
+        registration is on all of them or on none (an unknown name:
+        MrdError INVALID_ARGUMENT UNKNOWN_DEVICE); its `tokens` give one
+        token per device.
 
         timeout: seconds for this call (default: the client's). Passing it
         while mrd pins cancels the registration: MrdError DEADLINE_EXCEEDED,
@@ -153,7 +170,8 @@ class Session:
         request = self._register_request(
             buffer, length=length, offset=offset, flags=flags,
             mem_flags=mem_flags, base_address=base_address, mr=mr,
-            descriptor_capacity=descriptor_capacity, request_id=request_id)
+            descriptor_capacity=descriptor_capacity, request_id=request_id,
+            devices=devices)
         if on_progress is None:
             return Registration(
                 self, self._call("RegisterMr", request, timeout=timeout))
@@ -183,7 +201,7 @@ class Session:
     @staticmethod
     def _register_request(buffer, length=None, offset=0, flags=LOCAL_READ,
                           mem_flags=0, base_address=None, mr=None,
-                          descriptor_capacity=0, request_id=""):
+                          descriptor_capacity=0, request_id="", devices=None):
         buffer_id = buffer.id if isinstance(buffer, Buffer) else buffer
         if length is None:
             length = buffer.size - offset
@@ -193,6 +211,13 @@ class Session:
             request_id=request_id, mr=mr.id if isinstance(mr, Mr) else (mr or 0))
         if base_address is not None:
             request.base_address = base_address
+        if devices == ALL_DEVICES:
+            request.devices.all = True
+        elif isinstance(devices, str):
+            raise ValueError("devices takes a list of device names or "
+                             "ALL_DEVICES, not the string %r" % devices)
+        elif devices is not None:
+            request.devices.names.extend(devices)
         return request
 
     def register_batch(self, items):
@@ -275,10 +300,14 @@ class Session:
         finally:
             stream.cancel()
 
-    def peer_ticket(self):
-        """A ticket that lets a remote peer connect to this session."""
+    def peer_ticket(self, device=""):
+        """A ticket that lets a remote peer connect to this session on
+        `device`'s peer path (a name from Client.devices(); "": mrd's first
+        device): a PeerTicket with `ticket`, `peer_address` and `device`. A
+        peer uses it with the registrations' tokens of that device. MrdError
+        INVALID_ARGUMENT UNKNOWN_DEVICE for a device mrd does not serve."""
         return self._call("CreatePeerTicket",
-                          mrd_pb2.CreatePeerTicketRequest())
+                          mrd_pb2.CreatePeerTicketRequest(device=device))
 
     # The directory on etcd (docs/DIRECTORY.md): needs mrd's
     # --etcd_endpoints; without it these raise MrdError FAILED_PRECONDITION
@@ -508,7 +537,9 @@ class MemfdBuffer(Buffer):
 class Registration:
     """A reference on a registration (W5: registering the same range again
     takes another reference on the same one). `rkey`, `base_address`,
-    `references`, `cache_hit`, `rdma_descriptor`. Deregistered on exit."""
+    `references`, `cache_hit`, `rdma_descriptor`, and `tokens`: one
+    DeviceToken (device, rkey, lkey, peer_address) per device it is on, in
+    mrd's order (`rkey` and `lkey` are the first's). Deregistered on exit."""
 
     def __init__(self, session, reply):
         self.session = session
@@ -521,6 +552,17 @@ class Registration:
         self.references = reply.references
         self.cache_hit = reply.cache_hit
         self.rdma_descriptor = reply.rdma_descriptor
+        self.tokens = list(reply.tokens)
+
+    def token(self, device):
+        """The DeviceToken of `device` (its name); KeyError if the
+        registration is not on it."""
+        for token in self.tokens:
+            if token.device == device:
+                return token
+        raise KeyError("registration %d is not on device %r (it is on %s)" % (
+            self.reply.registration, device,
+            ", ".join(t.device for t in self.tokens)))
 
     def deregister(self):
         """Gives this reference back: the references left (0: released, the

@@ -230,6 +230,40 @@ TEST(ValueParsersTest, OpAndMemFlags) {
   EXPECT_FALSE(ParseMemFlags("execute").ok());
 }
 
+TEST(ValueParsersTest, Devices) {
+  absl::StatusOr<DeviceChoice> two = ParseDevices("software, software1");
+  ASSERT_TRUE(two.ok()) << two.status();
+  EXPECT_EQ(two->names, (std::vector<std::string>{"software", "software1"}));
+  EXPECT_FALSE(two->all);
+  absl::StatusOr<DeviceChoice> all = ParseDevices("all");
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_TRUE(all->all);
+  EXPECT_TRUE(all->names.empty());
+  for (const char* bad : {"", ",", "all,software"}) {
+    absl::StatusOr<DeviceChoice> choice = ParseDevices(bad);
+    EXPECT_FALSE(choice.ok()) << bad;
+    EXPECT_TRUE(IsUsageError(choice.status())) << bad;
+  }
+}
+
+TEST(ParseArgsTest, DeviceFlags) {
+  for (const auto& args : std::vector<std::vector<std::string>>{
+           {"register", "--buffer=1", "--length=1", "--devices=all"},
+           {"register-batch", "--buffer=1", "--length=1", "--count=2",
+            "--devices=software,software1"},
+           {"hold", "--size=4096", "--devices=software1"},
+           {"peer-ticket", "--device=software1"},
+           {"peer", "read", "--device=software1"},
+           {"peer", "write", "--device=software1"},
+       }) {
+    auto inv = Parse(args, "tok");
+    EXPECT_TRUE(inv.ok()) << args[0] << ": " << inv.status();
+  }
+  // A ticket and a peer are for one device; a registration for several.
+  EXPECT_FALSE(Parse({"peer-ticket", "--devices=all"}, "tok").ok());
+  EXPECT_FALSE(Parse({"register", "--device=software"}, "tok").ok());
+}
+
 TEST(ValueParsersTest, DurationsAndHex) {
   EXPECT_EQ(*ParseDurationFlag("250ms"), absl::Milliseconds(250));
   EXPECT_EQ(*ParseDurationFlag("10m"), absl::Minutes(10));

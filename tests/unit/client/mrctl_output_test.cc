@@ -4,6 +4,7 @@
 #include <map>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/mrctl/args.h"
 #include "client/mrctl/output.h"
@@ -53,6 +54,28 @@ TEST(OutputFormTest, DeviceInfo) {
   EXPECT_EQ(json.find('\n'), std::string::npos);
 }
 
+TEST(OutputFormTest, DeviceInfoListsEveryDevice) {
+  v1::DeviceInfo info;
+  info.set_name("software");
+  for (const char* name : {"software", "software1"}) {
+    v1::DeviceInfo* device = info.add_devices();
+    device->set_name(name);
+    device->set_peer_address(absl::StrCat("127.0.0.1:", device->name().size()));
+  }
+  auto f = Fields(HumanForm(info));
+  EXPECT_EQ(f["name"], "software");
+  EXPECT_EQ(f["devices[0].name"], "software");
+  EXPECT_EQ(f["devices[0].peer_address"], "127.0.0.1:8");
+  EXPECT_EQ(f["devices[1].name"], "software1");
+  EXPECT_EQ(f["devices[1].peer_address"], "127.0.0.1:9");
+  EXPECT_EQ(f.count("devices[2].name"), 0u);
+  std::string json = Json(info);
+  EXPECT_NE(json.find("\"devices\":[{\"name\":\"software\","),
+            std::string::npos)
+      << json;
+  EXPECT_NE(json.find("{\"name\":\"software1\","), std::string::npos) << json;
+}
+
 TEST(OutputFormTest, SessionInfoOfALease) {
   v1::SessionInfo s;
   s.set_session("tok");
@@ -89,10 +112,39 @@ TEST(OutputFormTest, RegisterListDeregisterRelease) {
   EXPECT_NE(json.find("\"rdmaDescriptor\":\"wNMtAA==\""), std::string::npos)
       << json;  // bytes in base64
 
+  // One token per device: device, rkey, lkey and peer address each.
+  for (const char* device : {"software", "software1"}) {
+    v1::DeviceToken* token = r.add_tokens();
+    token->set_device(device);
+    token->set_rkey(r.tokens_size() == 1 ? 0x2dd3c0 : 0x77);
+    token->set_lkey(token->rkey());
+    token->set_peer_address(absl::StrCat("127.0.0.1:", 7470 + r.tokens_size()));
+  }
+  auto tf = Fields(HumanForm(r));
+  EXPECT_EQ(tf["tokens[0].device"], "software");
+  EXPECT_EQ(tf["tokens[0].rkey"], "3003328");
+  EXPECT_EQ(tf["tokens[0].peer_address"], "127.0.0.1:7471");
+  EXPECT_EQ(tf["tokens[1].device"], "software1");
+  EXPECT_EQ(tf["tokens[1].rkey"], "119");
+  EXPECT_EQ(tf["tokens[1].lkey"], "119");
+  EXPECT_EQ(tf["tokens[1].peer_address"], "127.0.0.1:7472");
+  EXPECT_EQ(tf["rkey"], "3003328");  // the first device's, as before
+  json = Json(r);
+  EXPECT_NE(json.find("\"tokens\":[{\"device\":\"software\",\"rkey\":3003328,"
+                      "\"lkey\":3003328,\"peerAddress\":\"127.0.0.1:7471\"},"
+                      "{\"device\":\"software1\",\"rkey\":119,\"lkey\":119,"
+                      "\"peerAddress\":\"127.0.0.1:7472\"}]"),
+            std::string::npos)
+      << json;
+
   v1::ListRegistrationsResponse list;
   list.add_buffers()->set_buffer(3);
-  list.add_registrations()->set_references(2);
+  v1::RegistrationInfo* listed = list.add_registrations();
+  listed->set_references(2);
+  *listed->mutable_tokens() = r.tokens();
   auto lf = Fields(HumanForm(list));
+  EXPECT_EQ(lf["registrations[0].tokens[1].device"], "software1");
+  EXPECT_EQ(lf["registrations[0].tokens[1].peer_address"], "127.0.0.1:7472");
   EXPECT_EQ(lf["buffers[0].buffer"], "3");
   EXPECT_EQ(lf["registrations[0].references"], "2");
   EXPECT_EQ(lf.count("lams[0].lam"), 0u);  // empty repeated messages: nothing
