@@ -41,19 +41,6 @@ class TwoDevicesTest : public MrdTest {
     EXPECT_TRUE(p.ok()) << p.status();
     return p.ok() ? std::move(*p) : nullptr;
   }
-
-  // Pinned bytes of each device (GetDeviceInfo's devices).
-  std::vector<uint64_t> DevicePinnedBytes() {
-    absl::StatusOr<v1::DeviceInfo> info = client_->GetDeviceInfo();
-    EXPECT_TRUE(info.ok()) << info.status();
-    std::vector<uint64_t> pinned;
-    if (info.ok()) {
-      for (const v1::DeviceInfo& d : info->devices()) {
-        pinned.push_back(d.pinned_bytes());
-      }
-    }
-    return pinned;
-  }
 };
 
 TEST_F(TwoDevicesTest, GetDeviceInfoListsBothWithPeerPathsOfTheirOwn) {

@@ -121,6 +121,19 @@ class MrdTest : public ::testing::Test {
     return info.ok() ? info->pinned_bytes() : ~uint64_t{0};
   }
 
+  // Pinned bytes of each device (GetDeviceInfo's devices).
+  std::vector<uint64_t> DevicePinnedBytes() {
+    absl::StatusOr<v1::DeviceInfo> info = client_->GetDeviceInfo();
+    EXPECT_TRUE(info.ok()) << info.status();
+    std::vector<uint64_t> pinned;
+    if (info.ok()) {
+      for (const v1::DeviceInfo& d : info->devices()) {
+        pinned.push_back(d.pinned_bytes());
+      }
+    }
+    return pinned;
+  }
+
   client::Buffer NewBuffer(const client::Session& session, uint64_t size,
                            const std::string& fill = "") {
     auto b = client::Buffer::Create(session, size);
