@@ -26,6 +26,8 @@ v1::RegisterMrRequest ToRequest(const std::string& session,
   request.set_request_id(options.request_id);
   if (options.all_devices) {
     request.mutable_devices()->set_all(true);
+  } else if (options.nearest_devices) {
+    request.mutable_devices()->set_nearest(true);
   } else {
     for (const std::string& device : options.devices) {
       request.mutable_devices()->add_names(device);

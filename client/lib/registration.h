@@ -42,6 +42,8 @@ struct RegisterOptions {
   // them or on none; its tokens() give one token per device.
   std::vector<std::string> devices = {};
   bool all_devices = false;
+  // The devices on the NUMA node of the memory (every device when none is).
+  bool nearest_devices = false;
 };
 
 v1::RegisterMrRequest ToRequest(const std::string& session,

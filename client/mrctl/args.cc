@@ -924,16 +924,18 @@ absl::StatusOr<DeviceChoice> ParseDevices(absl::string_view text) {
     std::string name(absl::StripAsciiWhitespace(part));
     if (name == "all") {
       choice.all = true;
+    } else if (name == "nearest") {
+      choice.nearest = true;
     } else {
       choice.names.push_back(std::move(name));
     }
   }
-  if (choice.all && !choice.names.empty()) {
+  if (int{choice.all} + int{choice.nearest} + int{!choice.names.empty()} > 1) {
     return UsageError(absl::StrCat(
-        "'all' takes no device names beside it, got '", text, "'"));
+        "give device names, all or nearest, one of them; got '", text, "'"));
   }
-  if (!choice.all && choice.names.empty()) {
-    return UsageError("give device names joined by ',', or all");
+  if (!choice.all && !choice.nearest && choice.names.empty()) {
+    return UsageError("give device names joined by ',', all or nearest");
   }
   return choice;
 }

@@ -129,6 +129,7 @@ absl::StatusOr<uint32_t> ParseMemFlags(absl::string_view text);
 struct DeviceChoice {
   std::vector<std::string> names;
   bool all = false;
+  bool nearest = false;  // "nearest": the devices near the memory
 };
 absl::StatusOr<DeviceChoice> ParseDevices(absl::string_view text);
 // "a,b,c" of ParseUint64 values.

@@ -125,6 +125,7 @@ absl::Status DevicesOf(const FlagValues& flags,
   if (!choice.ok()) return FlagError("devices", choice.status());
   options.devices = std::move(choice->names);
   options.all_devices = choice->all;
+  options.nearest_devices = choice->nearest;
   return absl::OkStatus();
 }
 

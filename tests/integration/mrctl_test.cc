@@ -1437,8 +1437,8 @@ TEST_F(MrctlTwoDevicesTest, UnknownDevicesAreRefusedByName) {
                         "--devices=all,software"});
   EXPECT_EQ(mixed.code, kExitUsage) << mixed;
   EXPECT_TRUE(absl::StartsWith(mixed.err,
-                               "mrctl: --devices: 'all' takes no "
-                               "device names beside it"))
+                               "mrctl: --devices: give device names, all or "
+                               "nearest, one of them"))
       << mixed;
   CloseLease();
 }

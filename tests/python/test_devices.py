@@ -122,3 +122,17 @@ def test_unknown_devices_are_refused_by_name(client):
         # A bare name is not a list of names.
         with pytest.raises(ValueError):
             session.register(buffer, devices="software1")
+
+
+def test_nearest_takes_every_device_when_none_has_a_numa_node(client):
+    # Software devices are on no NUMA node: every device is as near.
+    assert all(d.numa_node == -1 for d in client.devices())
+    with client.open_fd_session() as session, \
+            session.create_buffer(4096) as buffer:
+        buffer.memory[:4] = b"near"
+        with session.register(buffer, flags=mrd_client.REMOTE_READ,
+                              devices=mrd_client.NEAREST_DEVICES) as reg:
+            assert [t.device for t in reg.tokens] == NAMES
+            for token in reg.tokens:
+                assert read_through(session, token, reg.base_address,
+                                    4) == b"near"

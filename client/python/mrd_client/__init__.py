@@ -19,7 +19,7 @@ Errors are MrdError (code, seed_status, reason, required_size). The
 software device's peer side is mrd_client.SoftwarePeer.
 """
 
-from .client import (ALL_DEVICES, FD_MAX_REPLY_BYTES, FD_MAX_REQUEST_BYTES, HUGE_PAGE_SIZE,
+from .client import (ALL_DEVICES, NEAREST_DEVICES, FD_MAX_REPLY_BYTES, FD_MAX_REQUEST_BYTES, HUGE_PAGE_SIZE,
                      LOCAL_READ, LOCAL_WRITE, REMOTE_READ, REMOTE_WRITE,
                      Buffer, Client,
                      FdSession, Lam, LeaseSession, MemfdBuffer, Mr,
@@ -30,7 +30,7 @@ from .peer import PeerError, SoftwarePeer
 # mrd_client.verbs_peer (VerbsPeer) needs python3-pyverbs: import it by name.
 
 __all__ = [
-    "ALL_DEVICES", "Buffer", "Client", "FdSession", "FD_MAX_REPLY_BYTES",
+    "ALL_DEVICES", "NEAREST_DEVICES", "Buffer", "Client", "FdSession", "FD_MAX_REPLY_BYTES",
     "FD_MAX_REQUEST_BYTES", "HUGE_PAGE_SIZE", "Lam", "LeaseSession", "LOCAL_READ",
     "LOCAL_WRITE", "MemfdBuffer", "Mr", "MrdError", "NameWatch", "PeerError",
     "REMOTE_READ", "REMOTE_WRITE", "Registration", "Session", "SoftwarePeer",

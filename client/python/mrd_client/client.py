@@ -27,6 +27,9 @@ REMOTE_WRITE = mrd_pb2.NDK_MR_FLAG_ALLOW_REMOTE_WRITE
 
 # register(devices=ALL_DEVICES): every device mrd serves.
 ALL_DEVICES = "all"
+# register(devices=NEAREST_DEVICES): the devices on the NUMA node of the
+# memory (every device when none is).
+NEAREST_DEVICES = "nearest"
 
 # The fd socket's limits (fd.proto): a request datagram of at most 4096
 # bytes with at most one fd; replies fit in 4096 bytes.
@@ -155,7 +158,8 @@ class Session:
         """RegisterMr on a Buffer (or a buffer id): the Registration.
 
         devices: the devices to register on, as a list of names (Client's
-        devices()) or ALL_DEVICES; None: mrd's first device. The
+        devices()), ALL_DEVICES or NEAREST_DEVICES; None: the session's
+        default (mrd's first device unless SetDefaultDevices said). The
         registration is on all of them or on none (an unknown name:
         MrdError INVALID_ARGUMENT UNKNOWN_DEVICE); its `tokens` give one
         token per device.
@@ -213,9 +217,12 @@ class Session:
             request.base_address = base_address
         if devices == ALL_DEVICES:
             request.devices.all = True
+        elif devices == NEAREST_DEVICES:
+            request.devices.nearest = True
         elif isinstance(devices, str):
-            raise ValueError("devices takes a list of device names or "
-                             "ALL_DEVICES, not the string %r" % devices)
+            raise ValueError("devices takes a list of device names, "
+                             "ALL_DEVICES or NEAREST_DEVICES, not the string "
+                             "%r" % devices)
         elif devices is not None:
             request.devices.names.extend(devices)
         return request

@@ -239,7 +239,12 @@ TEST(ValueParsersTest, Devices) {
   ASSERT_TRUE(all.ok()) << all.status();
   EXPECT_TRUE(all->all);
   EXPECT_TRUE(all->names.empty());
-  for (const char* bad : {"", ",", "all,software"}) {
+  absl::StatusOr<DeviceChoice> nearest = ParseDevices("nearest");
+  ASSERT_TRUE(nearest.ok()) << nearest.status();
+  EXPECT_TRUE(nearest->nearest);
+  EXPECT_FALSE(nearest->all);
+  for (const char* bad :
+       {"", ",", "all,software", "nearest,software", "all,nearest"}) {
     absl::StatusOr<DeviceChoice> choice = ParseDevices(bad);
     EXPECT_FALSE(choice.ok()) << bad;
     EXPECT_TRUE(IsUsageError(choice.status())) << bad;
