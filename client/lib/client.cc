@@ -214,6 +214,10 @@ absl::StatusOr<v1::SessionInfo> Client::GetSession(
     const v1::GetSessionRequest& request) const {
   return CallUnary(*core_, &Stub::GetSession, request);
 }
+absl::StatusOr<v1::SessionInfo> Client::SetDefaultDevices(
+    const v1::SetDefaultDevicesRequest& request) const {
+  return CallUnary(*core_, &Stub::SetDefaultDevices, request);
+}
 absl::StatusOr<v1::CloseSessionResponse> Client::CloseSession(
     const v1::CloseSessionRequest& request) const {
   return CallUnary(*core_, &Stub::CloseSession, request);

@@ -76,6 +76,9 @@ class Client {
       const v1::OpenLeaseSessionRequest& request) const;
   absl::StatusOr<v1::SessionInfo> GetSession(
       const v1::GetSessionRequest& request) const;
+  // The devices a session's registrations use when they name none.
+  absl::StatusOr<v1::SessionInfo> SetDefaultDevices(
+      const v1::SetDefaultDevicesRequest& request) const;
   absl::StatusOr<v1::CloseSessionResponse> CloseSession(
       const v1::CloseSessionRequest& request) const;
   absl::StatusOr<v1::BufferInfo> ImportFile(

@@ -99,6 +99,33 @@ TEST_F(TwoDevicesTest, PeersReadThroughEachDevicesTokenUntilItIsDeregistered) {
   EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 0}));
 }
 
+TEST_F(TwoDevicesTest, ASessionsDefaultDevicesServeCallsThatNameNone) {
+  client::Session session = OpenFdSession();
+  v1::SetDefaultDevicesRequest set;
+  set.set_session(session.token());
+  set.mutable_devices()->add_names("software1");
+  absl::StatusOr<v1::SessionInfo> info = client_->SetDefaultDevices(set);
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->default_devices().names_size(), 1);
+  client::Buffer buffer = NewBuffer(session, 4096, "default");
+  client::RegisterOptions o;
+  o.buffer = buffer.id();
+  o.length = 4096;
+  o.flags = kRemoteRead;
+  absl::StatusOr<client::Registration> r =
+      client::Registration::Register(session, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->tokens().size(), 1);
+  EXPECT_EQ(r->tokens()[0].device(), "software1");
+  std::unique_ptr<peer::Peer> peer = PeerOn(session, "software1");
+  ASSERT_NE(peer, nullptr);
+  absl::StatusOr<std::string> read =
+      peer->Read(r->tokens()[0].rkey(), r->base_address(), 7);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "default");
+  ASSERT_TRUE(r->Deregister().ok());
+}
+
 TEST_F(TwoDevicesTest, AnUnknownDeviceIsRefusedByName) {
   client::Session session = OpenFdSession();
   client::Buffer buffer = NewBuffer(session, 4096);
