@@ -18,6 +18,7 @@
 #include "mrd/status.h"
 #include "server/common/log.h"
 #include "server/device/verbs/verbs_internal.h"
+#include "server/device/verbs/verbs_sysfs.h"
 
 namespace mrd::device {
 namespace {
@@ -359,6 +360,9 @@ absl::Status VerbsDevice::QueryAdapter(const VerbsDeviceOptions& options,
   }
   adapter->attributes.gid = verbs_internal::FormatGid(gid.raw);
   adapter->attributes.lid = port.lid;
+  adapter->attributes.link_layer = LinkLayerName(port.link_layer);
+  adapter->attributes.numa_node = VerbsDeviceNumaNode(name);
+  adapter->attributes.pci_address = VerbsDevicePciAddress(name);
   adapter->max_message_size =
       port.max_msg_sz != 0 ? port.max_msg_sz : uint64_t{1} << 30;
   adapter->max_responder_resources = static_cast<uint32_t>(attr.max_qp_rd_atom);
