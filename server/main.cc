@@ -127,7 +127,7 @@ class Daemon final : public handover::Participant {
   std::unique_ptr<FdBudget> fd_budget_;
   daemon::Config config_;  // paths, peers, the device chosen
   std::unique_ptr<device::Device> device_;
-  // --software_devices: the devices after the first, served beside it.
+  // --software_devices, --verbs_devices: the devices after the first.
   std::vector<std::unique_ptr<device::Device>> more_devices_;
   core::CoreOptions core_options_;
   // The directory (--etcd_endpoints) and its part in a handover: outlives
@@ -239,7 +239,7 @@ absl::Status Daemon::OpenDevice(UniqueFd peer_listener) {
   }
   LogInfo("device: ", kind, " (", device_->Attributes().name,
           "), peers connect to ", device_->Attributes().peer_address);
-  return daemon::OpenMoreSoftwareDevices(config_, *device_, &more_devices_);
+  return daemon::OpenMoreDevices(config_, *device_, &more_devices_);
 }
 
 absl::Status Daemon::StartCore() {

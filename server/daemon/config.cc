@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -26,6 +27,7 @@
 #include "server/core/core.h"
 #include "server/daemon/flags.h"
 #include "server/device/verbs/verbs_device.h"
+#include "server/device/verbs/verbs_sysfs.h"
 
 namespace mrd::daemon {
 namespace {
@@ -411,6 +413,107 @@ absl::Status OpenMoreSoftwareDevices(
     more->push_back(std::move(device));
   }
   return absl::OkStatus();
+}
+
+namespace {
+
+// The devices --verbs_devices names beside `first`, checked: each exists,
+// none twice, not `first`.
+absl::StatusOr<std::vector<std::string>> MoreVerbsDeviceNames(
+    const std::string& flag, const std::string& first) {
+  const std::vector<std::string> existing = device::ListVerbsDevices();
+  std::vector<std::string> names;
+  if (flag == "all") {
+    for (const std::string& name : existing) {
+      if (name != first) names.push_back(name);
+    }
+    return names;
+  }
+  for (absl::string_view part : absl::StrSplit(flag, ',')) {
+    const std::string name(absl::StripAsciiWhitespace(part));
+    if (name.empty()) {
+      return Fail(
+          absl::StrCat("--verbs_devices=", flag, " has an empty device name"));
+    }
+    if (name == first) {
+      return Fail(absl::StrCat("--verbs_devices names ", name,
+                               ", which is already mrd's first device "
+                               "(--verbs_device, --peer_address)"));
+    }
+    if (std::find(names.begin(), names.end(), name) != names.end()) {
+      return Fail(absl::StrCat("--verbs_devices names ", name, " twice"));
+    }
+    if (std::find(existing.begin(), existing.end(), name) == existing.end()) {
+      return Fail(absl::StrCat("--verbs_devices: no RDMA device named '", name,
+                               "'; devices: ", absl::StrJoin(existing, ", ")));
+    }
+    names.push_back(name);
+  }
+  return names;
+}
+
+}  // namespace
+
+absl::Status OpenMoreVerbsDevices(
+    const Config& config, const device::Device& first,
+    std::vector<std::unique_ptr<device::Device>>* more) {
+  const std::string flag = absl::GetFlag(FLAGS_verbs_devices);
+  if (flag.empty()) return absl::OkStatus();
+  if (!config.use_verbs) {
+    return Fail(absl::StrCat("refusing to start: --verbs_devices=", flag,
+                             " needs the verbs device, and mrd runs the "
+                             "software device"));
+  }
+  MRD_ASSIGN_OR_RETURN(const std::vector<std::string> names,
+                       MoreVerbsDeviceNames(flag, first.Attributes().name));
+  if (1 + more->size() + names.size() > core::kMaxDevices) {
+    return Fail(absl::StrCat("refusing to start: --verbs_devices=", flag,
+                             " makes ", 1 + more->size() + names.size(),
+                             " devices; mrd serves at most ",
+                             core::kMaxDevices));
+  }
+  const std::string peer_address = absl::GetFlag(FLAGS_peer_address);
+  absl::StatusOr<std::pair<std::string, std::string>> host_port =
+      peer::SplitHostPort(peer_address);
+  if (!host_port.ok()) {
+    return Fail(absl::StrCat("--peer_address ", peer_address, ": ",
+                             host_port.status().message()));
+  }
+  for (const std::string& name : names) {
+    // Each device's peers connect to its own interface's address.
+    absl::StatusOr<std::string> address = device::VerbsDeviceIpv4Address(name);
+    if (!address.ok()) {
+      return Fail(
+          absl::StrCat("--verbs_devices: ", address.status().message()));
+    }
+    device::VerbsDeviceOptions options;
+    options.device_name = name;
+    // The core's device 1 + more->size(): its connection ids say so.
+    options.connection_id_base = (uint64_t{1} + more->size())
+                                 << core::Session::kDeviceShift;
+    options.peer_address = absl::StrCat(*address, ":", host_port->second);
+    absl::StatusOr<std::unique_ptr<device::VerbsDevice>> verbs =
+        device::VerbsDevice::Create(options);
+    if (!verbs.ok()) {
+      return Fail(absl::StrCat("--verbs_devices: verbs device ", name, ": ",
+                               verbs.status().ToString()));
+    }
+    if (absl::Status s = (*verbs)->Start(); !s.ok()) {
+      return Fail(
+          absl::StrCat("verbs device ", name, " start: ", s.ToString()));
+    }
+    LogInfo("device: verbs (", name, "), peers connect to ",
+            (*verbs)->Attributes().peer_address);
+    more->push_back(*std::move(verbs));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status OpenMoreDevices(
+    const Config& config, const device::Device& first,
+    std::vector<std::unique_ptr<device::Device>>* more) {
+  MRD_RETURN_IF_ERROR(OpenMoreSoftwareDevices(config, first, more));
+  return OpenMoreVerbsDevices(config, first, more);
 }
 
 void ShutdownDevices(device::Device* first,

@@ -70,6 +70,20 @@ absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
 absl::Status OpenMoreSoftwareDevices(
     const Config& config, const device::Device& first,
     std::vector<std::unique_ptr<device::Device>>* more);
+// The verbs devices after the first (--verbs_devices: names, or all of the
+// node's but `first`), started and appended to `more`: each named by its
+// RDMA device, its peers on its port's IPv4 address (its GID table) at
+// --peer_address's port. Errors, naming the flag and the device: the
+// software device runs, an unknown, duplicate or first device, more than
+// core::kMaxDevices in all, a device without an IPv4 address, and a
+// device's open or start.
+absl::Status OpenMoreVerbsDevices(
+    const Config& config, const device::Device& first,
+    std::vector<std::unique_ptr<device::Device>>* more);
+// Both of the above, started, in `more`.
+absl::Status OpenMoreDevices(
+    const Config& config, const device::Device& first,
+    std::vector<std::unique_ptr<device::Device>>* more);
 // Shuts `first`, then `more`, down.
 void ShutdownDevices(device::Device* first,
                      const std::vector<std::unique_ptr<device::Device>>& more);

@@ -84,6 +84,13 @@ ABSL_FLAG(std::string, verbs_device, "",
           "Verbs device: the RDMA device to use (e.g. mlx5_0, rxe0); empty = "
           "the one --peer_address belongs to. When set, --peer_address must "
           "be on it.");
+ABSL_FLAG(std::string, verbs_devices, "",
+          "Verbs device: more RDMA devices served beside the first "
+          "(--verbs_device), as a comma list of names or 'all' (every RDMA "
+          "device of the node). Each device's peers connect to the IPv4 "
+          "address of its port (from its GID table) at --peer_address's "
+          "port (any free port when that is 0); a device without one is "
+          "refused. At most 24 devices in all.");
 ABSL_FLAG(std::string, metrics_address, "127.0.0.1:9464",
           "Serve Prometheus metrics at http://<address>/metrics. Empty = off.");
 ABSL_FLAG(std::string, shm_dir, "/dev/shm/mrd",

@@ -30,6 +30,7 @@ ABSL_DECLARE_FLAG(absl::Duration, peer_stall_timeout);
 ABSL_DECLARE_FLAG(mrd::ByteSize, peer_buffer_bytes);
 ABSL_DECLARE_FLAG(uint32_t, peer_workers);
 ABSL_DECLARE_FLAG(std::string, verbs_device);
+ABSL_DECLARE_FLAG(std::string, verbs_devices);
 ABSL_DECLARE_FLAG(std::string, metrics_address);
 ABSL_DECLARE_FLAG(std::string, shm_dir);
 ABSL_DECLARE_FLAG(std::vector<std::string>, allowed_uids);

@@ -7,7 +7,8 @@
 #   mrdctl   the run directory, writable: job.sh and rw.list in; stage,
 #            output.log, status, error and dmesg.txt out
 #   mrdrwN   host directories mounted writable at the same path (rw.list)
-# Then: dummy netdev mrd0 (10.77.0.1/24), Soft-RoCE device rxe0 on it,
+# Then: dummy netdevs mrd0 (10.77.0.1/24) and mrd1 (10.76.0.1/24), Soft-RoCE
+# devices rxe0 and rxe1 on them,
 # RLIMIT_MEMLOCK unlimited, job.sh in the chroot, its status to mrdctl,
 # power off.
 
@@ -107,24 +108,35 @@ in_root() {
 }
 
 in_root ip link set lo up || fail "ip link set lo up"
-in_root ip link add mrd0 type dummy || fail "cannot create dummy netdev mrd0"
-in_root ip addr add 10.77.0.1/24 dev mrd0 || fail "cannot give mrd0 10.77.0.1/24"
-in_root ip link set mrd0 up || fail "cannot bring mrd0 up"
-in_root rdma link add rxe0 type rxe netdev mrd0 ||
-  fail "rdma link add rxe0 type rxe netdev mrd0 failed"
+# A Soft-RoCE device on a dummy netdev of its own: rdma_add NETDEV ADDRESS RXE.
+rdma_add() {
+  in_root ip link add "$1" type dummy || fail "cannot create dummy netdev $1"
+  in_root ip addr add "$2/24" dev "$1" || fail "cannot give $1 $2/24"
+  in_root ip link set "$1" up || fail "cannot bring $1 up"
+  in_root rdma link add "$3" type rxe netdev "$1" ||
+    fail "rdma link add $3 type rxe netdev $1 failed"
+}
 
-state=""
-i=0
-while [ $i -lt 100 ]; do
-  state=$(cat /sys/class/infiniband/rxe0/ports/1/state 2>/dev/null)
-  case "$state" in *ACTIVE*) break ;; esac
-  sleep 0.1
-  i=$((i + 1))
-done
-case "$state" in
-  *ACTIVE*) ;;
-  *) fail "rxe0 port 1 not ACTIVE after 10 s (state: '${state:-none}')" ;;
-esac
+# Waits until port 1 of RDMA device $1 is ACTIVE (10 s at most).
+wait_active() {
+  state=""
+  i=0
+  while [ $i -lt 100 ]; do
+    state=$(cat "/sys/class/infiniband/$1/ports/1/state" 2>/dev/null)
+    case "$state" in *ACTIVE*) return 0 ;; esac
+    sleep 0.1
+    i=$((i + 1))
+  done
+  fail "$1 port 1 not ACTIVE after 10 s (state: '${state:-none}')"
+}
+
+in_root ip link set lo up || fail "ip link set lo up"
+# rxe0 serves every verbs test; rxe1 is the second device of mrd's
+# several-devices tests (--verbs_devices).
+rdma_add mrd0 10.77.0.1 rxe0
+rdma_add mrd1 10.76.0.1 rxe1
+wait_active rxe0
+wait_active rxe1
 ls $R/dev/infiniband/uverbs* >/dev/null 2>&1 || fail "no /dev/infiniband/uverbs* after creating rxe0"
 [ -e $R/dev/infiniband/rdma_cm ] || fail "no /dev/infiniband/rdma_cm (rdma_ucm not loaded?)"
 

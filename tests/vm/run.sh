@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs a command inside a qemu VM (TCG, Debian's kernel) that has a Soft-RoCE
-# device rxe0, with the host's root filesystem mounted read-only as the VM's
-# root. See tests/vm/README.md.
+# Runs a command inside a qemu VM (TCG, Debian's kernel) that has Soft-RoCE
+# devices rxe0 and rxe1, with the host's root filesystem mounted read-only as
+# the VM's root. See tests/vm/README.md.
 #
 #   tests/vm/run.sh [--rw DIR]... [--timeout SECONDS] [--mem MB] [--cwd DIR]
 #                   -- command args...
@@ -114,6 +114,7 @@ CONSOLE="$RUN/console.log"
   printf 'export PATH=%q\n' "${PATH:-/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin}"
   echo 'export HOME=/tmp'
   echo 'export MRD_VM=1 MRD_VERBS_DEVICE=rxe0 MRD_VERBS_ADDRESS=10.77.0.1'
+  echo 'export MRD_VERBS_DEVICE2=rxe1 MRD_VERBS_ADDRESS2=10.76.0.1'
   [[ -n ${LANG:-} ]] && printf 'export LANG=%q\n' "$LANG"
   echo 'ulimit -l unlimited || { echo "mrd-vm: cannot raise RLIMIT_MEMLOCK" >&2; exit 125; }'
   printf 'cd %q || { echo "mrd-vm: cannot enter %q inside the VM" >&2; exit 125; }\n' "$CWD" "$CWD"
@@ -186,7 +187,7 @@ while kill -0 "$QEMU_PID" 2>/dev/null; do
 done
 
 if [[ -z $timed_out ]] && has_stage ready; then
-  echo "mrd-vm: VM ready after $((SECONDS - START)) s (rxe0 on mrd0, 10.77.0.1)" >&2
+  echo "mrd-vm: VM ready after $((SECONDS - START)) s (rxe0 on mrd0, 10.77.0.1; rxe1 on mrd1, 10.76.0.1)" >&2
   echo "===== mrd-vm: output of: $* (cwd $CWD; saved to $OUT) ====="
   # Stream the command's output live; it is written to the share by the VM.
   # tail reads to the end of the file once qemu has exited, then stops.

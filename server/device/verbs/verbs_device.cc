@@ -18,6 +18,7 @@
 #include "mrd/status.h"
 #include "server/common/log.h"
 #include "server/device/verbs/verbs_internal.h"
+#include "server/device/verbs/verbs_sysfs.h"
 
 namespace mrd::device {
 namespace {
@@ -190,6 +191,7 @@ absl::StatusOr<std::unique_ptr<VerbsDevice>> VerbsDevice::Create(
   model.max_mr_size = adapter->max_mr_size;
   model.max_page_list_length = adapter->max_page_list_length;
   model.max_session_connections = options.max_connections;
+  model.connection_id_base = options.connection_id_base;
   model.iova_start = (kIovaFloorPages + pick % kIovaSpreadPages) * ps;
   model.iova_limit = kIovaLimit / ps * ps;
   auto device = std::unique_ptr<VerbsDevice>(
@@ -359,6 +361,9 @@ absl::Status VerbsDevice::QueryAdapter(const VerbsDeviceOptions& options,
   }
   adapter->attributes.gid = verbs_internal::FormatGid(gid.raw);
   adapter->attributes.lid = port.lid;
+  adapter->attributes.link_layer = LinkLayerName(port.link_layer);
+  adapter->attributes.numa_node = VerbsDeviceNumaNode(name);
+  adapter->attributes.pci_address = VerbsDevicePciAddress(name);
   adapter->max_message_size =
       port.max_msg_sz != 0 ? port.max_msg_sz : uint64_t{1} << 30;
   adapter->max_responder_resources = static_cast<uint32_t>(attr.max_qp_rd_atom);

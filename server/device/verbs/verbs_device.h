@@ -128,6 +128,8 @@ struct VerbsDeviceOptions {
   uint64_t max_mr_size_limit = 0;
   // Connected queue pairs at once; further connect requests are rejected.
   uint32_t max_connections = 1024;
+  // DeviceModelOptions::connection_id_base (mrd's device i: i << 56).
+  uint64_t connection_id_base = 0;
 };
 
 // Private data of the accept reply: two little-endian uint64s.
