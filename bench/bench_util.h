@@ -163,9 +163,11 @@ inline double Singles(const client::Session& session, uint64_t buffer,
   return Seconds(start);
 }
 
-// The same in RegisterMrBatch / DeregisterMrBatch calls of `batch` pages.
+// The same in RegisterMrBatch / DeregisterMrBatch calls of `batch` pages;
+// `all_devices`: each page registered on every device of mrd.
 inline double Batches(const client::Session& session, uint64_t buffer,
-                      uint64_t count, uint64_t batch) {
+                      uint64_t count, uint64_t batch,
+                      bool all_devices = false) {
   std::vector<client::Registration> regs;
   regs.reserve(count);
   const Clock::time_point start = Clock::now();
@@ -173,6 +175,7 @@ inline double Batches(const client::Session& session, uint64_t buffer,
     std::vector<client::RegisterOptions> options;
     for (uint64_t i = first; i < std::min(count, first + batch); ++i) {
       options.push_back(PageOf(buffer, i));
+      options.back().all_devices = all_devices;
     }
     if (!RegisterBatchInto(session, options, &regs)) return -1;
   }

@@ -55,32 +55,6 @@ double BigRegistration(const client::Session& session, uint64_t bytes,
   return seconds;
 }
 
-// Pages 0..count-1 of `buffer` in batches of `batch`, registered and
-// deregistered, on one device or on all; seconds, or < 0 on failure.
-double BatchRound(const client::Session& session, uint64_t buffer,
-                  uint64_t count, uint64_t batch, bool all) {
-  std::vector<client::Registration> regs;
-  regs.reserve(count);
-  const Clock::time_point start = Clock::now();
-  for (uint64_t first = 0; first < count; first += batch) {
-    std::vector<client::RegisterOptions> options;
-    for (uint64_t i = first; i < std::min(count, first + batch); ++i) {
-      options.push_back(PageOf(buffer, i));
-      options.back().all_devices = all;
-    }
-    if (!RegisterBatchInto(session, options, &regs)) return -1;
-  }
-  for (uint64_t first = 0; first < count; first += batch) {
-    std::vector<client::Registration> chunk;
-    for (uint64_t i = first; i < std::min(count, first + batch); ++i) {
-      chunk.push_back(std::move(regs[i]));
-    }
-    auto left = client::Registration::DeregisterBatch(chunk);
-    if (!left.ok()) return -1;
-  }
-  return Seconds(start);
-}
-
 double Median(std::vector<double> v) { return Percentile(std::move(v), 0.5); }
 
 int Main(int argc, char** argv) {
@@ -110,7 +84,7 @@ int Main(int argc, char** argv) {
     for (int k = 0; k < 2; ++k) {
       const bool all = (round + k) % 2 == 1;
       const double b = BigRegistration(*session, bytes, all);
-      const double s = BatchRound(*session, small->id(), pages, batch, all);
+      const double s = Batches(*session, small->id(), pages, batch, all);
       if (b < 0 || s < 0) {
         std::fprintf(stderr, "devices_bench: a round failed\n%s",
                      mrd->Log().c_str());
