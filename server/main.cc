@@ -98,16 +98,16 @@ class Daemon final : public handover::Participant {
   void WriteStatus(absl::string_view state) { status_.Write(state); }
 
  private:
-  // --takeover: asks the running mrd to hand over (the device opens on
-  // its peer listener meanwhile).
+  // --takeover: asks the running mrd to hand over (the devices open on
+  // its peer listeners meanwhile).
   absl::Status BeginTakeover();
 
   // Committed: clients' channels hear GOAWAY, the server and the health
   // watch stop, the admin socket closes (its path is the new process's).
   void Retire() override;
 
-  // `peer_listener`: taking over, the running mrd's.
-  absl::Status OpenDevice(UniqueFd peer_listener = UniqueFd());
+  // `peer_listeners`: taking over, the running mrd's, by device.
+  absl::Status OpenDevice(std::vector<UniqueFd> peer_listeners = {});
   absl::Status StartCore();
   absl::Status StartFdSocket();
   absl::Status ListenGrpc();
@@ -216,30 +216,12 @@ absl::Status Daemon::Start() {
   return absl::OkStatus();
 }
 
-absl::Status Daemon::OpenDevice(UniqueFd peer_listener) {
-  const std::string device_flag = absl::GetFlag(FLAGS_device);
-  if (config_.use_verbs) {
-    MRD_RETURN_IF_ERROR(
-        daemon::OpenVerbsDevice(&config_, device_flag, &device_));
-  }
-  if (!config_.use_verbs) {
-    MRD_RETURN_IF_ERROR(daemon::OpenSoftwareDevice(
-        config_, handover_->taking_over() ? peer_listener.get() : -1,
-        &device_));
-  }
-  core_handover_.SetDevice(device_.get());
-  if (handover_->taking_over()) {
-    // Taking over: no peer is accepted before commit, when every ticket
-    // and key is this process's (AdoptSnapshot resumes accepting).
-    (void)device_->handover().StopPeerAccepting();
-  }
-  const std::string kind = device_->Attributes().kind;
-  if (absl::Status s = device_->Start(); !s.ok()) {
-    return daemon::Fail(absl::StrCat(kind, " device start: ", s.ToString()));
-  }
-  LogInfo("device: ", kind, " (", device_->Attributes().name,
-          "), peers connect to ", device_->Attributes().peer_address);
-  return daemon::OpenMoreDevices(config_, *device_, &more_devices_);
+absl::Status Daemon::OpenDevice(std::vector<UniqueFd> peer_listeners) {
+  MRD_RETURN_IF_ERROR(daemon::OpenDevices(
+      &config_, absl::GetFlag(FLAGS_device), handover_->taking_over(),
+      peer_listeners, &device_, &more_devices_));
+  core_handover_.SetDevices(daemon::AllDevices(device_.get(), more_devices_));
+  return absl::OkStatus();
 }
 
 absl::Status Daemon::StartCore() {
@@ -566,11 +548,14 @@ absl::Status Daemon::BeginTakeover() {
   hello.set_device_kind(config_.use_verbs ? "verbs" : "software");
   hello.set_device_name(config_.use_verbs ? absl::GetFlag(FLAGS_verbs_device)
                                           : "software");
-  return handover_->BeginTakeover(
-      std::move(hello), [this](UniqueFd peer_listener) -> absl::Status {
-        if (device_ != nullptr) return absl::OkStatus();
-        return OpenDevice(std::move(peer_listener));
-      });
+  hello.set_device_count(
+      config_.use_verbs ? 1 : absl::GetFlag(FLAGS_software_devices));
+  return handover_->BeginTakeover(std::move(hello),
+                                  [this](std::vector<UniqueFd> listeners) {
+                                    if (device_ != nullptr)
+                                      return absl::OkStatus();
+                                    return OpenDevice(std::move(listeners));
+                                  });
 }
 
 void Daemon::Retire() {

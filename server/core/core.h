@@ -213,9 +213,6 @@ class Core final : public fd_socket::FdSessionHandler {
 
   // --- RPCs ---
   absl::Status GetDeviceInfo(v1::DeviceInfo* out) const;
-  // Whether this core's devices can be handed over (one device only, for
-  // now). Errors: FAILED_PRECONDITION HANDOVER_SEVERAL_DEVICES.
-  absl::Status CanHandOverDevices() const;
   // Every device now, in order.
   std::vector<DeviceState> DeviceStates() const;
   // The devices whose health changed since the last call (every device, on
@@ -335,9 +332,12 @@ class Core final : public fd_socket::FdSessionHandler {
   // (Device::FreezePeers), each added to its session in `out` with its
   // socket appended to `fds`. A connection of a session not in `out` is
   // left out (it closes with this process).
+  // `peers` by the core's device index.
   absl::Status ExportPeers(
-      std::vector<device::DeviceHandover::HandedOverPeer> peers,
+      std::vector<std::vector<device::DeviceHandover::HandedOverPeer>> peers,
       v1::HandoverSnapshot* out, std::vector<UniqueFd>* fds);
+  // The core's devices, in order (the handover's participant serves each).
+  const std::vector<device::Device*>& devices() const { return devices_; }
   // Takes over the sessions of `in`: maps each buffer from `fds`, registers
   // each registration on the device with the keys it had, and restores
   // references, request ids, queued completions, leases and tickets, all
@@ -395,10 +395,16 @@ class Core final : public fd_socket::FdSessionHandler {
   // (AdoptSession): the LAMs at the logical addresses and with the
   // privileged keys they had, then the MR objects with their keys (and a
   // fast-register one's mapping over those LAMs).
-  absl::Status AdoptLams(Session& session, device::PdId pd,
+  absl::Status AdoptLams(Session& session, const std::vector<device::PdId>& pds,
                          const v1::HandedOverSession& in);
-  absl::Status AdoptMrObjects(Session& session, device::PdId pd,
+  absl::Status AdoptMrObjects(Session& session,
+                              const std::vector<device::PdId>& pds,
                               const v1::HandedOverSession& in);
+  // The device a handed-over LAM, MR object or peer connection names by
+  // index. Errors: INVALID_ARGUMENT HANDOVER_UNKNOWN_DEVICE.
+  absl::StatusOr<device::Device*> HandedOverDevice(uint32_t index,
+                                                   absl::string_view what,
+                                                   uint64_t id) const;
   // ExportState for one session's LAMs and MR objects. The fast-register
   // MR objects' device state is asked of the device first, outside the
   // session's lock (DescribeFastMrs).

@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "mrd/status.h"
@@ -30,6 +31,15 @@ absl::Status SessionAwareError(Session& session, absl::Status status,
     return NotConnected(absl::StrCat("the session ended during ", call));
   }
   return status;
+}
+
+absl::Status OnDevice(const absl::Status& status, absl::string_view device) {
+  absl::Status out(status.code(),
+                   absl::StrCat("on device ", device, ": ", status.message()));
+  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+    out.SetPayload(url, payload);
+  });
+  return out;
 }
 
 }  // namespace mrd::core

@@ -21,6 +21,10 @@ absl::Status UnknownHandle(absl::string_view what, uint64_t id);
 absl::Status SessionAwareError(Session& session, absl::Status status,
                                absl::string_view call)
     ABSL_LOCKS_EXCLUDED(session.mu);
+// `status` with its message saying which device gave it (its code and
+// error detail unchanged): a call on several devices names the one that
+// refused.
+absl::Status OnDevice(const absl::Status& status, absl::string_view device);
 
 }  // namespace mrd::core
 

@@ -15,12 +15,14 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -29,6 +31,7 @@
 #include "server/common/log.h"
 #include "server/common/thread.h"
 #include "server/core/core.h"
+#include "server/core/errors.h"
 #include "server/core/registrations.h"
 
 namespace mrd::core {
@@ -46,31 +49,78 @@ absl::Status Busy(const Session& session, uint64_t mr) {
 }  // namespace
 
 absl::Status Registrations::Adopt(
-    Session& session, device::PdId pd,
+    Session& session, const std::vector<device::PdId>& pds,
     const std::shared_ptr<fd_socket::MappedFile>& file,
     const v1::HandedOverRegistration& r) {
+  // 0: a process of one device handed it over.
+  const uint32_t bits = r.devices() == 0 ? 1 : r.devices();
+  if (pds.size() > 32 || (bits >> pds.size()) != 0) {
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "HANDOVER_UNKNOWN_DEVICE",
+        absl::StrCat("registration ", r.id(), " is on devices 0x",
+                     absl::Hex(bits), "; this mrd has ", pds.size()));
+  }
   MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
                        file->Span(r.offset(), r.length()));
   file->Prefault(r.offset(), r.length());
-  MRD_ASSIGN_OR_RETURN(
-      device::MrKeys keys,
-      device_->handover().AdoptMr(pd, span, r.base_address(), r.access(),
-                                  r.lkey(), r.rkey()));
+  // On every device it was on, with the keys it had there, or on none.
+  absl::InlinedVector<DeviceMr, 2> made;
+  auto undo = [&] {
+    for (auto mr = made.rbegin(); mr != made.rend(); ++mr) {
+      (void)devices_[mr->device]->DeregisterMr(mr->mr);
+    }
+  };
+  for (uint32_t rest = bits; rest != 0; rest &= rest - 1) {
+    const uint32_t device = FirstDevice(rest);
+    uint32_t lkey = r.lkey();
+    uint32_t rkey = r.rkey();
+    if (!made.empty()) {
+      auto keys = std::find_if(r.device_keys().begin(), r.device_keys().end(),
+                               [&](const v1::HandedOverDeviceKeys& k) {
+                                 return k.device() == device;
+                               });
+      if (keys == r.device_keys().end()) {
+        undo();
+        return MrdError(absl::StatusCode::kInvalidArgument,
+                        "HANDOVER_UNKNOWN_DEVICE",
+                        absl::StrCat("registration ", r.id(),
+                                     " has no keys for device ", device));
+      }
+      lkey = keys->lkey();
+      rkey = keys->rkey();
+    }
+    absl::StatusOr<device::MrKeys> keys = devices_[device]->handover().AdoptMr(
+        pds[device], span, r.base_address(), r.access(), lkey, rkey);
+    if (!keys.ok()) {
+      undo();
+      return bits == 1
+                 ? keys.status()
+                 : OnDevice(keys.status(), devices_[device]->Attributes().name);
+    }
+    made.push_back(DeviceMr{device, keys->mr, keys->lkey, keys->rkey});
+  }
   cache::CachedRegistration reg;
-  reg.device_mr = keys.mr;
-  reg.lkey = keys.lkey;
-  reg.rkey = keys.rkey;
+  reg.device_mr = made[0].mr;
+  reg.lkey = made[0].lkey;
+  reg.rkey = made[0].rkey;
+  reg.devices = bits;
   reg.pinned_bytes = r.pinned_bytes();
   reg.memory = file;
-  const cache::CacheKey key{session.id(), r.buffer(), r.offset(),
-                            r.length(),   r.access(), r.base_address()};
+  cache::CacheKey key{session.id(), r.buffer(), r.offset(),
+                      r.length(),   r.access(), r.base_address()};
+  key.devices = bits;
   if (absl::Status s =
           cache_.Adopt(r.id(), key, reg, r.references(), r.restored());
       !s.ok()) {
-    (void)device_->DeregisterMr(keys.mr);
+    undo();
     return s;
   }
-  budgets_->Adopt(session, r.pinned_bytes(), /*registrations=*/1,
+  if (made.size() > 1) {
+    absl::MutexLock lock(&others_mu_);
+    others_[OthersKey(made[0].device, made[0].mr)].assign(made.begin() + 1,
+                                                          made.end());
+  }
+  budgets_->Adopt(session, r.pinned_bytes(), /*registrations=*/made.size(),
                   /*buffers=*/0, MapSplitsOf(*file));
   absl::MutexLock lock(&session.mu);
   RegistrationRecord& record = session.registrations[r.id()];
@@ -93,7 +143,7 @@ void Core::MarkHandedOver() {
 }
 
 absl::StatusOr<Core::FastMrStates> Core::DescribeFastMrs(Session& session) {
-  std::vector<std::pair<uint64_t, device::MrId>> objects;
+  std::vector<std::tuple<uint64_t, uint32_t, device::MrId>> objects;
   {
     absl::MutexLock lock(&session.mu);
     for (const auto& [id, mr] : session.mrs) {
@@ -101,14 +151,14 @@ absl::StatusOr<Core::FastMrStates> Core::DescribeFastMrs(Session& session) {
         return Busy(session, id);
       }
       if (mr.fast_register && mr.device_mr != 0) {
-        objects.emplace_back(id, mr.device_mr);
+        objects.emplace_back(id, mr.device, mr.device_mr);
       }
     }
   }
   FastMrStates states;
-  for (const auto& [id, device_mr] : objects) {
+  for (const auto& [id, device, device_mr] : objects) {
     absl::StatusOr<device::DeviceHandover::FastMrState> state =
-        device_->handover().DescribeFastMr(device_mr);
+        devices_[device]->handover().DescribeFastMr(device_mr);
     if (!state.ok()) {
       if (absl::IsFailedPrecondition(state.status())) return Busy(session, id);
       return state.status();
@@ -132,6 +182,7 @@ absl::Status Core::ExportFastRegistrationLocked(const Session& session,
     l->set_fbo(lam.fbo);
     l->set_pinned_bytes(lam.pinned_bytes);
     l->set_privileged_key(lam.privileged_key);
+    l->set_device(lam.device);
   }
   for (const auto& [id, mr] : session.mrs) {
     // Work posted since DescribeFastMrs looked: it would not move.
@@ -143,6 +194,7 @@ absl::Status Core::ExportFastRegistrationLocked(const Session& session,
     m->set_fast_register(mr.fast_register);
     m->set_allow_remote(mr.allow_remote);
     m->set_registration(mr.registration);
+    m->set_device(mr.device);
     if (!mr.fast_register || mr.device_mr == 0) continue;
     auto it = fast.find(id);
     // Created, or its state changed, since the device was asked.
@@ -167,18 +219,8 @@ absl::Status Core::ExportFastRegistrationLocked(const Session& session,
   return absl::OkStatus();
 }
 
-absl::Status Core::CanHandOverDevices() const {
-  if (devices_.size() == 1) return absl::OkStatus();
-  return MrdError(absl::StatusCode::kFailedPrecondition,
-                  "HANDOVER_SEVERAL_DEVICES",
-                  absl::StrCat("this mrd serves ", devices_.size(),
-                               " devices; a live handover of more than one "
-                               "is not supported yet: restart it instead"));
-}
-
 absl::Status Core::ExportState(v1::HandoverSnapshot* out,
                                std::vector<UniqueFd>* fds) {
-  MRD_RETURN_IF_ERROR(CanHandOverDevices());
   const absl::Time now = clock_->Now();
   absl::flat_hash_map<uint64_t,
                       std::vector<std::pair<cache::WarmKey, uint64_t>>>
@@ -223,6 +265,15 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
       r->set_mr_refs(record.mr_refs);
       r->set_flags(record.flags);
       r->set_restored(view->restored);
+      if (view->key.devices == 1) continue;
+      r->set_devices(view->key.devices);
+      const Registrations::DeviceMrs mrs = registrations_.MrsOf(*view);
+      for (size_t k = 1; k < mrs.size(); ++k) {
+        v1::HandedOverDeviceKeys* keys = r->add_device_keys();
+        keys->set_device(mrs[k].device);
+        keys->set_lkey(mrs[k].lkey);
+        keys->set_rkey(mrs[k].rkey);
+      }
     }
     MRD_RETURN_IF_ERROR(ExportFastRegistrationLocked(*session, fast, s));
     for (const auto& [key, bytes] : warm[session->id()]) {
@@ -236,6 +287,14 @@ absl::Status Core::ExportState(v1::HandoverSnapshot* out,
   out->set_logical_address_watermark(
       device_->handover().LogicalAddressWatermark());
   out->set_next_connection_id(device_->handover().ConnectionIdWatermark());
+  for (size_t i = 1; i < devices_.size(); ++i) {
+    v1::HandedOverDevice* d = out->add_other_devices();
+    d->set_name(devices_[i]->Attributes().name);
+    d->set_peer_listener(-1);  // the participant's
+    d->set_logical_address_watermark(
+        devices_[i]->handover().LogicalAddressWatermark());
+    d->set_next_connection_id(devices_[i]->handover().ConnectionIdWatermark());
+  }
   out->set_next_handle(next_handle_.load());
   out->set_next_session_id(sessions_.next_id());
   out->set_registration_sequence(registrations_.NextRegistrationSequence());
@@ -493,20 +552,40 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
   auto session = std::make_shared<Session>(
       in.id(), in.token(), in.lease() ? SessionKind::kLease : SessionKind::kFd,
       options_.completion_queue_depth, identity, tenant);
-  absl::StatusOr<device::PdId> pd = device_->AllocatePd(session.get());
-  if (!pd.ok()) {
-    tenant->Release(TenantResource::kSessions, 1);
-    return pd.status();
+  // A PD on every device, as NewSession makes them.
+  std::vector<device::PdId> pds;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    absl::StatusOr<device::PdId> pd =
+        devices_[i]->AllocatePd(session->SinkFor(i));
+    if (!pd.ok()) {
+      for (size_t j = 0; j < pds.size(); ++j) {
+        (void)devices_[j]->DeallocatePd(pds[j]);
+      }
+      tenant->Release(TenantResource::kSessions, 1);
+      return pd.status();
+    }
+    pds.push_back(*pd);
+  }
+  absl::StatusOr<uint32_t> default_bits = uint32_t{1};
+  if (in.has_default_devices()) {
+    default_bits = registrations_.DeviceBits(in.default_devices());
   }
   {
     absl::MutexLock lock(&session->mu);
-    session->pd = *pd;
-    session->pds = {*pd};
+    session->pd = pds[0];
+    session->pds = pds;
     session->AdoptLocked(in, clock_->Now());
+    if (in.has_default_devices() && default_bits.ok()) {
+      session->default_devices = in.default_devices();
+      session->default_device_bits = *default_bits;
+      session->default_nearest = in.default_devices().nearest();
+    }
   }
   if (absl::Status s = sessions_.Adopt(session); !s.ok()) {
     tenant->Release(TenantResource::kSessions, 1);
-    (void)device_->DeallocatePd(*pd);
+    for (size_t i = 0; i < pds.size(); ++i) {
+      (void)devices_[i]->DeallocatePd(pds[i]);
+    }
     return s;
   }
   // From here on a failure ends the session the usual way (TearDown gives
@@ -515,11 +594,24 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
     EndSession(session->token(), "handover failed");
     return s;
   };
-  if (!in.peer_ticket().empty()) {
+  if (!default_bits.ok()) return fail(default_bits.status());
+  // Its tickets: device 0's, then the others' by device - 1.
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    std::string ticket;
+    if (i == 0) {
+      ticket = in.peer_ticket();
+    } else if (i - 1 < static_cast<size_t>(in.device_tickets_size())) {
+      ticket = in.device_tickets(static_cast<int>(i - 1));
+    }
+    if (ticket.empty()) continue;
     if (absl::Status s =
-            device_->handover().AdoptPeerTicket(*pd, in.peer_ticket());
+            devices_[i]->handover().AdoptPeerTicket(pds[i], ticket);
         !s.ok()) {
       return fail(s);
+    }
+    if (i > 0) {
+      absl::MutexLock lock(&session->mu);
+      session->SetPeerTicketLocked(i, ticket);
     }
   }
   for (const v1::HandedOverBuffer& b : in.buffers()) {
@@ -572,13 +664,13 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
           absl::StrCat("registration ", r.id(), " names buffer ", r.buffer(),
                        ", which was not handed over")));
     }
-    if (absl::Status s = registrations_.Adopt(*session, *pd, file, r);
+    if (absl::Status s = registrations_.Adopt(*session, pds, file, r);
         !s.ok()) {
       return fail(s);
     }
   }
-  if (absl::Status s = AdoptLams(*session, *pd, in); !s.ok()) return fail(s);
-  if (absl::Status s = AdoptMrObjects(*session, *pd, in); !s.ok()) {
+  if (absl::Status s = AdoptLams(*session, pds, in); !s.ok()) return fail(s);
+  if (absl::Status s = AdoptMrObjects(*session, pds, in); !s.ok()) {
     return fail(s);
   }
   for (const v1::HandedOverWarmPin& w : in.warm_pins()) {
@@ -594,13 +686,17 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
                    absl::StrCat("peer connection ", c.id(), " names fd ",
                                 c.fd(), " of ", fds.size())));
     }
+    absl::StatusOr<device::Device*> device =
+        HandedOverDevice(c.device(), "peer connection", c.id());
+    if (!device.ok()) return fail(device.status());
     device::DeviceHandover::HandedOverPeer peer;
     peer.id = c.id();
     peer.remote = c.remote();
     peer.socket = std::move(fds[c.fd()]);
     peer.received = c.received();
     peer.unsent = c.unsent();
-    if (absl::Status s = device_->handover().AdoptPeer(*pd, std::move(peer));
+    if (absl::Status s =
+            (*device)->handover().AdoptPeer(pds[c.device()], std::move(peer));
         !s.ok()) {
       return fail(s);
     }
@@ -610,38 +706,56 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
 }
 
 absl::Status Core::ExportPeers(
-    std::vector<device::DeviceHandover::HandedOverPeer> peers,
+    std::vector<std::vector<device::DeviceHandover::HandedOverPeer>> peers,
     v1::HandoverSnapshot* out, std::vector<UniqueFd>* fds) {
-  absl::flat_hash_map<device::PdId, uint64_t> session_of_pd;
+  // (device, PD) -> the session's id.
+  absl::flat_hash_map<std::pair<size_t, device::PdId>, uint64_t> session_of_pd;
   for (const std::shared_ptr<Session>& session : sessions_.All()) {
     absl::MutexLock lock(&session->mu);
-    session_of_pd[session->pd] = session->id();
+    for (size_t i = 0; i < session->pds.size(); ++i) {
+      session_of_pd[{i, session->pds[i]}] = session->id();
+    }
   }
   absl::flat_hash_map<uint64_t, v1::HandedOverSession*> exported;
   for (v1::HandedOverSession& s : *out->mutable_sessions()) {
     exported[s.id()] = &s;
   }
-  for (device::DeviceHandover::HandedOverPeer& peer : peers) {
-    // A session that is closing was not exported: its connections close
-    // with the old process.
-    auto id = session_of_pd.find(peer.pd);
-    if (id == session_of_pd.end()) continue;
-    auto session = exported.find(id->second);
-    if (session == exported.end()) continue;
-    fds->push_back(std::move(peer.socket));
-    v1::HandedOverPeerConnection* c = session->second->add_peer_connections();
-    c->set_id(peer.id);
-    c->set_remote(peer.remote);
-    c->set_fd(static_cast<int32_t>(fds->size() - 1));
-    c->set_received(std::move(peer.received));
-    c->set_unsent(std::move(peer.unsent));
+  for (size_t device = 0; device < peers.size(); ++device) {
+    for (device::DeviceHandover::HandedOverPeer& peer : peers[device]) {
+      // A session that is closing was not exported: its connections close
+      // with the old process.
+      auto id = session_of_pd.find({device, peer.pd});
+      if (id == session_of_pd.end()) continue;
+      auto session = exported.find(id->second);
+      if (session == exported.end()) continue;
+      fds->push_back(std::move(peer.socket));
+      v1::HandedOverPeerConnection* c = session->second->add_peer_connections();
+      c->set_id(peer.id);
+      c->set_remote(peer.remote);
+      c->set_fd(static_cast<int32_t>(fds->size() - 1));
+      c->set_received(std::move(peer.received));
+      c->set_unsent(std::move(peer.unsent));
+      c->set_device(static_cast<uint32_t>(device));
+    }
   }
   return absl::OkStatus();
 }
 
-absl::Status Core::AdoptLams(Session& session, device::PdId pd,
+absl::StatusOr<device::Device*> Core::HandedOverDevice(uint32_t index,
+                                                       absl::string_view what,
+                                                       uint64_t id) const {
+  if (index < devices_.size()) return devices_[index];
+  return MrdError(absl::StatusCode::kInvalidArgument, "HANDOVER_UNKNOWN_DEVICE",
+                  absl::StrCat(what, " ", id, " is on device ", index,
+                               "; this mrd has ", devices_.size()));
+}
+
+absl::Status Core::AdoptLams(Session& session,
+                             const std::vector<device::PdId>& pds,
                              const v1::HandedOverSession& in) {
   for (const v1::HandedOverLam& l : in.lams()) {
+    MRD_ASSIGN_OR_RETURN(device::Device * device,
+                         HandedOverDevice(l.device(), "LAM", l.id()));
     std::shared_ptr<fd_socket::MappedFile> file;
     {
       absl::MutexLock lock(&session.mu);
@@ -657,11 +771,12 @@ absl::Status Core::AdoptLams(Session& session, device::PdId pd,
     MRD_ASSIGN_OR_RETURN(device::MemorySpan span,
                          file->Span(l.offset(), l.length()));
     file->Prefault(l.offset(), l.length());
-    MRD_ASSIGN_OR_RETURN(device::LogicalMapping mapping,
-                         device_->handover().AdoptLam(pd, span, l.first_page(),
-                                                      l.privileged_key()));
+    MRD_ASSIGN_OR_RETURN(
+        device::LogicalMapping mapping,
+        device->handover().AdoptLam(pds[l.device()], span, l.first_page(),
+                                    l.privileged_key()));
     if (mapping.pages.size() != l.page_count() || mapping.fbo != l.fbo()) {
-      (void)device_->ReleaseLam(mapping.lam);
+      (void)device->ReleaseLam(mapping.lam);
       return MrdError(absl::StatusCode::kInvalidArgument,
                       "HANDOVER_LAM_MISMATCH",
                       absl::StrCat("LAM ", l.id(), " had ", l.page_count(),
@@ -673,23 +788,34 @@ absl::Status Core::AdoptLams(Session& session, device::PdId pd,
     budgets_.Adopt(session, l.pinned_bytes(), 0, 0);
     budgets_.AdoptObjects(session, TenantResource::kLams, 1);
     LamRecord lam{l.id(),
-                  /*device=*/0, mapping.lam,
-                  l.buffer(),   l.offset(),
-                  l.length(),   std::move(mapping.pages),
-                  l.fbo(),      l.pinned_bytes(),
-                  file,         l.privileged_key()};
+                  l.device(),
+                  mapping.lam,
+                  l.buffer(),
+                  l.offset(),
+                  l.length(),
+                  std::move(mapping.pages),
+                  l.fbo(),
+                  l.pinned_bytes(),
+                  file,
+                  l.privileged_key()};
     absl::MutexLock lock(&session.mu);
-    for (uint64_t page : lam.pages) session.page_to_lam[page] = lam.id;
+    for (uint64_t page : lam.pages) {
+      session.page_to_lam[Session::LamPageKey(lam.device, page)] = lam.id;
+    }
     session.lams.emplace(lam.id, std::move(lam));
   }
   return absl::OkStatus();
 }
 
-absl::Status Core::AdoptMrObjects(Session& session, device::PdId pd,
+absl::Status Core::AdoptMrObjects(Session& session,
+                                  const std::vector<device::PdId>& pds,
                                   const v1::HandedOverSession& in) {
   for (const v1::HandedOverMrObject& m : in.mrs()) {
+    MRD_ASSIGN_OR_RETURN(device::Device * device,
+                         HandedOverDevice(m.device(), "MR object", m.id()));
     MrObject mr;
     mr.id = m.id();
+    mr.device = m.device();
     mr.fast_register = m.fast_register();
     mr.allow_remote = m.allow_remote();
     mr.registration = m.registration();
@@ -705,8 +831,9 @@ absl::Status Core::AdoptMrObjects(Session& session, device::PdId pd,
       state.length = m.length();
       state.base_address = m.base_address();
       state.access = m.access();
-      MRD_ASSIGN_OR_RETURN(device::MrKeys keys,
-                           device_->handover().AdoptFastRegisterMr(pd, state));
+      MRD_ASSIGN_OR_RETURN(
+          device::MrKeys keys,
+          device->handover().AdoptFastRegisterMr(pds[m.device()], state));
       mr.device_mr = keys.mr;
       mr.lkey = m.reported_lkey();
       mr.rkey = keys.rkey;
@@ -725,8 +852,15 @@ absl::Status Core::AdoptMrObjects(Session& session, device::PdId pd,
 absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
                               std::vector<UniqueFd>& fds,
                               PreparedBuffers* prepared) {
-  MRD_RETURN_IF_ERROR(device_->handover().CanHandOver());
-  MRD_RETURN_IF_ERROR(CanHandOverDevices());
+  for (device::Device* device : devices_) {
+    MRD_RETURN_IF_ERROR(device->handover().CanHandOver());
+  }
+  if (static_cast<size_t>(in.other_devices_size()) + 1 != devices_.size()) {
+    return MrdError(
+        absl::StatusCode::kFailedPrecondition, "HANDOVER_DEVICE_MISMATCH",
+        absl::StrCat("the snapshot is of ", in.other_devices_size() + 1,
+                     " devices; this mrd runs ", devices_.size()));
+  }
   const absl::Time start = absl::Now();
   AdoptTimes times;
   // Before any session: its tenant is made with the settings it had.
@@ -743,6 +877,12 @@ absl::Status Core::AdoptState(const v1::HandoverSnapshot& in,
   device_->handover().ContinueLogicalAddressesAbove(
       in.logical_address_watermark());
   device_->handover().ContinueConnectionIdsAbove(in.next_connection_id());
+  for (size_t i = 1; i < devices_.size(); ++i) {
+    const v1::HandedOverDevice& d = in.other_devices(static_cast<int>(i - 1));
+    devices_[i]->handover().ContinueLogicalAddressesAbove(
+        d.logical_address_watermark());
+    devices_[i]->handover().ContinueConnectionIdsAbove(d.next_connection_id());
+  }
   std::vector<std::string> adopted;
   uint64_t registrations = 0;
   for (const v1::HandedOverSession& session : in.sessions()) {

@@ -5,6 +5,7 @@
 #ifndef MRD_SERVER_CORE_HANDOVER_PARTICIPANT_H_
 #define MRD_SERVER_CORE_HANDOVER_PARTICIPANT_H_
 
+#include <utility>
 #include <vector>
 
 #include "absl/time/time.h"
@@ -17,15 +18,20 @@
 
 namespace mrd::core {
 
-// The device and the core are set as they are made (a new process opens
-// its device on the prepare frame, and makes its core after it); both
-// before the handover thread starts.
+// The devices and the core are set as they are made (a new process opens
+// its devices on the prepare frame, and makes its core after it); both
+// before the handover thread starts. Every device hands over: each one's
+// peer listener, frozen peer connections and watermarks go in the
+// snapshot, device 0's in its own fields, the others' in other_devices.
 class CoreParticipant final : public handover::Participant {
  public:
   // `drain`: how long the peer operations in flight may take to end when
   // the peer connections freeze (--handover_drain_timeout).
   explicit CoreParticipant(absl::Duration drain) : drain_(drain) {}
-  void SetDevice(device::Device* device) { device_ = device; }
+  // The core's devices, in its order (device 0 first).
+  void SetDevices(std::vector<device::Device*> devices) {
+    devices_ = std::move(devices);
+  }
   void SetCore(Core* core) { core_ = core; }
 
   // The old process.
@@ -52,17 +58,24 @@ class CoreParticipant final : public handover::Participant {
   void Commit() override;
 
  private:
+  // Every device's listening socket into `fds`, named by `snapshot`
+  // (peer_listener, other_devices[].peer_listener): `listeners` (by device)
+  // duplicated.
+  static absl::Status AddPeerListeners(const std::vector<UniqueFd>& listeners,
+                                       v1::HandoverSnapshot* snapshot,
+                                       std::vector<UniqueFd>* fds);
+
   const absl::Duration drain_;
-  device::Device* device_ = nullptr;
+  std::vector<device::Device*> devices_;
   Core* core_ = nullptr;
   // The new process: the buffers the prepare frame named, mapped and
   // pinned ahead.
   PreparedBuffers prepared_;
-  // The old process: what Freeze, Export and Release did, for Thaw.
-  UniqueFd detached_peer_;  // the peer listener, not accepting
-  bool peer_stopped_ = false;
+  // The old process: what Freeze, Export and Release did, for Thaw. The
+  // peer listeners, not accepting, by device (as many as stopped).
+  std::vector<UniqueFd> detached_peers_;
   bool streams_held_ = false;
-  bool peers_frozen_ = false;
+  size_t peers_frozen_ = 0;  // devices whose peers froze, from the first
 };
 
 }  // namespace mrd::core

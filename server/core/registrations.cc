@@ -82,17 +82,6 @@ struct WarmOwner {
   std::shared_ptr<fd_socket::MappedFile> file;
 };
 
-// `status` with its message saying which device gave it (its code and
-// error detail unchanged).
-absl::Status OnDevice(const absl::Status& status, absl::string_view device) {
-  absl::Status out(status.code(),
-                   absl::StrCat("on device ", device, ": ", status.message()));
-  status.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
-    out.SetPayload(url, payload);
-  });
-  return out;
-}
-
 // get_mempolicy's flags (<numaif.h> is libnuma's; the system call is the
 // kernel's).
 constexpr unsigned long kMpolFNode = 1;

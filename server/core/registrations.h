@@ -155,11 +155,15 @@ class Registrations {
   uint32_t NearestDevices(const void* address) const;
 
   // Handover (core/handover.cc): registers `r`, a registration another mrd
-  // process handed over, on the device with the keys it had, and puts it in
-  // the cache and in `session` with its references, its pinned bytes and
-  // device registration charged whatever the limits say. Errors: the
-  // device's (KEY_IN_USE, pinning), the cache's; nothing of it stays then.
-  absl::Status Adopt(Session& session, device::PdId pd,
+  // process handed over, on each of its devices (in the session's PD there,
+  // `pds` by device) with the keys it had there, and puts it in the cache
+  // and in `session` with its references, its pinned bytes and device
+  // registrations charged whatever the limits say. Errors: the device's
+  // (KEY_IN_USE, pinning; naming the device when there are several),
+  // INVALID_ARGUMENT HANDOVER_UNKNOWN_DEVICE (a device this core does not
+  // have, or one whose keys are missing), the cache's; nothing of it stays
+  // then.
+  absl::Status Adopt(Session& session, const std::vector<device::PdId>& pds,
                      const std::shared_ptr<fd_socket::MappedFile>& file,
                      const v1::HandedOverRegistration& r)
       ABSL_LOCKS_EXCLUDED(session.mu);

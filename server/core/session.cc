@@ -267,6 +267,13 @@ void Session::ExportLocked(absl::Time now, v1::HandedOverSession* out) const {
         std::max<int64_t>(0, absl::ToInt64Milliseconds(expires_ - now)));
   }
   out->set_peer_ticket(peer_ticket_);
+  for (const std::string& ticket : device_tickets_) {
+    out->add_device_tickets(ticket);
+  }
+  if (default_devices.names_size() > 0 || default_devices.all() ||
+      default_devices.nearest()) {
+    *out->mutable_default_devices() = default_devices;
+  }
   out->set_next_buffer_address(next_buffer_address_);
   absl::flat_hash_set<absl::string_view> seen;
   for (const std::string& id : request_id_order_) {

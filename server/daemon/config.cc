@@ -386,6 +386,7 @@ absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
 
 absl::Status OpenMoreSoftwareDevices(
     const Config& config, const device::Device& first,
+    const std::vector<UniqueFd>& peer_listeners,
     std::vector<std::unique_ptr<device::Device>>* more) {
   const uint32_t count = absl::GetFlag(FLAGS_software_devices);
   if (count < 1 || count > core::kMaxDevices) {
@@ -401,9 +402,14 @@ absl::Status OpenMoreSoftwareDevices(
   // others share (a page registered on several is pinned once).
   const auto* software = static_cast<const device::SoftwareDevice*>(&first);
   for (uint32_t i = 1; i < count; ++i) {
+    const int listener =
+        i < peer_listeners.size() ? peer_listeners[i].get() : -1;
     std::unique_ptr<device::Device> device;
     MRD_RETURN_IF_ERROR(
-        OpenSoftwareDeviceNumber(config, -1, i, software, &device));
+        OpenSoftwareDeviceNumber(config, listener, i, software, &device));
+    // Taking over: no peer is accepted before commit, when every ticket and
+    // key is this process's.
+    if (listener >= 0) (void)device->handover().StopPeerAccepting();
     if (absl::Status s = device->Start(); !s.ok()) {
       return Fail(absl::StrCat(device->Attributes().name,
                                " device start: ", s.ToString()));
@@ -511,9 +517,38 @@ absl::Status OpenMoreVerbsDevices(
 
 absl::Status OpenMoreDevices(
     const Config& config, const device::Device& first,
+    const std::vector<UniqueFd>& peer_listeners,
     std::vector<std::unique_ptr<device::Device>>* more) {
-  MRD_RETURN_IF_ERROR(OpenMoreSoftwareDevices(config, first, more));
+  MRD_RETURN_IF_ERROR(
+      OpenMoreSoftwareDevices(config, first, peer_listeners, more));
   return OpenMoreVerbsDevices(config, first, more);
+}
+
+absl::Status OpenDevices(Config* config, const std::string& device_flag,
+                         bool taking_over,
+                         const std::vector<UniqueFd>& peer_listeners,
+                         std::unique_ptr<device::Device>* first,
+                         std::vector<std::unique_ptr<device::Device>>* more) {
+  if (config->use_verbs) {
+    MRD_RETURN_IF_ERROR(OpenVerbsDevice(config, device_flag, first));
+  }
+  if (!config->use_verbs) {
+    MRD_RETURN_IF_ERROR(OpenSoftwareDevice(
+        *config, peer_listeners.empty() ? -1 : peer_listeners[0].get(), first));
+  }
+  device::Device& device = **first;
+  if (taking_over) {
+    // Taking over: no peer is accepted before commit, when every ticket
+    // and key is this process's (the handover's commit resumes accepting).
+    (void)device.handover().StopPeerAccepting();
+  }
+  const std::string kind = device.Attributes().kind;
+  if (absl::Status s = device.Start(); !s.ok()) {
+    return Fail(absl::StrCat(kind, " device start: ", s.ToString()));
+  }
+  LogInfo("device: ", kind, " (", device.Attributes().name,
+          "), peers connect to ", device.Attributes().peer_address);
+  return OpenMoreDevices(*config, device, peer_listeners, more);
 }
 
 void ShutdownDevices(device::Device* first,

@@ -65,10 +65,13 @@ absl::Status OpenSoftwareDevice(const Config& config, int peer_listener,
 // The software devices after the first (--software_devices), started:
 // device i named "software<i>", its peers on --peer_address's port + i,
 // its pins shared with `first` (the software device, unless this refuses).
-// Errors: --software_devices out of range or with the verbs device,
+// Taking over, device i opens on `peer_listeners[i]` (the running mrd's
+// device i's; not accepting until the handover commits). Errors:
+// --software_devices out of range or with the verbs device,
 // OpenSoftwareDevice's, and a device's start.
 absl::Status OpenMoreSoftwareDevices(
     const Config& config, const device::Device& first,
+    const std::vector<UniqueFd>& peer_listeners,
     std::vector<std::unique_ptr<device::Device>>* more);
 // The verbs devices after the first (--verbs_devices: names, or all of the
 // node's but `first`), started and appended to `more`: each named by its
@@ -83,7 +86,17 @@ absl::Status OpenMoreVerbsDevices(
 // Both of the above, started, in `more`.
 absl::Status OpenMoreDevices(
     const Config& config, const device::Device& first,
+    const std::vector<UniqueFd>& peer_listeners,
     std::vector<std::unique_ptr<device::Device>>* more);
+// Every device, started: the first (OpenVerbsDevice or OpenSoftwareDevice),
+// then OpenMoreDevices'. `taking_over`: device i opens on
+// `peer_listeners[i]`, the running mrd's, and accepts no peer until the
+// handover commits.
+absl::Status OpenDevices(Config* config, const std::string& device_flag,
+                         bool taking_over,
+                         const std::vector<UniqueFd>& peer_listeners,
+                         std::unique_ptr<device::Device>* first,
+                         std::vector<std::unique_ptr<device::Device>>* more);
 // Shuts `first`, then `more`, down.
 void ShutdownDevices(device::Device* first,
                      const std::vector<std::unique_ptr<device::Device>>& more);

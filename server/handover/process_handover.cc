@@ -44,7 +44,7 @@ void ProcessHandover::WriteStatus(absl::string_view state) {
 
 absl::Status ProcessHandover::BeginTakeover(
     v1::HandoverHello hello,
-    const std::function<absl::Status(UniqueFd)>& open_device) {
+    const std::function<absl::Status(std::vector<UniqueFd>)>& open_device) {
   hello.set_mrd_version(options_.mrd_version);
   hello.set_pid(static_cast<uint32_t>(getpid()));
   takeover_start_ = absl::Now();
@@ -68,7 +68,7 @@ absl::Status ProcessHandover::BeginTakeover(
 
 absl::Status ProcessHandover::TryTakeover(
     const v1::HandoverHello& hello,
-    const std::function<absl::Status(UniqueFd)>& open_device) {
+    const std::function<absl::Status(std::vector<UniqueFd>)>& open_device) {
   // The reason stays (BeginTakeover retries on it); the message says that
   // the running mrd serves on.
   auto annotate = [](absl::string_view what, const absl::Status& s) {
@@ -101,9 +101,15 @@ absl::Status ProcessHandover::TryTakeover(
   absl::StatusOr<HandoverChannel::Received> prepare =
       takeover_->ReceivePrepare();
   if (!prepare.ok()) return annotate("failed", prepare.status());
-  if (absl::Status s = open_device(
-          TakeFd(prepare->fds, prepare->frame.prepare().peer_listener()));
-      !s.ok()) {
+  // Each device's listener: device 0's, then the others'.
+  std::vector<UniqueFd> listeners;
+  listeners.push_back(
+      TakeFd(prepare->fds, prepare->frame.prepare().peer_listener()));
+  for (const v1::HandedOverDevice& device :
+       prepare->frame.prepare().other_devices()) {
+    listeners.push_back(TakeFd(prepare->fds, device.peer_listener()));
+  }
+  if (absl::Status s = open_device(std::move(listeners)); !s.ok()) {
     return annotate("failed", s);
   }
   for (Participant* p : participants_) {

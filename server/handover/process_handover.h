@@ -27,7 +27,7 @@
 //
 //   BeginTakeover:  hello (fault new.version: a version nobody speaks);
 //                   none listens: StartFresh each; the prepare frame: the
-//                   device opens on the old peer listener, Preload each;
+//                   devices open on the old peer listeners, Preload each;
 //                   (new.prepare: the process dies here); the snapshot.
 //                   HANDOVER_BUSY: Unload each and ask again, backing off.
 //   AdoptAndCommit: Adopt each (new.adopt fails it; new.crash: the process
@@ -85,13 +85,15 @@ class ProcessHandover final : private HandoverSource {
 
   // --- the new process ------------------------------------------------------
   // Asks the running mrd to hand over, receives the prepare frame (calling
-  // `open_device` with the old process's peer listener, then every
+  // `open_device` with the old process's peer listeners, one per device in
+  // its order (an empty UniqueFd for a device without one), then every
   // participant's Preload) and the snapshot. A running mrd that is busy
   // (HANDOVER_BUSY) is asked again, backing off, until the timeout. OK
   // without a takeover (taking_over() false) when no mrd runs.
   absl::Status BeginTakeover(
       v1::HandoverHello hello,
-      const std::function<absl::Status(UniqueFd peer_listener)>& open_device);
+      const std::function<absl::Status(std::vector<UniqueFd> peer_listeners)>&
+          open_device);
   bool taking_over() const { return takeover_ != nullptr; }
   // The snapshot received (taking_over() only).
   const v1::HandoverSnapshot& snapshot() const {
@@ -139,7 +141,8 @@ class ProcessHandover final : private HandoverSource {
   // One attempt of BeginTakeover.
   absl::Status TryTakeover(
       const v1::HandoverHello& hello,
-      const std::function<absl::Status(UniqueFd peer_listener)>& open_device);
+      const std::function<absl::Status(std::vector<UniqueFd> peer_listeners)>&
+          open_device);
   void WriteStatus(absl::string_view state);
   // The test fault point `point` (--handover_test_fault) as the error it
   // fails its step with, or OK when another one (or none) is set.

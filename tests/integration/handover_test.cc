@@ -328,8 +328,9 @@ class HandoverTest : public ::testing::Test {
   // Starts `mrd --takeover` (serving metrics if `metrics`: on the old mrd's
   // address when it serves them) and waits until the old mrd has handed
   // over and exited.
-  void TakeOver(bool metrics = false) {
-    MrdProcessOptions options = Options({"--takeover"});
+  void TakeOver(bool metrics = false, std::vector<std::string> flags = {}) {
+    flags.push_back("--takeover");
+    MrdProcessOptions options = Options(std::move(flags));
     options.metrics = metrics;
     if (metrics) options.metrics_address = old_->metrics_address();
     auto successor = MrdProcess::Start(options);
@@ -989,6 +990,101 @@ TEST_F(HandoverTest, OnlyItsOwnUidWithItsFormatAndDeviceMayTakeOver) {
   EXPECT_TRUE(session->Ping().ok());
   ASSERT_NO_FATAL_FAILURE(TakeOver());
   EXPECT_EQ(Held(*session), held_before);
+}
+
+// Waits (up to 10 s) until `peer` has done `more` operations past `from`.
+bool PeerWorked(const BusyPeer& peer, uint64_t from, uint64_t more = 10) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  while (peer.operations() < from + more) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
+}
+
+// mrd serving two software devices (issue 26) hands both over: a
+// registration on both devices and one on the second alone keep their
+// tokens, a peer on each device's peer path reads and writes through them
+// all along on the same connection, each device's ticket and the session's
+// default devices go on, and a new process of another device count is
+// refused by name while the old one serves on.
+TEST_F(HandoverTest, EveryDeviceIsHandedOverWithItsPeers) {
+  if (TestDeviceKind() != "software") GTEST_SKIP() << "software device only";
+  ASSERT_NO_FATAL_FAILURE(StartOld({"--software_devices=2"}));
+  absl::StatusOr<Session> session = Session::OpenFd(*client_);
+  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 4 * 4096, "two");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  std::memset(buffer->data(), 'b', 4 * 4096);
+  client::RegisterOptions o =
+      Range(*buffer, 0, 2 * 4096, kRemoteRead | kRemoteWrite);
+  o.all_devices = true;
+  absl::StatusOr<Registration> both = Registration::Register(*session, o);
+  ASSERT_TRUE(both.ok()) << both.status();
+  ASSERT_EQ(both->tokens().size(), 2);
+  o = Range(*buffer, 2 * 4096, 4096, kRemoteRead | kRemoteWrite);
+  o.devices = {"software1"};
+  absl::StatusOr<Registration> second = Registration::Register(*session, o);
+  ASSERT_TRUE(second.ok()) << second.status();
+  v1::SetDefaultDevicesRequest defaults_req;
+  defaults_req.set_session(session->token());
+  defaults_req.mutable_devices()->set_all(true);
+  ASSERT_TRUE(client_->SetDefaultDevices(defaults_req).ok());
+  absl::StatusOr<client::PeerTicket> ticket0 =
+      client::PeerTicket::Create(*session, "software");
+  absl::StatusOr<client::PeerTicket> ticket1 =
+      client::PeerTicket::Create(*session, "software1");
+  ASSERT_TRUE(ticket0.ok() && ticket1.ok());
+  ASSERT_NE(ticket0->peer_address(), ticket1->peer_address());
+  const std::string held_before = Held(*session);
+
+  // Another device count: refused by name, the old mrd serves on.
+  absl::StatusOr<MrdExit> refused = MrdProcess::RunToExit(
+      Options({"--takeover", "--software_devices=1"}), 30000);
+  ASSERT_TRUE(refused.ok()) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused->log, "HANDOVER_DEVICE_MISMATCH"))
+      << refused->log;
+  EXPECT_FALSE(old_->WaitExited(absl::ZeroDuration())) << old_->Log();
+
+  BusyPeer peer0(ticket0->peer_address(), ticket0->ticket(),
+                 {{both->tokens()[0].rkey(), both->base_address()}});
+  BusyPeer peer1(ticket1->peer_address(), ticket1->ticket(),
+                 {{both->tokens()[1].rkey(), both->base_address()},
+                  {second->rkey(), second->base_address()}});
+  ASSERT_TRUE(PeerWorked(peer0, 0)) << peer0.refusals();
+  ASSERT_TRUE(PeerWorked(peer1, 0)) << peer1.refusals();
+  ASSERT_NO_FATAL_FAILURE(TakeOver(false, {"--software_devices=2"}));
+  const uint64_t after0 = peer0.operations();
+  const uint64_t after1 = peer1.operations();
+  EXPECT_TRUE(PeerWorked(peer0, after0)) << peer0.refusals();
+  EXPECT_TRUE(PeerWorked(peer1, after1)) << peer1.refusals();
+  peer0.Stop();
+  peer1.Stop();
+  EXPECT_EQ(peer0.refusals(), "");
+  EXPECT_EQ(peer1.refusals(), "");
+  // Each peer's connection was handed over, not made again.
+  EXPECT_EQ(peer0.reconnects(), 1u);
+  EXPECT_EQ(peer1.reconnects(), 1u);
+  EXPECT_GE(peer1.connection_id(), uint64_t{1} << 56);
+
+  EXPECT_EQ(Held(*session), held_before);
+  // The tickets are the ones peers hold: a new peer on the second device
+  // reads what the first peer wrote.
+  std::unique_ptr<peer::Peer> fresh = ConnectPeerTo(*ticket1);
+  ASSERT_NE(fresh, nullptr);
+  absl::StatusOr<std::string> read =
+      fresh->Read(second->rkey(), second->base_address() + 56, 8);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "peer-was");
+  // The default devices went along: a registration naming none is on both.
+  absl::StatusOr<Registration> defaults = Registration::Register(
+      *session, Range(*buffer, 3 * 4096, 4096, kRemoteRead));
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->tokens().size(), 2);
+  ASSERT_TRUE(defaults->Deregister().ok());
+  ASSERT_TRUE(both->Deregister().ok());
+  ASSERT_TRUE(second->Deregister().ok());
+  EXPECT_FALSE(fresh->Read(second->rkey(), second->base_address(), 8).ok());
 }
 
 // The verbs device (run in the Soft-RoCE VM, label verbs): its objects

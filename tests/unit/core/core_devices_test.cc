@@ -4,6 +4,7 @@
 // one token per device, each usable only on its own device's peer path, and
 // its deregistration (or the session's end) releases it on both. The cache
 // keeps one registration per (range, access, device set).
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -578,19 +579,227 @@ TEST_P(CoreDevicesTest, ARegistrationCountsOncePerDeviceAgainstTheLimits) {
   core.Shutdown();
 }
 
-TEST_P(CoreDevicesTest, AHandoverOfSeveralDevicesIsRefusedByName) {
-  absl::Status s = core_->CanHandOverDevices();
-  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_EQ(GetErrorDetail(s).reason(), "HANDOVER_SEVERAL_DEVICES");
+// A live handover's new process, as the core sees it: two devices like the
+// fixture's (pins shared as theirs are) and a core on them, which adopts
+// what the fixture's core exported.
+struct Successor {
+  device::FaultPoints faults[2];
+  std::unique_ptr<device::SoftwareDevice> devices[2];
+  std::unique_ptr<core::Core> core;
+
+  static std::unique_ptr<Successor> Start(bool shared, size_t count = 2) {
+    auto next = std::make_unique<Successor>();
+    std::vector<device::Device*> devices;
+    for (size_t i = 0; i < count; ++i) {
+      device::SoftwareDeviceOptions options;
+      options.name = i == 0 ? "software" : "software1";
+      options.peer_listen_address = "127.0.0.1:0";
+      options.fault_points = &next->faults[i];
+      options.connection_id_base = uint64_t{i} << core::Session::kDeviceShift;
+      if (i == 1 && shared) options.share_pins_with = next->devices[0].get();
+      auto device = device::SoftwareDevice::Create(options);
+      EXPECT_TRUE(device.ok()) << device.status();
+      if (!device.ok()) return nullptr;
+      next->devices[i] = std::move(*device);
+      EXPECT_OK(next->devices[i]->Start());
+      devices.push_back(next->devices[i].get());
+    }
+    next->core = std::make_unique<core::Core>(devices, RealClock::Get(),
+                                              core::CoreOptions{});
+    return next;
+  }
+  // Holds nothing; then stops.
+  void Stop() {
+    core->Shutdown();
+    for (auto& device : devices) {
+      if (device == nullptr) continue;
+      const device::SoftwareDevice::ResourceCounts counts =
+          device->CountResources();
+      EXPECT_EQ(counts.mrs, 0u) << device->Attributes().name;
+      EXPECT_EQ(counts.lams, 0u) << device->Attributes().name;
+      EXPECT_EQ(counts.keys, 0u) << device->Attributes().name;
+      EXPECT_EQ(device->PinnedBytes(), 0u) << device->Attributes().name;
+      device->Shutdown();
+    }
+  }
+};
+
+// Copies of `fds` (an adoption takes the ones it uses).
+std::vector<UniqueFd> Copies(const std::vector<UniqueFd>& fds) {
+  std::vector<UniqueFd> copies;
+  for (const UniqueFd& fd : fds) {
+    copies.emplace_back(fcntl(fd.get(), F_DUPFD_CLOEXEC, 0));
+  }
+  return copies;
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Pins, CoreDevicesTest,
-    ::testing::Combine(::testing::Bool(), ::testing::Bool()),
-    [](const ::testing::TestParamInfo<std::tuple<bool, bool>>& info) {
-      return absl::StrCat(std::get<0>(info.param) ? "Shared" : "OwnPins",
-                          std::get<1>(info.param) ? "SideBySide" : "InTurn");
-    });
+// (device, lkey, rkey) of each token of each registration the session
+// lists, in order.
+std::vector<std::tuple<std::string, uint32_t, uint32_t>> TokensOf(
+    core::Core& core, const std::string& session) {
+  v1::ListRegistrationsRequest req;
+  req.set_session(session);
+  v1::ListRegistrationsResponse list;
+  EXPECT_OK(core.ListRegistrations(req, &list));
+  std::vector<std::tuple<std::string, uint32_t, uint32_t>> tokens;
+  for (const v1::RegistrationInfo& r : list.registrations()) {
+    for (const v1::DeviceToken& t : r.tokens()) {
+      tokens.emplace_back(t.device(), t.lkey(), t.rkey());
+    }
+  }
+  return tokens;
+}
+
+// The state a handover of two devices moves: a registration on both, one
+// on the second only, a LAM and a fast-register MR object of the second,
+// a ticket on the second, and the session's default devices.
+class CoreDevicesHandoverTest : public CoreDevicesTest {
+ protected:
+  void SetUp() override {
+    CoreDevicesTest::SetUp();
+    if (HasFatalFailure()) return;
+    absl::StatusOr<v1::RegisterMrResponse> both =
+        Register(Request(0, 2 * page_, {}, /*all=*/true));
+    ASSERT_TRUE(both.ok()) << both.status();
+    absl::StatusOr<v1::RegisterMrResponse> second =
+        Register(Request(2 * page_, page_, {"software1"}));
+    ASSERT_TRUE(second.ok()) << second.status();
+    v1::BuildLamRequest lam;
+    lam.set_session(own_.session);
+    lam.set_buffer(own_.buffer.buffer());
+    lam.set_offset(4 * page_);
+    lam.set_length(2 * page_);
+    lam.set_device("software1");
+    v1::BuildLamResponse built;
+    ASSERT_OK(core_->BuildLam(lam, &built));
+    v1::CreateMrRequest mr;
+    mr.set_session(own_.session);
+    mr.set_fast_register(true);
+    mr.set_allow_remote_access(true);
+    mr.set_device("software1");
+    v1::MrInfo made;
+    ASSERT_OK(core_->CreateMr(mr, &made));
+    v1::CreatePeerTicketRequest ticket_req;
+    ticket_req.set_session(own_.session);
+    ticket_req.set_device("software1");
+    ASSERT_OK(core_->CreatePeerTicket(ticket_req, &ticket_));
+    v1::SetDefaultDevicesRequest defaults;
+    defaults.set_session(own_.session);
+    defaults.mutable_devices()->set_all(true);
+    v1::SessionInfo info;
+    ASSERT_OK(core_->SetDefaultDevices(defaults, &info));
+    ASSERT_OK(core_->ExportState(&snapshot_, &fds_));
+    ASSERT_EQ(snapshot_.other_devices_size(), 1);
+    EXPECT_EQ(snapshot_.other_devices(0).name(), "software1");
+  }
+
+  v1::PeerTicket ticket_;
+  v1::HandoverSnapshot snapshot_;
+  std::vector<UniqueFd> fds_;
+};
+
+TEST_P(CoreDevicesHandoverTest, EveryDevicesStateMovesWithItsKeys) {
+  std::unique_ptr<Successor> next = Successor::Start(Shared());
+  ASSERT_NE(next, nullptr);
+  std::vector<UniqueFd> fds = Copies(fds_);
+  ASSERT_OK(next->core->AdoptState(snapshot_, fds));
+  EXPECT_EQ(TokensOf(*next->core, own_.session),
+            TokensOf(*core_, own_.session));
+  EXPECT_EQ(TokensOf(*next->core, own_.session).size(), 3u);
+  for (int i = 0; i < 2; ++i) {
+    const device::SoftwareDevice::ResourceCounts was =
+        devices_[i]->CountResources();
+    const device::SoftwareDevice::ResourceCounts is =
+        next->devices[i]->CountResources();
+    EXPECT_EQ(is.mrs, was.mrs) << i;
+    EXPECT_EQ(is.lams, was.lams) << i;
+    EXPECT_EQ(is.keys, was.keys) << i;
+  }
+  EXPECT_EQ(next->devices[1]->CountResources().lams, 1u);
+  const core::CoreStats stats = next->core->Stats();
+  EXPECT_EQ(stats.lams, 1u);
+  EXPECT_EQ(stats.mrs, 1u);
+  EXPECT_EQ(stats.accounted_pinned_bytes,
+            core_->Stats().accounted_pinned_bytes);
+  // The ticket of the second device is the one peers hold.
+  v1::CreatePeerTicketRequest ticket_req;
+  ticket_req.set_session(own_.session);
+  ticket_req.set_device("software1");
+  v1::PeerTicket ticket;
+  ASSERT_OK(next->core->CreatePeerTicket(ticket_req, &ticket));
+  EXPECT_EQ(ticket.ticket(), ticket_.ticket());
+  v1::GetSessionRequest get;
+  get.set_session(own_.session);
+  v1::SessionInfo info;
+  ASSERT_OK(next->core->GetSession(get, &info));
+  EXPECT_TRUE(info.default_devices().all());
+  // The defaults hold: a registration naming no device is on both.
+  v1::RegisterMrRequest req = Request(6 * page_, page_, {});
+  absl::StatusOr<v1::RegisterMrResponse> r = RegisterOn(*next->core, req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens_size(), 2);
+  next->Stop();
+}
+
+// Every step of the second device's adoption fails once: the adoption
+// fails, the new core and both its devices hold nothing, and the same
+// snapshot is then adopted whole. A core of another device count refuses
+// the snapshot by name.
+TEST_P(CoreDevicesHandoverTest, AFailureOnTheSecondDeviceLeavesNothing) {
+  std::unique_ptr<Successor> one = Successor::Start(Shared(), 1);
+  ASSERT_NE(one, nullptr);
+  std::vector<UniqueFd> fds = Copies(fds_);
+  absl::Status refused = one->core->AdoptState(snapshot_, fds);
+  EXPECT_EQ(GetErrorDetail(refused).reason(), "HANDOVER_DEVICE_MISMATCH")
+      << refused;
+  one->Stop();
+
+  std::unique_ptr<Successor> next = Successor::Start(Shared());
+  ASSERT_NE(next, nullptr);
+  int failures = 0;
+  for (int nth = 1;; ++nth) {
+    ASSERT_LT(nth, 200) << "the adoption never got past its faults";
+    next->faults[1].Arm(nth, absl::InternalError("fault"));
+    fds = Copies(fds_);
+    absl::Status s = next->core->AdoptState(snapshot_, fds);
+    if (!next->faults[1].Fired()) {
+      ASSERT_OK(s);
+      break;
+    }
+    ++failures;
+    EXPECT_FALSE(s.ok()) << next->faults[1].FiredStep();
+    const core::CoreStats stats = next->core->Stats();
+    EXPECT_EQ(stats.sessions, 0u) << next->faults[1].FiredStep();
+    EXPECT_EQ(stats.registrations, 0u);
+    EXPECT_EQ(stats.accounted_pinned_bytes, 0u);
+    for (auto& device : next->devices) {
+      EXPECT_EQ(device->CountResources().mrs, 0u)
+          << device->Attributes().name << " " << next->faults[1].FiredStep();
+      EXPECT_EQ(device->CountResources().keys, 0u);
+      EXPECT_EQ(device->PinnedBytes(), 0u);
+    }
+  }
+  EXPECT_GT(failures, 3);
+  next->faults[1].Reset();
+  EXPECT_EQ(TokensOf(*next->core, own_.session),
+            TokensOf(*core_, own_.session));
+  next->Stop();
+}
+
+std::string PinsName(
+    const ::testing::TestParamInfo<std::tuple<bool, bool>>& info) {
+  return absl::StrCat(std::get<0>(info.param) ? "Shared" : "OwnPins",
+                      std::get<1>(info.param) ? "SideBySide" : "InTurn");
+}
+
+INSTANTIATE_TEST_SUITE_P(Pins, CoreDevicesTest,
+                         ::testing::Combine(::testing::Bool(),
+                                            ::testing::Bool()),
+                         PinsName);
+INSTANTIATE_TEST_SUITE_P(Pins, CoreDevicesHandoverTest,
+                         ::testing::Combine(::testing::Bool(),
+                                            ::testing::Values(false)),
+                         PinsName);
 
 }  // namespace
 }  // namespace mrd::core_test
