@@ -1053,6 +1053,18 @@ TEST_F(HandoverTest, EveryDeviceIsHandedOverWithItsPeers) {
                   {second->rkey(), second->base_address()}});
   ASSERT_TRUE(PeerWorked(peer0, 0)) << peer0.refusals();
   ASSERT_TRUE(PeerWorked(peer1, 0)) << peer1.refusals();
+  // A new process that fails once it adopted both devices' state: the old
+  // one thaws both devices' peers and serves on.
+  absl::StatusOr<MrdExit> failed = MrdProcess::RunToExit(
+      Options({"--takeover", "--software_devices=2",
+               "--handover_test_fault=new.adopt"}),
+      30000);
+  ASSERT_TRUE(failed.ok()) << failed.status();
+  EXPECT_TRUE(absl::StrContains(failed->log, "the running mrd serves on"))
+      << failed->log;
+  EXPECT_TRUE(PeerWorked(peer0, peer0.operations())) << peer0.refusals();
+  EXPECT_TRUE(PeerWorked(peer1, peer1.operations())) << peer1.refusals();
+  EXPECT_EQ(Held(*session), held_before);
   ASSERT_NO_FATAL_FAILURE(TakeOver(false, {"--software_devices=2"}));
   const uint64_t after0 = peer0.operations();
   const uint64_t after1 = peer1.operations();
