@@ -137,6 +137,12 @@ class FloorService final : public v1::MemoryRegistration::CallbackService {
     const uint64_t length = request.length();
     std::memcpy(descriptor.data() + 16, &length, sizeof(length));
     reply->set_rdma_descriptor(std::move(descriptor));
+    // One token: mrd's replies carry one per device (issue 26).
+    v1::DeviceToken* token = reply->add_tokens();
+    token->set_device("software");
+    token->set_rkey(reply->rkey());
+    token->set_lkey(reply->lkey());
+    token->set_peer_address("127.0.0.1:40000");
   }
 
   template <typename F>
