@@ -22,6 +22,7 @@ absl::StatusOr<Lam> Lam::Build(const Session& session,
   request.set_offset(options.offset);
   request.set_length(options.length);
   request.set_lam_capacity(options.capacity);
+  request.set_device(options.device);
   MRD_ASSIGN_OR_RETURN(v1::BuildLamResponse response,
                        session.client().BuildLam(request));
   return Lam(session.core(), std::move(response));

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -23,11 +24,16 @@ struct BuildLamOptions {
   uint64_t offset = 0;
   uint64_t length = 0;
   uint32_t capacity = 0;  // L2: bytes of room for the mapping; 0 = no limit
+  // The device whose logical address space maps it (GetDeviceInfo's
+  // devices[].name; "": the first, whatever the session's default devices).
+  // Its pages serve fast registrations of that device's MR objects only.
+  std::string device = "";
 };
 
 class Lam {
  public:
-  // Errors as RegisterMr; OUT_OF_RANGE (STATUS_BUFFER_TOO_SMALL) with the
+  // Errors as RegisterMr (INVALID_ARGUMENT UNKNOWN_DEVICE for an unknown
+  // `device`); OUT_OF_RANGE (STATUS_BUFFER_TOO_SMALL) with the
   // required size when `capacity` is too small (RequiredSizeOf()).
   static absl::StatusOr<Lam> Build(const Session& session,
                                    const BuildLamOptions& options);
@@ -51,6 +57,8 @@ class Lam {
   uint32_t privileged_token() const { return response_.privileged_token(); }
   uint64_t length() const { return response_.length(); }
   uint32_t lam_size() const { return response_.lam_size(); }
+  // The device it is mapped on, as mrd named it.
+  const std::string& device() const { return response_.device(); }
   const v1::BuildLamResponse& response() const { return response_; }
 
   // ReleaseLam now; valid() is false afterwards whatever the outcome.

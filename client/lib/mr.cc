@@ -27,7 +27,8 @@ Mr::Mr(std::shared_ptr<internal::SessionCore> core, v1::MrInfo info)
     : core_(std::move(core)), info_(std::move(info)) {}
 
 absl::StatusOr<Mr> Mr::Create(const Session& session, bool fast_register,
-                              bool allow_remote_access) {
+                              bool allow_remote_access,
+                              const std::string& device) {
   if (session.core() == nullptr) {
     return absl::FailedPreconditionError("use of a moved-from Session");
   }
@@ -35,6 +36,7 @@ absl::StatusOr<Mr> Mr::Create(const Session& session, bool fast_register,
   request.set_session(session.token());
   request.set_fast_register(fast_register);
   request.set_allow_remote_access(allow_remote_access);
+  request.set_device(device);
   MRD_ASSIGN_OR_RETURN(v1::MrInfo info, session.client().CreateMr(request));
   return Mr(session.core(), std::move(info));
 }

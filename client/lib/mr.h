@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -38,9 +39,14 @@ struct FastRegisterOptions {
 
 class Mr {
  public:
-  // Errors: RESOURCE_EXHAUSTED, FAILED_PRECONDITION (WSAENOTCONN).
+  // On mrd's device `device` (GetDeviceInfo's devices[].name; "": the
+  // first, whatever the session's default devices). A fast-register MR is
+  // posted on that device's connections only, over LAMs of that device.
+  // Errors: RESOURCE_EXHAUSTED, FAILED_PRECONDITION (WSAENOTCONN),
+  // INVALID_ARGUMENT (UNKNOWN_DEVICE).
   static absl::StatusOr<Mr> Create(const Session& session, bool fast_register,
-                                   bool allow_remote_access = false);
+                                   bool allow_remote_access = false,
+                                   const std::string& device = "");
   static Mr Adopt(const Session& session, const v1::MrInfo& info);
 
   Mr(Mr&& other) noexcept;
@@ -53,6 +59,8 @@ class Mr {
   uint64_t id() const { return info_.mr(); }
   bool fast_register() const { return info_.fast_register(); }
   bool allow_remote_access() const { return info_.allow_remote_access(); }
+  // The device it belongs to, as mrd named it.
+  const std::string& device() const { return info_.device(); }
   // As returned by CreateMr (state "free").
   const v1::MrInfo& info() const { return info_; }
 

@@ -36,6 +36,10 @@ const char kPeerDeviceHelp[] =
     "the default of --address and --kind; its ticket and token must be of "
     "that device";
 
+const char kObjectDeviceHelp[] =
+    "the device it belongs to (info's devices[].name; default: mrd's first); "
+    "a LAM's pages serve fast registrations of that device's MR objects only";
+
 const char kProgressHelp[] =
     "while mrd pins (ranges of 32 MiB or more, after a second), print its "
     "progress reports to stderr (reads the session's completion stream); "
@@ -102,15 +106,16 @@ std::vector<CommandSpec> BuildCommands() {
                "Release a buffer and invalidate what is on it (ReleaseBuffer).",
                "",
                {}});
-  c.push_back({"create-mr",
-               "",
-               0,
-               true,
-               "Create an MR object (CreateMr).",
-               "",
-               {{"fast-register", "", "for fast registration only (C1)"},
-                {"allow-remote", "",
-                 "fast registrations may grant remote access (F4)"}}});
+  c.push_back(
+      {"create-mr",
+       "",
+       0,
+       true,
+       "Create an MR object (CreateMr).",
+       "",
+       {{"fast-register", "", "for fast registration only (C1)"},
+        {"allow-remote", "", "fast registrations may grant remote access (F4)"},
+        {"device", "NAME", kObjectDeviceHelp}}});
   c.push_back(
       {"close-mr", "ID", 1, true, "Destroy an MR object (CloseMr).", "", {}});
   c.push_back(
@@ -183,6 +188,7 @@ std::vector<CommandSpec> BuildCommands() {
                 {"capacity", "N",
                  "mapping space in bytes, 8 + 8*pages (L2; default no "
                  "limit)"},
+                {"device", "NAME", kObjectDeviceHelp},
                 {"progress", "", kProgressHelp}}});
   c.push_back({"release-lam",
                "ID",

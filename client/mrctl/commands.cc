@@ -253,6 +253,7 @@ absl::Status CreateMr(Context& ctx) {
   request.set_session(ctx.token());
   request.set_fast_register(fast);
   request.set_allow_remote_access(remote);
+  request.set_device(ctx.flags.String("device").value_or(""));
   MRD_ASSIGN_OR_RETURN(v1::MrInfo info, c.CreateMr(request));
   return Emit(ctx, info);
 }
@@ -442,6 +443,7 @@ absl::Status BuildLam(Context& ctx) {
   request.set_offset(offset);
   request.set_length(length);
   request.set_lam_capacity(capacity);
+  request.set_device(ctx.flags.String("device").value_or(""));
   MRD_ASSIGN_OR_RETURN(bool progress, ctx.flags.Bool("progress"));
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
   if (!progress) {

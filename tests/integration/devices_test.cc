@@ -167,6 +167,159 @@ TEST_F(TwoDevicesTest, AnUnknownDeviceIsRefusedByName) {
   EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 0}));
 }
 
+// An MR object and a LAM of the second device (through the C++ client's
+// Mr::Create and Lam::Build): each says its device, as ListRegistrations
+// does; a fast registration of the one over the other's pages on a
+// connection of that device gives a token its peer reads through.
+TEST_F(TwoDevicesTest, AnMrAndALamOfTheSecondDeviceFastRegisterOnItsPeers) {
+  client::Session session = OpenFdSession();
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  client::Buffer buffer = NewBuffer(session, 3 * page, "second device ");
+  client::CompletionStream stream = client::CompletionStream::Open(session);
+
+  absl::StatusOr<client::Mr> mr =
+      client::Mr::Create(session, /*fast_register=*/true,
+                         /*allow_remote_access=*/true, "software1");
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  EXPECT_EQ(mr->device(), "software1");
+  EXPECT_EQ(mr->info().device(), "software1");
+  client::BuildLamOptions lo;
+  lo.buffer = buffer.id();
+  lo.offset = 10;
+  lo.length = 2 * page;
+  lo.device = "software1";
+  absl::StatusOr<client::Lam> lam = client::Lam::Build(session, lo);
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  EXPECT_EQ(lam->device(), "software1");
+  EXPECT_EQ(lam->pages().size(), 3u);
+
+  v1::ListRegistrationsRequest list_request;
+  list_request.set_session(session.token());
+  absl::StatusOr<v1::ListRegistrationsResponse> list =
+      client_->ListRegistrations(list_request);
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->mrs_size(), 1);
+  EXPECT_EQ(list->mrs(0).device(), "software1");
+  ASSERT_EQ(list->lams_size(), 1);
+  EXPECT_EQ(list->lams(0).device(), "software1");
+  // An adopted handle has the device of the reply it adopts.
+  client::Mr adopted = client::Mr::Adopt(session, mr->info());
+  EXPECT_EQ(adopted.device(), "software1");
+  adopted.Detach();
+
+  std::unique_ptr<peer::Peer> peer = PeerOn(session, "software1");
+  ASSERT_NE(peer, nullptr);
+  EXPECT_EQ(NextOfKind(stream, v1::Completion::PEER_CONNECTED).connection(),
+            peer->connection_id());
+  client::FastRegisterOptions fr = client::FastRegisterOptions::FromLam(*lam);
+  fr.connection = peer->connection_id();
+  fr.request_context = 26;
+  fr.base_address = 0x10000000 + fr.fbo;
+  fr.flags = kOpRemoteRead;
+  absl::StatusOr<uint64_t> wr = mr->FastRegister(fr);
+  ASSERT_TRUE(wr.ok()) << wr.status();
+  v1::Completion done = NextOfKind(stream, v1::Completion::FAST_REGISTER);
+  ASSERT_EQ(done.status(), ::mrd::STATUS_SUCCESS) << done.message();
+  EXPECT_EQ(done.work_request(), *wr);
+  absl::StatusOr<std::string> read =
+      peer->Read(done.rkey(), fr.base_address, 13);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "ice second de");
+
+  absl::StatusOr<uint64_t> inv = mr->Invalidate(peer->connection_id(), 27);
+  ASSERT_TRUE(inv.ok()) << inv.status();
+  EXPECT_EQ(NextOfKind(stream, v1::Completion::INVALIDATE).work_request(),
+            *inv);
+  EXPECT_FALSE(peer->Read(done.rkey(), fr.base_address, 13).ok());
+  EXPECT_TRUE(lam->Release().ok());
+  EXPECT_TRUE(mr->Close().ok());
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 0}));
+}
+
+// An MR object or a LAM is of one device ("": the first, whatever the
+// session's default devices): the other device's connections refuse an MR
+// object of the first (MR_ON_ANOTHER_DEVICE) and the first's logical
+// addresses (UNKNOWN_LOGICAL_ADDRESS); unknown device names are refused.
+TEST_F(TwoDevicesTest, AnMrOrALamOfOneDeviceIsRefusedOnTheOthersConnections) {
+  client::Session session = OpenFdSession();
+  v1::SetDefaultDevicesRequest set;
+  set.set_session(session.token());
+  set.mutable_devices()->add_names("software1");
+  ASSERT_TRUE(client_->SetDefaultDevices(set).ok());
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  client::Buffer buffer = NewBuffer(session, 2 * page, "first ");
+  client::CompletionStream stream = client::CompletionStream::Open(session);
+
+  absl::StatusOr<client::Mr> first = client::Mr::Create(session, true, true);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->device(), "software");
+  absl::StatusOr<client::Mr> second =
+      client::Mr::Create(session, true, true, "software1");
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->device(), "software1");
+  client::BuildLamOptions lo;
+  lo.buffer = buffer.id();
+  lo.length = page;
+  absl::StatusOr<client::Lam> first_lam = client::Lam::Build(session, lo);
+  ASSERT_TRUE(first_lam.ok()) << first_lam.status();
+  EXPECT_EQ(first_lam->device(), "software");
+
+  std::unique_ptr<peer::Peer> peer = PeerOn(session, "software1");
+  ASSERT_NE(peer, nullptr);
+  EXPECT_EQ(NextOfKind(stream, v1::Completion::PEER_CONNECTED).connection(),
+            peer->connection_id());
+  client::FastRegisterOptions fr =
+      client::FastRegisterOptions::FromLam(*first_lam);
+  fr.connection = peer->connection_id();
+  fr.base_address = 0x10000000;
+  fr.flags = kOpRemoteRead;
+  // The second device's MR over the first's LAM: the second device has no
+  // LAM at those logical addresses.
+  ExpectError(second->FastRegister(fr).status(),
+              absl::StatusCode::kInvalidArgument,
+              ::mrd::STATUS_INVALID_PARAMETER, "UNKNOWN_LOGICAL_ADDRESS");
+
+  lo.device = "software1";
+  absl::StatusOr<client::Lam> second_lam = client::Lam::Build(session, lo);
+  ASSERT_TRUE(second_lam.ok()) << second_lam.status();
+  EXPECT_EQ(second_lam->device(), "software1");
+  client::FastRegisterOptions fr2 =
+      client::FastRegisterOptions::FromLam(*second_lam);
+  fr2.connection = peer->connection_id();
+  fr2.base_address = 0x10000000;
+  fr2.flags = kOpRemoteRead;
+  // The first device's MR on the second device's connection.
+  absl::Status refused = first->FastRegister(fr2).status();
+  ExpectError(refused, absl::StatusCode::kFailedPrecondition,
+              ::mrd::STATUS_CONNECTION_INVALID, "MR_ON_ANOTHER_DEVICE");
+  EXPECT_TRUE(
+      absl::StrContains(refused.message(), "belongs to device software;"))
+      << refused;
+  // Refused when asked: both MR objects stay free.
+  v1::ListRegistrationsRequest list_request;
+  list_request.set_session(session.token());
+  absl::StatusOr<v1::ListRegistrationsResponse> list =
+      client_->ListRegistrations(list_request);
+  ASSERT_TRUE(list.ok()) << list.status();
+  ASSERT_EQ(list->mrs_size(), 2);
+  for (const v1::MrInfo& m : list->mrs()) EXPECT_EQ(m.state(), "free");
+
+  // Names mrd does not serve.
+  absl::StatusOr<client::Mr> unknown_mr =
+      client::Mr::Create(session, true, true, "mlx5_7");
+  ASSERT_FALSE(unknown_mr.ok());
+  EXPECT_EQ(GetErrorDetail(unknown_mr.status()).reason(), "UNKNOWN_DEVICE");
+  lo.device = "mlx5_7";
+  absl::StatusOr<client::Lam> unknown_lam = client::Lam::Build(session, lo);
+  ASSERT_FALSE(unknown_lam.ok());
+  EXPECT_EQ(GetErrorDetail(unknown_lam.status()).reason(), "UNKNOWN_DEVICE");
+  EXPECT_TRUE(absl::StrContains(unknown_lam.status().message(), "mlx5_7"));
+
+  EXPECT_TRUE(first_lam->Release().ok());
+  EXPECT_TRUE(second_lam->Release().ok());
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 0}));
+}
+
 // mrd with `flag` must refuse to start, its log saying `says`.
 void ExpectRefusedAtStart(const std::string& flag, const std::string& says) {
   MrdProcessOptions options;

@@ -1443,6 +1443,42 @@ TEST_F(MrctlTwoDevicesTest, UnknownDevicesAreRefusedByName) {
   CloseLease();
 }
 
+TEST_F(MrctlTwoDevicesTest, CreateMrAndBuildLamOnTheDeviceGiven) {
+  const std::string buffer = ImportedBuffer("lam", 8192);
+  ASSERT_FALSE(buffer.empty());
+  Result first = Mrctl({"create-mr", "--fast-register", "--allow-remote"});
+  ASSERT_EQ(first.code, kExitOk) << first;
+  EXPECT_EQ(Fields(first.out)["device"], "software");
+  Result second = Mrctl(
+      {"create-mr", "--fast-register", "--allow-remote", "--device=software1"});
+  ASSERT_EQ(second.code, kExitOk) << second;
+  EXPECT_EQ(Fields(second.out)["device"], "software1");
+  Result lam = Mrctl({"build-lam", "--json", "--buffer=" + buffer,
+                      "--length=4096", "--device=software1"});
+  ASSERT_EQ(lam.code, kExitOk) << lam;
+  v1::BuildLamResponse mapped = FromJson<v1::BuildLamResponse>(lam.out);
+  EXPECT_EQ(mapped.device(), "software1");
+  EXPECT_EQ(mapped.pages_size(), 1);
+  auto lf = Fields(Mrctl({"list"}).out);
+  EXPECT_EQ(lf["mrs[0].device"], "software");
+  EXPECT_EQ(lf["mrs[1].device"], "software1");
+  EXPECT_EQ(lf["lams[0].device"], "software1");
+
+  const std::string refused =
+      "mrctl: INVALID_ARGUMENT SEED_STATUS_UNSPECIFIED UNKNOWN_DEVICE: no "
+      "device 'mlx5_7': mrd serves software, software1\n";
+  Result mr = Mrctl({"create-mr", "--device=mlx5_7"});
+  EXPECT_EQ(mr.code, kExitFailed) << mr;
+  EXPECT_EQ(mr.err, refused);
+  Result unknown = Mrctl(
+      {"build-lam", "--buffer=" + buffer, "--length=4096", "--device=mlx5_7"});
+  EXPECT_EQ(unknown.code, kExitFailed) << unknown;
+  EXPECT_EQ(unknown.err, refused);
+  EXPECT_EQ(Mrctl({"release-lam", absl::StrCat(mapped.lam())}).code, kExitOk);
+  EXPECT_EQ(DevicePinnedBytes(), (std::vector<uint64_t>{0, 0}));
+  CloseLease();
+}
+
 // ---- Finding mrd -----------------------------------------------------------
 
 TEST_F(MrctlTest, GlobalFlagsFindMrdWithoutTheEnvironment) {

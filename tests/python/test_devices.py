@@ -2,13 +2,16 @@
 (--software_devices=2: software, software1): the device list, registrations
 on both (by name and ALL_DEVICES) with a token per device that a
 SoftwarePeer on that device's ticket reads through until it is deregistered,
-batches on both, and unknown device names refused by name with nothing
+batches on both, a session's default devices, MR objects and LAMs of one
+device (create_mr/build_lam device=) fast-registered on that device's
+connections only, and unknown device names refused by name with nothing
 pinned."""
 
 import grpc
 import pytest
 
 import mrd_client
+from mrd.v1 import mrd_pb2
 from mrd_client import MrdError, PeerError, SoftwarePeer
 
 NAMES = ["software", "software1"]
@@ -136,3 +139,100 @@ def test_nearest_takes_every_device_when_none_has_a_numa_node(client):
             for token in reg.tokens:
                 assert read_through(session, token, reg.base_address,
                                     4) == b"near"
+
+
+def test_default_devices_serve_registrations_that_name_none(client):
+    with client.open_fd_session() as session, \
+            session.create_buffer(4096) as buffer:
+        buffer.memory[:7] = b"default"
+        info = session.set_default_devices(["software1"])
+        assert list(info.default_devices.names) == ["software1"]
+        assert list(session.info().default_devices.names) == ["software1"]
+        with session.register(buffer, flags=mrd_client.REMOTE_READ) as reg:
+            assert [t.device for t in reg.tokens] == ["software1"]
+            assert read_through(session, reg.tokens[0], reg.base_address,
+                                7) == b"default"
+        # A batch item that names none follows it too.
+        [item] = session.register_batch([dict(buffer=buffer, length=4096)])
+        assert [t.device for t in item.tokens] == ["software1"]
+        assert session.deregister_batch([item]) == [0]
+        # ALL_DEVICES (and NEAREST_DEVICES) as register() takes them.
+        assert session.set_default_devices(
+            mrd_client.ALL_DEVICES).default_devices.all
+        assert session.set_default_devices(
+            mrd_client.NEAREST_DEVICES).default_devices.nearest
+        with session.register(buffer) as reg:
+            assert [t.device for t in reg.tokens] == NAMES
+        # None: mrd's first device again.
+        session.set_default_devices(None)
+        with session.register(buffer) as reg:
+            assert [t.device for t in reg.tokens] == ["software"]
+        with pytest.raises(MrdError) as e:
+            session.set_default_devices(["mlx5_7"])
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.reason == "UNKNOWN_DEVICE"
+        with pytest.raises(ValueError):
+            session.set_default_devices("software1")
+        assert pinned(client) == [0, 0]
+
+
+def test_an_mr_and_a_lam_of_a_device_fast_register_on_its_connections(
+        client):
+    with client.open_fd_session() as session, \
+            session.create_buffer(3 * 4096) as buffer:
+        buffer.memory[10:20] = b"0123456789"
+        # create_mr and build_lam name their device; "" is the first,
+        # whatever the session's default devices.
+        session.set_default_devices(["software1"])
+        completions = session.completions(timeout=20)
+        with SoftwarePeer.connect(session.peer_ticket("software1")) as peer, \
+                session.create_mr(device="software1") as mr, \
+                session.create_mr() as first_mr, \
+                session.build_lam(buffer, offset=10, length=8192) as first_lam:
+            connected = next(completions)
+            assert connected.kind == connected.PEER_CONNECTED
+            assert connected.connection == peer.connection
+            assert mr.device == "software1" and mr.info.device == "software1"
+            assert first_mr.device == "software"
+            assert first_lam.device == "software"
+            base = 0x10000000A
+            # The second device's MR over the first device's LAM: no LAM of
+            # the second device at those logical addresses.
+            with pytest.raises(MrdError) as e:
+                session.fast_register(peer.connection, mr, first_lam,
+                                      length=8192, base_address=base,
+                                      flags=0x8)
+            assert e.value.reason == "UNKNOWN_LOGICAL_ADDRESS"
+            with session.build_lam(buffer, offset=10, length=8192,
+                                   device="software1") as lam:
+                assert lam.device == "software1"
+                listed = session.list()
+                assert sorted(x.device for x in listed.mrs) == NAMES
+                assert sorted(x.device for x in listed.lams) == NAMES
+                # The first device's MR on the second device's connection.
+                with pytest.raises(MrdError) as e:
+                    session.fast_register(peer.connection, first_mr, lam,
+                                          length=8192, base_address=base,
+                                          flags=0x8)
+                assert e.value.reason == "MR_ON_ANOTHER_DEVICE"
+                assert e.value.seed_status == "STATUS_CONNECTION_INVALID"
+                work = session.fast_register(peer.connection, mr, lam,
+                                             length=8192, base_address=base,
+                                             flags=0x8, request_context=26)
+                done = next(completions)
+                assert done.kind == done.FAST_REGISTER
+                assert done.work_request == work
+                assert done.status == mrd_pb2.STATUS_SUCCESS, done.message
+                assert peer.read(done.rkey, base, 5) == b"01234"
+                session.invalidate(peer.connection, mr, request_context=27)
+                assert next(completions).kind == done.INVALIDATE
+        completions.close()
+        assert pinned(client) == [0, 0]
+        with pytest.raises(MrdError) as e:
+            session.create_mr(device="mlx5_7")
+        assert e.value.reason == "UNKNOWN_DEVICE"
+        with pytest.raises(MrdError) as e:
+            session.build_lam(buffer, length=4096, device="mlx5_7")
+        assert e.value.reason == "UNKNOWN_DEVICE"
+        assert "mlx5_7" in e.value.message
+        assert pinned(client) == [0, 0]

@@ -41,6 +41,21 @@ _F_SEAL_SHRINK = 0x0002
 _F_SEAL_GROW = 0x0004
 
 
+def _select_devices(selection, devices):
+    """Fills a DeviceSelection from a list of names, ALL_DEVICES or
+    NEAREST_DEVICES."""
+    if devices == ALL_DEVICES:
+        selection.all = True
+    elif devices == NEAREST_DEVICES:
+        selection.nearest = True
+    elif isinstance(devices, str):
+        raise ValueError("devices takes a list of device names, "
+                         "ALL_DEVICES or NEAREST_DEVICES, not the string "
+                         "%r" % devices)
+    else:
+        selection.names.extend(devices)
+
+
 def default_runtime_dir():
     """Where mrd's sockets are, as mrd and mrctl decide it: $MRD_RUNTIME_DIR,
     else /run/mrd as root, else $XDG_RUNTIME_DIR/mrd, else /tmp/mrd-<uid>."""
@@ -141,6 +156,18 @@ class Session:
     def info(self):
         return self._call("GetSession", mrd_pb2.GetSessionRequest())
 
+    def set_default_devices(self, devices):
+        """SetDefaultDevices: the devices register() and register_batch()
+        use when they name none; `devices` as register()'s (a list of
+        names, ALL_DEVICES or NEAREST_DEVICES; None or []: mrd's first
+        device again). Returns the SessionInfo (its `default_devices`).
+        create_mr() and build_lam() do not follow it. MrdError
+        INVALID_ARGUMENT UNKNOWN_DEVICE for a device mrd does not serve."""
+        request = mrd_pb2.SetDefaultDevicesRequest()
+        if devices is not None:
+            _select_devices(request.devices, devices)
+        return self._call("SetDefaultDevices", request)
+
     def list(self):
         return self._call("ListRegistrations",
                           mrd_pb2.ListRegistrationsRequest())
@@ -215,16 +242,8 @@ class Session:
             request_id=request_id, mr=mr.id if isinstance(mr, Mr) else (mr or 0))
         if base_address is not None:
             request.base_address = base_address
-        if devices == ALL_DEVICES:
-            request.devices.all = True
-        elif devices == NEAREST_DEVICES:
-            request.devices.nearest = True
-        elif isinstance(devices, str):
-            raise ValueError("devices takes a list of device names, "
-                             "ALL_DEVICES or NEAREST_DEVICES, not the string "
-                             "%r" % devices)
-        elif devices is not None:
-            request.devices.names.extend(devices)
+        if devices is not None:
+            _select_devices(request.devices, devices)
         return request
 
     def register_batch(self, items):
@@ -262,18 +281,27 @@ class Session:
         return results
 
     def build_lam(self, buffer, length, offset=0, lam_capacity=0,
-                  timeout=None):
+                  timeout=None, device=""):
         """BuildLam: pins the range and returns its page list (a Lam).
-        timeout: as register()'s (passing while mrd pins cancels it)."""
+        timeout: as register()'s (passing while mrd pins cancels it).
+        device: the device whose logical address space maps it (a name from
+        Client.devices(); "": mrd's first device, whatever the session's
+        default devices); its pages serve fast registrations of that
+        device's MR objects only."""
         buffer_id = buffer.id if isinstance(buffer, Buffer) else buffer
         return Lam(self, self._call("BuildLam", mrd_pb2.BuildLamRequest(
             buffer=buffer_id, offset=offset, length=length,
-            lam_capacity=lam_capacity), timeout=timeout))
+            lam_capacity=lam_capacity, device=device), timeout=timeout))
 
-    def create_mr(self, fast_register=True, allow_remote_access=True):
+    def create_mr(self, fast_register=True, allow_remote_access=True,
+                  device=""):
+        """CreateMr: an MR object (an Mr) of `device` (a name from
+        Client.devices(); "": mrd's first device, whatever the session's
+        default devices). A fast-register MR is posted on that device's
+        connections only, over LAMs of that device."""
         return Mr(self, self._call("CreateMr", mrd_pb2.CreateMrRequest(
             fast_register=fast_register,
-            allow_remote_access=allow_remote_access)))
+            allow_remote_access=allow_remote_access, device=device)))
 
     def fast_register(self, connection, mr, lam, length, base_address,
                       flags=0, request_context=0):
@@ -588,8 +616,8 @@ class Registration:
 
 
 class Lam:
-    """A logical address mapping (BuildLam): `pages`, `fbo`, `lam_size`.
-    Released (ReleaseLam) on exit."""
+    """A logical address mapping (BuildLam): `pages`, `fbo`, `lam_size`,
+    `device` (the device it is mapped on). Released (ReleaseLam) on exit."""
 
     def __init__(self, session, reply):
         self.session = session
@@ -598,6 +626,7 @@ class Lam:
         self.fbo = reply.fbo
         self.length = reply.length
         self.lam_size = reply.lam_size
+        self.device = reply.device
 
     def release(self):
         if self.id:
@@ -613,12 +642,14 @@ class Lam:
 
 
 class Mr:
-    """An MR object (CreateMr); closed (CloseMr) on exit."""
+    """An MR object (CreateMr): `id`, `info` (the MrInfo), `device` (the
+    device it belongs to); closed (CloseMr) on exit."""
 
     def __init__(self, session, info):
         self.session = session
         self.info = info
         self.id = info.mr
+        self.device = info.device
 
     def close(self):
         if self.id:
