@@ -380,6 +380,12 @@ absl::Status Registrations::CheckTargetsLocked(Session& session,
   plan->pds.assign(session.pds.begin(), session.pds.end());
   plan->key.devices = session.default_device_bits;
   plan->nearest = session.default_nearest;
+  if (req.mr() != 0) {
+    // Not the session's defaults: the MR object's own device.
+    plan->mr_device = session.mrs.find(req.mr())->second.device;
+    plan->key.devices = uint32_t{1} << *plan->mr_device;
+    plan->nearest = false;
+  }
   plan->key.base_address = b->second.address + req.offset();
   return absl::OkStatus();
 }
@@ -412,7 +418,17 @@ absl::Status Registrations::PlanRegistration(Session& session,
                      req.length(), " overflows the address space"));
   }
   if (req.has_devices()) {
-    MRD_ASSIGN_OR_RETURN(key.devices, DeviceBits(req.devices()));
+    MRD_ASSIGN_OR_RETURN(const uint32_t bits, DeviceBits(req.devices()));
+    if (plan->mr_device.has_value() &&
+        (req.devices().nearest() || bits != key.devices)) {
+      return SeedError(
+          STATUS_INVALID_PARAMETER, "MR_ON_ANOTHER_DEVICE",
+          absl::StrCat("MR ", req.mr(), " belongs to device ",
+                       devices_[*plan->mr_device]->Attributes().name,
+                       "; a registration through it is made there only: "
+                       "leave devices unset, or name that device alone"));
+    }
+    key.devices = bits;
     plan->nearest = req.devices().nearest();
   }
   if (plan->nearest) key.devices = NearestDevices(plan->span.host_address);

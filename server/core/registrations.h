@@ -193,6 +193,9 @@ class Registrations {
     cache::CacheKey key;
     absl::InlinedVector<device::PdId, 2> pds;  // the session's, by device
     bool nearest = false;  // key.devices: NearestDevices of the span
+    // Through a normal MR object: the device it belongs to, where the
+    // registration is made (NDK's MR object is one adapter's).
+    std::optional<uint32_t> mr_device;
     device::MemorySpan span;
     uint64_t pin_bytes = 0;
     CancelCheck cancelled;  // the caller's, may be empty

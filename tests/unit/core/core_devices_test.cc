@@ -462,6 +462,48 @@ TEST_P(CoreDevicesTest, NearestChoosesTheDevicesOnTheMemorysNode) {
 // An MR object and a LAM belong to one device (NDK's adapter): a fast
 // registration is posted on a connection of that device, maps pages of that
 // device's LAMs only, and its token works on that device's peer path.
+// NDK's MR object is one adapter's: a registration through a normal MR
+// object is made on the object's device, whatever the session's default
+// devices; naming any other set is refused and registers nothing.
+TEST_P(CoreDevicesTest, ARegistrationThroughAnMrObjectIsOnItsDevice) {
+  v1::SetDefaultDevicesRequest defaults;
+  defaults.set_session(own_.session);
+  defaults.mutable_devices()->set_all(true);
+  v1::SessionInfo info;
+  ASSERT_OK(core_->SetDefaultDevices(defaults, &info));
+  v1::CreateMrRequest create;
+  create.set_session(own_.session);
+  create.set_device("software1");
+  v1::MrInfo mr;
+  ASSERT_OK(core_->CreateMr(create, &mr));
+  for (const std::vector<std::string>& names :
+       std::vector<std::vector<std::string>>{{"software"},
+                                             {"software", "software1"}}) {
+    v1::RegisterMrRequest req = Request(0, page_, names);
+    req.set_mr(mr.mr());
+    absl::StatusOr<v1::RegisterMrResponse> r = Register(req);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(GetErrorDetail(r.status()).reason(), "MR_ON_ANOTHER_DEVICE")
+        << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "software1"));
+  }
+  ExpectEmpty(*devices_[0]);
+  ExpectEmpty(*devices_[1]);
+  v1::RegisterMrRequest req = Request(0, page_, {});
+  req.set_mr(mr.mr());
+  absl::StatusOr<v1::RegisterMrResponse> r = Register(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->tokens_size(), 1);
+  EXPECT_EQ(r->tokens(0).device(), "software1");
+  EXPECT_EQ(devices_[0]->CountResources().mrs, 0u);
+  v1::CloseMrRequest close;
+  close.set_session(own_.session);
+  close.set_mr(mr.mr());
+  // The object held the registration's only reference.
+  ASSERT_OK(core_->CloseMr(close));
+  ExpectEmpty(*devices_[1]);
+}
+
 TEST_P(CoreDevicesTest, FastRegistrationLivesOnTheDeviceOfItsMrAndLam) {
   absl::Mutex mu;
   bool woken = false;
