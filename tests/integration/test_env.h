@@ -15,6 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/lib/mrd_client.h"
@@ -58,6 +62,27 @@ inline bool WaitFor(const std::function<bool()>& condition,
   }
   return condition();
 }
+
+// What ConnectPeer gives when the peer could not connect (the failure is
+// recorded there): a peer whose every operation fails with why, so that a
+// test goes on to fail its own checks instead of crashing on a null peer.
+class UnconnectedPeer final : public peer::Peer {
+ public:
+  explicit UnconnectedPeer(absl::Status why)
+      : why_(absl::FailedPreconditionError(
+            absl::StrCat("the peer never connected: ", why.ToString()))) {}
+  absl::StatusOr<std::string> Read(uint32_t, uint64_t, uint64_t) override {
+    return why_;
+  }
+  absl::Status Write(uint32_t, uint64_t, absl::string_view) override {
+    return why_;
+  }
+  uint64_t connection_id() const override { return 0; }
+  uint64_t max_message_size() const override { return 0; }
+
+ private:
+  const absl::Status why_;
+};
 
 // RegisterMr options for [offset, offset + length) of `buffer`.
 inline client::RegisterOptions Range(const client::Buffer& buffer,
@@ -160,13 +185,16 @@ class MrdTest : public ::testing::Test {
 
   // A peer of the device under test (software: TCP peer path; verbs: an RC
   // queue pair connected with librdmacm), attached to `session`'s PD.
+  // Never null: a peer that could not connect is an UnconnectedPeer (and
+  // the test has failed).
   std::unique_ptr<peer::Peer> ConnectPeer(const client::Session& session) {
     auto ticket = client::PeerTicket::Create(session);
     EXPECT_TRUE(ticket.ok()) << ticket.status();
-    if (!ticket.ok()) return nullptr;
+    if (!ticket.ok()) return std::make_unique<UnconnectedPeer>(ticket.status());
     auto p = TryConnectPeer(ticket->peer_address(), ticket->ticket());
     EXPECT_TRUE(p.ok()) << p.status();
-    return p.ok() ? std::move(*p) : nullptr;
+    if (!p.ok()) return std::make_unique<UnconnectedPeer>(p.status());
+    return std::move(*p);
   }
   absl::StatusOr<std::unique_ptr<peer::Peer>> TryConnectPeer(
       const std::string& peer_address, const std::string& ticket) {

@@ -312,31 +312,94 @@ TEST_F(VerbsDeviceTest, ShutdownClosesPeersAndIsIdempotent) {
               Property(&absl::Status::code, absl::StatusCode::kUnavailable));
 }
 
+// A Soft-RoCE device of the test's own, on a dummy interface of its own,
+// deleted with it at the end of the test: a test that takes a port down or
+// deletes a device leaves rxe0, which the tests beside it use, alone. (An
+// rdma_cm connect made while an rxe device's interface is down breaks every
+// later connect on that device until it is deleted and added again:
+// Debian's 6.1 rdma_rxe, with plain rping too.) `prefix` and `subnet` keep
+// the tests that make one apart; the pid keeps processes apart.
+struct OwnRxeDevice {
+  std::string netdev;
+  std::string rdma;
+  std::string address;
+  std::unique_ptr<VerbsDevice> device;
+
+  // Adds the interface and the rxe device and opens and starts a
+  // VerbsDevice on it (fatal failures on error; `device` null then).
+  void Create(absl::string_view prefix, int subnet) {
+    const int tag = static_cast<int>(getpid() % 250);
+    netdev = absl::StrCat("mrd", prefix, tag);
+    rdma = absl::StrCat("rxe", prefix, tag);
+    address = absl::StrCat("10.", subnet, ".", tag, ".1");
+    ASSERT_EQ(std::system(absl::StrCat("ip link add ", netdev,
+                                       " type dummy && ip addr add ", address,
+                                       "/24 dev ", netdev, " && ip link set ",
+                                       netdev, " up && rdma link add ", rdma,
+                                       " type rxe netdev ", netdev)
+                              .c_str()),
+              0);
+    VerbsDeviceOptions options;
+    options.device_name = rdma;
+    options.peer_address = address + ":0";
+    absl::StatusOr<std::unique_ptr<VerbsDevice>> created =
+        VerbsDevice::Create(options);
+    ASSERT_TRUE(created.ok()) << created.status();
+    ASSERT_TRUE((*created)->Start().ok());
+    device = std::move(*created);
+    ASSERT_TRUE(WaitForHealth(*device, true)) << device->Health().message;
+  }
+  // The device's deletion waits until every process has closed its
+  // context, and librdmacm keeps this process's open until it exits (or
+  // the device is removed under it): the device and then its interface go
+  // in the background, once this process has exited (at once when a test
+  // deleted the device itself).
+  ~OwnRxeDevice() {
+    if (device != nullptr) device->Shutdown();
+    device.reset();
+    if (netdev.empty()) return;
+    (void)std::system(absl::StrCat("(rdma link delete ", rdma,
+                                   "; ip link del ", netdev,
+                                   ") >/dev/null 2>&1 &")
+                          .c_str());
+  }
+};
+
 // The async-event thread: PORT_ERR makes the device unhealthy, PORT_ACTIVE
 // healthy again. Takes the port's interface down and up (root, as in the
-// VM).
+// VM), on a device of the test's own: no peer connects while it is down.
 TEST_F(VerbsDeviceTest, PortDownMakesTheDeviceUnhealthyUntilItIsUpAgain) {
   ASSERT_EQ(geteuid(), 0u) << "needs root to take the interface down";
-  const std::string netdev = PortNetdev(device_->Attributes().name);
-  ASSERT_FALSE(netdev.empty())
-      << "no interface under " << device_->Attributes().name << " port 1";
-  ASSERT_TRUE(device_->Health().healthy);
-  ASSERT_EQ(std::system(("ip link set dev " + netdev + " down").c_str()), 0);
-  bool went_down = WaitForHealth(*device_, false);
-  DeviceHealth down = device_->Health();
+  RecordingSink sink;  // outlives the device
+  OwnRxeDevice own;
+  ASSERT_NO_FATAL_FAILURE(own.Create("pd", 80));
+  VerbsDevice& device = *own.device;
+  ASSERT_EQ(PortNetdev(own.rdma), own.netdev);
+  ASSERT_EQ(std::system(("ip link set dev " + own.netdev + " down").c_str()),
+            0);
+  bool went_down = WaitForHealth(device, false);
+  DeviceHealth down = device.Health();
   // Up again before any assertion can end the test.
-  ASSERT_EQ(std::system(("ip link set dev " + netdev + " up").c_str()), 0);
+  ASSERT_EQ(std::system(("ip link set dev " + own.netdev + " up").c_str()), 0);
   EXPECT_TRUE(went_down);
   EXPECT_THAT(down.message, HasSubstr("port 1 is down"));
-  EXPECT_TRUE(WaitForHealth(*device_, true)) << device_->Health().message;
+  EXPECT_TRUE(WaitForHealth(device, true)) << device.Health().message;
   // Registration works throughout; the port is back for peers.
-  RecordingSink* sink = nullptr;
-  PdId pd = NewPd(&sink);
+  absl::StatusOr<PdId> pd = device.AllocatePd(&sink);
+  ASSERT_TRUE(pd.ok()) << pd.status();
   MemfdBuffer& buffer = NewBuffer(1);
-  MrKeys keys = Register(pd, buffer, 0, PageSize(), kRemoteRw);
-  VerbsPeer* peer = Connect(pd, sink);
-  ASSERT_NE(peer, nullptr);
-  EXPECT_TRUE(peer->Read(keys.rkey, kBase, 8).ok());
+  absl::StatusOr<MrKeys> keys =
+      device.RegisterMr(*pd, buffer.Span(0, PageSize()), kBase, kRemoteRw);
+  ASSERT_TRUE(keys.ok()) << keys.status();
+  absl::StatusOr<std::string> ticket = device.CreatePeerTicket(*pd);
+  ASSERT_TRUE(ticket.ok()) << ticket.status();
+  absl::StatusOr<std::unique_ptr<VerbsPeer>> peer =
+      VerbsPeer::Connect(device.Attributes().peer_address, *ticket);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  EXPECT_TRUE((*peer)->Read(keys->rkey, kBase, 8).ok());
+  peer->reset();
+  EXPECT_TRUE(device.DeregisterMr(keys->mr).ok());
+  EXPECT_TRUE(device.DeallocatePd(*pd).ok());
 }
 
 // Device loss: a Soft-RoCE device of the test's own (so that rxe0 stays)
@@ -345,34 +408,13 @@ TEST_F(VerbsDeviceTest, PortDownMakesTheDeviceUnhealthyUntilItIsUpAgain) {
 // let go of the device, so it finishing at all shows the release.
 TEST_F(VerbsDeviceTest, RemovedDeviceIsLostAndReleasedSoTheRemovalCompletes) {
   ASSERT_EQ(geteuid(), 0u) << "needs root to create and delete a device";
-  const int tag = static_cast<int>(getpid() % 250);
-  const std::string netdev = absl::StrCat("mrdvt", tag);
-  const std::string rdma = absl::StrCat("rxevt", tag);
-  const std::string address = absl::StrCat("10.79.", tag, ".1");
-  ASSERT_EQ(std::system(absl::StrCat("ip link add ", netdev,
-                                     " type dummy && ip addr add ", address,
-                                     "/24 dev ", netdev, " && ip link set ",
-                                     netdev, " up && rdma link add ", rdma,
-                                     " type rxe netdev ", netdev)
-                            .c_str()),
-            0);
-  struct Cleanup {
-    std::string command;
-    ~Cleanup() { (void)std::system(command.c_str()); }
-  } cleanup{absl::StrCat("rdma link delete ", rdma,
-                         " 2>/dev/null; ip link del ", netdev, " 2>/dev/null")};
-  VerbsDeviceOptions options;
-  options.device_name = rdma;
-  options.peer_address = address + ":0";
-  absl::StatusOr<std::unique_ptr<VerbsDevice>> created =
-      VerbsDevice::Create(options);
-  ASSERT_TRUE(created.ok()) << created.status();
-  std::unique_ptr<VerbsDevice> device = std::move(*created);
-  ASSERT_TRUE(device->Start().ok());
-  ASSERT_TRUE(WaitForHealth(*device, true)) << device->Health().message;
+  RecordingSink sink;  // outlives the device
+  OwnRxeDevice own;
+  ASSERT_NO_FATAL_FAILURE(own.Create("vt", 79));
+  const std::string rdma = own.rdma;
+  std::unique_ptr<VerbsDevice>& device = own.device;
 
   const uint64_t ps = PageSize();
-  RecordingSink sink;
   absl::StatusOr<PdId> pd = device->AllocatePd(&sink);
   ASSERT_TRUE(pd.ok()) << pd.status();
   MemfdBuffer& buffer = NewBuffer(4);
