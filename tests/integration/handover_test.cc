@@ -1055,10 +1055,10 @@ TEST_F(HandoverTest, EveryDeviceIsHandedOverWithItsPeers) {
   ASSERT_TRUE(PeerWorked(peer1, 0)) << peer1.refusals();
   // A new process that fails once it adopted both devices' state: the old
   // one thaws both devices' peers and serves on.
-  absl::StatusOr<MrdExit> failed = MrdProcess::RunToExit(
-      Options({"--takeover", "--software_devices=2",
-               "--handover_test_fault=new.adopt"}),
-      30000);
+  absl::StatusOr<MrdExit> failed =
+      MrdProcess::RunToExit(Options({"--takeover", "--software_devices=2",
+                                     "--handover_test_fault=new.adopt"}),
+                            30000);
   ASSERT_TRUE(failed.ok()) << failed.status();
   EXPECT_TRUE(absl::StrContains(failed->log, "the running mrd serves on"))
       << failed->log;
