@@ -358,9 +358,8 @@ struct OwnRxeDevice {
     if (device != nullptr) device->Shutdown();
     device.reset();
     if (netdev.empty()) return;
-    (void)std::system(absl::StrCat("(rdma link delete ", rdma,
-                                   "; ip link del ", netdev,
-                                   ") >/dev/null 2>&1 &")
+    (void)std::system(absl::StrCat("(rdma link delete ", rdma, "; ip link del ",
+                                   netdev, ") >/dev/null 2>&1 &")
                           .c_str());
   }
 };
