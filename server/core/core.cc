@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -246,7 +247,12 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   // The pages unpinned from here to DeallocatePd leave the device together.
   std::vector<std::unique_ptr<device::DeviceBatch>> batches = BeginBatches();
   fast_.FreeMrs(*session, mrs);
-  (void)registrations_.Invalidate(*session, entries);
+  {
+    // The devices after the first deregister beside the first, and are
+    // done before the PDs go.
+    Registrations::OthersBatch others(&registrations_, session);
+    (void)registrations_.Invalidate(*session, entries);
+  }
   std::vector<const LamRecord*> lam_records;
   for (const auto& [id, lam] : lams) lam_records.push_back(&lam);
   fast_.ReleaseLams(*session, lam_records, "teardown");
@@ -797,6 +803,10 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
   const std::vector<std::unique_ptr<device::DeviceBatch>> batches =
       BeginBatches();
   uint64_t released = 0;
+  // The items' MRs on the devices after the first are deregistered beside
+  // the first device's, and are gone when the call returns.
+  std::optional<Registrations::OthersBatch> others;
+  others.emplace(&registrations_, session);
   int done = 0;
   for (const v1::DeregisterMrRequest& item : req.items()) {
     if (++done % kBatchYieldItems == 0) {
@@ -811,6 +821,7 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
     result->set_references(status.ok() ? response.references() : 0);
     *result->mutable_status() = ItemStatusToProto(status);
   }
+  others.reset();
   freed_.Add(released);
   if (released > 0) publications_.Sync(*session);
   return absl::OkStatus();

@@ -203,6 +203,70 @@ absl::StatusOr<device::MrKeys> Registrations::RegisterOn(
   return keys;
 }
 
+namespace {
+
+// The thread's open OthersBatch, if any.
+thread_local Registrations::OthersBatch* open_others_batch = nullptr;
+
+}  // namespace
+
+Registrations::OthersBatch::OthersBatch(Registrations* registrations,
+                                        std::shared_ptr<Session> session)
+    : registrations_(registrations), session_(std::move(session)) {
+  if (registrations_->devices_.size() < 2 || open_others_batch != nullptr) {
+    return;
+  }
+  open_others_batch = this;
+  open_ = true;
+}
+
+Registrations::OthersBatch::~OthersBatch() {
+  if (!open_) return;
+  open_others_batch = nullptr;
+  {
+    absl::MutexLock lock(&mu_);
+    done_ = true;
+  }
+  thread_.Join();
+}
+
+bool Registrations::OthersBatch::Add(absl::InlinedVector<DeviceMr, 1> mrs,
+                                     std::shared_ptr<const void> memory) {
+  if (!open_ || no_thread_) return false;
+  if (!thread_.joinable()) {
+    absl::StatusOr<Thread> thread =
+        Thread::Start("mrd-dereg-other", [this] { Run(); });
+    if (!thread.ok()) {
+      no_thread_ = true;
+      return false;
+    }
+    thread_ = *std::move(thread);
+  }
+  absl::MutexLock lock(&mu_);
+  queue_.push_back(Item{std::move(mrs), std::move(memory)});
+  return true;
+}
+
+void Registrations::OthersBatch::Run() {
+  // This thread's unpins leave the devices together too (Device::BeginBatch).
+  std::vector<std::unique_ptr<device::DeviceBatch>> batches;
+  for (device::Device* device : registrations_->devices_) {
+    batches.push_back(device->BeginBatch());
+  }
+  for (;;) {
+    std::deque<Item> items;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(this, &OthersBatch::HasWorkOrDone));
+      if (queue_.empty()) return;
+      items.swap(queue_);
+    }
+    for (const Item& item : items) {
+      registrations_->DeregisterNow(*session_, item.mrs, item.memory);
+    }
+  }
+}
+
 void Registrations::DeregisterOthers(Session& session,
                                      const cache::CachedRegistration& reg) {
   if ((reg.devices & (reg.devices - 1)) == 0) return;
@@ -210,22 +274,41 @@ void Registrations::DeregisterOthers(Session& session,
   {
     absl::MutexLock lock(&others_mu_);
     auto it = others_.find(OthersKey(FirstDevice(reg.devices), reg.device_mr));
-    if (it == others_.end()) return;
-    others = std::move(it->second);
-    others_.erase(it);
+    if (it != others_.end()) {
+      others = std::move(it->second);
+      others_.erase(it);
+    }
   }
-  for (auto mr = others.rbegin(); mr != others.rend(); ++mr) {
+  if (others.empty()) {  // not expected: the budget's share comes back
+    budgets_->UnreserveRegistration(
+        session, 0, static_cast<uint32_t>(absl::popcount(reg.devices) - 1));
+    return;
+  }
+  OthersBatch* batch = open_others_batch;
+  if (batch != nullptr && batch->For(this, &session) &&
+      batch->Add(others, reg.memory)) {
+    return;
+  }
+  DeregisterNow(session, others, reg.memory);
+}
+
+void Registrations::DeregisterNow(Session& session,
+                                  const absl::InlinedVector<DeviceMr, 1>& mrs,
+                                  const std::shared_ptr<const void>& memory) {
+  for (auto mr = mrs.rbegin(); mr != mrs.rend(); ++mr) {
     absl::Status s = devices_[mr->device]->DeregisterMr(mr->mr);
     if (s.ok()) continue;
     // Not deregistered: its pages stay pinned until the PD goes (NOT_FOUND:
     // the PD is going already), so the mapping stays too.
-    session.KeepUntilPdGone(reg.memory);
+    session.KeepUntilPdGone(memory);
     if (s.code() != absl::StatusCode::kNotFound) {
       LogWarning("deregister MR ", mr->mr, " on ",
                  devices_[mr->device]->Attributes().name,
                  " (kept until the session ends): ", s.ToString());
     }
   }
+  budgets_->UnreserveRegistration(session, /*map_splits=*/0,
+                                  static_cast<uint32_t>(mrs.size()));
 }
 
 // --- RegisterMr --------------------------------------------------------------
@@ -740,9 +823,9 @@ absl::StatusOr<uint32_t> Registrations::DropReference(
     }
     // NOT_FOUND: the PD is being torn down and unpins the MR itself.
     if (!s.ok()) session->KeepUntilPdGone(reg.memory);
+    // The first device's share here, the others' as they go.
+    budgets_->UnreserveRegistration(*session, MapSplitsOf(reg), 1);
     DeregisterOthers(*session, reg);
-    budgets_->UnreserveRegistration(*session, MapSplitsOf(reg),
-                                    absl::popcount(reg.devices));
     if (warm.has_value()) {
       KeepWarm(session, std::move(*warm));  // the reservation moves to it
     } else {
@@ -800,9 +883,9 @@ void Registrations::DeregisterCached(Session& session,
   if (!s.ok() && s.code() != absl::StatusCode::kNotFound) {
     LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
   }
+  // The first device's share here, the others' as they go.
+  budgets_->UnreserveRegistration(session, MapSplitsOf(reg), 1);
   DeregisterOthers(session, reg);
-  budgets_->UnreserveRegistration(session, MapSplitsOf(reg),
-                                  absl::popcount(reg.devices));
   budgets_->UnreservePinned(session, reg.pinned_bytes);
 }
 

@@ -14,6 +14,7 @@
 #define MRD_SERVER_CORE_REGISTRATIONS_H_
 
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <optional>
@@ -31,6 +32,7 @@
 #include "server/cache/registration_cache.h"
 #include "server/cache/warm_pins.h"
 #include "server/common/progress.h"
+#include "server/common/thread.h"
 #include "server/core/budgets.h"
 #include "server/core/progress_reporter.h"
 #include "server/core/session.h"
@@ -61,6 +63,57 @@ struct DeviceMr {
 
 class Registrations {
  public:
+  // While one is open on the calling thread, the MRs on the devices after
+  // the first that this thread's deregistrations release (registrations on
+  // several devices) are deregistered on a thread of the batch's own,
+  // beside the caller's work on the first device, and their share of the
+  // registration budget comes back as each goes; destroying the batch waits
+  // for all of them. DeregisterMrBatch and a session's end open one: a
+  // NIC's deregistration is a system call of its own, and the second
+  // device's then overlap the first's. The thread starts at the first MR
+  // queued (none: no thread); one that cannot start leaves the work to the
+  // caller, as without a batch. A batch opened while another of the same
+  // Registrations is open on the thread does nothing. Not movable; destroy
+  // it on its thread, before the session's PDs go.
+  class OthersBatch {
+   public:
+    OthersBatch(Registrations* registrations, std::shared_ptr<Session> session);
+    ~OthersBatch();
+    OthersBatch(const OthersBatch&) = delete;
+    OthersBatch& operator=(const OthersBatch&) = delete;
+
+    // Queues `mrs` (of a registration whose pages `memory` maps); false when
+    // the batch takes nothing (none open, or no thread).
+    bool Add(absl::InlinedVector<DeviceMr, 1> mrs,
+             std::shared_ptr<const void> memory);
+    // Whether it was opened for `registrations` and `session`.
+    bool For(const Registrations* registrations, const Session* session) const {
+      return registrations == registrations_ && session == session_.get();
+    }
+
+   private:
+    struct Item {
+      absl::InlinedVector<DeviceMr, 1> mrs;
+      std::shared_ptr<const void> memory;
+    };
+    void Run();
+    // The thread wakes for this many MRs at a time (or the batch's end):
+    // not once per item.
+    static constexpr size_t kWakeItems = 32;
+    bool HasWorkOrDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      return queue_.size() >= kWakeItems || done_;
+    }
+
+    Registrations* const registrations_ = nullptr;  // null: does nothing
+    const std::shared_ptr<Session> session_;
+    bool open_ = false;       // this batch is the thread's open one
+    bool no_thread_ = false;  // the thread could not start
+    Thread thread_;
+    absl::Mutex mu_;
+    std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+    bool done_ ABSL_GUARDED_BY(mu_) = false;
+  };
+
   // `devices` (one at least; the first is where warm pins, LAMs and MR
   // objects live) and `budgets` must outlive this.
   Registrations(std::vector<device::Device*> devices, Budgets* budgets,
@@ -253,10 +306,16 @@ class Registrations {
                                             const device::MemorySpan& span);
   // The MRs of a registration on its devices after the first, made by
   // RegisterOnDevice (none for a registration on one device): deregistered
-  // and forgotten. A device that cannot deregister one keeps it until the
-  // session's PD there goes (and so do the pages: `reg.memory` stays with
-  // the session); logged.
+  // (through the thread's OthersBatch when one is open) and forgotten, and
+  // their share of the registration budget returned (the caller returns
+  // the first device's: UnreserveRegistration of one). A device that cannot
+  // deregister one keeps it until the session's PD there goes (and so do
+  // the pages: `reg.memory` stays with the session); logged.
   void DeregisterOthers(Session& session, const cache::CachedRegistration& reg);
+  // DeregisterOthers' work on `mrs`, now, on this thread.
+  void DeregisterNow(Session& session,
+                     const absl::InlinedVector<DeviceMr, 1>& mrs,
+                     const std::shared_ptr<const void>& memory);
   // The index of the first device in `bits` (CacheKey::devices).
   static uint32_t FirstDevice(uint32_t bits);
   // Where the MRs on the devices after the first are kept: by the first

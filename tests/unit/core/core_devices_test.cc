@@ -321,6 +321,58 @@ TEST_P(CoreDevicesTest, TheSessionsEndReleasesItsRegistrationsOnBothDevices) {
   EXPECT_EQ(devices_[1]->CountResources().pds, 0u);
 }
 
+// The registrations a tenant's quota counts now (one per device).
+uint64_t TenantRegistrations(core::Core& core) {
+  v1::ListTenantsResponse tenants;
+  EXPECT_OK(core.ListTenants(&tenants));
+  uint64_t used = 0;
+  for (const v1::TenantInfo& t : tenants.tenants()) {
+    for (const v1::TenantResourceUse& r : t.resources()) {
+      if (r.resource() == "registrations") used += r.used();
+    }
+  }
+  return used;
+}
+
+// DeregisterMrBatch of registrations on both devices: the second device's
+// MRs go beside the first's (Registrations::OthersBatch), and when the call
+// returns both devices hold nothing, no token works and the quota counts
+// nothing; twice over, so nothing leaks from one batch to the next.
+TEST_P(CoreDevicesTest,
+       ADeregistrationBatchReleasesBothDevicesBeforeItReturns) {
+  for (int round = 0; round < 2; ++round) {
+    std::vector<v1::RegisterMrResponse> made;
+    for (uint64_t page = 0; page < kPages; ++page) {
+      absl::StatusOr<v1::RegisterMrResponse> r =
+          Register(Request(page * page_, page_, {}, /*all=*/true));
+      ASSERT_TRUE(r.ok()) << r.status();
+      made.push_back(*r);
+    }
+    EXPECT_EQ(TenantRegistrations(*core_), 2 * kPages);
+    std::unique_ptr<peer::SoftPeer> peer = PeerOn("software1");
+    ASSERT_NE(peer, nullptr);
+    ASSERT_TRUE(
+        peer->Read(made[3].tokens(1).rkey(), made[3].base_address(), 8).ok());
+    v1::DeregisterMrBatchRequest batch;
+    batch.set_session(own_.session);
+    for (const v1::RegisterMrResponse& r : made) {
+      v1::DeregisterMrRequest* item = batch.add_items();
+      item->set_session(own_.session);
+      item->set_registration(r.registration());
+    }
+    v1::DeregisterMrBatchResponse out;
+    ASSERT_OK(core_->DeregisterMrBatch(batch, &out));
+    for (const v1::DeregisterMrBatchResult& item : out.items()) {
+      EXPECT_EQ(item.status().code(), 0) << item.status().message();
+    }
+    ExpectEmpty(*devices_[0]);
+    ExpectEmpty(*devices_[1]);
+    EXPECT_EQ(TenantRegistrations(*core_), 0u);
+    EXPECT_FALSE(
+        peer->Read(made[3].tokens(1).rkey(), made[3].base_address(), 8).ok());
+  }
+}
+
 // The second device goes down (shut down: its health turns false): every
 // session hears of it once, naming it; registrations on it are refused and
 // leave nothing on the first; the first device's registrations and peers
