@@ -22,9 +22,7 @@
 #ifndef MRD_SERVER_SERVICE_SERVICE_H_
 #define MRD_SERVER_SERVICE_SERVICE_H_
 
-#include <google/protobuf/arena.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/support/message_allocator.h>
 
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
@@ -40,45 +38,6 @@ using metrics::RpcObserver;
 
 struct CallEnd;  // service.cc
 
-// Requests and replies of a method on an arena of their own, freed in one
-// piece when the call ends: a batch call's thousands of items, and the
-// strings and tokens of each, cost a few block allocations instead of one
-// malloc and free each; a single call's reply fits the arena's first block,
-// which is part of the one allocation the call makes here. Thread-safe
-// (each call has its own arena).
-template <typename Request, typename Response>
-class ArenaMessages final : public grpc::MessageAllocator<Request, Response> {
- public:
-  grpc::MessageHolder<Request, Response>* AllocateMessages() override {
-    return new Holder();
-  }
-
- private:
-  class Holder final : public grpc::MessageHolder<Request, Response> {
-   public:
-    Holder() : arena_(Options(first_block_)) {
-      this->set_request(
-          google::protobuf::Arena::CreateMessage<Request>(&arena_));
-      this->set_response(
-          google::protobuf::Arena::CreateMessage<Response>(&arena_));
-    }
-    void Release() override { delete this; }
-
-   private:
-    static google::protobuf::ArenaOptions Options(char* first_block) {
-      google::protobuf::ArenaOptions options;
-      options.initial_block = first_block;
-      options.initial_block_size = kFirstBlock;
-      options.start_block_size = 4096;
-      options.max_block_size = 256 * 1024;
-      return options;
-    }
-    static constexpr size_t kFirstBlock = 1024;
-    alignas(8) char first_block_[kFirstBlock];
-    google::protobuf::Arena arena_;
-  };
-};
-
 class MrdService final : public v1::MemoryRegistration::CallbackService {
  public:
   // All pointers must outlive the service; `observer` may be null.
@@ -86,12 +45,7 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   // (for comparison: bench/tenant_bench).
   MrdService(core::Core* core, FairScheduler* workers, RpcObserver* observer,
              bool fair = true)
-      : core_(core), workers_(workers), observer_(observer), fair_(fair) {
-    SetMessageAllocatorFor_RegisterMr(&register_messages_);
-    SetMessageAllocatorFor_DeregisterMr(&deregister_messages_);
-    SetMessageAllocatorFor_RegisterMrBatch(&register_batch_messages_);
-    SetMessageAllocatorFor_DeregisterMrBatch(&deregister_batch_messages_);
-  }
+      : core_(core), workers_(workers), observer_(observer), fair_(fair) {}
 
   // What a live handover pauses (unary calls; completion streams go on).
   CallGate& gate() { return gate_; }
@@ -214,15 +168,6 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   RpcObserver* const observer_;
   const bool fair_;
   CallGate gate_;
-  // The registration calls' messages (ArenaMessages).
-  ArenaMessages<v1::RegisterMrRequest, v1::RegisterMrResponse>
-      register_messages_;
-  ArenaMessages<v1::DeregisterMrRequest, v1::DeregisterMrResponse>
-      deregister_messages_;
-  ArenaMessages<v1::RegisterMrBatchRequest, v1::RegisterMrBatchResponse>
-      register_batch_messages_;
-  ArenaMessages<v1::DeregisterMrBatchRequest, v1::DeregisterMrBatchResponse>
-      deregister_batch_messages_;
 };
 
 class AdminService final : public v1::TenantAdmin::CallbackService {
