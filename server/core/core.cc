@@ -160,36 +160,42 @@ absl::StatusOr<std::shared_ptr<Session>> Core::NewSession(
   auto session = std::make_shared<Session>(id, RandomToken(), kind,
                                            options_.completion_queue_depth,
                                            identity, tenant);
-  // A PD on every device, or none.
-  std::vector<device::PdId> pds;
-  absl::Status allocated;
-  for (size_t i = 0; i < devices_.size() && allocated.ok(); ++i) {
-    absl::StatusOr<device::PdId> pd =
-        devices_[i]->AllocatePd(session->SinkFor(i));
-    if (pd.ok()) {
-      pds.push_back(*pd);
-    } else {
-      allocated = pd.status();
-    }
+  absl::StatusOr<std::vector<device::PdId>> pds = AllocatePds(*session);
+  if (!pds.ok()) {
+    tenant->Release(TenantResource::kSessions, 1);
+    sessions_.Unreserve();
+    return pds.status();
   }
-  const bool reserved = !allocated.ok();  // Insert gives it back itself
-  if (allocated.ok()) {
-    {
-      absl::MutexLock lock(&session->mu);
-      session->pd = pds[0];
-      session->pds = pds;
-    }
-    allocated = sessions_.Insert(session);
+  {
+    absl::MutexLock lock(&session->mu);
+    session->pd = (*pds)[0];
+    session->pds = *pds;
   }
-  if (!allocated.ok()) {
-    for (size_t i = 0; i < pds.size(); ++i) {
-      (void)devices_[i]->DeallocatePd(pds[i]);
+  // Insert gives the reservation back itself.
+  if (absl::Status s = sessions_.Insert(session); !s.ok()) {
+    for (size_t i = 0; i < pds->size(); ++i) {
+      (void)devices_[i]->DeallocatePd((*pds)[i]);
     }
     tenant->Release(TenantResource::kSessions, 1);
-    if (reserved) sessions_.Unreserve();
-    return allocated;
+    return s;
   }
   return session;
+}
+
+absl::StatusOr<std::vector<device::PdId>> Core::AllocatePds(Session& session) {
+  std::vector<device::PdId> pds;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    absl::StatusOr<device::PdId> pd =
+        devices_[i]->AllocatePd(session.SinkFor(i));
+    if (!pd.ok()) {
+      for (size_t j = 0; j < pds.size(); ++j) {
+        (void)devices_[j]->DeallocatePd(pds[j]);
+      }
+      return pd.status();
+    }
+    pds.push_back(*pd);
+  }
+  return pds;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> Core::FindSession(

@@ -362,6 +362,9 @@ class Core final : public fd_socket::FdSessionHandler {
  private:
   absl::StatusOr<std::shared_ptr<Session>> NewSession(SessionKind kind,
                                                       const Identity& identity);
+  // A PD for `session` on every device (each with its SinkFor), or none:
+  // the first refusal deallocates the ones made.
+  absl::StatusOr<std::vector<device::PdId>> AllocatePds(Session& session);
   // May the owner of `session` open a file with this owner, group and mode
   // for reading (and writing)? PERMISSION_DENIED "IDENTITY_DENIES_ACCESS"
   // naming who the session is and what the mode allows, otherwise.

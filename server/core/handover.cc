@@ -552,20 +552,12 @@ absl::Status Core::AdoptSession(const v1::HandedOverSession& in,
   auto session = std::make_shared<Session>(
       in.id(), in.token(), in.lease() ? SessionKind::kLease : SessionKind::kFd,
       options_.completion_queue_depth, identity, tenant);
-  // A PD on every device, as NewSession makes them.
-  std::vector<device::PdId> pds;
-  for (size_t i = 0; i < devices_.size(); ++i) {
-    absl::StatusOr<device::PdId> pd =
-        devices_[i]->AllocatePd(session->SinkFor(i));
-    if (!pd.ok()) {
-      for (size_t j = 0; j < pds.size(); ++j) {
-        (void)devices_[j]->DeallocatePd(pds[j]);
-      }
-      tenant->Release(TenantResource::kSessions, 1);
-      return pd.status();
-    }
-    pds.push_back(*pd);
+  absl::StatusOr<std::vector<device::PdId>> allocated = AllocatePds(*session);
+  if (!allocated.ok()) {
+    tenant->Release(TenantResource::kSessions, 1);
+    return allocated.status();
   }
+  const std::vector<device::PdId> pds = *std::move(allocated);
   absl::StatusOr<uint32_t> default_bits = uint32_t{1};
   if (in.has_default_devices()) {
     default_bits = registrations_.DeviceBits(in.default_devices());
