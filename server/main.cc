@@ -374,17 +374,19 @@ absl::Status Daemon::StartGrpc() {
   workers_ = std::make_unique<FairScheduler>();
   FairSchedulerOptions scheduling;
   scheduling.workers = absl::GetFlag(FLAGS_worker_threads);
-  scheduling.spare_workers = absl::GetFlag(FLAGS_fair_scheduling)
-                                 ? absl::GetFlag(FLAGS_spare_worker_threads)
-                                 : 0;
+  const bool fair = absl::GetFlag(FLAGS_fair_scheduling);
+  scheduling.spare_workers =
+      fair ? absl::GetFlag(FLAGS_spare_worker_threads) : 0;
+  scheduling.bulk_nice = fair ? absl::GetFlag(FLAGS_bulk_nice) : 0;
+  scheduling.bulk_cost = absl::GetFlag(FLAGS_bulk_work_pages);
   if (absl::Status s = workers_->Start(scheduling); !s.ok()) {
-    return daemon::Fail(absl::StrCat("--worker_threads: ", s.ToString()));
+    return daemon::Fail(
+        absl::StrCat("--worker_threads, --bulk_nice: ", s.ToString()));
   }
   metrics_->SetSchedulerSource(
       [workers = workers_.get()] { return workers->Stats(); });
-  service_ = std::make_unique<service::MrdService>(
-      core_.get(), workers_.get(), metrics_.get(),
-      absl::GetFlag(FLAGS_fair_scheduling));
+  service_ = std::make_unique<service::MrdService>(core_.get(), workers_.get(),
+                                                   metrics_.get(), fair);
   gate_handover_.SetGate(&service_->gate());
   // Made before any gRPC thread exists (the servers below start them): its
   // handlers are then made before every thread that calls them.

@@ -1,6 +1,11 @@
 #include "server/common/fair_scheduler.h"
 
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <limits>
 #include <utility>
 
@@ -13,6 +18,8 @@ namespace {
 
 constexpr uint64_t kMaxU64 = std::numeric_limits<uint64_t>::max();
 constexpr int64_t kMaxThreads = 65536;
+// The slice bulk work asks for (the kernel allows 0.1 to 100 ms).
+constexpr uint64_t kBulkSliceNs = 20'000'000;
 
 uint64_t SatAdd(uint64_t a, uint64_t b) {
   return a > kMaxU64 - b ? kMaxU64 : a + b;
@@ -37,8 +44,55 @@ struct CurrentTask {
   FairScheduler* scheduler = nullptr;
   size_t worker = 0;
   const std::string* key = nullptr;
+  bool bulk = false;  // runs at the bulk priority now
 };
 thread_local CurrentTask current_task;
+
+// sched_setattr(2)'s argument (glibc has no wrapper or type for it).
+struct SchedAttr {
+  uint32_t size = sizeof(SchedAttr);
+  uint32_t sched_policy = 0;  // SCHED_OTHER
+  uint64_t sched_flags = 0;
+  int32_t sched_nice = 0;
+  uint32_t sched_priority = 0;
+  uint64_t sched_runtime = 0;  // SCHED_OTHER: the thread's slice (EEVDF)
+  uint64_t sched_deadline = 0;
+  uint64_t sched_period = 0;
+};
+
+// Sets the calling thread's nice value, and with it its time slice: a
+// thread below its own priority (bulk work) asks for a long slice, so that
+// on an EEVDF kernel (6.6 and later) any thread with the default slice that
+// wakes up preempts it at once instead of at the next tick; back at its own
+// priority it has the default slice again. Whether the nice value took (a
+// kernel without custom slices gets the nice value alone).
+bool SetThreadNice(int nice, bool bulk) {
+  SchedAttr attr;
+  attr.sched_nice = nice;
+  attr.sched_runtime = bulk ? kBulkSliceNs : 0;
+  if (::syscall(SYS_sched_setattr, 0, &attr, 0) == 0) return true;
+  return ::setpriority(PRIO_PROCESS, 0, nice) == 0;
+}
+
+// The calling thread's nice value.
+int ThreadNice() {
+  errno = 0;
+  const int nice = ::getpriority(PRIO_PROCESS, 0);
+  return errno == 0 ? nice : 0;
+}
+
+// Whether a thread may lower its priority and raise it back (CAP_SYS_NICE,
+// or an RLIMIT_NICE that allows it), tried on a thread of its own.
+bool MayRaiseNiceBack(int base, int lower) {
+  bool ok = false;
+  absl::StatusOr<Thread> probe =
+      Thread::Start("mrd-nice-probe", [&ok, base, lower] {
+        ok = SetThreadNice(lower, true) && SetThreadNice(base, false);
+      });
+  if (!probe.ok()) return false;
+  probe->Join();
+  return ok;
+}
 
 }  // namespace
 
@@ -55,6 +109,14 @@ absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
                      options.workers, ", ", options.spare_workers, ", ",
                      options.yield_threads, " and ", options.quantum));
   }
+  if (options.bulk_cost == 0 || options.bulk_nice < 0 ||
+      options.bulk_nice > 19) {
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "BAD_OPTIONS",
+        absl::StrCat("bulk work needs a cost of at least 1 and "
+                     "a nice step of 0 to 19, not ",
+                     options.bulk_cost, " and ", options.bulk_nice));
+  }
   const int64_t workers = options.workers;
   const int64_t spare =
       options.spare_workers < 0 ? workers : options.spare_workers;
@@ -66,6 +128,23 @@ absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
                     absl::StrCat("a fair scheduler of ", threads,
                                  " threads; at most ", kMaxThreads));
   }
+  // Bulk work's priority, and how it is set (tried before the threads come).
+  const int base_nice = ThreadNice();
+  const int bulk_nice = std::min(19, base_nice + options.bulk_nice);
+  BulkPriority bulk_priority = BulkPriority::kAuto;
+  if (bulk_nice != base_nice) {
+    const bool per_task =
+        options.bulk_priority != BulkPriority::kFixedThreads &&
+        MayRaiseNiceBack(base_nice, bulk_nice);
+    if (options.bulk_priority == BulkPriority::kPerTask && !per_task) {
+      return MrdError(
+          absl::StatusCode::kFailedPrecondition, "NICE_NOT_PERMITTED",
+          "bulk work per task needs a thread to raise its priority back "
+          "(CAP_SYS_NICE or RLIMIT_NICE), which this process may not");
+    }
+    bulk_priority =
+        per_task ? BulkPriority::kPerTask : BulkPriority::kFixedThreads;
+  }
   {
     absl::MutexLock lock(&mu_);
     if (started_) {
@@ -73,17 +152,36 @@ absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
                       "the fair scheduler was started already");
     }
     started_ = true;
+    bulk_cost_ = options.bulk_cost;
+    base_nice_ = base_nice;
+    bulk_nice_ = bulk_nice;
+    bulk_priority_ = bulk_priority;
     workers_count_ = static_cast<uint64_t>(workers);
     spare_count_ = static_cast<uint64_t>(spare);
     quantum_ = options.quantum;
     if (options.clock != nullptr) clock_ = options.clock;
     workers_.resize(static_cast<size_t>(threads));
+    if (bulk_priority_ == BulkPriority::kFixedThreads) {
+      for (size_t i = 0; i < static_cast<size_t>(workers); ++i) {
+        workers_[i].bulk_thread = true;
+      }
+    }
   }
   threads_.reserve(static_cast<size_t>(threads));
   absl::Status failure;
   for (size_t i = 0; i < static_cast<size_t>(threads); ++i) {
+    // kFixedThreads: the first `workers` threads lower themselves for good.
+    const bool bulk_thread = bulk_priority_ == BulkPriority::kFixedThreads &&
+                             i < static_cast<size_t>(workers);
     absl::StatusOr<Thread> thread =
-        Thread::Start("mrd-worker", [this, i] { Run(i); });
+        Thread::Start("mrd-worker", [this, i, bulk_thread] {
+          const bool low = bulk_thread && SetThreadNice(bulk_nice_, true);
+          if (bulk_thread && !low) {
+            LogWarning("fair scheduler: worker ", i,
+                       " could not lower its priority for bulk work");
+          }
+          Run(i, low);
+        });
     if (!thread.ok()) {
       failure = thread.status();
       break;
@@ -109,7 +207,41 @@ absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
     LogWarning("fair scheduler: going on with ", threads_.size(), " of ",
                threads, " threads: ", failure.message());
   }
+  if (bulk_priority_ != BulkPriority::kAuto) {
+    LogInfo("fair scheduler: bulk work (cost ", bulk_cost_,
+            " or more) runs at nice ", bulk_nice_, ", the rest at nice ",
+            base_nice_,
+            bulk_priority_ == BulkPriority::kPerTask
+                ? " (set per task)"
+                : absl::StrCat(" (", workers,
+                               " threads for bulk work: this process may not "
+                               "raise a thread's priority back)"));
+  }
   return absl::OkStatus();
+}
+
+BulkPriority FairScheduler::bulk_priority() const { return bulk_priority_; }
+
+void FairScheduler::SetBulk(bool bulk, bool* now) const {
+  if (bulk == *now) return;
+  if (SetThreadNice(bulk ? bulk_nice_ : base_nice_, bulk)) *now = bulk;
+}
+
+size_t FairScheduler::TakeIdleLocked(bool bulk) {
+  MRD_CHECK(!idle_.empty());
+  size_t at = idle_.size() - 1;
+  if (bulk_priority_ == BulkPriority::kFixedThreads) {
+    for (size_t i = idle_.size(); i-- > 0;) {
+      if (workers_[idle_[i]].bulk_thread == bulk) {
+        at = i;
+        break;
+      }
+    }
+  }
+  const size_t worker = idle_[at];
+  idle_[at] = idle_.back();
+  idle_.pop_back();
+  return worker;
 }
 
 bool FairScheduler::Drain(absl::Duration timeout) {
@@ -195,6 +327,8 @@ void FairScheduler::YieldCurrent(uint64_t next_cost) {
   current_task.scheduler->Yield(current_task.worker, next_cost);
 }
 
+bool FairScheduler::CurrentIsBulk() { return current_task.bulk; }
+
 absl::string_view FairScheduler::CurrentKey() {
   if (current_task.key == nullptr) return "";
   return *current_task.key;
@@ -229,9 +363,10 @@ std::vector<FairQueueStats> FairScheduler::Stats() const {
   return out;
 }
 
-void FairScheduler::Run(size_t worker) {
+void FairScheduler::Run(size_t worker, bool low) {
   current_task.scheduler = this;
   current_task.worker = worker;
+  current_task.bulk = low;
   struct Wait {
     const FairScheduler* scheduler;
     size_t worker;
@@ -241,6 +376,7 @@ void FairScheduler::Run(size_t worker) {
         return w->scheduler->WorkerReadyLocked(w->worker);
       },
       &wait);
+  bool bulk_now = false;  // kPerTask: at the bulk priority now
   mu_.Lock();
   ++registered_;
   idle_.push_back(worker);
@@ -253,8 +389,13 @@ void FairScheduler::Run(size_t worker) {
     w.task = nullptr;
     w.assigned = false;
     const uint32_t id = w.queue;
+    const bool bulk = w.bulk;
     current_task.key = &queues_[id].key;
     mu_.Unlock();
+    if (bulk_priority_ == BulkPriority::kPerTask) {
+      SetBulk(bulk, &bulk_now);
+      current_task.bulk = bulk_now;
+    }
 
     std::move(task)();
     task = nullptr;  // what it captured goes before the lock is taken
@@ -455,13 +596,13 @@ void FairScheduler::StartLocked(uint32_t id) {
     q.yield_wait_total += waited;
     return;
   }
-  MRD_CHECK(!idle_.empty());
-  const size_t worker = idle_.back();
-  idle_.pop_back();
+  const bool bulk = bulk_nice_ != base_nice_ && item.cost >= bulk_cost_;
+  const size_t worker = TakeIdleLocked(bulk);
   Worker& w = workers_[worker];
   w.task = std::move(item.task);
   w.assigned = true;
   w.queue = id;
+  w.bulk = bulk;
   w.slot_since = now;
   ++q.started_total;
   q.wait_total += waited;

@@ -44,6 +44,18 @@
 //    (so the other queues come first), and it goes on once deficit round
 //    robin picks it again. Otherwise YieldCurrent returns at once.
 //
+// CPU priority. A task of at least `bulk_cost` (a 1 MiB registration, a
+// batch of 256 items, a 1 MiB buffer's release) is bulk work: it runs
+// `bulk_nice` nice steps below the workers' own priority, so that on a busy
+// machine the kernel runs a small request's thread (and gRPC's) before it,
+// while a core left idle still goes to it. Where the process may raise a
+// thread's priority back (CAP_SYS_NICE, or RLIMIT_NICE), each task sets its
+// thread's priority (BulkPriority::kPerTask); elsewhere (an unprivileged
+// mrd, as in the DaemonSet) the first `workers` threads run at the bulk
+// priority for good and the others at the workers' own, and a task starts
+// on an idle thread of its class when there is one, else on any idle
+// thread (kFixedThreads).
+//
 // Costs of 0 count as 1, weights of 0 as 1. Every key ever scheduled keeps a
 // queue (a few hundred bytes) for Stats until the scheduler is destroyed: the
 // keys are tenants, of which a node has few; a queue with nothing queued or
@@ -77,6 +89,12 @@
 
 namespace mrd {
 
+enum class BulkPriority {
+  kAuto,          // kPerTask where permitted, else kFixedThreads
+  kPerTask,       // kAuto's choice where permitted; Start refuses it elsewhere
+  kFixedThreads,  // even where kPerTask is permitted
+};
+
 struct FairSchedulerOptions {
   // Regular slots: threads that serve whichever queue deficit round robin
   // picks. At least 1.
@@ -97,6 +115,12 @@ struct FairSchedulerOptions {
   uint64_t quantum = 16384;
   // Wait and service times; nullptr = RealClock. Must outlive the scheduler.
   const Clock* clock = nullptr;
+  // Bulk work (see "CPU priority" above): its cost, at least 1, and how many
+  // nice steps below the workers' own priority it runs (0 = at the same:
+  // no bulk class; at most 19, and never past nice 19).
+  uint64_t bulk_cost = 256;
+  int bulk_nice = 10;
+  BulkPriority bulk_priority = BulkPriority::kAuto;
 };
 
 // Upper bounds, in seconds, of the wait histogram's buckets (the +Inf bucket
@@ -168,9 +192,19 @@ class FairScheduler {
   // none. Valid while that task runs.
   static absl::string_view CurrentKey();
 
+  // Whether this thread runs at the bulk priority now (a worker running
+  // bulk work, or a kFixedThreads bulk thread): the locks it holds may wait
+  // for a CPU while other threads run, so shared resources it takes (an
+  // io_uring ring) are best kept apart from a small request's.
+  static bool CurrentIsBulk();
+
   // One entry per key scheduled and not forgotten, in the order the keys
   // first came.
   std::vector<FairQueueStats> Stats() const;
+
+  // How bulk work is put at its priority since Start (kPerTask or
+  // kFixedThreads; kAuto before Start or with bulk_nice 0).
+  BulkPriority bulk_priority() const;
 
   // Drops the queue of `key` and its counters when nothing of it is queued
   // or running (a tenant that is gone: mrd forgets tenants that hold
@@ -216,7 +250,9 @@ class FairScheduler {
     bool assigned = false;               // `task` is to be run
     bool resumed = false;                // a parked yielder was picked
     uint32_t queue = 0;                  // of the task it runs
-    absl::Time slot_since;               // when that task took its slot
+    bool bulk = false;                   // that task is bulk work
+    bool bulk_thread = false;  // kFixedThreads: runs at the bulk priority
+    absl::Time slot_since;     // when that task took its slot
   };
   // Which queues may take the slot a dispatch fills.
   struct Gate {
@@ -225,7 +261,9 @@ class FairScheduler {
     bool any_below = false;    // some queue below its share may start
   };
 
-  void Run(size_t worker) ABSL_LOCKS_EXCLUDED(mu_);
+  // The thread of workers_[worker]; `low`: it runs at the bulk priority for
+  // good (kFixedThreads).
+  void Run(size_t worker, bool low) ABSL_LOCKS_EXCLUDED(mu_);
   void Yield(size_t worker, uint64_t next_cost) ABSL_LOCKS_EXCLUDED(mu_);
 
   uint64_t ShareLocked(const Queue& q) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -254,6 +292,10 @@ class FairScheduler {
   void UnpushLastLocked(uint32_t id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool WorkerReadyLocked(size_t worker) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes an idle thread for a task (`bulk`: bulk work) off idle_.
+  size_t TakeIdleLocked(bool bulk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Puts this thread at the priority for bulk work or not (kPerTask).
+  void SetBulk(bool bulk, bool* now) const;
 
   mutable absl::Mutex mu_;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
@@ -261,6 +303,11 @@ class FairScheduler {
   uint64_t workers_count_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t spare_count_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t quantum_ ABSL_GUARDED_BY(mu_) = 16384;
+  // Written by Start before any thread exists; read-only afterwards.
+  uint64_t bulk_cost_ = 256;
+  int base_nice_ = 0;  // the workers' own priority
+  int bulk_nice_ = 0;  // bulk work's (== base_nice_: no bulk class)
+  BulkPriority bulk_priority_ = BulkPriority::kAuto;
   const Clock* clock_ ABSL_GUARDED_BY(mu_);
   // Queues never go away (std::deque keeps their addresses, so CurrentKey may
   // point into them); ids_ maps a key to its index.

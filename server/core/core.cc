@@ -640,6 +640,22 @@ absl::Status Core::CheckFileAccess(const Session& session,
           "change the file's mode"));
 }
 
+uint64_t Core::ReleaseBufferBytes(const v1::ReleaseBufferRequest& req) {
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
+  if (!session.ok()) return 0;
+  absl::MutexLock lock(&(*session)->mu);
+  auto it = (*session)->buffers.find(req.buffer());
+  if (it == (*session)->buffers.end() || it->second.file == nullptr) return 0;
+  return it->second.file->size();
+}
+
+uint64_t Core::CloseSessionBytes(const v1::CloseSessionRequest& req) {
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
+  if (!session.ok()) return 0;
+  absl::MutexLock lock(&(*session)->mu);
+  return (*session)->pinned_bytes;
+}
+
 absl::Status Core::ReleaseBuffer(const v1::ReleaseBufferRequest& req,
                                  v1::ReleaseBufferResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
@@ -737,10 +753,11 @@ std::optional<absl::Status> Core::TryRegisterMrHit(
 }
 
 std::optional<absl::Status> Core::TryDeregisterMrNotLast(
-    const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out) {
+    const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out,
+    uint64_t* last_bytes) {
   absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
   if (!session.ok()) return session.status();
-  return registrations_.TryDeregisterNotLast(*session, req, out);
+  return registrations_.TryDeregisterNotLast(*session, req, out, last_bytes);
 }
 
 absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,

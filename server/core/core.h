@@ -231,6 +231,11 @@ class Core final : public fd_socket::FdSessionHandler {
                           v1::BufferInfo* out);
   absl::Status ReleaseBuffer(const v1::ReleaseBufferRequest& req,
                              v1::ReleaseBufferResponse* out);
+  // The bytes a call would unmap or unpin, for the fair scheduler's cost
+  // (0 when the session or buffer is unknown: the call fails cheaply).
+  // ReleaseBuffer: the buffer's mapping; CloseSession: the session's pins.
+  uint64_t ReleaseBufferBytes(const v1::ReleaseBufferRequest& req);
+  uint64_t CloseSessionBytes(const v1::CloseSessionRequest& req);
   absl::Status CreateMr(const v1::CreateMrRequest& req, v1::MrInfo* out);
   absl::Status CloseMr(const v1::CloseMrRequest& req);
   // `cancelled` (optional): the call's caller gave up (Registrations::
@@ -243,11 +248,14 @@ class Core final : public fd_socket::FdSessionHandler {
   // RegisterMr / DeregisterMr when they can be answered without blocking
   // (a cache hit; a deregistration that leaves references; an error found
   // before anything is pinned): nullopt when they cannot, and the caller
-  // must call RegisterMr / DeregisterMr on a thread that may block.
+  // must call RegisterMr / DeregisterMr on a thread that may block. For the
+  // last reference, `last_bytes` (if given) gets the registration's length,
+  // the work DeregisterMr will do (the fair scheduler's cost).
   std::optional<absl::Status> TryRegisterMrHit(const v1::RegisterMrRequest& req,
                                                v1::RegisterMrResponse* out);
   std::optional<absl::Status> TryDeregisterMrNotLast(
-      const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out);
+      const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out,
+      uint64_t* last_bytes = nullptr);
   absl::Status RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
                                v1::RegisterMrBatchResponse* out,
                                const CancelCheck& cancelled = nullptr);

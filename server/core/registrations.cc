@@ -391,17 +391,25 @@ std::optional<absl::Status> Registrations::TryRegisterHit(
 
 std::optional<absl::Status> Registrations::TryDeregisterNotLast(
     const std::shared_ptr<Session>& session, const v1::DeregisterMrRequest& req,
-    v1::DeregisterMrResponse* out) {
+    v1::DeregisterMrResponse* out, uint64_t* last_bytes) {
   // Through an MR object the reference is the object's: the worker path.
   if (!req.has_registration()) return std::nullopt;
   absl::MutexLock lock(&session->mu);
   auto r = session->registrations.find(req.registration());
-  if (r == session->registrations.end() || r->second.implicit_refs == 0 ||
-      r->second.implicit_refs + r->second.mr_refs < 2) {
-    return std::nullopt;  // an error, or the last reference: the worker's
+  if (r == session->registrations.end() || r->second.implicit_refs == 0) {
+    return std::nullopt;  // an error: the worker's
   }
+  // The last reference: the worker's, which unpins the range.
+  auto last = [&] {
+    if (last_bytes != nullptr) {
+      std::optional<cache::CacheKey> key = cache_.KeyOf(r->first);
+      *last_bytes = key.has_value() ? key->length : 0;
+    }
+    return std::nullopt;
+  };
+  if (r->second.implicit_refs + r->second.mr_refs < 2) return last();
   uint32_t left = 0;
-  if (!cache_.ReleaseIfNotLast(r->first, &left)) return std::nullopt;
+  if (!cache_.ReleaseIfNotLast(r->first, &left)) return last();
   --r->second.implicit_refs;
   out->set_references(left);
   return absl::OkStatus();

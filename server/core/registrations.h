@@ -144,13 +144,16 @@ class Registrations {
   // a request id, or an error found before anything is pinned), and
   // Deregister of a reference that is not the registration's last. nullopt
   // when the call would pin, register, wait for a registration being made,
-  // or deregister: then Register / Deregister must run (on a worker).
+  // or deregister: then Register / Deregister must run (on a worker). When
+  // the reference is the registration's last, `last_bytes` (if given) gets
+  // the registration's length: the work the worker's Deregister will do.
   std::optional<absl::Status> TryRegisterHit(
       const std::shared_ptr<Session>& session, const v1::RegisterMrRequest& req,
       v1::RegisterMrResponse* out);
   std::optional<absl::Status> TryDeregisterNotLast(
       const std::shared_ptr<Session>& session,
-      const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out);
+      const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out,
+      uint64_t* last_bytes = nullptr);
 
   // Drops one cache reference (an MR object that held it was closed);
   // deregisters on the last. Returns the references left.

@@ -179,6 +179,16 @@ ABSL_FLAG(int, spare_worker_threads, -1,
           "Threads beyond --worker_threads that start only a request of a "
           "tenant holding less than its share while every worker is busy "
           "with other tenants' work. -1 = as many as --worker_threads.");
+ABSL_FLAG(int, bulk_nice, 10,
+          "Nice steps below mrd's own priority that bulk work runs at (a "
+          "registration, LAM or buffer release of --bulk_work_pages or more, "
+          "a batch of that many items), so that on a busy node small "
+          "requests get a CPU first; 0 = off, at most 19. Per request where "
+          "mrd may raise a thread's priority back (CAP_SYS_NICE or "
+          "RLIMIT_NICE), else on --worker_threads threads of their own.");
+ABSL_FLAG(uint64_t, bulk_work_pages, 256,
+          "4 KiB pages (or batch items) from which a request is bulk work "
+          "(see --bulk_nice); at least 1.");
 ABSL_FLAG(bool, fair_scheduling, true,
           "Share the workers fairly between tenants. false: one queue, first "
           "come first served, no spare threads (for comparison only).");

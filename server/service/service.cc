@@ -431,8 +431,9 @@ grpc::ServerUnaryReactor* MrdService::RunQuickOrWorker(
     Quick quick, Fn fn) {
   const CallEnd begun = Begin(ctx, method);
   ThroughGate(begun, [this, work, quick = std::move(quick),
-                      fn = std::move(fn)](const CallEnd& end) {
-    if (std::optional<absl::Status> answered = quick(); answered.has_value()) {
+                      fn = std::move(fn)](const CallEnd& end) mutable {
+    if (std::optional<absl::Status> answered = quick(&work.cost);
+        answered.has_value()) {
       end(*answered);
     } else {
       Dispatch(work, [end, fn = std::move(fn)]() { end(fn()); });
@@ -482,8 +483,10 @@ grpc::ServerUnaryReactor* MrdService::SetDefaultDevices(
 grpc::ServerUnaryReactor* MrdService::CloseSession(
     grpc::CallbackServerContext* ctx, const v1::CloseSessionRequest* req,
     v1::CloseSessionResponse*) {
-  return RunOnWorker(ctx, "CloseSession", Work{&req->session(), 1},
-                     [this, req] { return core_->CloseSession(*req); });
+  return RunOnWorker(
+      ctx, "CloseSession",
+      Work{&req->session(), WorkCost(core_->CloseSessionBytes(*req))},
+      [this, req] { return core_->CloseSession(*req); });
 }
 
 grpc::ServerUnaryReactor* MrdService::ImportFile(
@@ -497,8 +500,10 @@ grpc::ServerUnaryReactor* MrdService::ImportFile(
 grpc::ServerUnaryReactor* MrdService::ReleaseBuffer(
     grpc::CallbackServerContext* ctx, const v1::ReleaseBufferRequest* req,
     v1::ReleaseBufferResponse* resp) {
+  // Unmapping a big buffer is bulk work.
   return RunOnWorker(
-      ctx, "ReleaseBuffer", Work{&req->session(), 1},
+      ctx, "ReleaseBuffer",
+      Work{&req->session(), WorkCost(core_->ReleaseBufferBytes(*req))},
       [this, req, resp] { return core_->ReleaseBuffer(*req, resp); });
 }
 
@@ -521,7 +526,7 @@ grpc::ServerUnaryReactor* MrdService::RegisterMr(
     v1::RegisterMrResponse* resp) {
   return RunQuickOrWorker(
       ctx, "RegisterMr", Work{&req->session(), WorkCost(req->length())},
-      [this, req, resp]() -> std::optional<absl::Status> {
+      [this, req, resp](uint64_t*) -> std::optional<absl::Status> {
         std::optional<absl::Status> hit = core_->TryRegisterMrHit(*req, resp);
         if (!hit.has_value()) return std::nullopt;
         return Registered("RegisterMr", req->length(), *std::move(hit));
@@ -537,9 +542,16 @@ grpc::ServerUnaryReactor* MrdService::RegisterMr(
 grpc::ServerUnaryReactor* MrdService::DeregisterMr(
     grpc::CallbackServerContext* ctx, const v1::DeregisterMrRequest* req,
     v1::DeregisterMrResponse* resp) {
+  // The last reference unpins its range: the worker's cost is its pages.
   return RunQuickOrWorker(
       ctx, "DeregisterMr", Work{&req->session(), 1},
-      [this, req, resp] { return core_->TryDeregisterMrNotLast(*req, resp); },
+      [this, req, resp](uint64_t* cost) {
+        uint64_t last_bytes = 0;
+        std::optional<absl::Status> done =
+            core_->TryDeregisterMrNotLast(*req, resp, &last_bytes);
+        *cost = WorkCost(last_bytes);
+        return done;
+      },
       [this, req, resp] { return core_->DeregisterMr(*req, resp); });
 }
 

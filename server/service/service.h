@@ -147,6 +147,7 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
                                         Fn fn);
   // `quick` first, on the gRPC thread: it answers what never blocks and
   // returns nullopt for the rest, which `fn` then answers on a worker.
+  // `quick` is given `&work.cost` to set the worker's cost it found.
   template <typename Quick, typename Fn>
   grpc::ServerUnaryReactor* RunQuickOrWorker(grpc::CallbackServerContext* ctx,
                                              absl::string_view method,

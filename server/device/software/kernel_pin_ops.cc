@@ -15,6 +15,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "mrd/status.h"
+#include "server/common/fair_scheduler.h"
 #include "server/common/log.h"
 
 namespace mrd::device {
@@ -67,6 +68,14 @@ struct OpenClearBatch {
 };
 thread_local OpenClearBatch open_clear_batch;
 
+// The Unlock running on this thread, if any: the slots it empties once it
+// lets the lock go.
+struct OpenUnlock {
+  const KernelPinOps* ops = nullptr;
+  std::vector<uint32_t>* slots = nullptr;
+};
+thread_local OpenUnlock open_unlock;
+
 // Lines of /proc/self/maps: the process's VMA count.
 uint64_t MapCount() {
   std::ifstream maps("/proc/self/maps");
@@ -110,18 +119,21 @@ absl::StatusOr<std::unique_ptr<KernelPinOps>> KernelPinOps::Create(
   if (options.slot_span < ps || options.slot_span > kMaxSlotSpan ||
       (options.slot_span & (options.slot_span - 1)) != 0 ||
       options.slots_per_ring == 0 ||
-      options.slots_per_ring > kMaxSlotsPerRing) {
-    return MrdError(absl::StatusCode::kInvalidArgument, "BAD_OPTION",
-                    absl::StrCat("pin slot span ", options.slot_span,
-                                 " (a power of two from the page size to 1 "
-                                 "GiB) or slots per ring ",
-                                 options.slots_per_ring, " (1 to ",
-                                 kMaxSlotsPerRing, ") out of range"));
+      options.slots_per_ring > kMaxSlotsPerRing ||
+      options.parallel_rings == 0) {
+    return MrdError(
+        absl::StatusCode::kInvalidArgument, "BAD_OPTION",
+        absl::StrCat("pin slot span ", options.slot_span,
+                     " (a power of two from the page size to 1 "
+                     "GiB), slots per ring ",
+                     options.slots_per_ring, " (1 to ", kMaxSlotsPerRing,
+                     ") or parallel rings ", options.parallel_rings,
+                     " (at least 1) out of range"));
   }
   std::unique_ptr<KernelPinOps> ops(new KernelPinOps(options, ps));
   if (options.method != PinMethod::kMlock) {
     absl::MutexLock lock(&ops->mu_);
-    if (int err = ops->AddRingLocked(); err != 0) {
+    if (int err = ops->AddRingLocked(/*bulk=*/false); err != 0) {
       ops->io_uring_error_ = std::strerror(err);
       if (options.method == PinMethod::kIoUring) {
         return MrdError(absl::StatusCode::kFailedPrecondition,
@@ -152,7 +164,7 @@ KernelPinOps::~KernelPinOps() {
       ::syscall(SYS_munlock, entry.first, End(entry) - entry.first);
     }
   }
-  for (int ring : rings_) ::close(ring);
+  for (const Ring& ring : rings_) ::close(ring.fd);
 }
 
 std::string KernelPinOps::Describe() const {
@@ -172,7 +184,7 @@ std::string KernelPinOps::Describe() const {
       " bytes), mlock for read-only or refused memory; ", budget);
 }
 
-int KernelPinOps::AddRingLocked() {
+int KernelPinOps::AddRingLocked(bool bulk) {
   // Slot ids stay below kMlocked (4 billion slots: never in practice).
   if (slots_.size() + options_.slots_per_ring > kMlocked) return ENOSPC;
   struct io_uring_params params;
@@ -190,27 +202,75 @@ int KernelPinOps::AddRingLocked() {
     return err;
   }
   const uint32_t first = static_cast<uint32_t>(slots_.size());
-  rings_.push_back(static_cast<int>(fd));
-  slots_.resize(slots_.size() + options_.slots_per_ring);
+  Ring ring;
+  ring.fd = static_cast<int>(fd);
+  ring.bulk = bulk;
+  ring.free.reserve(options_.slots_per_ring);
   // Handed out lowest first.
   for (uint32_t i = options_.slots_per_ring; i-- > 0;) {
-    free_slots_.push_back(first + i);
+    ring.free.push_back(first + i);
   }
+  rings_.push_back(std::move(ring));
+  slots_.resize(slots_.size() + options_.slots_per_ring);
+  free_slots_ += options_.slots_per_ring;
+  return 0;
+}
+
+bool KernelPinOps::BulkLock(uint64_t length) {
+  return length >= kBigLock || FairScheduler::CurrentIsBulk();
+}
+
+int KernelPinOps::TakeSlotLocked(bool bulk, uint32_t* slot) {
+  // Of this class: the first idle ring with a free slot, the count of
+  // rings with free slots, and the least busy of them.
+  size_t idle = rings_.size();
+  size_t least = rings_.size();
+  uint32_t with_free = 0;
+  for (size_t i = 0; i < rings_.size(); ++i) {
+    const Ring& ring = rings_[i];
+    if (ring.bulk != bulk || ring.free.empty()) continue;
+    ++with_free;
+    if (ring.calls == 0) {
+      idle = i;
+      break;
+    }
+    if (least == rings_.size() || ring.calls < rings_[least].calls) least = i;
+  }
+  size_t chosen = idle;
+  if (chosen == rings_.size() &&
+      (with_free < options_.parallel_rings || least == rings_.size())) {
+    const int err = AddRingLocked(bulk);
+    if (err == 0) {
+      chosen = rings_.size() - 1;
+    } else if (least == rings_.size()) {
+      // No ring of this class has a free slot and none can be made: any
+      // ring with a free slot will do.
+      for (size_t i = 0; i < rings_.size() && least == rings_.size(); ++i) {
+        if (!rings_[i].free.empty()) least = i;
+      }
+      if (least == rings_.size()) return err;
+    }
+  }
+  if (chosen == rings_.size()) chosen = least;
+  Ring& ring = rings_[chosen];
+  *slot = ring.free.back();
+  ring.free.pop_back();
+  --free_slots_;
   return 0;
 }
 
 int KernelPinOps::RegisterLocked(uint64_t start, uint64_t end, uint32_t* slot) {
-  if (free_slots_.empty()) {
-    if (int err = AddRingLocked(); err != 0) return err;
-  }
-  const uint32_t id = free_slots_.back();
-  const uint32_t per_ring = options_.slots_per_ring;
-  if (int err =
-          UpdateSlot(rings_[id / per_ring], id % per_ring, start, end - start);
-      err != 0) {
+  uint32_t id = 0;
+  if (int err = TakeSlotLocked(BulkLock(end - start), &id); err != 0) {
     return err;
   }
-  free_slots_.pop_back();
+  const uint32_t per_ring = options_.slots_per_ring;
+  if (int err = UpdateSlot(rings_[id / per_ring].fd, id % per_ring, start,
+                           end - start);
+      err != 0) {
+    FreeSlotLocked(id);
+    return err;
+  }
   slots_[id] = Slot{static_cast<uint32_t>(end - start), 1};
   registered_bytes_ += end - start;
   *slot = id;
@@ -227,49 +287,68 @@ KernelPinOps::ClearBatch::ClearBatch(KernelPinOps* ops) {
 KernelPinOps::ClearBatch::~ClearBatch() {
   if (ops_ == nullptr) return;
   open_clear_batch = OpenClearBatch();
-  absl::MutexLock lock(&ops_->mu_);
-  ops_->ClearSlotsLocked(&slots_);
+  ops_->ClearSlots(std::move(slots_));
 }
 
 void KernelPinOps::FreeSlotLocked(uint32_t slot) {
   registered_bytes_ -= slots_[slot].length;
   slots_[slot] = Slot{};
-  free_slots_.push_back(slot);
+  rings_[slot / options_.slots_per_ring].free.push_back(slot);
+  ++free_slots_;
 }
 
-void KernelPinOps::ClearSlotsLocked(std::vector<uint32_t>* slots) {
-  std::sort(slots->begin(), slots->end());
+void KernelPinOps::ClearSlots(std::vector<uint32_t> slots) {
+  if (slots.empty()) return;
+  std::sort(slots.begin(), slots.end());
   const uint32_t per_ring = options_.slots_per_ring;
-  size_t i = 0;
-  while (i < slots->size()) {
-    // A run: adjacent slots of one ring.
-    const uint32_t first = (*slots)[i];
-    size_t n = 1;
-    while (i + n < slots->size() && (*slots)[i + n] == first + n &&
-           (first + n) % per_ring != 0) {
-      ++n;
+  // Runs of adjacent slots of one ring: (first index into slots, count).
+  absl::InlinedVector<std::pair<size_t, uint32_t>, 4> runs;
+  absl::InlinedVector<Update, 4> updates;
+  {
+    absl::MutexLock lock(&mu_);
+    size_t i = 0;
+    while (i < slots.size()) {
+      const uint32_t first = slots[i];
+      uint32_t n = 1;
+      while (i + n < slots.size() && n < kMaxClearRun &&
+             slots[i + n] == first + n && (first + n) % per_ring != 0) {
+        ++n;
+      }
+      const uint32_t ring = first / per_ring;
+      ++rings_[ring].calls;
+      runs.emplace_back(i, n);
+      updates.push_back(Update{0, 0, first, ring, rings_[ring].fd});
+      i += n;
     }
-    const long cleared = ClearRun(rings_[first / per_ring], first % per_ring,
-                                  static_cast<uint32_t>(n));
+  }
+  absl::InlinedVector<long, 4> cleared;
+  for (size_t r = 0; r < runs.size(); ++r) {
+    cleared.push_back(
+        ClearRun(updates[r].fd, updates[r].slot % per_ring, runs[r].second));
+  }
+  absl::MutexLock lock(&mu_);
+  for (size_t r = 0; r < runs.size(); ++r) {
+    const auto [i, n] = runs[r];
+    --rings_[updates[r].ring].calls;
     ++clear_calls_;
-    const size_t done = cleared > 0 ? static_cast<size_t>(cleared) : 0;
-    for (size_t j = 0; j < std::min(done, n); ++j) {
-      FreeSlotLocked((*slots)[i + j]);
+    const size_t done = cleared[r] > 0 ? static_cast<size_t>(cleared[r]) : 0;
+    for (size_t j = 0; j < std::min<size_t>(done, n); ++j) {
+      FreeSlotLocked(slots[i + j]);
     }
     // What the kernel did not empty (it stops at a slot it cannot update)
     // goes a slot at a time.
-    for (size_t j = done; j < n; ++j) ClearNowLocked((*slots)[i + j]);
-    i += n;
+    for (size_t j = done; j < n; ++j) ClearNowLocked(slots[i + j]);
   }
-  slots->clear();
 }
 
 void KernelPinOps::ClearLocked(uint32_t slot) {
+  slots_[slot].pieces = 0;
   if (open_clear_batch.ops == this) {
-    std::vector<uint32_t>& batch = *open_clear_batch.slots;
-    batch.push_back(slot);
-    slots_[slot].pieces = 0;
-    if (batch.size() >= kClearBatchSlots) ClearSlotsLocked(&batch);
+    open_clear_batch.slots->push_back(slot);
+    return;
+  }
+  if (open_unlock.ops == this) {
+    open_unlock.slots->push_back(slot);
     return;
   }
   ClearNowLocked(slot);
@@ -278,7 +357,7 @@ void KernelPinOps::ClearLocked(uint32_t slot) {
 void KernelPinOps::ClearNowLocked(uint32_t slot) {
   const uint32_t per_ring = options_.slots_per_ring;
   ++clear_calls_;
-  if (int err = UpdateSlot(rings_[slot / per_ring], slot % per_ring, 0, 0);
+  if (int err = UpdateSlot(rings_[slot / per_ring].fd, slot % per_ring, 0, 0);
       err != 0) {
     // Emptying a slot only fails if the ring is gone; keep it out of use.
     LogWarning("emptying io_uring slot ", slot, ": ", std::strerror(err));
@@ -296,27 +375,70 @@ void KernelPinOps::ReleaseSlotLocked(uint32_t slot) {
   if (--slots_[slot].pieces == 0) ClearLocked(slot);
 }
 
-int KernelPinOps::LockIoUringLocked(uint64_t start, uint64_t end) {
-  // piece start, slot; one for a range within one slot span
-  absl::InlinedVector<std::pair<uint64_t, uint32_t>, 2> done;
+int KernelPinOps::LockIoUring(uint64_t start, uint64_t end) {
+  // One slot per slot span the range touches; one for a range within one.
+  absl::InlinedVector<Update, 2> updates;
   const uint64_t span = options_.slot_span;
+  const uint32_t per_ring = options_.slots_per_ring;
   int err = 0;
-  for (uint64_t at = start; at < end;) {
-    const uint64_t boundary = (at & ~(span - 1)) + span;
-    const uint64_t to = boundary != 0 ? std::min(end, boundary) : end;
-    uint32_t slot = 0;
-    if (err = RegisterLocked(at, to, &slot); err != 0) break;
-    AddPieceLocked(at, to, slot);
-    io_uring_bytes_ += to - at;
-    done.emplace_back(at, slot);
-    at = to;
+  {
+    absl::MutexLock lock(&mu_);
+    for (uint64_t at = start; at < end;) {
+      const uint64_t boundary = (at & ~(span - 1)) + span;
+      const uint64_t to = boundary != 0 ? std::min(end, boundary) : end;
+      uint32_t slot = 0;
+      if (err = TakeSlotLocked(BulkLock(end - start), &slot); err != 0) {
+        break;
+      }
+      // The piece marks the range as taken while its slot is registered.
+      AddPieceLocked(at, to, slot);
+      slots_[slot].pieces = 1;
+      const uint32_t ring = slot / per_ring;
+      ++rings_[ring].calls;
+      updates.push_back(Update{at, to, slot, ring, rings_[ring].fd});
+      at = to;
+    }
+    if (err != 0) {
+      for (const Update& update : updates) {
+        pieces_.erase(update.start);
+        --rings_[update.ring].calls;
+        FreeSlotLocked(update.slot);
+      }
+      return err;
+    }
   }
-  if (err == 0) return 0;
-  for (const auto& [at, slot] : done) {
-    auto it = pieces_.find(at);
-    io_uring_bytes_ -= End(*it) - at;
-    pieces_.erase(it);
-    ReleaseSlotLocked(slot);
+  size_t done = 0;
+  for (; done < updates.size(); ++done) {
+    const Update& update = updates[done];
+    if (options_.before_update != nullptr) {
+      options_.before_update(options_.before_update_arg, update.start,
+                             update.end - update.start, update.ring);
+    }
+    if (err = UpdateSlot(update.fd, update.slot % per_ring, update.start,
+                         update.end - update.start);
+        err != 0) {
+      break;
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < updates.size(); ++i) {
+    const Update& update = updates[i];
+    --rings_[update.ring].calls;
+    if (i < done) {
+      slots_[update.slot].length =
+          static_cast<uint32_t>(update.end - update.start);
+      registered_bytes_ += update.end - update.start;
+    }
+    if (err == 0) {
+      io_uring_bytes_ += update.end - update.start;
+      continue;
+    }
+    pieces_.erase(update.start);
+    if (i < done) {
+      ClearNowLocked(update.slot);
+    } else {
+      FreeSlotLocked(update.slot);
+    }
   }
   return err;
 }
@@ -390,25 +512,29 @@ int KernelPinOps::LockAny(uint64_t address, uint64_t length, bool huge_pages) {
   if (length == 0 || address + length < address) return EINVAL;
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (address + length + page_size_ - 1) & ~(page_size_ - 1);
-  absl::MutexLock lock(&mu_);
   // The tracker locks only pages no one pins; an overlap is a caller bug.
-  auto it = pieces_.lower_bound(start);
-  if ((it != pieces_.end() && it->first < end) ||
-      (it != pieces_.begin() && End(*std::prev(it)) > start)) {
-    return EEXIST;
+  auto overlaps = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto it = pieces_.lower_bound(start);
+    return (it != pieces_.end() && it->first < end) ||
+           (it != pieces_.begin() && End(*std::prev(it)) > start);
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    if (overlaps()) return EEXIST;
+    if (huge_pages && options_.method != PinMethod::kIoUring) {
+      const int err = LockMlockLocked(start, end);
+      if (err == 0 || !io_uring_ok_) return err;
+    }
+    if (!io_uring_ok_) return LockMlockLocked(start, end);
   }
-  if (huge_pages && options_.method != PinMethod::kIoUring) {
-    const int err = LockMlockLocked(start, end);
-    if (err == 0 || !io_uring_ok_) return err;
-  }
-  if (io_uring_ok_) {
-    const int err = LockIoUringLocked(start, end);
-    if (err == 0 || options_.method == PinMethod::kIoUring) return err;
-    // EFAULT: a read-only mapping (io_uring pins for writing) or a hole;
-    // EOPNOTSUPP: memory io_uring does not pin long-term; EMFILE: no fd for
-    // another ring. mlock tells a hole from the rest.
-    if (huge_pages) return err;  // mlock was refused already
-  }
+  const int err = LockIoUring(start, end);
+  if (err == 0 || options_.method == PinMethod::kIoUring) return err;
+  // EFAULT: a read-only mapping (io_uring pins for writing) or a hole;
+  // EOPNOTSUPP: memory io_uring does not pin long-term; EMFILE: no fd for
+  // another ring. mlock tells a hole from the rest.
+  if (huge_pages) return err;  // mlock was refused already
+  absl::MutexLock lock(&mu_);
+  if (overlaps()) return EEXIST;
   return LockMlockLocked(start, end);
 }
 
@@ -471,20 +597,34 @@ int KernelPinOps::Unlock(uint64_t address, uint64_t length) {
   if (length == 0 || address + length < address) return EINVAL;
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (address + length + page_size_ - 1) & ~(page_size_ - 1);
-  absl::MutexLock lock(&mu_);
+  // The slots this Unlock empties, outside the lock (ClearLocked).
+  std::vector<uint32_t> emptied;
   int first_err = 0;
-  uint64_t cursor = start;
-  auto it = pieces_.upper_bound(start);
-  if (it != pieces_.begin() && End(*std::prev(it)) > start) --it;
-  while (it != pieces_.end() && it->first < end) {
-    if (it->first > cursor && first_err == 0) first_err = ENOENT;
-    const uint64_t next_start = End(*it);
-    cursor = next_start;
-    int err = UnlockPieceLocked(it, start, end);
-    if (err != 0 && first_err == 0) first_err = err;
-    it = pieces_.lower_bound(next_start);
+  {
+    absl::MutexLock lock(&mu_);
+    const bool own = open_unlock.ops == nullptr;
+    if (own) open_unlock = OpenUnlock{this, &emptied};
+    uint64_t cursor = start;
+    auto it = pieces_.upper_bound(start);
+    if (it != pieces_.begin() && End(*std::prev(it)) > start) --it;
+    while (it != pieces_.end() && it->first < end) {
+      if (it->first > cursor && first_err == 0) first_err = ENOENT;
+      const uint64_t next_start = End(*it);
+      cursor = next_start;
+      int err = UnlockPieceLocked(it, start, end);
+      if (err != 0 && first_err == 0) first_err = err;
+      it = pieces_.lower_bound(next_start);
+    }
+    if (cursor < end && first_err == 0) first_err = ENOENT;
+    if (own) open_unlock = OpenUnlock();
   }
-  if (cursor < end && first_err == 0) first_err = ENOENT;
+  ClearSlots(std::move(emptied));
+  // A ClearBatch of this thread empties its slots as it fills.
+  if (open_clear_batch.ops == this &&
+      open_clear_batch.slots->size() >= kClearBatchSlots) {
+    ClearSlots(std::exchange(*open_clear_batch.slots, {}));
+    open_clear_batch.slots->reserve(kClearBatchSlots);
+  }
   return first_err;
 }
 
@@ -495,7 +635,21 @@ size_t KernelPinOps::Rings() const {
 
 size_t KernelPinOps::Slots() const {
   absl::MutexLock lock(&mu_);
-  return slots_.size() - free_slots_.size();
+  return slots_.size() - free_slots_;
+}
+
+int KernelPinOps::RingOf(uint64_t address) const {
+  absl::MutexLock lock(&mu_);
+  auto it = pieces_.upper_bound(address);
+  if (it == pieces_.begin()) return -1;
+  --it;
+  if (End(*it) <= address || it->second.mlocked()) return -1;
+  return static_cast<int>(it->second.slot / options_.slots_per_ring);
+}
+
+bool KernelPinOps::BulkRing(size_t ring) const {
+  absl::MutexLock lock(&mu_);
+  return ring < rings_.size() && rings_[ring].bulk;
 }
 
 uint64_t KernelPinOps::IoUringBytes() const {

@@ -27,7 +27,18 @@
 // as several adjoining ones when it is longer than a piece can be
 // (kMaxPiecePages pages: 16 TiB of 4 KiB pages).
 //
-// Thread-safe; system calls are made under the object's lock.
+// Thread-safe. A Lock's or Unlock's io_uring system calls are made outside
+// the object's lock, the slots reserved under it first, so that one caller's
+// long registration (16 MiB of pages pinned in the kernel) never holds up
+// another's 4 KiB one. The kernel serializes the calls on one ring, so a
+// Lock takes its slot from a ring no other call is using, adding one when
+// every ring is busy (at most `parallel_rings` per class). Bulk Locks (of
+// kBigLock or more, or made by a thread running bulk work at a lower CPU
+// priority: FairScheduler::CurrentIsBulk) and the others use rings of their
+// own, so that a small request's 4 KiB pin and its unpin never wait in the
+// kernel for a big one, nor for a low-priority thread that holds a ring's
+// lock while other threads have the CPU. mlock and the re-pinning of a
+// slot's rest (a sub-range unpin) stay under the object's lock.
 #ifndef MRD_SERVER_DEVICE_SOFTWARE_KERNEL_PIN_OPS_H_
 #define MRD_SERVER_DEVICE_SOFTWARE_KERNEL_PIN_OPS_H_
 
@@ -68,6 +79,16 @@ struct KernelPinOptions {
   // Pages of the longest mlocked piece (a longer run is held as several);
   // 0 = KernelPinOps::kMaxPiecePages. For tests, which cannot mlock 16 TiB.
   uint32_t max_piece_pages = 0;
+  // Rings of each class (bulk or not) with free slots that Lock keeps
+  // so that concurrent callers each find one no other system call is
+  // using; past it a Lock waits for a busy ring in the kernel. At least 1
+  // (more rings are always added when every slot is taken).
+  uint32_t parallel_rings = 4;
+  // Tests only: called before each io_uring slot update of a Lock, outside
+  // the object's lock, with the slot's range and ring (an index).
+  void (*before_update)(void* arg, uint64_t address, uint64_t length,
+                        uint32_t ring) = nullptr;
+  void* before_update_arg = nullptr;
 };
 
 class KernelPinOps final : public PinOps {
@@ -76,6 +97,11 @@ class KernelPinOps final : public PinOps {
   static constexpr uint64_t kMaxSlotSpan = uint64_t{1} << 30;
   // Pages of the longest piece (its length is a uint32_t count of pages).
   static constexpr uint32_t kMaxPiecePages = ~uint32_t{0};
+  // A Lock of at least this many bytes takes its slots from the bulk rings.
+  static constexpr uint64_t kBigLock = uint64_t{1} << 20;
+  // A ClearBatch empties at most this many adjacent slots per system call,
+  // which holds their ring that long.
+  static constexpr uint32_t kMaxClearRun = 64;
 
   // INVALID_ARGUMENT "BAD_OPTION" for bad options; with kIoUring,
   // FAILED_PRECONDITION "IO_URING_UNAVAILABLE" when no ring can be created.
@@ -116,7 +142,7 @@ class KernelPinOps final : public PinOps {
 
    private:
     KernelPinOps* ops_ = nullptr;  // null: this batch does nothing
-    std::vector<uint32_t> slots_;  // guarded by ops_->mu_
+    std::vector<uint32_t> slots_;  // touched by its own thread only
   };
   static constexpr size_t kClearBatchSlots = 1024;
 
@@ -130,6 +156,11 @@ class KernelPinOps final : public PinOps {
 
   // Introspection (tests, metrics).
   size_t Rings() const;
+  // The ring (an index) of the slot pinning the page at `address`, or -1
+  // (not pinned through io_uring).
+  int RingOf(uint64_t address) const;
+  // Whether ring `ring` takes bulk Locks.
+  bool BulkRing(size_t ring) const;
   // Slots in use.
   size_t Slots() const;
   // Bytes pinned through io_uring slots that are still counted.
@@ -176,22 +207,49 @@ class KernelPinOps final : public PinOps {
 
   KernelPinOps(const KernelPinOptions& options, uint64_t page_size);
 
-  // Creates a ring with sparse slots; 0 or the errno.
-  int AddRingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Registers [start, end) (within one slot span) into a free slot.
+  // One io_uring ring: its fd, its free slots (handed out lowest first),
+  // the system calls on it in flight, and its size class.
+  struct Ring {
+    int fd = -1;
+    bool bulk = false;
+    uint32_t calls = 0;
+    std::vector<uint32_t> free;  // slot ids, highest first
+  };
+  // A slot update to make outside the lock: [start, end) into `slot`, or
+  // emptied (start == end == 0), on ring `ring` (fd `fd`).
+  struct Update {
+    uint64_t start = 0;
+    uint64_t end = 0;
+    uint32_t slot = 0;
+    uint32_t ring = 0;
+    int fd = -1;
+  };
+
+  // Whether a Lock of `length` bytes by the calling thread is bulk.
+  static bool BulkLock(uint64_t length);
+  // Creates a ring with sparse slots of class `bulk`; 0 or the errno.
+  int AddRingLocked(bool bulk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes a free slot for a Lock of class `bulk`: from an idle ring of that
+  // class, else from a new one (up to parallel_rings with free slots), else
+  // from the least busy ring with a free slot; 0 or the errno.
+  int TakeSlotLocked(bool bulk, uint32_t* slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers [start, end) (within one slot span) into a free slot, with
+  // the system call under the lock (a split's rest).
   int RegisterLocked(uint64_t start, uint64_t end, uint32_t* slot)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Empties a slot (the kernel unpins its pages) and frees it; within a
-  // ClearBatch of this thread, queues it there instead.
+  // ClearBatch of this thread, queues it there instead, and within an
+  // Unlock, queues it for that Unlock to empty after letting the lock go.
   void ClearLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Empties a slot now and frees it (a slot that cannot be emptied, which
   // happens only if its ring is gone, is logged and kept out of use).
   void ClearNowLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Empties `slots` (sorted here) and frees them, one system call per run
-  // of adjacent slots of a ring; a run the kernel empties only in part goes
-  // on a slot at a time.
-  void ClearSlotsLocked(std::vector<uint32_t>* slots)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Empties `slots` (taken slots no piece points to) and frees them, one
+  // system call per run of at most kMaxClearRun adjacent slots of a ring,
+  // made without the lock; a run the kernel empties only in part goes on a
+  // slot at a time.
+  void ClearSlots(std::vector<uint32_t> slots) ABSL_LOCKS_EXCLUDED(mu_);
   // Frees an emptied slot.
   void FreeSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds [start, end) (page-aligned, at most kMaxPiecePages pages, and no
@@ -200,8 +258,9 @@ class KernelPinOps final : public PinOps {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops one piece's reference on `slot`, clearing it at zero.
   void ReleaseSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int LockIoUringLocked(uint64_t start, uint64_t end)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Pins [start, end) into io_uring slots, reserved under the lock and
+  // registered outside it; 0 or the errno, with nothing left pinned.
+  int LockIoUring(uint64_t start, uint64_t end) ABSL_LOCKS_EXCLUDED(mu_);
   int LockMlockLocked(uint64_t start, uint64_t end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds [start, end), which no piece overlaps, as mlocked pieces of at most
@@ -227,9 +286,9 @@ class KernelPinOps final : public PinOps {
   uint64_t max_map_splits_ = 0;
 
   mutable absl::Mutex mu_;
-  std::vector<int> rings_ ABSL_GUARDED_BY(mu_);   // ring fds
+  std::vector<Ring> rings_ ABSL_GUARDED_BY(mu_);
   std::vector<Slot> slots_ ABSL_GUARDED_BY(mu_);  // ring i: [i*n, (i+1)*n)
-  std::vector<uint32_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  uint64_t free_slots_ ABSL_GUARDED_BY(mu_) = 0;  // over every ring
   // Disjoint, by start; a B-tree, at about 18 bytes a piece filled in
   // address order (21 in random order) where a std::map node costs 64 (one
   // piece per io_uring-pinned registration). Iterators do not survive an

@@ -82,18 +82,13 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (last & ~(page_size_ - 1)) + page_size_;
   // A long pin goes a step (kLockStep) at a time, each step pinned and
-  // counted whole under the lock, which is let go in between: other pins
-  // (other tenants' small ones among them) wait for one step, not for the
-  // whole range. Every kPinStep, progress can be seen, a cancellation takes
-  // effect and the worker may serve another tenant first. A step that fails
-  // undoes itself; the steps before it are then unpinned.
+  // counted whole. Every kPinStep, progress can be seen, a cancellation
+  // takes effect and the worker may serve another tenant first. A step that
+  // fails undoes itself; the steps before it are then unpinned.
   for (uint64_t at = start; at < end;) {
     const uint64_t next = std::min(end, (at & ~(kLockStep - 1)) + kLockStep);
-    absl::Status status;
-    {
-      absl::MutexLock lock(&mu_);
-      status = PinLocked(at, next, huge_pages, progress, address, length);
-    }
+    absl::Status status =
+        PinStep(at, next, huge_pages, progress, address, length);
     // What this pin holds counted so far: [start, committed).
     const uint64_t committed = status.ok() ? next : at;
     if (status.ok() && next < end && progress != nullptr &&
@@ -116,26 +111,89 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
   return absl::OkStatus();
 }
 
-absl::Status PinTracker::PinLocked(uint64_t start, uint64_t end,
-                                   bool huge_pages, WorkProgress* progress,
-                                   uint64_t address, uint64_t length) {
-  // The parts of [start, end) that no one pins yet: only these need mlock.
-  // Usually one gap (a fresh range) or none (a range pinned already).
-  absl::InlinedVector<std::pair<uint64_t, uint64_t>, 2> gaps;
-  uint64_t cursor = start;
-  auto it = runs_.upper_bound(start);
-  if (it != runs_.begin() && std::prev(it)->second.end > start) --it;
-  for (; it != runs_.end() && it->first < end; ++it) {
-    if (it->first > cursor) gaps.emplace_back(cursor, it->first);
-    cursor = std::max(cursor, it->second.end);
+bool PinTracker::BusyLocked(uint64_t start, uint64_t end) const {
+  for (const auto& [from, to] : busy_) {
+    if (from < end && start < to) return true;
   }
-  if (cursor < end) gaps.emplace_back(cursor, end);
-  if (progress != nullptr) {
+  return false;
+}
+
+void PinTracker::IdleLocked(const Ranges& ranges) {
+  for (const auto& range : ranges) {
+    auto it = std::find(busy_.begin(), busy_.end(), range);
+    MRD_CHECK(it != busy_.end());
+    *it = busy_.back();
+    busy_.pop_back();
+  }
+}
+
+absl::Status PinTracker::PinStep(uint64_t start, uint64_t end, bool huge_pages,
+                                 WorkProgress* progress, uint64_t address,
+                                 uint64_t length) {
+  // The parts of [start, end) that no one pins yet: only these need a
+  // kernel lock. Usually one gap (a fresh range) or none (a range pinned
+  // already).
+  Ranges gaps;
+  {
+    absl::MutexLock lock(&mu_);
+    struct Wait {
+      const PinTracker* tracker;
+      uint64_t start, end;
+      bool operator()() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+        return !tracker->BusyLocked(start, end);
+      }
+    } idle{this, start, end};
+    mu_.Await(absl::Condition(&idle));
+    uint64_t cursor = start;
+    auto it = runs_.upper_bound(start);
+    if (it != runs_.begin() && std::prev(it)->second.end > start) --it;
+    for (; it != runs_.end() && it->first < end; ++it) {
+      if (it->first > cursor) gaps.emplace_back(cursor, it->first);
+      cursor = std::max(cursor, it->second.end);
+    }
+    if (cursor < end) gaps.emplace_back(cursor, end);
     uint64_t new_bytes = 0;
     for (const auto& [from, to] : gaps) new_bytes += to - from;
-    progress->AddPinned((end - start) - new_bytes);  // pinned by others
+    if (progress != nullptr) progress->AddPinned((end - start) - new_bytes);
+    // The pages pinned already get their reference now, so that no unpin
+    // can release them while the gaps are locked; the gaps are busy.
+    SplitLocked(start);
+    SplitLocked(end);
+    for (auto run = runs_.lower_bound(start);
+         run != runs_.end() && run->first < end; ++run) {
+      ++run->second.refs;
+    }
+    CoalesceLocked(start, end);
+    if (gaps.empty()) return absl::OkStatus();
+    busy_.insert(busy_.end(), gaps.begin(), gaps.end());
   }
+  absl::Status status = LockGaps(gaps, huge_pages, address, length);
+  {
+    absl::MutexLock lock(&mu_);
+    IdleLocked(gaps);
+    if (status.ok()) {
+      for (const auto& [from, to] : gaps) {
+        runs_.emplace(from, Run{to, 1});
+        pinned_bytes_.fetch_add(to - from, std::memory_order_relaxed);
+        if (progress != nullptr) progress->AddPinned(to - from);
+      }
+      CoalesceLocked(start, end);
+      return status;
+    }
+  }
+  // Give back the references taken on the pages pinned already: the parts
+  // of [start, end) between the gaps.
+  uint64_t cursor = start;
+  for (const auto& [from, to] : gaps) {
+    if (from > cursor) UnpinStep(cursor, from);
+    cursor = to;
+  }
+  if (cursor < end) UnpinStep(cursor, end);
+  return status;
+}
 
+absl::Status PinTracker::LockGaps(const Ranges& gaps, bool huge_pages,
+                                  uint64_t address, uint64_t length) {
   for (size_t i = 0; i < gaps.size(); ++i) {
     const auto [gap_start, gap_end] = gaps[i];
     int err = huge_pages ? ops_->LockHugePages(gap_start, gap_end - gap_start)
@@ -144,9 +202,6 @@ absl::Status PinTracker::PinLocked(uint64_t start, uint64_t end,
     // real mlock that locks up to a hole and then fails.
     absl::Status injected =
         err == 0 ? FaultPoint(faults_, "pin.mlock") : absl::OkStatus();
-    if (err == 0 && injected.ok() && progress != nullptr) {
-      progress->AddPinned(gap_end - gap_start);
-    }
     if (err == 0 && injected.ok()) continue;
     // mlock locks the mappings before a hole and then fails with ENOMEM
     // without undoing them, so the failed gap is unlocked too. Gaps were
@@ -176,18 +231,6 @@ absl::Status PinTracker::PinLocked(uint64_t start, uint64_t end,
                      Hex(gap_start), " (pinning ", length, " bytes at ",
                      Hex(address), ") failed: ", std::strerror(err)));
   }
-
-  SplitLocked(start);
-  SplitLocked(end);
-  for (auto run = runs_.lower_bound(start);
-       run != runs_.end() && run->first < end; ++run) {
-    ++run->second.refs;
-  }
-  for (const auto& [gap_start, gap_end] : gaps) {
-    runs_.emplace(gap_start, Run{gap_end, 1});
-    pinned_bytes_.fetch_add(gap_end - gap_start, std::memory_order_relaxed);
-  }
-  CoalesceLocked(start, end);
   return absl::OkStatus();
 }
 
@@ -197,18 +240,35 @@ void PinTracker::Unpin(uint64_t address, uint64_t length) {
             last <= UINT64_MAX - page_size_);
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (last & ~(page_size_ - 1)) + page_size_;
-  // A step at a time, each whole under the lock (the caller holds every
-  // page's reference until its step, so the steps are independent): a
-  // long unpin does not hold up other pins for its whole range.
+  // A step at a time, each recorded whole (the caller holds every page's
+  // reference until its step, so the steps are independent).
   for (uint64_t at = start; at < end;) {
     const uint64_t next = std::min(end, (at & ~(kLockStep - 1)) + kLockStep);
-    absl::MutexLock lock(&mu_);
-    UnpinLocked(at, next);
+    UnpinStep(at, next);
     at = next;
   }
 }
 
-void PinTracker::UnpinLocked(uint64_t start, uint64_t end) {
+void PinTracker::UnpinStep(uint64_t start, uint64_t end) {
+  Ranges released;
+  {
+    absl::MutexLock lock(&mu_);
+    released = UnpinLocked(start, end);
+    if (released.empty()) return;
+  }
+  for (const auto& [from, to] : released) {
+    if (int err = ops_->Unlock(from, to - from); err != 0) {
+      // The pages may have been unmapped under a registration; the kernel
+      // drops the lock with the mapping, so there is nothing left to undo.
+      LogWarning("munlock of ", to - from, " bytes at ", Hex(from), ": ",
+                 std::strerror(err));
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  IdleLocked(released);
+}
+
+PinTracker::Ranges PinTracker::UnpinLocked(uint64_t start, uint64_t end) {
   SplitLocked(start);
   SplitLocked(end);
   // Every page must be pinned: a hole means the caller unpins what it never
@@ -221,7 +281,7 @@ void PinTracker::UnpinLocked(uint64_t start, uint64_t end) {
   }
   MRD_CHECK(cursor == end);
 
-  absl::InlinedVector<std::pair<uint64_t, uint64_t>, 2> released;
+  Ranges released;
   for (auto run = runs_.lower_bound(start);
        run != runs_.end() && run->first < end;) {
     if (--run->second.refs > 0) {
@@ -237,14 +297,10 @@ void PinTracker::UnpinLocked(uint64_t start, uint64_t end) {
   }
   for (const auto& [from, to] : released) {
     pinned_bytes_.fetch_sub(to - from, std::memory_order_relaxed);
-    if (int err = ops_->Unlock(from, to - from); err != 0) {
-      // The pages may have been unmapped under a registration; the kernel
-      // drops the lock with the mapping, so there is nothing left to undo.
-      LogWarning("munlock of ", to - from, " bytes at ", Hex(from), ": ",
-                 std::strerror(err));
-    }
   }
+  busy_.insert(busy_.end(), released.begin(), released.end());
   CoalesceLocked(start, end);
+  return released;
 }
 
 uint64_t PinTracker::PinnedBytes() const {

@@ -13,9 +13,12 @@
 // Pin is all-or-nothing (L7): if any Lock fails, every page it locked is
 // unlocked again before the error returns.
 //
-// Thread-safe. Pin holds the tracker's lock across Lock, which faults pages
-// in, so callers must not hold locks of their own that the data path needs;
-// pins and unpins hold it one step (kLockStep) at a time.
+// Thread-safe. The kernel's part (PinOps::Lock, which faults pages in, and
+// Unlock) runs outside the tracker's lock: the pages it locks or unlocks are
+// marked busy under the lock first, and a pin that needs a busy page waits
+// for it, so that one tenant's 16 MiB step never holds up another's 4 KiB
+// pin of other pages. Pins and unpins go a step (kLockStep) at a time.
+// Callers must not hold locks of their own that the data path needs.
 #ifndef MRD_SERVER_DEVICE_SOFTWARE_PIN_TRACKER_H_
 #define MRD_SERVER_DEVICE_SOFTWARE_PIN_TRACKER_H_
 
@@ -23,8 +26,11 @@
 #include <cerrno>
 #include <cstdint>
 #include <map>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "server/common/progress.h"
@@ -35,9 +41,8 @@ namespace mrd::device {
 // A pin with progress is made in steps of at most this many bytes (whole
 // io_uring slots: kernel_pin_ops.h).
 inline constexpr uint64_t kPinStep = uint64_t{64} << 20;
-// Pins and unpins hold the tracker's lock for at most this many bytes at a
-// time (a whole io_uring slot span: kernel_pin_ops.h), so that one tenant's
-// long pin or unpin keeps another's small one waiting for one step only.
+// Pins and unpins go at most this many bytes at a time (a whole io_uring
+// slot span: kernel_pin_ops.h), each step recorded whole.
 inline constexpr uint64_t kLockStep = uint64_t{16} << 20;
 
 // Lock's error when pinning would cost more memory maps (VMAs) than the
@@ -118,14 +123,27 @@ class PinTracker {
 
   // Splits the run that strictly contains `at` into two with equal counts.
   void SplitLocked(uint64_t at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Pin of the page-aligned [start, end) in one hold of the lock
-  // (`address` and `length` are the caller's range, for messages).
-  absl::Status PinLocked(uint64_t start, uint64_t end, bool huge_pages,
-                         WorkProgress* progress, uint64_t address,
-                         uint64_t length) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Unpin of the page-aligned [start, end) in one hold of the lock.
-  void UnpinLocked(uint64_t start, uint64_t end)
+  using Ranges = absl::InlinedVector<std::pair<uint64_t, uint64_t>, 2>;
+
+  // Pin of the page-aligned [start, end), one step (`address` and `length`
+  // are the caller's range, for messages).
+  absl::Status PinStep(uint64_t start, uint64_t end, bool huge_pages,
+                       WorkProgress* progress, uint64_t address,
+                       uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
+  // Locks `gaps` in the kernel, all or none.
+  absl::Status LockGaps(const Ranges& gaps, bool huge_pages, uint64_t address,
+                        uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
+  // Unpin of the page-aligned [start, end), one step.
+  void UnpinStep(uint64_t start, uint64_t end) ABSL_LOCKS_EXCLUDED(mu_);
+  // Drops a reference on every page of [start, end) and returns the runs
+  // that reached zero, marked busy (the caller unlocks them, then Idle).
+  Ranges UnpinLocked(uint64_t start, uint64_t end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether a page of [start, end) is busy.
+  bool BusyLocked(uint64_t start, uint64_t end) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `ranges` off the busy list.
+  void IdleLocked(const Ranges& ranges) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Merges touching runs with equal counts between `from` and `to`.
   void CoalesceLocked(uint64_t from, uint64_t to)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -135,6 +153,11 @@ class PinTracker {
   FaultPoints* const faults_;
   mutable absl::Mutex mu_;
   RunMap runs_ ABSL_GUARDED_BY(mu_);  // disjoint, refs >= 1
+  // Pages being locked or unlocked in the kernel, outside the lock: in no
+  // run (a page being locked is counted once it is locked), and no pin
+  // touches them until they are idle again. A few ranges per pin or unpin
+  // under way.
+  std::vector<std::pair<uint64_t, uint64_t>> busy_ ABSL_GUARDED_BY(mu_);
   // Written under mu_; read without it (GetDeviceInfo answers inline).
   std::atomic<uint64_t> pinned_bytes_{0};
 };

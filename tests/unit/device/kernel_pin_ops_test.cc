@@ -13,9 +13,12 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/device/software/pin_tracker.h"
@@ -219,8 +222,11 @@ TEST_F(KernelPinOpsTest, ClearBatchEmptiesAFullBatchAsItGoes) {
     EXPECT_EQ(ops_->Slots(), 10u);
   }
   EXPECT_EQ(ops_->Slots(), 0u);
-  // Two runs of adjacent slots, each emptied with one call.
-  EXPECT_EQ(ops_->ClearCalls(), calls + 2);
+  // Two runs of adjacent slots, each emptied with one call per
+  // kMaxClearRun slots: 1,024 in 16 calls, then 10 in one.
+  EXPECT_EQ(
+      ops_->ClearCalls(),
+      calls + KernelPinOps::kClearBatchSlots / KernelPinOps::kMaxClearRun + 1);
   EXPECT_EQ(PinnedSettled(0), 0u);
 }
 
@@ -302,6 +308,117 @@ TEST_F(KernelPinOpsTest, SlotsNeverCrossTheSpan) {
   ASSERT_EQ(ops_->Unlock(start + 21 * ps, 19 * ps), 0);
   EXPECT_EQ(ops_->Slots(), 0u);
   EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// Holds a KernelPinOps slot update before the kernel while shut: the one
+// whose range starts at `at` (KernelPinOptions::before_update).
+class UpdateGate {
+ public:
+  static void Hook(void* arg, uint64_t address, uint64_t, uint32_t) {
+    auto* gate = static_cast<UpdateGate*>(arg);
+    absl::MutexLock lock(&gate->mu_);
+    if (address != gate->at_) return;
+    gate->held_ = true;
+    gate->mu_.Await(absl::Condition(&gate->open_));
+  }
+  void Shut(uint64_t at) {
+    absl::MutexLock lock(&mu_);
+    at_ = at;
+    open_ = false;
+    held_ = false;
+  }
+  void AwaitHeld() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&held_));
+  }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    open_ = true;
+  }
+
+ private:
+  absl::Mutex mu_;
+  uint64_t at_ ABSL_GUARDED_BY(mu_) = 0;
+  bool open_ ABSL_GUARDED_BY(mu_) = true;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// Issue 24: the system calls used to be made under the object's lock, on
+// one ring, so a 4 KiB pin waited for another tenant's 16 MiB registration
+// in the kernel. Now the small Lock and its Unlock go by on a ring that is
+// not for bulk work while the big one is held.
+TEST_F(KernelPinOpsTest, ABigLockInTheKernelDoesNotHoldUpASmallOne) {
+  const uint64_t ps = PageSize();
+  UpdateGate gate;
+  KernelPinOptions options;
+  options.before_update = &UpdateGate::Hook;
+  options.before_update_arg = &gate;
+  ops_ = Make(options);
+  ASSERT_NE(ops_, nullptr);
+  const uint64_t big_bytes = uint64_t{16} << 20;
+  std::unique_ptr<MemfdBuffer> big = MemfdBuffer::Create(big_bytes / ps);
+  std::unique_ptr<MemfdBuffer> small = MemfdBuffer::Create(1);
+  ASSERT_NE(big, nullptr);
+  ASSERT_NE(small, nullptr);
+  const uint64_t big_at = reinterpret_cast<uint64_t>(big->data());
+  const uint64_t small_at = reinterpret_cast<uint64_t>(small->data());
+  gate.Shut(big_at);
+  std::thread big_lock([&] { EXPECT_EQ(ops_->Lock(big_at, big_bytes), 0); });
+  gate.AwaitHeld();
+  int small_ring = -1;
+  absl::Notification small_done;
+  std::thread small_pair([&] {
+    EXPECT_EQ(ops_->Lock(small_at, ps), 0);
+    small_ring = ops_->RingOf(small_at);
+    EXPECT_EQ(ops_->Unlock(small_at, ps), 0);
+    small_done.Notify();
+  });
+  // Shut until the small pair is done, or a minute passed (so that a
+  // KernelPinOps that still serializes fails instead of hanging).
+  EXPECT_TRUE(small_done.WaitForNotificationWithTimeout(absl::Minutes(1)));
+  const int big_ring = ops_->RingOf(big_at);
+  gate.Open();
+  big_lock.join();
+  small_pair.join();
+  EXPECT_NE(small_ring, big_ring);
+  EXPECT_FALSE(ops_->BulkRing(static_cast<size_t>(small_ring)));
+  EXPECT_TRUE(ops_->BulkRing(static_cast<size_t>(big_ring)));
+  EXPECT_EQ(ops_->RingOf(big_at), big_ring);
+  EXPECT_EQ(PinnedSettled(big_bytes), big_bytes);
+  EXPECT_EQ(ops_->Unlock(big_at, big_bytes), 0);
+  EXPECT_EQ(ops_->Slots(), 0u);
+}
+
+// Two small Locks at once: the second takes a slot of a new ring, so that it
+// never waits for the first's ring in the kernel; with parallel_rings = 1 it
+// shares the busy ring.
+TEST_F(KernelPinOpsTest, ConcurrentLocksTakeRingsNoOtherCallUses) {
+  const uint64_t ps = PageSize();
+  for (uint32_t parallel : {4u, 1u}) {
+    SCOPED_TRACE(parallel);
+    UpdateGate gate;
+    KernelPinOptions options;
+    options.before_update = &UpdateGate::Hook;
+    options.before_update_arg = &gate;
+    options.parallel_rings = parallel;
+    ops_ = Make(options);
+    ASSERT_NE(ops_, nullptr);
+    std::unique_ptr<MemfdBuffer> buffer = MemfdBuffer::Create(2);
+    ASSERT_NE(buffer, nullptr);
+    const uint64_t first = reinterpret_cast<uint64_t>(buffer->data());
+    gate.Shut(first);
+    std::thread held([&] { EXPECT_EQ(ops_->Lock(first, ps), 0); });
+    gate.AwaitHeld();
+    // The held Lock's ring counts as busy from its reservation on.
+    ASSERT_EQ(ops_->Lock(first + ps, ps), 0);
+    EXPECT_EQ(ops_->Rings(), parallel > 1 ? 2u : 1u);
+    EXPECT_EQ(ops_->RingOf(first + ps), parallel > 1 ? 1 : 0);
+    gate.Open();
+    held.join();
+    EXPECT_EQ(ops_->RingOf(first), 0);
+    EXPECT_EQ(ops_->Unlock(first, 2 * ps), 0);
+    EXPECT_EQ(ops_->Slots(), 0u);
+  }
 }
 
 // More rings are created as slots run out.

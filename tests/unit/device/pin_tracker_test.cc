@@ -3,10 +3,16 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <functional>
+#include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/support/kernel_pins.h"
@@ -316,6 +322,169 @@ TEST_F(PinTrackerTest, CancelledPinUndoesEveryStep) {
   EXPECT_EQ(tracker_.RefCount(P(1)), 0u);
   tracker_.Unpin(P(0), PageSize());
   ops_.TakeUnlocks();
+}
+
+// Pins whose kernel calls may be held: a Lock or Unlock of a range starting
+// at the gate's address waits in the "kernel" until the gate opens. It also
+// checks what the tracker promises its PinOps: no two calls in flight at
+// once touch the same page.
+class GatedPinOps final : public PinOps {
+ public:
+  int Lock(uint64_t address, uint64_t length) override {
+    return Call(address, length, /*lock=*/true);
+  }
+  int Unlock(uint64_t address, uint64_t length) override {
+    return Call(address, length, /*lock=*/false);
+  }
+  void Gate(uint64_t address) {
+    absl::MutexLock lock(&mu_);
+    gate_at_ = address;
+    gate_open_ = false;
+  }
+  // Waits until a call is held at the gate.
+  void AwaitHeld() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&held_));
+  }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    gate_open_ = true;
+  }
+  std::vector<std::string> Calls() {
+    absl::MutexLock lock(&mu_);
+    return calls_;
+  }
+  int overlaps() {
+    absl::MutexLock lock(&mu_);
+    return overlaps_;
+  }
+
+ private:
+  int Call(uint64_t address, uint64_t length, bool lock_call) {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [from, to] : in_flight_) {
+      if (from < address + length && address < to) ++overlaps_;
+    }
+    in_flight_.emplace_back(address, address + length);
+    if (address == gate_at_) {
+      held_ = true;
+      mu_.Await(absl::Condition(&gate_open_));
+      held_ = false;
+      gate_at_ = 0;
+    }
+    in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(),
+                               std::make_pair(address, address + length)));
+    calls_.push_back(
+        absl::StrCat(lock_call ? "lock " : "unlock ", address, "+", length));
+    return 0;
+  }
+
+  absl::Mutex mu_;
+  uint64_t gate_at_ ABSL_GUARDED_BY(mu_) = 0;
+  bool gate_open_ ABSL_GUARDED_BY(mu_) = false;
+  bool held_ ABSL_GUARDED_BY(mu_) = false;
+  int overlaps_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::pair<uint64_t, uint64_t>> in_flight_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> calls_ ABSL_GUARDED_BY(mu_);
+};
+
+class PinTrackerConcurrencyTest : public ::testing::Test {
+ protected:
+  static uint64_t P(uint64_t n) { return (uint64_t{1} << 40) + n * PageSize(); }
+  // Runs `fn` on a thread of its own; the thread is joined by the fixture.
+  void Spawn(std::function<void()> fn) { threads_.emplace_back(std::move(fn)); }
+  void TearDown() override {
+    ops_.Open();
+    for (std::thread& thread : threads_) thread.join();
+    EXPECT_EQ(ops_.overlaps(), 0);
+  }
+
+  GatedPinOps ops_;
+  PinTracker tracker_{PageSize(), &ops_};
+  std::vector<std::thread> threads_;
+};
+
+// Issue 24: a 16 MiB step held in the kernel used to hold the tracker's lock,
+// so another tenant's 4 KiB pin (and its unpin) of other pages waited for it.
+// Now they go by while the big one is still in the kernel.
+TEST_F(PinTrackerConcurrencyTest, ALongKernelLockDoesNotHoldUpAnotherPin) {
+  ops_.Gate(P(0));
+  absl::Notification big_done;
+  Spawn([&] {
+    EXPECT_TRUE(tracker_.Pin(P(0), kLockStep).ok());
+    big_done.Notify();
+  });
+  ops_.AwaitHeld();
+  absl::Notification small_done;
+  Spawn([&] {
+    const uint64_t small = P(2 * kLockStep / PageSize());
+    EXPECT_TRUE(tracker_.Pin(small, PageSize()).ok());
+    EXPECT_EQ(tracker_.RefCount(small), 1u);
+    tracker_.Unpin(small, PageSize());
+    small_done.Notify();
+  });
+  // The gate stays shut until the small pair is done (or a minute passed,
+  // so that a tracker that still serializes fails instead of hanging).
+  EXPECT_TRUE(small_done.WaitForNotificationWithTimeout(absl::Minutes(1)));
+  EXPECT_FALSE(big_done.HasBeenNotified());
+  // The page being locked is not counted yet.
+  EXPECT_EQ(tracker_.PinnedBytes(), 0u);
+  ops_.Open();
+  big_done.WaitForNotification();
+  EXPECT_EQ(tracker_.PinnedBytes(), kLockStep);
+  tracker_.Unpin(P(0), kLockStep);
+  EXPECT_EQ(tracker_.PinnedBytes(), 0u);
+}
+
+// A pin that needs pages another pin is locking waits for that lock, then
+// takes its reference: the pages are locked once.
+TEST_F(PinTrackerConcurrencyTest, APinOfPagesBeingLockedWaitsForThatLock) {
+  ops_.Gate(P(0));
+  Spawn([&] { EXPECT_TRUE(tracker_.Pin(P(0), 8 * PageSize()).ok()); });
+  ops_.AwaitHeld();
+  absl::Notification second_done;
+  Spawn([&] {
+    EXPECT_TRUE(tracker_.Pin(P(4), 8 * PageSize()).ok());
+    second_done.Notify();
+  });
+  ops_.Open();
+  second_done.WaitForNotification();
+  for (std::thread& thread : threads_) thread.join();
+  threads_.clear();
+  // [0, 8) locked once, then [8, 12) by the second pin after it.
+  EXPECT_THAT(ops_.Calls(),
+              ElementsAre(absl::StrCat("lock ", P(0), "+", 8 * PageSize()),
+                          absl::StrCat("lock ", P(8), "+", 4 * PageSize())));
+  EXPECT_EQ(tracker_.RefCount(P(5)), 2u);
+  EXPECT_EQ(tracker_.RefCount(P(0)), 1u);
+  tracker_.Unpin(P(0), 8 * PageSize());
+  tracker_.Unpin(P(4), 8 * PageSize());
+  EXPECT_EQ(tracker_.PinnedBytes(), 0u);
+}
+
+// A pin of pages whose last unpin is still in the kernel waits for it and
+// locks them again afterwards, never while they are being unlocked.
+TEST_F(PinTrackerConcurrencyTest, APinOfPagesBeingUnlockedLocksThemAfterwards) {
+  ASSERT_TRUE(tracker_.Pin(P(0), 4 * PageSize()).ok());
+  ops_.Gate(P(0));
+  Spawn([&] { tracker_.Unpin(P(0), 4 * PageSize()); });
+  ops_.AwaitHeld();
+  EXPECT_EQ(tracker_.PinnedBytes(), 0u);  // released, being unlocked
+  absl::Notification pinned;
+  Spawn([&] {
+    EXPECT_TRUE(tracker_.Pin(P(2), PageSize()).ok());
+    pinned.Notify();
+  });
+  ops_.Open();
+  pinned.WaitForNotification();
+  for (std::thread& thread : threads_) thread.join();
+  threads_.clear();
+  EXPECT_THAT(ops_.Calls(),
+              ElementsAre(absl::StrCat("lock ", P(0), "+", 4 * PageSize()),
+                          absl::StrCat("unlock ", P(0), "+", 4 * PageSize()),
+                          absl::StrCat("lock ", P(2), "+", PageSize())));
+  EXPECT_EQ(tracker_.RefCount(P(2)), 1u);
+  tracker_.Unpin(P(2), PageSize());
 }
 
 }  // namespace
