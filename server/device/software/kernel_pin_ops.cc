@@ -220,7 +220,15 @@ bool KernelPinOps::BulkLock(uint64_t length) {
   return length >= kBigLock || FairScheduler::CurrentIsBulk();
 }
 
-int KernelPinOps::TakeSlotLocked(bool bulk, uint32_t* slot) {
+int KernelPinOps::TakeSlotLocked(bool bulk, uint32_t* slot, size_t same) {
+  // The ring of the caller's previous slot, while it has a free one: the
+  // caller's own calls on it are made one after the other.
+  if (same < rings_.size() && !rings_[same].free.empty()) {
+    *slot = rings_[same].free.back();
+    rings_[same].free.pop_back();
+    --free_slots_;
+    return 0;
+  }
   // Of this class: the first idle ring with a free slot, the count of
   // rings with free slots, and the least busy of them.
   size_t idle = rings_.size();
@@ -310,8 +318,11 @@ void KernelPinOps::ClearSlots(std::vector<uint32_t> slots) {
     while (i < slots.size()) {
       const uint32_t first = slots[i];
       uint32_t n = 1;
+      uint64_t bytes = slots_[first].length;
       while (i + n < slots.size() && n < kMaxClearRun &&
-             slots[i + n] == first + n && (first + n) % per_ring != 0) {
+             slots[i + n] == first + n && (first + n) % per_ring != 0 &&
+             bytes + slots_[first + n].length <= kMaxClearRunBytes) {
+        bytes += slots_[first + n].length;
         ++n;
       }
       const uint32_t ring = first / per_ring;
@@ -387,7 +398,10 @@ int KernelPinOps::LockIoUring(uint64_t start, uint64_t end) {
       const uint64_t boundary = (at & ~(span - 1)) + span;
       const uint64_t to = boundary != 0 ? std::min(end, boundary) : end;
       uint32_t slot = 0;
-      if (err = TakeSlotLocked(BulkLock(end - start), &slot); err != 0) {
+      if (err = TakeSlotLocked(
+              BulkLock(end - start), &slot,
+              updates.empty() ? rings_.size() : updates.back().ring);
+          err != 0) {
         break;
       }
       // The piece marks the range as taken while its slot is registered.

@@ -99,9 +99,12 @@ class KernelPinOps final : public PinOps {
   static constexpr uint32_t kMaxPiecePages = ~uint32_t{0};
   // A Lock of at least this many bytes takes its slots from the bulk rings.
   static constexpr uint64_t kBigLock = uint64_t{1} << 20;
-  // A ClearBatch empties at most this many adjacent slots per system call,
-  // which holds their ring that long.
+  // Slots are emptied at most this many adjacent ones, and at most this
+  // many bytes (or one slot), per system call: the kernel unpins them in
+  // one go, holding their ring, and on a kernel without preemption (a
+  // server's usual build) holding the CPU too, until the call returns.
   static constexpr uint32_t kMaxClearRun = 64;
+  static constexpr uint64_t kMaxClearRunBytes = uint64_t{4} << 20;
 
   // INVALID_ARGUMENT "BAD_OPTION" for bad options; with kIoUring,
   // FAILED_PRECONDITION "IO_URING_UNAVAILABLE" when no ring can be created.
@@ -231,8 +234,10 @@ class KernelPinOps final : public PinOps {
   int AddRingLocked(bool bulk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes a free slot for a Lock of class `bulk`: from an idle ring of that
   // class, else from a new one (up to parallel_rings with free slots), else
-  // from the least busy ring with a free slot; 0 or the errno.
-  int TakeSlotLocked(bool bulk, uint32_t* slot)
+  // from the least busy ring with a free slot; 0 or the errno. From ring
+  // `same` instead while it has a free slot (a Lock's next slot: its
+  // calls are the caller's own, one after the other).
+  int TakeSlotLocked(bool bulk, uint32_t* slot, size_t same = ~size_t{0})
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Registers [start, end) (within one slot span) into a free slot, with
   // the system call under the lock (a split's rest).
@@ -246,9 +251,9 @@ class KernelPinOps final : public PinOps {
   // happens only if its ring is gone, is logged and kept out of use).
   void ClearNowLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Empties `slots` (taken slots no piece points to) and frees them, one
-  // system call per run of at most kMaxClearRun adjacent slots of a ring,
-  // made without the lock; a run the kernel empties only in part goes on a
-  // slot at a time.
+  // system call per run of adjacent slots of a ring (at most kMaxClearRun
+  // slots and kMaxClearRunBytes), made without the lock; a run the kernel
+  // empties only in part goes on a slot at a time.
   void ClearSlots(std::vector<uint32_t> slots) ABSL_LOCKS_EXCLUDED(mu_);
   // Frees an emptied slot.
   void FreeSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -421,6 +421,34 @@ TEST_F(KernelPinOpsTest, ConcurrentLocksTakeRingsNoOtherCallUses) {
   }
 }
 
+// Emptying a long range's slots goes at most kMaxClearRunBytes per system
+// call: the kernel unpins a call's pages in one go, and a kernel without
+// preemption runs nothing else on that CPU meanwhile. (One call used to
+// unpin a 256 MiB registration's 16 slots at once.)
+TEST_F(KernelPinOpsTest, SlotsAreEmptiedAFewMiBPerCall) {
+  const uint64_t ps = PageSize();
+  KernelPinOptions options;
+  options.slot_span = uint64_t{2} << 20;
+  ops_ = Make(options);
+  ASSERT_NE(ops_, nullptr);
+  const uint64_t bytes = uint64_t{8} << 20;
+  std::unique_ptr<MemfdBuffer> buffer =
+      MemfdBuffer::Create(bytes / ps + options.slot_span / ps);
+  ASSERT_NE(buffer, nullptr);
+  // Slot-span aligned, so that the range is exactly 4 slots.
+  const uint64_t at =
+      (reinterpret_cast<uint64_t>(buffer->data()) + options.slot_span - 1) &
+      ~(options.slot_span - 1);
+  ASSERT_EQ(ops_->Lock(at, bytes), 0);
+  ASSERT_EQ(ops_->Slots(), 4u);
+  const uint64_t calls = ops_->ClearCalls();
+  ASSERT_EQ(ops_->Unlock(at, bytes), 0);
+  EXPECT_EQ(ops_->Slots(), 0u);
+  EXPECT_EQ(ops_->ClearCalls() - calls,
+            bytes / KernelPinOps::kMaxClearRunBytes);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
 // More rings are created as slots run out.
 TEST_F(KernelPinOpsTest, RingsAreAddedAsSlotsRunOut) {
   const uint64_t ps = PageSize();
