@@ -712,6 +712,12 @@ class Metrics::CoreCollector final : public prometheus::Collectable {
            "Seconds the tenant's requests spent on a worker.",
            prometheus::MetricType::Counter,
            [](const FairQueueStats& q) { return q.service_seconds_total; });
+    family("mrd_tenant_queue_cost_total",
+           "The work the tenant's requests stood for, as the fair scheduler "
+           "charged it: 4 KiB pages to pin, unpin or unmap and the items of "
+           "a batch (1 for the rest).",
+           prometheus::MetricType::Counter,
+           [&](const FairQueueStats& q) { return d(q.cost_total); });
     family("mrd_tenant_queue_yields_total",
            "Times a long request of the tenant gave its worker up between "
            "steps for another tenant's waiting request.",

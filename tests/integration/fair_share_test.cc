@@ -110,5 +110,63 @@ TEST_F(FairShareTest, ASmallRequestIsNotQueuedBehindAnotherTenantsBigOnes) {
       << "of " << kBigCount << " big registrations, made before the small one";
 }
 
+class FairCostTest : public MrdTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions o;
+    o.metrics = true;
+    o.extra_flags = {"--warm_pin_bytes_total=0"};
+    return o;
+  }
+  // mrd_tenant_queue_cost_total of `tenant`, or -1.
+  double Cost(const std::string& tenant) {
+    absl::StatusOr<std::string> text = ScrapeMetrics(mrd_->metrics_address());
+    EXPECT_TRUE(text.ok()) << text.status();
+    if (!text.ok()) return -1;
+    const std::string series =
+        absl::StrCat("mrd_tenant_queue_cost_total{tenant=\"", tenant, "\"} ");
+    for (absl::string_view line : absl::StrSplit(*text, '\n')) {
+      double value = 0;
+      if (absl::ConsumePrefix(&line, series) &&
+          absl::SimpleAtod(line, &value)) {
+        return value;
+      }
+    }
+    return -1;
+  }
+};
+
+// Issue 24: the last DeregisterMr of a big registration and the release of
+// a big buffer unpin and unmap all of it, but went to the workers at a cost
+// of 1, as small requests (and so ahead of other tenants' small ones, and
+// at a small request's CPU priority). They now cost their pages.
+TEST_F(FairCostTest, UnpinningAndUnmappingCostTheirPages) {
+  constexpr uint64_t kBytes = uint64_t{8} << 20;
+  constexpr uint64_t kPages = kBytes / 4096;
+  Session session = OpenFdSession();
+  absl::StatusOr<v1::SessionInfo> info = session.Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  absl::StatusOr<client::MappedMemfd> memfd =
+      client::MappedMemfd::Create(kBytes, "fair-cost");
+  ASSERT_TRUE(memfd.ok()) << memfd.status();
+  absl::StatusOr<Buffer> buffer =
+      session.ImportMemfd(memfd->fd(), true, memfd->size());
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::RegisterOptions o;
+  o.buffer = buffer->id();
+  o.length = kBytes;
+  absl::StatusOr<Registration> r = Registration::Register(session, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double registered = Cost(info->tenant());
+  ASSERT_GE(registered, static_cast<double>(kPages));
+  absl::StatusOr<uint32_t> left = r->Deregister();
+  ASSERT_TRUE(left.ok()) << left.status();
+  ASSERT_EQ(*left, 0u);
+  const double deregistered = Cost(info->tenant());
+  EXPECT_EQ(deregistered - registered, static_cast<double>(kPages));
+  ASSERT_TRUE(buffer->Release().ok());
+  EXPECT_EQ(Cost(info->tenant()) - deregistered, static_cast<double>(kPages));
+}
+
 }  // namespace
 }  // namespace mrd::testing
