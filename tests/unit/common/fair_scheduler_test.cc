@@ -8,7 +8,10 @@
 // after the previous task is accounted for, so the order is exact).
 #include "server/common/fair_scheduler.h"
 
+#include <linux/capability.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdint>
@@ -17,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -529,6 +533,50 @@ TEST(FairSchedulerTest, BulkWorkRunsBelowTheWorkersOwnPriority) {
     EXPECT_EQ(r.nice, base);
     EXPECT_FALSE(r.bulk);
   }
+}
+
+// An mrd that may not raise a thread's priority back (the DaemonSet's: no
+// CAP_SYS_NICE, RLIMIT_NICE 0): kPerTask is refused by name, and kAuto
+// keeps the first `workers` threads for bulk work. Run on a thread that
+// drops CAP_SYS_NICE from its effective set (the scheduler's threads
+// inherit that), with RLIMIT_NICE 0 for the time of the test.
+TEST(FairSchedulerTest, WithoutTheRightToRaisePriorityBulkWorkGetsThreads) {
+  struct rlimit saved;
+  ASSERT_EQ(::getrlimit(RLIMIT_NICE, &saved), 0);
+  struct rlimit none = saved;
+  none.rlim_cur = 0;
+  ASSERT_EQ(::setrlimit(RLIMIT_NICE, &none), 0);
+  errno = 0;
+  const int base = ::getpriority(PRIO_PROCESS, 0);
+  std::thread unprivileged([base] {
+    __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+    __user_cap_data_struct caps[2] = {};
+    ASSERT_EQ(::syscall(SYS_capget, &header, caps), 0);
+    caps[CAP_TO_INDEX(CAP_SYS_NICE)].effective &= ~CAP_TO_MASK(CAP_SYS_NICE);
+    ASSERT_EQ(::syscall(SYS_capset, &header, caps), 0);
+    {
+      FairScheduler scheduler;
+      FairSchedulerOptions options;
+      options.workers = 1;
+      options.bulk_priority = BulkPriority::kPerTask;
+      EXPECT_EQ(GetErrorDetail(scheduler.Start(options)).reason(),
+                "NICE_NOT_PERMITTED");
+    }
+    if (base > 9) return;
+    FairScheduler scheduler;
+    FairSchedulerOptions options;
+    options.workers = 1;
+    ASSERT_TRUE(scheduler.Start(options).ok());
+    EXPECT_EQ(scheduler.bulk_priority(), BulkPriority::kFixedThreads);
+    std::vector<Ran> ran = RunOneByOne(scheduler, {1, 4096, 1});
+    ASSERT_EQ(ran.size(), 3u);
+    EXPECT_EQ(ran[0].nice, base);
+    EXPECT_EQ(ran[1].nice, base + 10);
+    EXPECT_TRUE(ran[1].bulk);
+    EXPECT_EQ(ran[2].nice, base);
+  });
+  unprivileged.join();
+  ASSERT_EQ(::setrlimit(RLIMIT_NICE, &saved), 0);
 }
 
 TEST(FairSchedulerTest, BulkOptionsOutOfRangeAreRefused) {

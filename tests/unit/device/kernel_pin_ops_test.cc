@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "gmock/gmock.h"
@@ -278,6 +279,13 @@ TEST(KernelPinOptionsTest, SlotSpanIsAPowerOfTwoUpToOneGiB) {
   EXPECT_TRUE(KernelPinOps::Create(options).ok());
   options.slots_per_ring = KernelPinOps::kMaxSlotsPerRing + 1;
   EXPECT_FALSE(KernelPinOps::Create(options).ok());
+  options.slots_per_ring = 8;
+  options.parallel_rings = 0;
+  absl::StatusOr<std::unique_ptr<KernelPinOps>> no_rings =
+      KernelPinOps::Create(options);
+  EXPECT_EQ(no_rings.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(no_rings.status().message(), "parallel rings"))
+      << no_rings.status();
   EXPECT_FALSE(ParsePinMethod("mmap").ok());
   EXPECT_EQ(*ParsePinMethod("io_uring"), PinMethod::kIoUring);
 }
