@@ -548,12 +548,14 @@ TEST(FairSchedulerTest, WithoutTheRightToRaisePriorityBulkWorkGetsThreads) {
   ASSERT_EQ(::setrlimit(RLIMIT_NICE, &none), 0);
   errno = 0;
   const int base = ::getpriority(PRIO_PROCESS, 0);
-  std::thread unprivileged([base] {
+  bool dropped = false;
+  std::thread unprivileged([base, &dropped] {
     __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
     __user_cap_data_struct caps[2] = {};
-    ASSERT_EQ(::syscall(SYS_capget, &header, caps), 0);
+    if (::syscall(SYS_capget, &header, caps) != 0) return;
     caps[CAP_TO_INDEX(CAP_SYS_NICE)].effective &= ~CAP_TO_MASK(CAP_SYS_NICE);
-    ASSERT_EQ(::syscall(SYS_capset, &header, caps), 0);
+    if (::syscall(SYS_capset, &header, caps) != 0) return;
+    dropped = true;
     {
       FairScheduler scheduler;
       FairSchedulerOptions options;
@@ -577,6 +579,7 @@ TEST(FairSchedulerTest, WithoutTheRightToRaisePriorityBulkWorkGetsThreads) {
   });
   unprivileged.join();
   ASSERT_EQ(::setrlimit(RLIMIT_NICE, &saved), 0);
+  if (!dropped) GTEST_SKIP() << "capget/capset refused here";
 }
 
 TEST(FairSchedulerTest, BulkOptionsOutOfRangeAreRefused) {
