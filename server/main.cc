@@ -85,6 +85,10 @@ class Daemon final : public handover::Participant {
   explicit Daemon(daemon::Invocation invocation)
       : status_(absl::GetFlag(FLAGS_handover_status_file)),
         reloader_(std::move(invocation)) {}
+  // The workers go before the core: no teardown may be left on them.
+  ~Daemon() override {
+    if (core_ != nullptr) core_->SetTeardownRunner(nullptr);
+  }
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
@@ -385,6 +389,9 @@ absl::Status Daemon::StartGrpc() {
   }
   metrics_->SetSchedulerSource(
       [workers = workers_.get()] { return workers->Stats(); });
+  // Sessions that end by a hang-up are released on the workers, not on the
+  // fd socket's thread, which every tenant's imports wait for.
+  core_->SetTeardownRunner(service::TeardownsOnWorkers(workers_.get(), fair));
   service_ = std::make_unique<service::MrdService>(core_.get(), workers_.get(),
                                                    metrics_.get(), fair);
   gate_handover_.SetGate(&service_->gate());

@@ -140,6 +140,9 @@ void Core::Shutdown() {
     reaper_stop_ = true;
   }
   reaper_.Join();
+  // The sessions whose teardown was given away are released first; the
+  // rest here.
+  SetTeardownRunner(nullptr);
   progress_.Stop();
   for (const std::shared_ptr<Session>& session : sessions_.Close()) {
     LogInfo("session ", session->id(), " released: server shutting down");
@@ -228,7 +231,67 @@ void Core::EndSession(const std::string& token, absl::string_view why) {
   TearDown(session);
 }
 
+namespace {
+bool IsZero(uint64_t* count) { return *count == 0; }
+}  // namespace
+
+void Core::SetTeardownRunner(TeardownRunner runner) {
+  absl::MutexLock lock(&teardown_mu_);
+  teardown_mu_.Await(absl::Condition(&IsZero, &teardowns_pending_));
+  teardown_runner_ = std::move(runner);
+}
+
+bool Core::AwaitTeardowns(absl::Duration timeout) {
+  absl::MutexLock lock(&teardown_mu_);
+  return teardown_mu_.AwaitWithTimeout(
+      absl::Condition(&IsZero, &teardowns_pending_), timeout);
+}
+
+void Core::EndSessionSoon(const std::string& token, absl::string_view why) {
+  std::shared_ptr<Session> session = sessions_.Find(token);
+  if (session == nullptr) return;
+  {
+    absl::MutexLock lock(&teardown_mu_);
+    if (teardown_runner_) {
+      if (!MarkClosing(*session)) return;
+      uint64_t pinned_bytes;
+      {
+        absl::MutexLock session_lock(&session->mu);
+        pinned_bytes = session->pinned_bytes;
+      }
+      ++teardowns_pending_;
+      LogInfo("session ", session->id(), " releasing: ", why);
+      // With teardown_mu_ held, so that the runner is not swapped meanwhile
+      // (it only queues).
+      teardown_runner_(session->tenant(), pinned_bytes,
+                       [this, session, why = std::string(why)]() mutable {
+                         ReleaseClosing(session);
+                         if (sessions_.Remove(session->token()) == session) {
+                           LogInfo("session ", session->id(),
+                                   " released: ", why);
+                         }
+                         session.reset();
+                         absl::MutexLock lock(&teardown_mu_);
+                         --teardowns_pending_;
+                       });
+      return;
+    }
+  }
+  EndSession(token, why);
+}
+
+bool Core::MarkClosing(Session& session) {
+  absl::MutexLock lock(&session.mu);
+  if (session.closing) return false;
+  session.closing = true;
+  return true;
+}
+
 void Core::TearDown(const std::shared_ptr<Session>& session) {
+  if (MarkClosing(*session)) ReleaseClosing(session);
+}
+
+void Core::ReleaseClosing(const std::shared_ptr<Session>& session) {
   std::map<uint64_t, MrObject> mrs;
   std::vector<uint64_t> entries;
   std::map<uint64_t, LamRecord> lams;
@@ -236,8 +299,6 @@ void Core::TearDown(const std::shared_ptr<Session>& session) {
   std::vector<device::PdId> pds;
   {
     absl::MutexLock lock(&session->mu);
-    if (session->closing) return;
-    session->closing = true;
     mrs.swap(session->mrs);
     entries = registrations_.DetachLocked(*session, /*buffer=*/0);
     lams.swap(session->lams);
@@ -303,7 +364,7 @@ void Core::ReapExpiredLeases() {
     absl::MutexLock lock(&session->mu);
     if (session->LeaseExpiredLocked(now)) expired.push_back(session->token());
   }
-  for (const auto& token : expired) EndSession(token, "lease expired");
+  for (const auto& token : expired) EndSessionSoon(token, "lease expired");
 }
 
 absl::StatusOr<std::string> Core::OnConnect(
@@ -361,7 +422,7 @@ absl::StatusOr<v1::BufferInfo> Core::OnImport(const std::string& token,
 }
 
 void Core::OnDisconnect(const std::string& token) {
-  EndSession(token, "fd socket closed");
+  EndSessionSoon(token, "fd socket closed");
 }
 
 absl::Status Core::OpenLeaseSession(const v1::OpenLeaseSessionRequest& req,

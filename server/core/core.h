@@ -38,6 +38,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/functional/any_invocable.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -196,6 +197,27 @@ class Core final : public fd_socket::FdSessionHandler {
   void SetFdHangup(std::function<void(const std::string&)> hangup) {
     fd_hangup_ = std::move(hangup);
   }
+
+  // Runs the teardown of a session that ended by its fd socket's hang-up or
+  // its lease's expiry, later and on another thread: `teardown` releases
+  // everything the session holds, `pinned_bytes` of pinned memory among it,
+  // and is owed to `tenant` (the fair scheduler's queue of that tenant, in
+  // mrd). Without a runner (the default) the teardown runs on the thread
+  // that noticed the end: the fd socket's thread, which every tenant's
+  // connects and imports wait for, or the lease reaper. Must not block, and
+  // must run every teardown it is given.
+  using TeardownRunner = std::function<void(
+      const std::shared_ptr<Tenant>& tenant, uint64_t pinned_bytes,
+      absl::AnyInvocable<void() &&> teardown)>;
+  // Sets (or, with nullptr, clears) the runner, after waiting until every
+  // teardown given to the one before has run. Until its teardown has run, a
+  // session stays in the table, closing: its calls are refused
+  // WSAENOTCONN "the session is closing" and what it holds still counts.
+  void SetTeardownRunner(TeardownRunner runner)
+      ABSL_LOCKS_EXCLUDED(teardown_mu_);
+  // Waits, at most `timeout`, until no teardown given to the runner is
+  // waiting or running. True when none is.
+  bool AwaitTeardowns(absl::Duration timeout) ABSL_LOCKS_EXCLUDED(teardown_mu_);
 
   // Starts the lease reaper and progress reporter threads. Errors:
   // THREAD_FAILED.
@@ -384,6 +406,14 @@ class Core final : public fd_socket::FdSessionHandler {
   // Removes the session from the table and releases everything it holds.
   void EndSession(const std::string& token, absl::string_view why);
   void TearDown(const std::shared_ptr<Session>& session);
+  // Ends the session through the teardown runner, if there is one: it is
+  // marked closing at once and leaves the table once released.
+  void EndSessionSoon(const std::string& token, absl::string_view why)
+      ABSL_LOCKS_EXCLUDED(teardown_mu_);
+  // Marks the session closing; false if it was already. Then, once:
+  // ReleaseClosing releases everything it holds.
+  static bool MarkClosing(Session& session);
+  void ReleaseClosing(const std::shared_ptr<Session>& session);
 
   // Where AdoptState's time went, for its log line.
   struct AdoptTimes {
@@ -469,6 +499,11 @@ class Core final : public fd_socket::FdSessionHandler {
   // first call).
   absl::Mutex health_mu_;
   std::vector<bool> last_healthy_ ABSL_GUARDED_BY(health_mu_);
+
+  // The teardown runner and the teardowns given to it that have not run.
+  absl::Mutex teardown_mu_;
+  TeardownRunner teardown_runner_ ABSL_GUARDED_BY(teardown_mu_);
+  uint64_t teardowns_pending_ ABSL_GUARDED_BY(teardown_mu_) = 0;
 
   absl::Mutex reaper_mu_;
   bool reaper_stop_ ABSL_GUARDED_BY(reaper_mu_) = false;

@@ -4,7 +4,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/time.h"
 #include "mrd/status.h"
+#include "server/common/log.h"
 
 namespace mrd::core {
 
@@ -90,6 +92,12 @@ absl::Status CoreParticipant::Export(v1::HandoverSnapshot* snapshot,
   // device by device: nothing is read or written on them here any more
   // unless the handover is called off (Thaw).
   std::vector<std::vector<device::DeviceHandover::HandedOverPeer>> peers;
+  // Sessions whose end was noticed before the pause finish releasing first
+  // (a session still closing is not handed over either way).
+  if (!core_->AwaitTeardowns(drain_)) {
+    LogWarning("handover: sessions still releasing after ",
+               absl::FormatDuration(drain_), "; they are not handed over");
+  }
   for (device::Device* device : devices_) {
     absl::StatusOr<std::vector<device::DeviceHandover::HandedOverPeer>> frozen =
         device->handover().FreezePeers(drain_);

@@ -405,6 +405,21 @@ void MrdService::Dispatch(const Work& work,
                      std::move(task));
 }
 
+core::Core::TeardownRunner TeardownsOnWorkers(FairScheduler* workers,
+                                              bool fair) {
+  return [workers, fair](const std::shared_ptr<core::Tenant>& tenant,
+                         uint64_t pinned_bytes,
+                         absl::AnyInvocable<void() &&> teardown) {
+    const uint64_t cost = WorkCost(pinned_bytes);
+    if (!fair) {
+      workers->Schedule("", 1, cost, std::move(teardown));
+    } else {
+      workers->Schedule(tenant->name(), tenant->weight(), cost,
+                        std::move(teardown));
+    }
+  };
+}
+
 template <typename Fn>
 grpc::ServerUnaryReactor* MrdService::RunInline(
     grpc::CallbackServerContext* ctx, absl::string_view method, Fn fn) {

@@ -171,6 +171,14 @@ class MrdService final : public v1::MemoryRegistration::CallbackService {
   CallGate gate_;
 };
 
+// The core's teardown runner in mrd (Core::SetTeardownRunner): a session
+// that ends by its fd socket's hang-up or its lease's expiry is released on
+// `workers`, in its tenant's queue (one queue for all with `fair` false) at
+// the cost of its pinned pages, as CloseSession is. `workers` must outlive
+// the runner's use: clear it (Core::Shutdown does) before `workers` goes.
+core::Core::TeardownRunner TeardownsOnWorkers(FairScheduler* workers,
+                                              bool fair);
+
 class AdminService final : public v1::TenantAdmin::CallbackService {
  public:
   // All pointers must outlive the service; `workers` may be null (no

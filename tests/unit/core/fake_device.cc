@@ -131,6 +131,14 @@ absl::Status FakeDevice::Enter(Op op) {
   {
     absl::MutexLock lock(&mu_);
     ++calls_[op];
+    if (held_.contains(op)) {
+      ++held_calls_[op];
+      auto released = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !held_.contains(op);
+      };
+      mu_.Await(absl::Condition(&released));
+      --held_calls_[op];
+    }
     if (auto d = delays_.find(op); d != delays_.end()) delay = d->second;
     if (auto f = failures_.find(op);
         f != failures_.end() && !f->second.empty()) {
@@ -702,6 +710,24 @@ void FakeDevice::FailNextWork(absl::Status status) {
 void FakeDevice::SetDelay(Op op, absl::Duration delay) {
   absl::MutexLock lock(&mu_);
   delays_[op] = delay;
+}
+
+void FakeDevice::HoldCalls(Op op) {
+  absl::MutexLock lock(&mu_);
+  held_.insert(op);
+}
+
+void FakeDevice::ReleaseCalls(Op op) {
+  absl::MutexLock lock(&mu_);
+  held_.erase(op);
+}
+
+bool FakeDevice::AwaitHeldCalls(Op op, uint64_t count, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto enough = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return held_calls_[op] >= count;
+  };
+  return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
 }
 
 void FakeDevice::SetHealth(device::DeviceHealth health) {

@@ -116,6 +116,13 @@ class FakeDevice final : public device::Device {
   // Every call of `op` sleeps `delay` first, holding no lock.
   void SetDelay(Op op, absl::Duration delay) ABSL_LOCKS_EXCLUDED(mu_);
   void SetHealth(device::DeviceHealth health) ABSL_LOCKS_EXCLUDED(mu_);
+  // Every call of `op` from now on waits, holding no lock, until
+  // ReleaseCalls(op); AwaitHeldCalls waits (at most `timeout`) until `count`
+  // calls wait so. For tests of what must go on while one call is stuck.
+  void HoldCalls(Op op) ABSL_LOCKS_EXCLUDED(mu_);
+  void ReleaseCalls(Op op) ABSL_LOCKS_EXCLUDED(mu_);
+  bool AwaitHeldCalls(Op op, uint64_t count, absl::Duration timeout)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // A remote peer connects to `pd` (or to the PD of `ticket`): the PD's sink
   // gets OnPeerConnected on this thread. NOT_FOUND for an unknown PD/ticket.
@@ -258,6 +265,8 @@ class FakeDevice final : public device::Device {
   std::deque<absl::Status> work_failures_ ABSL_GUARDED_BY(mu_);
   std::map<Op, absl::Duration> delays_ ABSL_GUARDED_BY(mu_);
   std::map<Op, uint64_t> calls_ ABSL_GUARDED_BY(mu_);
+  std::set<Op> held_ ABSL_GUARDED_BY(mu_);                  // HoldCalls
+  std::map<Op, uint64_t> held_calls_ ABSL_GUARDED_BY(mu_);  // waiting now
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
 
