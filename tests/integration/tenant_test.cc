@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -330,6 +331,10 @@ class TenantsFileTest : public MrdTest {
     o.extra_flags = {"--tenants_file=" + path_};
     return o;
   }
+  void TearDown() override {
+    MrdTest::TearDown();
+    std::remove(path_.c_str());
+  }
   std::string path_;
 };
 
@@ -397,6 +402,7 @@ TEST(TenantsFileErrorTest, BadFileRefusesToStart) {
   o.extra_flags = {"--tenants_file=" + path};
   absl::StatusOr<std::unique_ptr<MrdProcess>> mrd = MrdProcess::Start(o);
   EXPECT_FALSE(mrd.ok());
+  std::remove(path.c_str());
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 // expiry, which etcd does not announce (a bounded wait).
 #include <unistd.h>
 
+#include <cstdio>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -412,10 +413,14 @@ class EtcdCredentialOptionsTest : public ::testing::Test {
         ::testing::UnitTest::GetInstance()->current_test_info()->name());
     options_.endpoints = {"127.0.0.1:2379"};
   }
+  void TearDown() override {
+    for (const std::string& path : written_) std::remove(path.c_str());
+  }
   std::string Write(const std::string& name, const std::string& text) {
     const std::string path = dir_ + "-" + name;
     std::ofstream out(path);
     out << text;
+    written_.push_back(path);
     return path;
   }
   void ExpectRefused(const std::string& names, const std::string& secret) {
@@ -433,6 +438,7 @@ class EtcdCredentialOptionsTest : public ::testing::Test {
     }
   }
   std::string dir_;
+  std::vector<std::string> written_;  // removed by TearDown
   EtcdClientOptions options_;
 };
 
