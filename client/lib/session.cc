@@ -1,5 +1,7 @@
 #include "client/lib/session.h"
 
+#include <poll.h>
+
 #include <cstdio>
 #include <optional>
 #include <string>
@@ -90,6 +92,20 @@ Session& Session::operator=(Session&& other) noexcept {
   return *this;
 }
 
+namespace {
+
+// Whether the other end of a connected socket is still open.
+bool PeerStillThere(int fd) {
+  if (fd < 0) return false;
+  struct pollfd p = {};
+  p.fd = fd;
+  p.events = POLLIN | POLLRDHUP;
+  if (::poll(&p, 1, 0) < 0) return false;
+  return (p.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) == 0;
+}
+
+}  // namespace
+
 Session::~Session() { EndOnDestruction(); }
 
 void Session::EndOnDestruction() {
@@ -173,6 +189,16 @@ absl::StatusOr<Buffer> Session::ImportMemfd(int fd, bool writable,
 absl::Status Session::Close() {
   if (core_ == nullptr) return MovedFrom();
   if (core_->fd_channel != nullptr) {
+    // mrd releases everything the session holds before it answers
+    // CloseSession; the socket's hang-up alone would have it released
+    // later, on mrd's workers. Not asked when mrd is gone (the socket hung
+    // up) or cannot answer: the hang-up ends the session either way.
+    if (!core_->ended.load(std::memory_order_acquire) &&
+        PeerStillThere(core_->fd_channel->socket_fd())) {
+      v1::CloseSessionRequest request;
+      request.set_session(core_->token);
+      (void)core_->client.CloseSession(request);
+    }
     core_->fd_channel->Close();
     core_->ended.store(true, std::memory_order_release);
     return absl::OkStatus();

@@ -89,9 +89,11 @@ class Session {
   absl::StatusOr<Buffer> ImportMemfd(int fd, bool writable,
                                      uint64_t expected_size) const;
 
-  // Ends the session now: closes the fd socket, or CloseSession for lease
-  // and attached sessions. Idempotent for fd sessions. After it the handles
-  // made in this session are inert.
+  // Ends the session now: CloseSession (mrd releases everything the session
+  // holds before it answers), then, for an fd session, its socket closes
+  // (if mrd cannot be asked, the socket's hang-up ends the session on mrd's
+  // own time). Idempotent for fd sessions. After it the handles made in
+  // this session are inert.
   absl::Status Close();
 
   // The fd socket, for poll(2) only: readable or hung up means mrd ended the

@@ -813,6 +813,46 @@ std::optional<absl::Status> Core::TryRegisterMrHit(
   return registrations_.TryRegisterHit(*session, req, out);
 }
 
+std::optional<absl::Status> Core::TryRegisterMrSmall(
+    const v1::RegisterMrRequest& req, v1::RegisterMrResponse* out) {
+  if (!req.publish_name().empty() || req.length() == 0 ||
+      req.length() > kInlineRegisterBytes) {
+    return std::nullopt;
+  }
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
+  if (!session.ok()) return session.status();
+  Tenant& tenant = *(*session)->tenant();
+  if (!tenant.TryEnterInline(kInlinePerTenant)) return std::nullopt;
+  absl::Status status = registrations_.Register(*session, req, out, nullptr);
+  tenant.LeaveInline();
+  return status;
+}
+
+std::optional<absl::Status> Core::TryDeregisterMrSmall(
+    const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out,
+    uint64_t last_bytes) {
+  if (last_bytes == 0 || last_bytes > kInlineRegisterBytes ||
+      !req.has_registration()) {
+    return std::nullopt;
+  }
+  absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
+  if (!session.ok()) return session.status();
+  {
+    // A published name's delete is waited for (Publications::Sync): a
+    // worker's wait.
+    absl::MutexLock lock(&(*session)->mu);
+    for (const auto& [name, registration] : (*session)->published) {
+      if (registration == req.registration()) return std::nullopt;
+    }
+  }
+  Tenant& tenant = *(*session)->tenant();
+  if (!tenant.TryEnterInline(kInlinePerTenant)) return std::nullopt;
+  absl::Status status = registrations_.Deregister(*session, req, out);
+  tenant.LeaveInline();
+  if (status.ok() && out->references() == 0) freed_.Add(1);
+  return status;
+}
+
 std::optional<absl::Status> Core::TryDeregisterMrNotLast(
     const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out,
     uint64_t* last_bytes) {

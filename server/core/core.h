@@ -275,6 +275,20 @@ class Core final : public fd_socket::FdSessionHandler {
   // the work DeregisterMr will do (the fair scheduler's cost).
   std::optional<absl::Status> TryRegisterMrHit(const v1::RegisterMrRequest& req,
                                                v1::RegisterMrResponse* out);
+  // RegisterMr of at most kInlineRegisterBytes that publishes nothing, made
+  // on the calling thread (a gRPC thread: pinning a few pages costs less
+  // than the hop to a worker) while the session's tenant has fewer than
+  // kInlinePerTenant such calls running; nullopt otherwise (a worker's).
+  // TryDeregisterMrSmall: the same for the last reference of a registration
+  // of at most kInlineRegisterBytes (`last_bytes`, from
+  // TryDeregisterMrNotLast) that no name of the session is published for.
+  static constexpr uint64_t kInlineRegisterBytes = 64 << 10;
+  static constexpr int kInlinePerTenant = 2;
+  std::optional<absl::Status> TryRegisterMrSmall(
+      const v1::RegisterMrRequest& req, v1::RegisterMrResponse* out);
+  std::optional<absl::Status> TryDeregisterMrSmall(
+      const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out,
+      uint64_t last_bytes);
   std::optional<absl::Status> TryDeregisterMrNotLast(
       const v1::DeregisterMrRequest& req, v1::DeregisterMrResponse* out,
       uint64_t* last_bytes = nullptr);

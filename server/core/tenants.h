@@ -115,7 +115,22 @@ class Tenant {
   // Refusals per resource since start.
   uint64_t Refused(TenantResource resource) const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Small registrations and deregistrations made on gRPC's threads
+  // (Core::TryRegisterMrSmall): at most `limit` of the tenant's at once.
+  bool TryEnterInline(int limit) {
+    int now = inline_.load(std::memory_order_relaxed);
+    while (now < limit) {
+      if (inline_.compare_exchange_weak(now, now + 1,
+                                        std::memory_order_acquire)) {
+        return true;
+      }
+    }
+    return false;
+  }
+  void LeaveInline() { inline_.fetch_sub(1, std::memory_order_release); }
+
  private:
+  std::atomic<int> inline_{0};
   const std::string name_;
   mutable absl::Mutex mu_;
   TenantQuota quota_ ABSL_GUARDED_BY(mu_);

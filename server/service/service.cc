@@ -542,9 +542,10 @@ grpc::ServerUnaryReactor* MrdService::RegisterMr(
   return RunQuickOrWorker(
       ctx, "RegisterMr", Work{&req->session(), WorkCost(req->length())},
       [this, req, resp](uint64_t*) -> std::optional<absl::Status> {
-        std::optional<absl::Status> hit = core_->TryRegisterMrHit(*req, resp);
-        if (!hit.has_value()) return std::nullopt;
-        return Registered("RegisterMr", req->length(), *std::move(hit));
+        std::optional<absl::Status> done = core_->TryRegisterMrHit(*req, resp);
+        if (!done.has_value()) done = core_->TryRegisterMrSmall(*req, resp);
+        if (!done.has_value()) return std::nullopt;
+        return Registered("RegisterMr", req->length(), *std::move(done));
       },
       [this, ctx, req, resp] {
         return Registered("RegisterMr", req->length(),
@@ -564,6 +565,9 @@ grpc::ServerUnaryReactor* MrdService::DeregisterMr(
         uint64_t last_bytes = 0;
         std::optional<absl::Status> done =
             core_->TryDeregisterMrNotLast(*req, resp, &last_bytes);
+        if (!done.has_value()) {
+          done = core_->TryDeregisterMrSmall(*req, resp, last_bytes);
+        }
         *cost = WorkCost(last_bytes);
         return done;
       },

@@ -1207,11 +1207,14 @@ class QuickPathTest : public ClientLibTest {
 TEST_F(QuickPathTest, HitsAndNonLastDeregistrationsDoNotWaitForTheWorkers) {
   Session session = OpenFdSession();
   constexpr int kQueued = 12;
+  // Past what mrd registers on the gRPC thread itself (64 KiB): the
+  // worker's.
+  constexpr uint64_t kQueuedBytes = 68 << 10;
   absl::StatusOr<Buffer> big =
-      Buffer::Create(session, (kQueued + 1) * 4096, "queue");
+      Buffer::Create(session, kQueued * kQueuedBytes + 4096, "queue");
   ASSERT_TRUE(big.ok()) << big.status();
   absl::StatusOr<Registration> first = Registration::Register(
-      session, Range(*big, kQueued * 4096, 4096, kRemoteRead));
+      session, Range(*big, kQueued * kQueuedBytes, 4096, kRemoteRead));
   ASSERT_TRUE(first.ok()) << first.status();
 
   // Every worker thread (the one worker's slot and the threads yielders
@@ -1226,7 +1229,7 @@ TEST_F(QuickPathTest, HitsAndNonLastDeregistrationsDoNotWaitForTheWorkers) {
   std::vector<std::future<absl::StatusOr<Registration>>> queued;
   for (int i = 0; i < kQueued; ++i) {
     queued.push_back(Registration::RegisterFuture(
-        session, Range(*big, i * 4096, 4096, kRemoteRead)));
+        session, Range(*big, i * kQueuedBytes, kQueuedBytes, kRemoteRead)));
   }
   const auto done = [&] {
     int n = 0;
@@ -1240,7 +1243,7 @@ TEST_F(QuickPathTest, HitsAndNonLastDeregistrationsDoNotWaitForTheWorkers) {
   // The same range again: a hit, answered while the worker cannot move.
   std::future<absl::StatusOr<Registration>> hit_future =
       Registration::RegisterFuture(
-          session, Range(*big, kQueued * 4096, 4096, kRemoteRead));
+          session, Range(*big, kQueued * kQueuedBytes, 4096, kRemoteRead));
   const bool hit_answered = hit_future.wait_for(std::chrono::seconds(20)) ==
                             std::future_status::ready;
   EXPECT_TRUE(hit_answered) << "the hit waited for the held worker";

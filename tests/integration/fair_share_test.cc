@@ -168,5 +168,38 @@ TEST_F(FairCostTest, UnpinningAndUnmappingCostTheirPages) {
   EXPECT_EQ(Cost(info->tenant()) - deregistered, static_cast<double>(kPages));
 }
 
+// Issue 25: a new registration of at most 64 KiB, and the last
+// deregistration of one, are made on the gRPC thread that received the call
+// (pinning a few pages costs less than the hop to a worker), so they pass
+// through no tenant's queue; a bigger one is queued at the cost of its
+// pages.
+TEST_F(FairCostTest, SmallRegistrationsAreMadeWithoutTheHopToAWorker) {
+  constexpr uint64_t kSmallest = 4096;
+  constexpr uint64_t kLargestInline = 64 << 10;
+  Session session = OpenFdSession();
+  absl::StatusOr<v1::SessionInfo> info = session.Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  Buffer buffer = NewBuffer(session, 1 << 20);
+  // A queued one first, so that the tenant's queue has a cost to read.
+  absl::StatusOr<Registration> big =
+      Registration::Register(session, Range(buffer, 0, 1 << 20, kRemoteRead));
+  ASSERT_TRUE(big.ok()) << big.status();
+  const double before = Cost(info->tenant());
+  ASSERT_GE(before, 256.0);
+  for (const uint64_t length : {kSmallest, kLargestInline}) {
+    absl::StatusOr<Registration> r = Registration::Register(
+        session, Range(buffer, 4096, length, kRemoteRead));
+    ASSERT_TRUE(r.ok()) << r.status();
+    absl::StatusOr<uint32_t> left = r->Deregister();
+    ASSERT_TRUE(left.ok()) << left.status();
+    EXPECT_EQ(*left, 0u);
+  }
+  EXPECT_EQ(Cost(info->tenant()), before);
+  absl::StatusOr<Registration> past = Registration::Register(
+      session, Range(buffer, 4096, kLargestInline + 4096, kRemoteRead));
+  ASSERT_TRUE(past.ok()) << past.status();
+  EXPECT_EQ(Cost(info->tenant()) - before, 17.0);
+}
+
 }  // namespace
 }  // namespace mrd::testing

@@ -7,6 +7,7 @@ import array
 import fcntl
 import mmap
 import os
+import select
 import socket
 import threading
 
@@ -140,6 +141,17 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _peer_still_there(sock):
+    """Whether the other end of a connected socket is still open."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLRDHUP)
+    for _, events in poller.poll(0):
+        if events & (select.POLLHUP | select.POLLRDHUP | select.POLLERR |
+                     select.POLLNVAL):
+            return False
+    return True
 
 
 class Session:
@@ -480,8 +492,18 @@ class FdSession(Session):
         return MemfdBuffer(self, size, name, writable, huge_pages)
 
     def close(self):
-        if self._sock.fileno() >= 0:
-            self._sock.close()
+        """CloseSession (mrd releases everything the session holds before
+        it answers), then the socket closes. When mrd is gone or cannot
+        answer, the socket's hang-up ends the session on mrd's own time."""
+        if self._sock.fileno() < 0:
+            return
+        if self.token and _peer_still_there(self._sock):
+            try:
+                self.client.call("CloseSession",
+                                 mrd_pb2.CloseSessionRequest(session=self.token))
+            except (MrdError, ValueError):  # ValueError: the channel closed
+                pass
+        self._sock.close()
 
     def _reply(self, sequence):
         data = self._sock.recv(FD_MAX_REPLY_BYTES)

@@ -92,6 +92,22 @@ TEST(TenantTableTest, ChargeGivesBackUnlessCommitted) {
   EXPECT_EQ(t->Used(TenantResource::kLams), 1u);
 }
 
+TEST(TenantTableTest, ATenantRunsAtMostItsLimitOfCallsInline) {
+  auto table = TenantTable::Create(Options(100));
+  ASSERT_TRUE(table.ok());
+  std::shared_ptr<Tenant> t = (*table)->Resolve(User(5));
+  std::shared_ptr<Tenant> other = (*table)->Resolve(User(6));
+  EXPECT_TRUE(t->TryEnterInline(2));
+  EXPECT_TRUE(t->TryEnterInline(2));
+  EXPECT_FALSE(t->TryEnterInline(2));
+  EXPECT_TRUE(other->TryEnterInline(2));
+  t->LeaveInline();
+  EXPECT_TRUE(t->TryEnterInline(2));
+  t->LeaveInline();
+  t->LeaveInline();
+  other->LeaveInline();
+}
+
 TEST(TenantTableTest, FileNamesTenantsAndQuotas) {
   auto table = TenantTable::Create(Options(25),
                                    "# comment\n"
