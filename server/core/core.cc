@@ -815,15 +815,16 @@ std::optional<absl::Status> Core::TryRegisterMrHit(
 
 std::optional<absl::Status> Core::TryRegisterMrSmall(
     const v1::RegisterMrRequest& req, v1::RegisterMrResponse* out) {
-  if (!req.publish_name().empty() || req.length() == 0 ||
-      req.length() > kInlineRegisterBytes) {
+  if (req.length() == 0 || req.length() > kInlineRegisterBytes) {
     return std::nullopt;
   }
   absl::StatusOr<std::shared_ptr<Session>> session = FindSession(req.session());
   if (!session.ok()) return session.status();
   Tenant& tenant = *(*session)->tenant();
   if (!tenant.TryEnterInline(kInlinePerTenant)) return std::nullopt;
-  absl::Status status = registrations_.Register(*session, req, out, nullptr);
+  // A name is only queued for the directory's writer (and a refusal undoes
+  // a small registration): nothing here waits for etcd.
+  absl::Status status = RegisterAndPublish(*session, req, out, nullptr);
   tenant.LeaveInline();
   return status;
 }

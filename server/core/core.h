@@ -275,8 +275,8 @@ class Core final : public fd_socket::FdSessionHandler {
   // the work DeregisterMr will do (the fair scheduler's cost).
   std::optional<absl::Status> TryRegisterMrHit(const v1::RegisterMrRequest& req,
                                                v1::RegisterMrResponse* out);
-  // RegisterMr of at most kInlineRegisterBytes that publishes nothing, made
-  // on the calling thread (a gRPC thread: pinning a few pages costs less
+  // RegisterMr of at most kInlineRegisterBytes (publishing a name or not),
+  // made on the calling thread (a gRPC thread: pinning a few pages costs less
   // than the hop to a worker) while the session's tenant has fewer than
   // kInlinePerTenant such calls running; nullopt otherwise (a worker's).
   // TryDeregisterMrSmall: the same for the last reference of a registration
