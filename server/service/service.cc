@@ -388,21 +388,30 @@ void MrdService::ThroughGate(CallEnd end, Go go) {
   });
 }
 
+namespace {
+
+// Queues `task` on `workers` for `tenant` (null: "anonymous"), or in the
+// one queue when scheduling is not fair.
+void ScheduleFor(FairScheduler& workers, bool fair, const core::Tenant* tenant,
+                 uint64_t cost, absl::AnyInvocable<void() &&> task) {
+  if (!fair) {
+    workers.Schedule("", 1, cost, std::move(task));
+  } else if (tenant == nullptr) {
+    workers.Schedule("anonymous", core::kDefaultTenantWeight, cost,
+                     std::move(task));
+  } else {
+    workers.Schedule(tenant->name(), tenant->weight(), cost, std::move(task));
+  }
+}
+
+}  // namespace
+
 void MrdService::Dispatch(const Work& work,
                           absl::AnyInvocable<void() &&> task) {
-  if (!fair_) {
-    workers_->Schedule("", 1, work.cost, std::move(task));
-    return;
-  }
   std::shared_ptr<core::Tenant> tenant =
-      work.session == nullptr ? nullptr : core_->TenantOfSession(*work.session);
-  if (tenant == nullptr) {
-    workers_->Schedule("anonymous", core::kDefaultTenantWeight, work.cost,
-                       std::move(task));
-    return;
-  }
-  workers_->Schedule(tenant->name(), tenant->weight(), work.cost,
-                     std::move(task));
+      !fair_ || work.session == nullptr ? nullptr
+                                        : core_->TenantOfSession(*work.session);
+  ScheduleFor(*workers_, fair_, tenant.get(), work.cost, std::move(task));
 }
 
 core::Core::TeardownRunner TeardownsOnWorkers(FairScheduler* workers,
@@ -410,13 +419,8 @@ core::Core::TeardownRunner TeardownsOnWorkers(FairScheduler* workers,
   return [workers, fair](const std::shared_ptr<core::Tenant>& tenant,
                          uint64_t pinned_bytes,
                          absl::AnyInvocable<void() &&> teardown) {
-    const uint64_t cost = WorkCost(pinned_bytes);
-    if (!fair) {
-      workers->Schedule("", 1, cost, std::move(teardown));
-    } else {
-      workers->Schedule(tenant->name(), tenant->weight(), cost,
-                        std::move(teardown));
-    }
+    ScheduleFor(*workers, fair, tenant.get(), WorkCost(pinned_bytes),
+                std::move(teardown));
   };
 }
 
