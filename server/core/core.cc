@@ -1226,15 +1226,17 @@ absl::Status Core::ListRegistrations(const v1::ListRegistrationsRequest& req,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Session>> Core::SubscribeCompletions(
+absl::StatusOr<CompletionSubscription> Core::SubscribeCompletions(
     const std::string& token, std::function<void()> notify) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, FindSession(token));
-  MRD_RETURN_IF_ERROR(session->Subscribe(std::move(notify)));
-  return session;
+  const uint64_t stream = session->Subscribe(std::move(notify));
+  return CompletionSubscription{std::move(session), stream};
 }
 
-void Core::UnsubscribeCompletions(const std::shared_ptr<Session>& session) {
-  session->Unsubscribe();
+void Core::UnsubscribeCompletions(const CompletionSubscription& subscription) {
+  if (subscription.session != nullptr) {
+    subscription.session->Unsubscribe(subscription.stream);
+  }
 }
 
 CoreStats Core::Stats() const {

@@ -330,11 +330,13 @@ class Core final : public fd_socket::FdSessionHandler {
 
   // Completion stream: attaches `notify` (called, on any thread, whenever a
   // completion is queued or the session ends; must not block) and returns
-  // the session to Pop from. One stream per session at a time:
-  // FAILED_PRECONDITION otherwise. Detach with the returned handle.
-  absl::StatusOr<std::shared_ptr<Session>> SubscribeCompletions(
+  // the session to pop from with the stream's number. One stream per
+  // session at a time: a new one takes over, and the one before is
+  // notified to find itself replaced (Session::Subscribe). Detach with the
+  // returned handle.
+  absl::StatusOr<CompletionSubscription> SubscribeCompletions(
       const std::string& token, std::function<void()> notify);
-  void UnsubscribeCompletions(const std::shared_ptr<Session>& session);
+  void UnsubscribeCompletions(const CompletionSubscription& subscription);
 
   // The tenant whose queue a request naming session `token` waits in (the
   // fair scheduler in front of the workers); null for no live session.

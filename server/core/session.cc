@@ -336,22 +336,30 @@ const v1::RegisterMrResponse* Session::FindRequestLocked(
   return &seen->second;
 }
 
-absl::Status Session::Subscribe(std::function<void()> notify) {
-  absl::MutexLock lock(&mu);
-  if (subscribed_) {
-    return MrdError(absl::StatusCode::kFailedPrecondition,
-                    "STREAM_ALREADY_OPEN",
-                    "this session already has an open completion stream");
+uint64_t Session::Subscribe(std::function<void()> notify) {
+  std::function<void()> replaced;
+  uint64_t stream = 0;
+  {
+    absl::MutexLock lock(&mu);
+    replaced = std::move(notify_);
+    stream = ++last_stream_;
+    stream_ = stream;
+    notify_ = std::move(notify);
   }
-  subscribed_ = true;
-  notify_ = std::move(notify);
-  return absl::OkStatus();
+  if (replaced) replaced();  // the stream before finds itself replaced
+  return stream;
 }
 
-void Session::Unsubscribe() {
+void Session::Unsubscribe(uint64_t stream) {
   absl::MutexLock lock(&mu);
-  subscribed_ = false;
+  if (stream_ != stream) return;  // another took over
+  stream_ = 0;
   notify_ = nullptr;
+}
+
+bool Session::stream_replaced(uint64_t stream) const {
+  absl::MutexLock lock(&mu);
+  return stream_ != stream;
 }
 
 namespace {
@@ -412,6 +420,14 @@ void Session::Push(v1::Completion completion) {
 std::optional<v1::Completion> Session::PopCompletion() {
   absl::MutexLock lock(&mu);
   if (completions_.empty()) return std::nullopt;
+  v1::Completion c = std::move(completions_.front());
+  completions_.pop_front();
+  return c;
+}
+
+std::optional<v1::Completion> Session::PopCompletionFor(uint64_t stream) {
+  absl::MutexLock lock(&mu);
+  if (stream_ != stream || completions_.empty()) return std::nullopt;
   v1::Completion c = std::move(completions_.front());
   completions_.pop_front();
   return c;

@@ -148,6 +148,9 @@ class Session final : public device::PdEventSink {
   // completion out. Every drop is counted.
   void Push(v1::Completion completion) ABSL_LOCKS_EXCLUDED(mu);
   std::optional<v1::Completion> PopCompletion() ABSL_LOCKS_EXCLUDED(mu);
+  // PopCompletion for stream `stream`: nothing once another took over.
+  std::optional<v1::Completion> PopCompletionFor(uint64_t stream)
+      ABSL_LOCKS_EXCLUDED(mu);
   bool ended() const ABSL_LOCKS_EXCLUDED(mu);
   void MarkEndedAndNotify() ABSL_LOCKS_EXCLUDED(mu);
   // A live handover: while held, the stream delivers nothing (what is
@@ -234,10 +237,15 @@ class Session final : public device::PdEventSink {
   void AdoptLocked(const v1::HandedOverSession& in, absl::Time now)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
-  // The completion stream: one subscriber at a time (FAILED_PRECONDITION
-  // "STREAM_ALREADY_OPEN" otherwise).
-  absl::Status Subscribe(std::function<void()> notify) ABSL_LOCKS_EXCLUDED(mu);
-  void Unsubscribe() ABSL_LOCKS_EXCLUDED(mu);
+  // The completion stream: one subscriber at a time. A new one takes over
+  // from the one before, which is woken to find itself replaced: a client
+  // whose stream broke can open another at once, before mrd has noticed
+  // the old one's end. Returns the new stream's number, which Unsubscribe,
+  // stream_replaced and PopCompletionFor take.
+  uint64_t Subscribe(std::function<void()> notify) ABSL_LOCKS_EXCLUDED(mu);
+  // Detaches stream `stream`, if it is still the session's.
+  void Unsubscribe(uint64_t stream) ABSL_LOCKS_EXCLUDED(mu);
+  bool stream_replaced(uint64_t stream) const ABSL_LOCKS_EXCLUDED(mu);
   uint64_t completions_dropped_locked() const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     return completions_dropped_;
@@ -313,7 +321,9 @@ class Session final : public device::PdEventSink {
   std::deque<v1::Completion> completions_ ABSL_GUARDED_BY(mu);
   uint64_t completions_dropped_ ABSL_GUARDED_BY(mu) = 0;
   std::function<void()> notify_ ABSL_GUARDED_BY(mu);
-  bool subscribed_ ABSL_GUARDED_BY(mu) = false;
+  // The subscribed stream's number (0: none); the last number given.
+  uint64_t stream_ ABSL_GUARDED_BY(mu) = 0;
+  uint64_t last_stream_ ABSL_GUARDED_BY(mu) = 0;
 
   const uint64_t id_;
   const std::string token_;
@@ -324,6 +334,15 @@ class Session final : public device::PdEventSink {
   // Connections admitted and not yet disconnected (not under `mu`: admission
   // runs under the device's lock).
   std::atomic<uint64_t> admitted_peers_{0};
+};
+
+// A session's completion stream (Core::SubscribeCompletions): the session
+// to pop from, and the stream's number. `->` reaches the session.
+struct CompletionSubscription {
+  std::shared_ptr<Session> session;
+  uint64_t stream = 0;
+
+  Session* operator->() const { return session.get(); }
 };
 
 }  // namespace mrd::core

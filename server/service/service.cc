@@ -57,7 +57,7 @@ class CompletionWriter final
     ctx_ = ctx;
     self_ = shared_from_this();
     std::weak_ptr<CompletionWriter> weak = self_;
-    absl::StatusOr<std::shared_ptr<core::Session>> session =
+    absl::StatusOr<core::CompletionSubscription> session =
         core_->SubscribeCompletions(req.session(), [weak] {
           if (auto w = weak.lock()) w->MaybeWrite();
         });
@@ -100,12 +100,12 @@ class CompletionWriter final
 
   void OnDone() override {
     TsanTakeOverFromGrpc();
-    std::shared_ptr<core::Session> session;
+    core::CompletionSubscription session;
     {
       absl::MutexLock lock(&mu_);
       session = session_;
     }
-    if (session) core_->UnsubscribeCompletions(session);
+    core_->UnsubscribeCompletions(session);
     if (observer_ != nullptr) {
       observer_->OnRpcDone("StreamCompletions", code_, absl::Now() - start_);
     }
@@ -118,7 +118,7 @@ class CompletionWriter final
     bool write = false;
     {
       absl::MutexLock lock(&mu_);
-      if (writing_ || finished_ || session_ == nullptr) return;
+      if (writing_ || finished_ || session_.session == nullptr) return;
       if (cancelled_) {
         finished_ = true;
         code_ = grpc::StatusCode::CANCELLED;
@@ -133,9 +133,18 @@ class CompletionWriter final
                      "with the session and its queued completions: open the "
                      "stream again"),
             ctx_);
+      } else if (session_->stream_replaced(session_.stream)) {
+        finished_ = true;
+        code_ = grpc::StatusCode::ABORTED;
+        finish = ToGrpcStatus(
+            MrdError(absl::StatusCode::kAborted, "STREAM_REPLACED",
+                     "a newer completion stream of this session took over; "
+                     "the completions not yet sent go to it"),
+            ctx_);
       } else if (session_->stream_held()) {
         return;  // a handover is exporting the queue
-      } else if (std::optional<v1::Completion> c = session_->PopCompletion()) {
+      } else if (std::optional<v1::Completion> c =
+                     session_->PopCompletionFor(session_.stream)) {
         current_ = std::move(*c);
         writing_ = true;
         write = true;
@@ -156,7 +165,7 @@ class CompletionWriter final
   grpc::StatusCode code_ = grpc::StatusCode::OK;
 
   absl::Mutex mu_;
-  std::shared_ptr<core::Session> session_ ABSL_GUARDED_BY(mu_);
+  core::CompletionSubscription session_ ABSL_GUARDED_BY(mu_);
   v1::Completion current_;  // owned by the in-flight write
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool finished_ ABSL_GUARDED_BY(mu_) = false;

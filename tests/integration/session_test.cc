@@ -435,6 +435,25 @@ TEST_F(SessionTest, CloseSessionReleasesEverythingAndEndsItsCompletionStream) {
   buffer->Detach();
 }
 
+// A client whose stream broke opens another before mrd has noticed the
+// first one's end (mrctl completions run twice in a row): the new stream
+// takes over, the old one ends ABORTED STREAM_REPLACED, and completions go
+// to the new one.
+TEST_F(SessionTest, ANewCompletionStreamTakesOverFromTheOpenOne) {
+  Session session = OpenFdSession();
+  CompletionStream first = CompletionStream::Open(session);
+  auto peer = ConnectPeer(session);
+  ASSERT_NE(peer, nullptr);
+  WaitConnected(first, peer->connection_id());
+
+  CompletionStream second = CompletionStream::Open(session);
+  ExpectError(StreamEnd(first), absl::StatusCode::kAborted,
+              ::mrd::SEED_STATUS_UNSPECIFIED, "STREAM_REPLACED");
+  auto other = ConnectPeer(session);
+  ASSERT_NE(other, nullptr);
+  WaitConnected(second, other->connection_id());
+}
+
 TEST_F(SessionTest, ClosingTheFdSocketReleasesEverythingAndEndsItsStream) {
   Session session = OpenFdSession();
   const std::string token = session.token();

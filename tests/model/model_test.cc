@@ -209,7 +209,7 @@ struct Slot {
   uint64_t session = 0;  // model id
   std::string token;
   bool lease = false;
-  std::shared_ptr<core::Session> stream;
+  core::CompletionSubscription stream;
   std::shared_ptr<Notifier> notifier;
   std::string ticket;
   std::unique_ptr<peer::SoftPeer> peer;
@@ -252,7 +252,7 @@ class Harness {
         model_(page_) {}
   ~Harness() {
     for (Slot& slot : slots_) {
-      if (slot.stream != nullptr && core_ != nullptr) {
+      if (slot.stream.session != nullptr && core_ != nullptr) {
         core_->UnsubscribeCompletions(slot.stream);
       }
       slot.peer.reset();
@@ -421,8 +421,9 @@ bool Harness::SetUp() {
 
 bool Harness::TearDown() {
   for (Slot& slot : slots_) {
-    if (slot.stream != nullptr) core_->UnsubscribeCompletions(slot.stream);
-    slot.stream.reset();
+    if (slot.stream.session != nullptr)
+      core_->UnsubscribeCompletions(slot.stream);
+    slot.stream = {};
     slot.peer.reset();
   }
   core_->Shutdown();
@@ -534,7 +535,7 @@ bool Harness::OpenSlot(Slot& slot, bool lease) {
   }
   slot.notifier = std::make_shared<Notifier>();
   std::shared_ptr<Notifier> notifier = slot.notifier;
-  absl::StatusOr<std::shared_ptr<core::Session>> stream =
+  absl::StatusOr<core::CompletionSubscription> stream =
       core_->SubscribeCompletions(slot.token,
                                   [notifier] { notifier->Notify(); });
   if (!stream.ok()) {
@@ -560,8 +561,9 @@ void Harness::EndSlot(Slot& slot, absl::string_view how) {
   model_.EndSession(slot.session);
   ended_tokens_.push_back(slot.token);
   while (ended_tokens_.size() > 8) ended_tokens_.pop_front();
-  if (slot.stream != nullptr) core_->UnsubscribeCompletions(slot.stream);
-  slot.stream.reset();
+  if (slot.stream.session != nullptr)
+    core_->UnsubscribeCompletions(slot.stream);
+  slot.stream = {};
   slot.peer.reset();
   ++counters_.sessions_ended;
   // It is gone for the server too.
@@ -623,7 +625,7 @@ void Harness::PeerDied(Slot& slot) {
 }
 
 void Harness::Drain(Slot& slot) {
-  if (slot.stream == nullptr) return;
+  if (slot.stream.session == nullptr) return;
   while (std::optional<v1::Completion> c = slot.stream->PopCompletion()) {
     switch (c->kind()) {
       case v1::Completion::PEER_CONNECTED:

@@ -619,7 +619,7 @@ class CoreStress {
     if (!token.ok()) return problems_.Add("OnConnect");
     absl::StatusOr<uint64_t> buffer = Import(*token);
     if (!buffer.ok()) return problems_.Add("Import");
-    absl::StatusOr<std::shared_ptr<core::Session>> stream =
+    absl::StatusOr<core::CompletionSubscription> stream =
         core_->SubscribeCompletions(*token, [] {});
     if (!stream.ok()) return problems_.Add("SubscribeCompletions");
     v1::BuildLamRequest lam_req;

@@ -378,7 +378,7 @@ TEST_P(CoreDevicesTest,
 // leave nothing on the first; the first device's registrations and peers
 // go on.
 TEST_P(CoreDevicesTest, ADeviceThatGoesDownLeavesTheOtherServing) {
-  absl::StatusOr<std::shared_ptr<core::Session>> stream =
+  absl::StatusOr<core::CompletionSubscription> stream =
       core_->SubscribeCompletions(own_.session, [] {});
   ASSERT_TRUE(stream.ok()) << stream.status();
   EXPECT_EQ(core_->TakeDeviceHealthChanges().size(), 2u);  // the first look
@@ -559,7 +559,7 @@ TEST_P(CoreDevicesTest, ARegistrationThroughAnMrObjectIsOnItsDevice) {
 TEST_P(CoreDevicesTest, FastRegistrationLivesOnTheDeviceOfItsMrAndLam) {
   absl::Mutex mu;
   bool woken = false;
-  absl::StatusOr<std::shared_ptr<core::Session>> stream =
+  absl::StatusOr<core::CompletionSubscription> stream =
       core_->SubscribeCompletions(own_.session, [&] {
         absl::MutexLock lock(&mu);
         woken = true;

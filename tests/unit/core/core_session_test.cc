@@ -192,15 +192,48 @@ TEST_F(SessionTest, DisconnectReleasesEverythingButOtherSessionsStay) {
   EXPECT_EQ(core_->Stats().sessions, 1u);
 }
 
+// A client whose stream broke opens another before mrd has seen the first
+// one's end: the new stream takes over, the old one is woken to find
+// itself replaced, and what is queued goes to the new one only.
+TEST_F(SessionTest, ANewCompletionStreamTakesOverFromTheOneBefore) {
+  std::string token = Connect();
+  std::atomic<int> first_notified{0};
+  absl::StatusOr<core::CompletionSubscription> first =
+      core_->SubscribeCompletions(token, [&] { ++first_notified; });
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE((*first)->stream_replaced(first->stream));
+
+  std::atomic<int> second_notified{0};
+  absl::StatusOr<core::CompletionSubscription> second =
+      core_->SubscribeCompletions(token, [&] { ++second_notified; });
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_NE(second->stream, first->stream);
+  EXPECT_EQ(first_notified.load(), 1);
+  EXPECT_TRUE((*first)->stream_replaced(first->stream));
+  EXPECT_FALSE((*second)->stream_replaced(second->stream));
+
+  device::ConnectionId peer = ConnectPeer(token);
+  EXPECT_EQ(first_notified.load(), 1);
+  EXPECT_GE(second_notified.load(), 1);
+  EXPECT_FALSE((*first)->PopCompletionFor(first->stream).has_value());
+  // The old stream's end does not detach the new one.
+  core_->UnsubscribeCompletions(*first);
+  std::optional<v1::Completion> c = (*second)->PopCompletionFor(second->stream);
+  ASSERT_TRUE(c.has_value());
+  EXPECT_EQ(c->kind(), v1::Completion::PEER_CONNECTED);
+  EXPECT_EQ(c->connection(), peer);
+  const int before = second_notified.load();
+  core_->OnDisconnect(token);
+  EXPECT_GT(second_notified.load(), before);
+  core_->UnsubscribeCompletions(*second);
+}
+
 TEST_F(SessionTest, SessionEndMarksItsCompletionStreamEnded) {
   std::string token = Connect();
   std::atomic<int> notified{0};
-  absl::StatusOr<std::shared_ptr<core::Session>> stream =
+  absl::StatusOr<core::CompletionSubscription> stream =
       core_->SubscribeCompletions(token, [&] { ++notified; });
   ASSERT_TRUE(stream.ok()) << stream.status();
-  EXPECT_TRUE(IsMrdError(core_->SubscribeCompletions(token, [] {}).status(),
-                         absl::StatusCode::kFailedPrecondition,
-                         "STREAM_ALREADY_OPEN"));
   device::ConnectionId peer = ConnectPeer(token);
   EXPECT_GE(notified.load(), 1);
   std::optional<v1::Completion> c = (*stream)->PopCompletion();

@@ -362,7 +362,7 @@ absl::StatusOr<v1::InvalidateMrResponse> CoreTest::Invalidate(
 std::vector<v1::Completion> CoreTest::Drain(const std::string& session) {
   auto it = streams_.find(session);
   if (it == streams_.end()) {
-    absl::StatusOr<std::shared_ptr<core::Session>> s =
+    absl::StatusOr<core::CompletionSubscription> s =
         core_->SubscribeCompletions(session, [] {});
     EXPECT_TRUE(s.ok()) << s.status();
     if (!s.ok()) return {};

@@ -179,7 +179,7 @@ class CoreTest : public ::testing::Test {
   bool skip_teardown_checks_ = false;
 
  private:
-  std::map<std::string, std::shared_ptr<core::Session>> streams_;
+  std::map<std::string, core::CompletionSubscription> streams_;
 };
 
 }  // namespace mrd::core_test

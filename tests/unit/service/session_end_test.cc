@@ -125,7 +125,9 @@ TEST_F(SessionEndTest, AReleaseStuckInTheDeviceHoldsUpNoOtherClientsImport) {
   EXPECT_EQ(core_->Stats().sessions, 1u);
   EXPECT_EQ(fake_->PinnedBytes(), page_);
 
-  // The release ran in alice's tenant's queue, at the cost of her pages.
+  // The release ran in alice's tenant's queue, at the cost of her pages
+  // (the scheduler counts the task finished once it has returned).
+  ASSERT_TRUE(workers_.Drain(kWait));
   bool found = false;
   for (const FairQueueStats& queue : workers_.Stats()) {
     if (queue.key != info.tenant()) continue;
