@@ -246,6 +246,7 @@ void DeviceModel::Shutdown() {
     // The worker drains what the closing connections queued: their PDs, and
     // so their sinks, are still alive.
     worker_stop_ = true;
+    worker_wake_.Signal();
     worker = std::move(worker_);
   }
   worker.Join();
@@ -1206,7 +1207,7 @@ void DeviceModel::ReleaseDeferredLocked(Connection& connection) {
     task.pd = work.pd;
     task.connection = work.connection;
     task.work = std::move(work);
-    tasks_.push_back(std::move(task));
+    QueueTaskLocked(std::move(task));
   }
   connection.deferred.clear();
 }
@@ -1226,7 +1227,7 @@ uint64_t DeviceModel::EnqueueLocked(Connection& connection, Work work) {
   task.pd = work.pd;
   task.connection = work.connection;
   task.work = std::move(work);
-  tasks_.push_back(std::move(task));
+  QueueTaskLocked(std::move(task));
   return id;
 }
 
@@ -1320,6 +1321,11 @@ bool DeviceModel::WorkerHasTask() const {
 
 bool DeviceModel::WorkerIdle() const { return tasks_.empty() && !worker_busy_; }
 
+void DeviceModel::QueueTaskLocked(Task task) {
+  tasks_.push_back(std::move(task));
+  worker_wake_.Signal();
+}
+
 void DeviceModel::WaitForWorkerIdle() {
   absl::MutexLock lock(&mu_);
   if (!started_) return;
@@ -1355,7 +1361,7 @@ void DeviceModel::WorkerLoop() {
     PdEventSink* sink = nullptr;
     {
       absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(this, &DeviceModel::WorkerHasTask));
+      while (!WorkerHasTask()) worker_wake_.Wait(&mu_);
       if (tasks_.empty()) return;  // asked to stop, and drained
       task = std::move(tasks_.front());
       tasks_.pop_front();
@@ -1554,7 +1560,7 @@ void DeviceModel::AnnounceLocked(Connection& connection) {
   task.pd = connection.pd;
   task.connection = connection.id;
   task.remote = connection.remote;
-  tasks_.push_back(std::move(task));
+  QueueTaskLocked(std::move(task));
 }
 
 void DeviceModel::ConnectionEstablished(ConnectionId connection_id) {
@@ -1642,7 +1648,7 @@ void DeviceModel::ConnectionClosed(ConnectionId connection_id) {
   task.kind = Task::Kind::kDisconnected;
   task.pd = connection->pd;
   task.connection = connection->id;
-  tasks_.push_back(std::move(task));
+  QueueTaskLocked(std::move(task));
 }
 
 std::optional<PdId> DeviceModel::MovableConnection(

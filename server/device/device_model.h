@@ -609,6 +609,8 @@ class DeviceModel : public Device, public DeviceHandover {
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status ExecuteInvalidate(const Work& work) ABSL_LOCKS_EXCLUDED(mu_);
   bool WorkerHasTask() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Queues a task for the worker and wakes it.
+  void QueueTaskLocked(Task task) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool WorkerIdle() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool NoPdBusy() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // kReady, announced, OnPeerConnected queued.
@@ -623,6 +625,11 @@ class DeviceModel : public Device, public DeviceHandover {
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_stop_ ABSL_GUARDED_BY(mu_) = false;
   bool worker_busy_ ABSL_GUARDED_BY(mu_) = false;
+  // The idle worker waits on this, not on a condition of mu_: a waiter with
+  // a condition sends every unlock of mu_ (each registration takes it
+  // several times) down Abseil's slow path to evaluate it. Signalled when
+  // a task is queued and when the worker is asked to stop.
+  absl::CondVar worker_wake_;
   SecureRandomPool random_ ABSL_GUARDED_BY(mu_);
   IovaSpace iova_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<PdId, std::unique_ptr<Pd>> pds_ ABSL_GUARDED_BY(mu_);

@@ -209,7 +209,8 @@ class Session:
         on_progress: called (on another thread) with each
         REGISTRATION_PROGRESS Completion of this call while mrd pins
         (ranges of 32 MiB or more, after a second). It reads the session's
-        completion stream meanwhile, so no other reader may have it open."""
+        completion stream meanwhile: a stream of the session open elsewhere
+        ends then (ABORTED, STREAM_REPLACED), one stream per session."""
         request = self._register_request(
             buffer, length=length, offset=offset, flags=flags,
             mem_flags=mem_flags, base_address=base_address, mr=mr,
