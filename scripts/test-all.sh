@@ -181,15 +181,24 @@ stage_done "plain tests"
 run_vm || status=1
 stage_done "verbs device in the VM"
 if [ "${MRD_SANITIZERS:-1}" != 0 ]; then
-  # Benchmarks are not built with sanitizers: they are not tests.
-  configure build-asan -DMRD_SANITIZE=address -DMRD_BUILD_BENCH=OFF
+  # Benchmarks are not built with sanitizers: they are not tests. The
+  # sanitizer builds are unity builds (CMake compiles up to 8 sources of a
+  # target as one, so their common headers are parsed once): measured on
+  # 2 cores, a fifth less CPU time for the ASan build (1,037 s against
+  # 1,300-1,390 s) and two fifths less for the TSan build (463 s against
+  # about 800 s). The plain build is not: clang-tidy reads its compile
+  # commands source by source, and a name two sources of one target both
+  # define fails here first.
+  unity=(-DCMAKE_UNITY_BUILD=ON)
+  configure build-asan -DMRD_SANITIZE=address -DMRD_BUILD_BENCH=OFF \
+    "${unity[@]}"
   stage_done "asan+ubsan build"
   run "asan+ubsan" build-asan || status=1
   stage_done "asan+ubsan tests"
   # The TSan build's own tests are the unit, model and stress tests; the
   # system tests run from the plain build against its mrd (run_tsan_mrd).
   configure build-tsan -DMRD_SANITIZE=thread -DMRD_BUILD_BENCH=OFF \
-    -DMRD_SYSTEM_TESTS=OFF
+    -DMRD_SYSTEM_TESTS=OFF "${unity[@]}"
   stage_done "tsan build"
   run tsan build-tsan || status=1
   stage_done "tsan tests"

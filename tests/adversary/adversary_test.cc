@@ -56,8 +56,6 @@
 namespace mrd::adversary {
 namespace {
 
-constexpr uint64_t kPage = 4096;
-constexpr uint32_t kRemoteRead = 0x2;
 constexpr uint32_t kRemoteWrite = 0x5;
 constexpr uint32_t kNobody = 65534;
 // Attackers that hold tenant resources run as uids of their own from here.

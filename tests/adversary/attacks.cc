@@ -27,8 +27,6 @@
 namespace mrd::adversary {
 namespace {
 
-constexpr uint64_t kPage = 4096;
-constexpr uint32_t kRemoteRead = 0x2;
 // A connection to the peer port that mrd still holds after this long has
 // escaped every deadline (hello: 5 s by default).
 constexpr absl::Duration kTooLongOpen = absl::Seconds(15);

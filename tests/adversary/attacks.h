@@ -28,6 +28,7 @@
 #ifndef MRD_TESTS_ADVERSARY_ATTACKS_H_
 #define MRD_TESTS_ADVERSARY_ATTACKS_H_
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,11 @@
 #include "tests/adversary/tally.h"
 
 namespace mrd::adversary {
+
+// The page the attacks and the test work in, and the access bit of a
+// remote read (the NDK flag value on the wire).
+inline constexpr uint64_t kPage = 4096;
+inline constexpr uint32_t kRemoteRead = 0x2;
 
 struct AttackContext {
   std::string grpc_socket;

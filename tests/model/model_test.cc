@@ -124,7 +124,7 @@ uint64_t EnvNumber(const char* name, uint64_t fallback, bool* given) {
   return fallback;
 }
 
-std::string Hex(uint64_t v) { return absl::StrCat("0x", absl::Hex(v)); }
+std::string HexText(uint64_t v) { return absl::StrCat("0x", absl::Hex(v)); }
 
 // Counts a session's completion-stream notifications.
 class Notifier {
@@ -176,7 +176,7 @@ class WatchedPinOps final : public device::PinOps {
   void Record(const char* call, uint64_t address, uint64_t length, int err) {
     absl::MutexLock lock(&mu_);
     if (!failure_.empty()) return;
-    failure_ = absl::StrCat(call, " of [", Hex(address), ", +", length,
+    failure_ = absl::StrCat(call, " of [", HexText(address), ", +", length,
                             ") failed: ", std::strerror(err),
                             err == ENOMEM && std::string(call) == "munlock"
                                 ? " (the pinned range was unmapped before it "
@@ -929,14 +929,15 @@ void Harness::DoRegister(Slot& slot, const RegisterParams& p,
   const absl::Status status = core_->RegisterMr(req, &out);
   Note(absl::StrCat(
       "session ", slot.session, " RegisterMr[", kind, "] buffer ", p.buffer,
-      " [", p.offset, ", +", p.length, ") flags ", Hex(p.flags), "/",
-      Hex(p.mem_flags), " base ", p.has_base ? Hex(p.base) : "default",
+      " [", p.offset, ", +", p.length, ") flags ", HexText(p.flags), "/",
+      HexText(p.mem_flags), " base ", p.has_base ? HexText(p.base) : "default",
       p.mr != 0 ? absl::StrCat(" mr ", p.mr) : "",
       p.request_id.empty() ? "" : " id " + p.request_id, " -> ",
-      status.ok() ? absl::StrCat("reg ", out.registration(), " rkey ",
-                                 Hex(out.rkey()), " refs ", out.references(),
-                                 out.cache_hit() ? " (hit)" : "")
-                  : Outcome(status)));
+      status.ok()
+          ? absl::StrCat("reg ", out.registration(), " rkey ",
+                         HexText(out.rkey()), " refs ", out.references(),
+                         out.cache_hit() ? " (hit)" : "")
+          : Outcome(status)));
   if (status.ok() && out.cache_hit()) ++counters_.cache_hits;
   if (!status.ok()) ++counters_.errors_expected;
   const absl::StatusOr<v1::RegisterMrResponse> got =
@@ -1015,7 +1016,7 @@ void Harness::OpCreateMr(Slot& slot, bool fast) {
   Note(absl::StrCat(
       "session ", slot.session, " CreateMr fast ", fast, " remote ", remote,
       " -> ",
-      status.ok() ? absl::StrCat("mr ", out.mr(), " lkey ", Hex(out.lkey()))
+      status.ok() ? absl::StrCat("mr ", out.mr(), " lkey ", HexText(out.lkey()))
                   : Outcome(status)));
   Check(
       model_.CreateMr(slot.session, fast, remote,
@@ -1233,7 +1234,7 @@ void Harness::OpFastRegister(Slot& slot) {
   Note(absl::StrCat(
       "session ", slot.session, " FastRegister mr ", p.mr, " conn ",
       p.connection, " ", p.pages.size(), " pages fbo ", p.fbo, " length ",
-      p.length, " base ", Hex(p.base), " flags ", Hex(p.flags), " ctx ",
+      p.length, " base ", HexText(p.base), " flags ", HexText(p.flags), " ctx ",
       p.request_context, " -> ",
       status.ok() ? absl::StrCat("wr ", out.work_request()) : Outcome(status)));
   Check(model_.FastRegister(
@@ -1279,7 +1280,7 @@ void Harness::OpInvalidate(Slot& slot) {
   const absl::Status status = core_->InvalidateMr(req, &out);
   Note(absl::StrCat(
       "session ", slot.session, " InvalidateMr mr ", mr, " conn ", connection,
-      " flags ", Hex(flags), " ctx ", context, " -> ",
+      " flags ", HexText(flags), " ctx ", context, " -> ",
       status.ok() ? absl::StrCat("wr ", out.work_request()) : Outcome(status)));
   Check(model_.Invalidate(
       slot.session, connection, mr, flags, context,
@@ -1432,9 +1433,10 @@ void Harness::Probe(Slot& via, const Token& token, bool sweep, int op) {
       model_.ExpectProbe(via.session, token.rkey, address, length, write);
   const std::string what = absl::StrCat(
       write ? "WRITE" : "READ", " via session ", via.session, " conn ",
-      via.connection, " rkey ", Hex(token.rkey), " [", Hex(address), ", +",
-      length, ") (", token.what, " of session ", token.session, "): expect ",
-      want.ok ? "success" : "REMOTE_ACCESS_ERROR", " (", want.why, ")");
+      via.connection, " rkey ", HexText(token.rkey), " [", HexText(address),
+      ", +", length, ") (", token.what, " of session ", token.session,
+      "): expect ", want.ok ? "success" : "REMOTE_ACCESS_ERROR", " (", want.why,
+      ")");
   Note(what);
   absl::Status status;
   std::string data;

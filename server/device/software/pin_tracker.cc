@@ -16,7 +16,9 @@
 namespace mrd::device {
 namespace {
 
-std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
+std::string AddressText(uint64_t value) {
+  return absl::StrCat("0x", absl::Hex(value));
+}
 
 }  // namespace
 
@@ -75,9 +77,9 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
   uint64_t last = 0;
   if (length == 0 || __builtin_add_overflow(address, length - 1, &last) ||
       last > UINT64_MAX - page_size_) {
-    return SeedError(
-        STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW",
-        absl::StrCat("cannot pin ", length, " bytes at ", Hex(address)));
+    return SeedError(STATUS_INVALID_PARAMETER, "SPAN_OVERFLOW",
+                     absl::StrCat("cannot pin ", length, " bytes at ",
+                                  AddressText(address)));
   }
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (last & ~(page_size_ - 1)) + page_size_;
@@ -95,7 +97,7 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
         next % kPinStep == 0) {
       if (progress->Cancelled()) {
         status = absl::CancelledError(
-            absl::StrCat("pinning ", length, " bytes at ", Hex(address),
+            absl::StrCat("pinning ", length, " bytes at ", AddressText(address),
                          " was cancelled after ", progress->pinned(),
                          " bytes; they are unpinned again"));
       } else {
@@ -211,7 +213,7 @@ absl::Status PinTracker::LockGaps(const Ranges& gaps, bool huge_pages,
       if (int undo =
               ops_->Unlock(gaps[j].first, gaps[j].second - gaps[j].first);
           undo != 0) {
-        LogWarning("munlock of ", Hex(gaps[j].first), "+",
+        LogWarning("munlock of ", AddressText(gaps[j].first), "+",
                    gaps[j].second - gaps[j].first,
                    " while undoing a failed pin: ", std::strerror(undo));
       }
@@ -220,7 +222,7 @@ absl::Status PinTracker::LockGaps(const Ranges& gaps, bool huge_pages,
     if (err == kErrMapBudget) {
       return SeedError(
           STATUS_INSUFFICIENT_RESOURCES, "LIMIT_MEMORY_MAPS",
-          absl::StrCat("pinning ", length, " bytes at ", Hex(address),
+          absl::StrCat("pinning ", length, " bytes at ", AddressText(address),
                        " would cost more memory maps (VMAs) than mrd allows "
                        "itself below vm.max_map_count (mlock splits a "
                        "mapping; see --pin_method and --pin_max_map_splits)"));
@@ -228,8 +230,8 @@ absl::Status PinTracker::LockGaps(const Ranges& gaps, bool huge_pages,
     return SeedError(
         STATUS_INSUFFICIENT_RESOURCES, "PIN_FAILED",
         absl::StrCat("pinning ", gap_end - gap_start, " bytes at ",
-                     Hex(gap_start), " (pinning ", length, " bytes at ",
-                     Hex(address), ") failed: ", std::strerror(err)));
+                     AddressText(gap_start), " (pinning ", length, " bytes at ",
+                     AddressText(address), ") failed: ", std::strerror(err)));
   }
   return absl::OkStatus();
 }
@@ -260,8 +262,8 @@ void PinTracker::UnpinStep(uint64_t start, uint64_t end) {
     if (int err = ops_->Unlock(from, to - from); err != 0) {
       // The pages may have been unmapped under a registration; the kernel
       // drops the lock with the mapping, so there is nothing left to undo.
-      LogWarning("munlock of ", to - from, " bytes at ", Hex(from), ": ",
-                 std::strerror(err));
+      LogWarning("munlock of ", to - from, " bytes at ", AddressText(from),
+                 ": ", std::strerror(err));
     }
   }
   absl::MutexLock lock(&mu_);

@@ -19,8 +19,8 @@ namespace {
 
 constexpr uint64_t kPage = 4096;
 
-WarmKey Key(uint64_t session, uint64_t buffer, uint64_t offset,
-            uint64_t length = kPage) {
+WarmKey KeyOf(uint64_t session, uint64_t buffer, uint64_t offset,
+              uint64_t length = kPage) {
   return WarmKey{session, buffer, offset, length};
 }
 
@@ -41,18 +41,18 @@ std::set<uint64_t> Lams(const std::vector<WarmPin>& pins) {
 
 TEST(WarmPinSetTest, TakeReturnsThePinOfExactlyThatRange) {
   WarmPinSet set({8 * kPage, 16 * kPage});
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0, 2 * kPage), 100)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0, 2 * kPage), 100)).empty());
   // Not the same pages: another offset, another length, another buffer
   // (another file, or another import of the same one), another session.
-  EXPECT_FALSE(set.Take(Key(1, 1, kPage, 2 * kPage)).has_value());
-  EXPECT_FALSE(set.Take(Key(1, 1, 0, kPage)).has_value());
-  EXPECT_FALSE(set.Take(Key(1, 2, 0, 2 * kPage)).has_value());
-  EXPECT_FALSE(set.Take(Key(2, 1, 0, 2 * kPage)).has_value());
-  std::optional<WarmPin> pin = set.Take(Key(1, 1, 0, 2 * kPage));
+  EXPECT_FALSE(set.Take(KeyOf(1, 1, kPage, 2 * kPage)).has_value());
+  EXPECT_FALSE(set.Take(KeyOf(1, 1, 0, kPage)).has_value());
+  EXPECT_FALSE(set.Take(KeyOf(1, 2, 0, 2 * kPage)).has_value());
+  EXPECT_FALSE(set.Take(KeyOf(2, 1, 0, 2 * kPage)).has_value());
+  std::optional<WarmPin> pin = set.Take(KeyOf(1, 1, 0, 2 * kPage));
   ASSERT_TRUE(pin.has_value());
   EXPECT_EQ(pin->device_lam, 100u);
   EXPECT_EQ(pin->pinned_bytes, 2 * kPage);
-  EXPECT_FALSE(set.Take(Key(1, 1, 0, 2 * kPage)).has_value()) << "taken once";
+  EXPECT_FALSE(set.Take(KeyOf(1, 1, 0, 2 * kPage)).has_value()) << "taken once";
   WarmPinStats stats = set.Stats();
   EXPECT_EQ(stats.hits, 1u);
   EXPECT_EQ(stats.kept, 1u);
@@ -63,18 +63,18 @@ TEST(WarmPinSetTest, TakeReturnsThePinOfExactlyThatRange) {
 TEST(WarmPinSetTest, KeptListsEveryPinLeastRecentlyKeptFirst) {
   WarmPinSet set({10 * kPage, 10 * kPage});
   EXPECT_TRUE(set.Kept().empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 1)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(2, 1, 0, 2 * kPage), 2)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 2, kPage), 3)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0), 1)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(2, 1, 0, 2 * kPage), 2)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 2, kPage), 3)).empty());
   // Kept again: now the most recent.
-  std::vector<WarmPin> back = set.Put(Pin(Key(1, 1, 0), 4));
+  std::vector<WarmPin> back = set.Put(Pin(KeyOf(1, 1, 0), 4));
   ASSERT_EQ(back.size(), 1u);
   std::vector<std::pair<WarmKey, uint64_t>> kept = set.Kept();
   ASSERT_EQ(kept.size(), 3u);
-  EXPECT_EQ(kept[0].first, Key(2, 1, 0, 2 * kPage));
+  EXPECT_EQ(kept[0].first, KeyOf(2, 1, 0, 2 * kPage));
   EXPECT_EQ(kept[0].second, 2 * kPage);
-  EXPECT_EQ(kept[1].first, Key(1, 2, kPage));
-  EXPECT_EQ(kept[2].first, Key(1, 1, 0));
+  EXPECT_EQ(kept[1].first, KeyOf(1, 2, kPage));
+  EXPECT_EQ(kept[2].first, KeyOf(1, 1, 0));
   EXPECT_EQ(kept[2].second, kPage);
   // Listing takes nothing out.
   EXPECT_EQ(set.Stats().pins, 3u);
@@ -83,7 +83,7 @@ TEST(WarmPinSetTest, KeptListsEveryPinLeastRecentlyKeptFirst) {
 TEST(WarmPinSetTest, ZeroCapsKeepNothing) {
   WarmPinSet off({0, 0});
   EXPECT_FALSE(off.Admissible(kPage));
-  std::vector<WarmPin> back = off.Put(Pin(Key(1, 1, 0), 1));
+  std::vector<WarmPin> back = off.Put(Pin(KeyOf(1, 1, 0), 1));
   ASSERT_EQ(back.size(), 1u);
   EXPECT_EQ(back[0].device_lam, 1u);
   EXPECT_EQ(off.Stats().pins, 0u);
@@ -96,8 +96,8 @@ TEST(WarmPinSetTest, APinLargerThanACapIsHandedBack) {
   WarmPinSet set({2 * kPage, 3 * kPage});
   EXPECT_TRUE(set.Admissible(2 * kPage));
   EXPECT_FALSE(set.Admissible(3 * kPage));  // over the session's cap
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 1)).empty());
-  std::vector<WarmPin> back = set.Put(Pin(Key(1, 1, 0, 3 * kPage), 2));
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0), 1)).empty());
+  std::vector<WarmPin> back = set.Put(Pin(KeyOf(1, 1, 0, 3 * kPage), 2));
   EXPECT_EQ(Lams(back), std::set<uint64_t>{2});
   // The pin already kept was not evicted for one that could never fit.
   EXPECT_EQ(set.Stats().pins, 1u);
@@ -106,19 +106,20 @@ TEST(WarmPinSetTest, APinLargerThanACapIsHandedBack) {
 
 TEST(WarmPinSetTest, SessionCapEvictsThatSessionsLeastRecentlyKept) {
   WarmPinSet set({3 * kPage, 100 * kPage});
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 1)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(2, 1, 0), 20)).empty());  // another session
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, kPage), 2)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 2 * kPage), 3)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0), 1)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(2, 1, 0), 20)).empty());  // another session
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, kPage), 2)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 2 * kPage), 3)).empty());
   EXPECT_EQ(set.SessionBytes(1), 3 * kPage);
   // A fourth page in session 1 evicts its oldest, not session 2's.
-  EXPECT_EQ(Lams(set.Put(Pin(Key(1, 1, 3 * kPage), 4))), std::set<uint64_t>{1});
+  EXPECT_EQ(Lams(set.Put(Pin(KeyOf(1, 1, 3 * kPage), 4))),
+            std::set<uint64_t>{1});
   // Two pages at once evict the next two oldest.
-  EXPECT_EQ(Lams(set.Put(Pin(Key(1, 1, 4 * kPage, 2 * kPage), 5))),
+  EXPECT_EQ(Lams(set.Put(Pin(KeyOf(1, 1, 4 * kPage, 2 * kPage), 5))),
             (std::set<uint64_t>{2, 3}));
   EXPECT_EQ(set.SessionBytes(1), 3 * kPage);
   EXPECT_EQ(set.SessionBytes(2), kPage);
-  EXPECT_TRUE(set.Take(Key(2, 1, 0)).has_value());
+  EXPECT_TRUE(set.Take(KeyOf(2, 1, 0)).has_value());
   WarmPinStats stats = set.Stats();
   EXPECT_EQ(stats.evictions, 3u);
   EXPECT_EQ(stats.pins, 2u);
@@ -127,26 +128,27 @@ TEST(WarmPinSetTest, SessionCapEvictsThatSessionsLeastRecentlyKept) {
 
 TEST(WarmPinSetTest, TotalCapEvictsTheLeastRecentlyKeptOfAnySession) {
   WarmPinSet set({10 * kPage, 3 * kPage});
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 1)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(2, 1, 0), 2)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(3, 1, 0), 3)).empty());
-  EXPECT_EQ(Lams(set.Put(Pin(Key(3, 1, kPage), 4))), std::set<uint64_t>{1});
-  EXPECT_FALSE(set.Take(Key(1, 1, 0)).has_value());
-  EXPECT_TRUE(set.Take(Key(2, 1, 0)).has_value());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0), 1)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(2, 1, 0), 2)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(3, 1, 0), 3)).empty());
+  EXPECT_EQ(Lams(set.Put(Pin(KeyOf(3, 1, kPage), 4))), std::set<uint64_t>{1});
+  EXPECT_FALSE(set.Take(KeyOf(1, 1, 0)).has_value());
+  EXPECT_TRUE(set.Take(KeyOf(2, 1, 0)).has_value());
   EXPECT_EQ(set.Stats().bytes, 2 * kPage);
 }
 
 TEST(WarmPinSetTest, KeepingARangeAlreadyWarmKeepsOneAndRefreshesIt) {
   WarmPinSet set({2 * kPage, 100 * kPage});
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 1)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, kPage), 2)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0), 1)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, kPage), 2)).empty());
   // The same pages again (say, released by a registration with another
   // access): the newcomer is handed back, the old pin becomes the newest.
-  EXPECT_EQ(Lams(set.Put(Pin(Key(1, 1, 0), 3))), std::set<uint64_t>{3});
+  EXPECT_EQ(Lams(set.Put(Pin(KeyOf(1, 1, 0), 3))), std::set<uint64_t>{3});
   EXPECT_EQ(set.Stats().pins, 2u);
   // So the next eviction takes the pin at kPage, not the refreshed one.
-  EXPECT_EQ(Lams(set.Put(Pin(Key(1, 1, 2 * kPage), 4))), std::set<uint64_t>{2});
-  std::optional<WarmPin> kept = set.Take(Key(1, 1, 0));
+  EXPECT_EQ(Lams(set.Put(Pin(KeyOf(1, 1, 2 * kPage), 4))),
+            std::set<uint64_t>{2});
+  std::optional<WarmPin> kept = set.Take(KeyOf(1, 1, 0));
   ASSERT_TRUE(kept.has_value());
   EXPECT_EQ(kept->device_lam, 1u);
 }
@@ -155,9 +157,9 @@ TEST(WarmPinSetTest, EvictOldestPicksBySessionOrOverall) {
   WarmPinSet set({10 * kPage, 10 * kPage});
   EXPECT_FALSE(set.EvictOldest(std::nullopt).has_value());
   EXPECT_FALSE(set.EvictOldest(1).has_value());
-  EXPECT_TRUE(set.Put(Pin(Key(2, 1, 0), 1)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 2)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, kPage), 3)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(2, 1, 0), 1)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0), 2)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, kPage), 3)).empty());
   std::optional<WarmPin> mine = set.EvictOldest(1);
   ASSERT_TRUE(mine.has_value());
   EXPECT_EQ(mine->device_lam, 2u);
@@ -170,24 +172,25 @@ TEST(WarmPinSetTest, EvictOldestPicksBySessionOrOverall) {
 
 TEST(WarmPinSetTest, DropBufferTakesOnlyThatBuffersPins) {
   WarmPinSet set({10 * kPage, 10 * kPage});
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 1)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 2, 0), 2)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 2, kPage, 2 * kPage), 3)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 3, 0), 4)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(2, 2, 0), 5)).empty());  // same id, other session
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0), 1)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 2, 0), 2)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 2, kPage, 2 * kPage), 3)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 3, 0), 4)).empty());
+  EXPECT_TRUE(
+      set.Put(Pin(KeyOf(2, 2, 0), 5)).empty());  // same id, other session
   EXPECT_EQ(Lams(set.DropBuffer(1, 2)), (std::set<uint64_t>{2, 3}));
   EXPECT_TRUE(set.DropBuffer(1, 2).empty());
   EXPECT_EQ(set.Stats().pins, 3u);
   EXPECT_EQ(set.Stats().drops, 2u);
   EXPECT_EQ(set.SessionBytes(1), 2 * kPage);
-  EXPECT_TRUE(set.Take(Key(2, 2, 0)).has_value());
+  EXPECT_TRUE(set.Take(KeyOf(2, 2, 0)).has_value());
 }
 
 TEST(WarmPinSetTest, DropSessionTakesAllItsPinsAndNothingElse) {
   WarmPinSet set({10 * kPage, 10 * kPage});
-  EXPECT_TRUE(set.Put(Pin(Key(1, 1, 0), 1)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(1, 2, 0), 2)).empty());
-  EXPECT_TRUE(set.Put(Pin(Key(2, 1, 0), 3)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 1, 0), 1)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(1, 2, 0), 2)).empty());
+  EXPECT_TRUE(set.Put(Pin(KeyOf(2, 1, 0), 3)).empty());
   EXPECT_EQ(Lams(set.DropSession(1)), (std::set<uint64_t>{1, 2}));
   EXPECT_EQ(set.SessionBytes(1), 0u);
   EXPECT_EQ(set.Stats().pins, 1u);
@@ -198,7 +201,7 @@ TEST(WarmPinSetTest, DropSessionTakesAllItsPinsAndNothingElse) {
 
 TEST(WarmPinSetTest, TheOwnerLivesExactlyAsLongAsThePin) {
   WarmPinSet set({10 * kPage, 10 * kPage});
-  WarmPin pin = Pin(Key(1, 1, 0), 1);
+  WarmPin pin = Pin(KeyOf(1, 1, 0), 1);
   std::weak_ptr<void> owner = pin.owner;
   EXPECT_TRUE(set.Put(std::move(pin)).empty());
   EXPECT_FALSE(owner.expired()) << "the set must keep the mapping alive";
@@ -230,7 +233,7 @@ TEST(WarmPinSetTest, ConcurrentUseKeepsTheAccountingExact) {
         const uint64_t buffer = 1 + random() % 2;
         const uint64_t offset = (random() % 8) * kPage;
         const uint64_t length = (1 + random() % 3) * kPage;
-        const WarmKey key = Key(session, buffer, offset, length);
+        const WarmKey key = KeyOf(session, buffer, offset, length);
         switch (random() % 6) {
           case 0:
           case 1:
