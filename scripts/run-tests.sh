@@ -24,6 +24,7 @@ case "$sanitize" in
     # image and the lint are checked once, in the plain build.
     args=(-LE "verbs|deploy|docs|install|python|image|lint")
     export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:strict_string_checks=1
+    export LSAN_OPTIONS="suppressions=$root/tests/support/lsan.supp"
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
     ;;
   thread)

@@ -43,12 +43,22 @@ total_failed=0
 # end: a CI that keeps only the tail of the log still says what failed where.
 summary=()
 why_failed() {  # test name, ctest log: the first lines of its failure
+  # gRPC's own log lines (E1128 23:28:48.79 ...) are skipped: their "ERROR"
+  # is rarely the cause. With no gtest failure, sanitizer report, check or
+  # timeout to show, the test's last lines are (an abort's last words).
   awk -v name="$1" '
     index($0, ": " name " ") && $0 ~ /Test +#[0-9]+: / { mine = 1; next }
     mine && $0 ~ /^ *[0-9]+\/[0-9]+ Test +#[0-9]+: / { exit }
-    mine && !found && ($0 ~ /: Failure$/ || $0 ~ /Sanitizer/ ||
-                       $0 ~ /ERROR/ || $0 ~ /Timeout|Exception/) { found = 1 }
+    !mine { next }
+    /^[EWID][0-9][0-9][0-9][0-9] [0-9:.]+ +[0-9]+ / || /^ +Start +[0-9]+: / { next }
+    { last[n++ % 4] = substr($0, 1, 200) }
+    !found && ($0 ~ /: Failure$/ || $0 ~ /Sanitizer/ || $0 ~ /ERROR/ ||
+               $0 ~ /Check failed|[Aa]ssertion|terminate/ ||
+               $0 ~ /Timeout|Exception/) { found = 1 }
     found && shown < 4 { print substr($0, 1, 200); shown++ }
+    END {
+      if (!found) for (i = (n > 4 ? n - 4 : 0); i < n; i++) print last[i % 4]
+    }
   ' "$2"
 }
 count() {  # stage name, ctest log: adds its summary to the totals
