@@ -414,6 +414,9 @@ absl::Status Daemon::StartGrpc() {
                              grpc::InsecureServerCredentials(), &debug_port);
   }
   builder.RegisterService(service_.get());
+  // docs/RELIABILITY.md, "A connection's open calls are bounded".
+  service::BoundOpenCallsPerConnection(
+      builder, absl::GetFlag(FLAGS_grpc_max_streams_per_connection));
   server_ = builder.BuildAndStart();
   if (server_ == nullptr) {
     return daemon::Fail(absl::StrCat("cannot start the gRPC server",
@@ -430,7 +433,9 @@ absl::Status Daemon::StartGrpc() {
     return daemon::Fail(absl::StrCat("gRPC acceptor: ", s.ToString()));
   }
   LogInfo("gRPC connections: at most ", acceptor_options_.max_connections, ", ",
-          acceptor_options_.max_connections_per_tenant, " per tenant");
+          acceptor_options_.max_connections_per_tenant, " per tenant, ",
+          absl::GetFlag(FLAGS_grpc_max_streams_per_connection),
+          " open calls each (0: no limit)");
   MRD_RETURN_IF_ERROR(StartAdmin());
   // "" (the server) and mrd's service name: Kubernetes gRPC probes and
   // grpc_health_probe ask for a service by name.

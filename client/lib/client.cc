@@ -157,6 +157,9 @@ absl::StatusOr<Client> Client::Connect(const ClientOptions& options) {
   // channel's new connection to the new process, they cost a short pause.
   // mrd marks every other UNAVAILABLE answer final (a negative hint).
   args.SetServiceConfigJSON(internal::kRetryServiceConfig);
+  // A connection of its own: gRPC would otherwise share one between the
+  // Clients of a process, and mrd bounds a connection's open calls.
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   core->channel = grpc::CreateCustomChannel(
       core->target, grpc::InsecureChannelCredentials(), args);
   if (core->channel == nullptr) {

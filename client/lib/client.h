@@ -14,6 +14,12 @@
 // mrd.proto; UNAVAILABLE when mrd cannot be reached, DEADLINE_EXCEEDED when
 // the timeout passed. WatchName is the one stream among them: it has no
 // deadline, and its errors come from NameWatch::Next().
+//
+// One Client is one connection, and mrd bounds a connection's open calls
+// (--grpc_max_streams_per_connection, 32 by default): its open NameWatch and
+// CompletionStream streams count, and while they fill the bound every other
+// call of the Client waits (until its timeout). A process that keeps more
+// streams open makes another Client for them.
 #ifndef MRD_CLIENT_LIB_CLIENT_H_
 #define MRD_CLIENT_LIB_CLIENT_H_
 

@@ -120,6 +120,13 @@ ABSL_FLAG(uint64_t, grpc_max_connections_per_tenant, 0,
           "--tenant_key says) may hold; more are refused "
           "(LIMIT_TENANT_GRPC_CONNECTIONS). 0 = --tenant_default_percent of "
           "--grpc_max_connections.");
+ABSL_FLAG(uint32_t, grpc_max_streams_per_connection, 32,
+          "Calls (streams) one gRPC connection may have open at once, "
+          "advertised to the client as HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS:"
+          " the client holds its further calls until one ends, so a tenant's "
+          "calls queued inside mrd's gRPC are at most this times its "
+          "connections. Long-lived streams (StreamCompletions, WatchName) "
+          "count. 0 = no limit.");
 ABSL_FLAG(uint64_t, max_session_fds, 0,
           "File descriptors (imported buffers) one session may make mrd "
           "hold. 0 = min(4096, budget/4), budget = limit - fd_reserve.");

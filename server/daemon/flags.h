@@ -40,6 +40,7 @@ ABSL_DECLARE_FLAG(uint64_t, max_sessions);
 ABSL_DECLARE_FLAG(uint64_t, fd_reserve);
 ABSL_DECLARE_FLAG(uint64_t, grpc_max_connections);
 ABSL_DECLARE_FLAG(uint64_t, grpc_max_connections_per_tenant);
+ABSL_DECLARE_FLAG(uint32_t, grpc_max_streams_per_connection);
 ABSL_DECLARE_FLAG(uint64_t, max_session_fds);
 ABSL_DECLARE_FLAG(mrd::ByteSize, max_buffer_size);
 ABSL_DECLARE_FLAG(mrd::ByteSize, max_session_pinned_bytes);

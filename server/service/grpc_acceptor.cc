@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
 #include <grpcpp/server_posix.h>
 #include <poll.h>
 #include <sys/eventfd.h>
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <set>
 #include <string>
 #include <utility>
@@ -371,6 +373,15 @@ void GrpcAcceptor::Refresh(absl::Duration min_interval) {
     }
     it = live_.erase(it);
   }
+}
+
+void BoundOpenCallsPerConnection(grpc::ServerBuilder& builder,
+                                 uint32_t streams) {
+  if (streams == 0) return;
+  builder.AddChannelArgument(
+      GRPC_ARG_MAX_CONCURRENT_STREAMS,
+      static_cast<int>(std::min<uint32_t>(
+          streams, static_cast<uint32_t>(std::numeric_limits<int>::max()))));
 }
 
 }  // namespace mrd::service

@@ -51,7 +51,8 @@
 
 namespace grpc {
 class Server;
-}
+class ServerBuilder;
+}  // namespace grpc
 
 namespace mrd::service {
 
@@ -146,6 +147,14 @@ class GrpcAcceptor {
   absl::Time last_refresh_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   GrpcAcceptorStats stats_ ABSL_GUARDED_BY(mu_);
 };
+
+// Bounds each connection's open calls at `streams` (0: no bound), advertised
+// as HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: the client holds its further
+// calls until one ends. Every connection's requests wait in gRPC's own queue,
+// which no tenant share reaches, so the bound keeps one client's backlog out
+// of it: a tenant then has at most `streams` x its connections calls there.
+void BoundOpenCallsPerConnection(grpc::ServerBuilder& builder,
+                                 uint32_t streams);
 
 }  // namespace mrd::service
 

@@ -1,9 +1,10 @@
 // mrd's gRPC socket under a flood of connections (issue 8: no lock-out, fd
-// exhaustion never fatal). gRPC 1.51 accepts its own sockets without any
-// limit and stops accepting for good after accept4 fails with EMFILE; mrd
-// accepts on its socket itself (server/service/grpc_acceptor.h), caps the
-// connections in total and per uid, and refuses with an HTTP/2 GOAWAY whose
-// text names the limit.
+// exhaustion never fatal), and the bound on each connection's open calls
+// (issue 24: one client's backlog stays out of gRPC's shared queue). gRPC
+// 1.51 accepts its own sockets without any limit and stops accepting for good
+// after accept4 fails with EMFILE; mrd accepts on its socket itself
+// (server/service/grpc_acceptor.h), caps the connections in total and per uid,
+// and refuses with an HTTP/2 GOAWAY whose text names the limit.
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -22,7 +23,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/lib/mrd_client.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "mrd/unique_fd.h"
+#include "mrd/v1/mrd.grpc.pb.h"
 #include "tests/integration/mrd_process.h"
 #include "tests/integration/test_env.h"
 
@@ -252,6 +256,67 @@ TEST_F(GrpcConnectionsOutOfFdsTest,
   EXPECT_TRUE(Eventually([&] { return HealthCheckOnNewConnection(*mrd_).ok(); },
                          absl::Seconds(30)))
       << HealthCheckOnNewConnection(*mrd_);
+}
+
+// The bound on one connection's open calls (--grpc_max_streams_per_connection,
+// here 2): the client holds a third call until one of the two ends, while a
+// call on another connection goes through. The two are StreamCompletions
+// streams, open until cancelled; the third is a health check.
+class GrpcStreamsTest : public MrdTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions o;
+    o.extra_flags = {"--grpc_max_streams_per_connection=2"};
+    return o;
+  }
+};
+
+grpc::Status HealthCheck(grpc::Channel& channel, absl::Duration timeout) {
+  auto stub = grpc::health::v1::Health::NewStub(
+      std::shared_ptr<grpc::Channel>(&channel, [](grpc::Channel*) {}));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  return stub->Check(&ctx, req, &resp);
+}
+
+TEST_F(GrpcStreamsTest, AConnectionsCallsPastTheBoundWaitForOneToEnd) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL,
+              1);  // a connection of its own
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      mrd_->grpc_target(), grpc::InsecureChannelCredentials(), args);
+  // A first call's answer: mrd's SETTINGS (the bound) have arrived.
+  ASSERT_TRUE(HealthCheck(*channel, absl::Seconds(10)).ok());
+  auto stub = v1::MemoryRegistration::NewStub(channel);
+  client::Session first = OpenFdSession();
+  client::Session second = OpenFdSession();
+  struct Stream {
+    grpc::ClientContext context;
+    std::unique_ptr<grpc::ClientReader<v1::Completion>> reader;
+  };
+  Stream streams[2];
+  const client::Session* sessions[2] = {&first, &second};
+  for (int i = 0; i < 2; ++i) {
+    v1::StreamCompletionsRequest req;
+    req.set_session(sessions[i]->token());
+    streams[i].reader = stub->StreamCompletions(&streams[i].context, req);
+  }
+  // Both streams are open: a third call on the connection waits for its
+  // deadline; on another connection, one goes through.
+  const grpc::Status held = HealthCheck(*channel, absl::Milliseconds(500));
+  EXPECT_EQ(held.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+      << held.error_message();
+  EXPECT_TRUE(HealthCheckOnNewConnection(*mrd_).ok());
+  // One stream ends: the next call on the connection goes through.
+  streams[0].context.TryCancel();
+  EXPECT_EQ(streams[0].reader->Finish().error_code(),
+            grpc::StatusCode::CANCELLED);
+  const grpc::Status after = HealthCheck(*channel, absl::Seconds(10));
+  EXPECT_TRUE(after.ok()) << after.error_message();
+  streams[1].context.TryCancel();
+  (void)streams[1].reader->Finish();
 }
 
 }  // namespace

@@ -70,7 +70,13 @@ def default_runtime_dir():
 
 
 class Client:
-    """A connection to mrd's gRPC socket (and the path of its fd socket)."""
+    """A connection to mrd's gRPC socket (and the path of its fd socket).
+
+    mrd bounds a connection's open calls (--grpc_max_streams_per_connection,
+    32 by default); open completion streams and name watches count, and
+    while they fill the bound every other call waits. A process that keeps
+    more streams open makes another Client for them.
+    """
 
     def __init__(self, socket_path=None, fd_socket_path=None, timeout=30.0):
         runtime_dir = default_runtime_dir()
@@ -83,7 +89,12 @@ class Client:
         # of mrd is final (a negative hint).
         self._channel = grpc.insecure_channel(
             "unix:" + self.socket_path,
-            options=[("grpc.service_config", RETRY_SERVICE_CONFIG)])
+            options=[("grpc.service_config", RETRY_SERVICE_CONFIG),
+                     # A connection of its own: gRPC would otherwise share
+                     # one between the Clients of a process, and mrd bounds
+                     # a connection's open calls (at most 32 by default,
+                     # its open streams among them).
+                     ("grpc.use_local_subchannel_pool", 1)])
         self._stub = mrd_pb2_grpc.MemoryRegistrationStub(self._channel)
 
     def call(self, method, request, timeout=None):
