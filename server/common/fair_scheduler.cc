@@ -256,6 +256,7 @@ FairScheduler::~FairScheduler() {
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
+    WakeIfStoppedLocked();
   }
   for (Thread& t : threads_) t.Join();
   // The threads left only with nothing queued or running; anything still
@@ -367,22 +368,13 @@ void FairScheduler::Run(size_t worker, bool low) {
   current_task.scheduler = this;
   current_task.worker = worker;
   current_task.bulk = low;
-  struct Wait {
-    const FairScheduler* scheduler;
-    size_t worker;
-  } wait{this, worker};
-  const absl::Condition ready(
-      +[](Wait* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->scheduler->mu_) {
-        return w->scheduler->WorkerReadyLocked(w->worker);
-      },
-      &wait);
   bool bulk_now = false;  // kPerTask: at the bulk priority now
   mu_.Lock();
   ++registered_;
   idle_.push_back(worker);
   DispatchLocked();  // what was scheduled before this thread came
   while (true) {
-    mu_.Await(ready);
+    while (!WorkerReadyLocked(worker)) workers_[worker].wake->Wait(&mu_);
     Worker& w = workers_[worker];
     if (!w.assigned) break;  // stopping, and nothing is queued or running
     absl::AnyInvocable<void()&&> task = std::move(w.task);
@@ -411,6 +403,7 @@ void FairScheduler::Run(size_t worker, bool low) {
     UpdateActiveLocked(q);
     idle_.push_back(worker);
     DispatchLocked();
+    WakeIfStoppedLocked();
   }
   mu_.Unlock();
   current_task = CurrentTask();
@@ -452,16 +445,13 @@ void FairScheduler::Yield(size_t worker, uint64_t next_cost) {
   q.service_total += now - workers_[worker].slot_since;
   if (ring_.front() == id) RotateLocked();  // the others go first
   DispatchLocked();
-  struct Wait {
-    const FairScheduler* scheduler;
-    size_t worker;
-  } wait{this, worker};
-  mu_.Await(absl::Condition(
-      +[](Wait* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->scheduler->mu_) {
-        return w->scheduler->workers_[w->worker].resumed;
-      },
-      &wait));
+  while (!workers_[worker].resumed) workers_[worker].wake->Wait(&mu_);
   workers_[worker].resumed = false;
+}
+
+void FairScheduler::WakeIfStoppedLocked() {
+  if (!stopping_ || waiting_total_ != 0 || running_total_ != 0) return;
+  for (Worker& w : workers_) w.wake->Signal();
 }
 
 bool FairScheduler::WorkerReadyLocked(size_t worker) const {
@@ -593,6 +583,7 @@ void FairScheduler::StartLocked(uint32_t id) {
     MRD_CHECK(w.queue == id);
     w.resumed = true;
     w.slot_since = now;
+    w.wake->Signal();
     q.yield_wait_total += waited;
     return;
   }
@@ -604,6 +595,7 @@ void FairScheduler::StartLocked(uint32_t id) {
   w.queue = id;
   w.bulk = bulk;
   w.slot_since = now;
+  w.wake->Signal();
   ++q.started_total;
   q.wait_total += waited;
   ++q.wait_buckets[WaitBucket(waited)];

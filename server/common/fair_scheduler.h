@@ -74,6 +74,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -253,6 +254,11 @@ class FairScheduler {
     bool bulk = false;                   // that task is bulk work
     bool bulk_thread = false;  // kFixedThreads: runs at the bulk priority
     absl::Time slot_since;     // when that task took its slot
+    // Signalled when `assigned` or `resumed` is set, and at stop. A worker
+    // waits on a condition variable of its own rather than on a condition
+    // of mu_: Abseil evaluates a waiter's condition on every unlock of mu_,
+    // and the workers are idle nearly always.
+    std::unique_ptr<absl::CondVar> wake = std::make_unique<absl::CondVar>();
   };
   // Which queues may take the slot a dispatch fills.
   struct Gate {
@@ -265,6 +271,9 @@ class FairScheduler {
   // good (kFixedThreads).
   void Run(size_t worker, bool low) ABSL_LOCKS_EXCLUDED(mu_);
   void Yield(size_t worker, uint64_t next_cost) ABSL_LOCKS_EXCLUDED(mu_);
+  // Wakes every worker once stopping with nothing queued or running (the
+  // moment WorkerReadyLocked turns true for the idle ones).
+  void WakeIfStoppedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   uint64_t ShareLocked(const Queue& q) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool LaunchableLocked(const Queue& q, bool thread_free) const

@@ -419,15 +419,17 @@ void Session::Push(v1::Completion completion) {
 
 std::optional<v1::Completion> Session::PopCompletion() {
   absl::MutexLock lock(&mu);
-  if (completions_.empty()) return std::nullopt;
-  v1::Completion c = std::move(completions_.front());
-  completions_.pop_front();
-  return c;
+  return PopLocked();
 }
 
 std::optional<v1::Completion> Session::PopCompletionFor(uint64_t stream) {
   absl::MutexLock lock(&mu);
-  if (stream_ != stream || completions_.empty()) return std::nullopt;
+  if (stream_ != stream) return std::nullopt;
+  return PopLocked();
+}
+
+std::optional<v1::Completion> Session::PopLocked() {
+  if (completions_.empty()) return std::nullopt;
   v1::Completion c = std::move(completions_.front());
   completions_.pop_front();
   return c;

@@ -291,6 +291,9 @@ class Session final : public device::PdEventSink {
   std::map<std::string, uint64_t> published ABSL_GUARDED_BY(mu);
 
  private:
+  // The oldest completion not yet sent, taken off the queue.
+  std::optional<v1::Completion> PopLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
   bool ended_ ABSL_GUARDED_BY(mu) = false;
   bool stream_held_ ABSL_GUARDED_BY(mu) = false;
   bool handed_over_ ABSL_GUARDED_BY(mu) = false;
