@@ -450,13 +450,16 @@ void FairScheduler::Yield(size_t worker, uint64_t next_cost) {
 }
 
 void FairScheduler::WakeIfStoppedLocked() {
-  if (!stopping_ || waiting_total_ != 0 || running_total_ != 0) return;
+  if (!StoppedLocked()) return;
   for (Worker& w : workers_) w.wake->Signal();
 }
 
+bool FairScheduler::StoppedLocked() const {
+  return stopping_ && waiting_total_ == 0 && running_total_ == 0;
+}
+
 bool FairScheduler::WorkerReadyLocked(size_t worker) const {
-  return workers_[worker].assigned ||
-         (stopping_ && waiting_total_ == 0 && running_total_ == 0);
+  return workers_[worker].assigned || StoppedLocked();
 }
 
 uint64_t FairScheduler::ShareLocked(const Queue& q) const {

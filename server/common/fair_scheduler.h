@@ -274,6 +274,8 @@ class FairScheduler {
   // Wakes every worker once stopping with nothing queued or running (the
   // moment WorkerReadyLocked turns true for the idle ones).
   void WakeIfStoppedLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Stopping, with nothing queued or running: the workers may leave.
+  bool StoppedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   uint64_t ShareLocked(const Queue& q) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool LaunchableLocked(const Queue& q, bool thread_free) const

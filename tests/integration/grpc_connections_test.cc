@@ -24,7 +24,6 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/lib/mrd_client.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "mrd/unique_fd.h"
 #include "mrd/v1/mrd.grpc.pb.h"
 #include "tests/integration/mrd_process.h"
@@ -271,24 +270,16 @@ class GrpcStreamsTest : public MrdTest {
   }
 };
 
-grpc::Status HealthCheck(grpc::Channel& channel, absl::Duration timeout) {
-  auto stub = grpc::health::v1::Health::NewStub(
-      std::shared_ptr<grpc::Channel>(&channel, [](grpc::Channel*) {}));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
-  grpc::health::v1::HealthCheckRequest req;
-  grpc::health::v1::HealthCheckResponse resp;
-  return stub->Check(&ctx, req, &resp);
+grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel,
+                         absl::Duration timeout) {
+  bool serving = false;
+  return CheckHealth(channel, timeout, &serving);
 }
 
 TEST_F(GrpcStreamsTest, AConnectionsCallsPastTheBoundWaitForOneToEnd) {
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL,
-              1);  // a connection of its own
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      mrd_->grpc_target(), grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::Channel> channel = NewConnection(*mrd_);
   // A first call's answer: mrd's SETTINGS (the bound) have arrived.
-  ASSERT_TRUE(HealthCheck(*channel, absl::Seconds(10)).ok());
+  ASSERT_TRUE(HealthCheck(channel, absl::Seconds(10)).ok());
   auto stub = v1::MemoryRegistration::NewStub(channel);
   client::Session first = OpenFdSession();
   client::Session second = OpenFdSession();
@@ -305,7 +296,7 @@ TEST_F(GrpcStreamsTest, AConnectionsCallsPastTheBoundWaitForOneToEnd) {
   }
   // Both streams are open: a third call on the connection waits for its
   // deadline; on another connection, one goes through.
-  const grpc::Status held = HealthCheck(*channel, absl::Milliseconds(500));
+  const grpc::Status held = HealthCheck(channel, absl::Milliseconds(500));
   EXPECT_EQ(held.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
       << held.error_message();
   EXPECT_TRUE(HealthCheckOnNewConnection(*mrd_).ok());
@@ -313,7 +304,7 @@ TEST_F(GrpcStreamsTest, AConnectionsCallsPastTheBoundWaitForOneToEnd) {
   streams[0].context.TryCancel();
   EXPECT_EQ(streams[0].reader->Finish().error_code(),
             grpc::StatusCode::CANCELLED);
-  const grpc::Status after = HealthCheck(*channel, absl::Seconds(10));
+  const grpc::Status after = HealthCheck(channel, absl::Seconds(10));
   EXPECT_TRUE(after.ok()) << after.error_message();
   streams[1].context.TryCancel();
   (void)streams[1].reader->Finish();

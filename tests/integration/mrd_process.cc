@@ -94,24 +94,34 @@ bool MrdHasSanitizerAllocator() {
 #endif
 }
 
-absl::Status HealthCheckOnNewConnection(const MrdProcess& mrd) {
+std::shared_ptr<grpc::Channel> NewConnection(const MrdProcess& mrd) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
-  auto channel = grpc::CreateCustomChannel(
-      mrd.grpc_target(), grpc::InsecureChannelCredentials(), args);
+  return grpc::CreateCustomChannel(mrd.grpc_target(),
+                                   grpc::InsecureChannelCredentials(), args);
+}
+
+grpc::Status CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
+                         absl::Duration timeout, bool* serving) {
   auto stub = grpc::health::v1::Health::NewStub(channel);
   grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
   grpc::health::v1::HealthCheckRequest req;
   grpc::health::v1::HealthCheckResponse resp;
   grpc::Status s = stub->Check(&ctx, req, &resp);
+  *serving =
+      s.ok() && resp.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+  return s;
+}
+
+absl::Status HealthCheckOnNewConnection(const MrdProcess& mrd) {
+  bool serving = false;
+  grpc::Status s = CheckHealth(NewConnection(mrd), absl::Seconds(3), &serving);
   if (!s.ok()) {
     return absl::UnavailableError(
         absl::StrCat("health check: ", s.error_code(), " ", s.error_message()));
   }
-  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
-    return absl::UnavailableError("health check: not SERVING");
-  }
+  if (!serving) return absl::UnavailableError("health check: not SERVING");
   return absl::OkStatus();
 }
 

@@ -21,6 +21,7 @@
 #ifndef MRD_TESTS_INTEGRATION_MRD_PROCESS_H_
 #define MRD_TESTS_INTEGRATION_MRD_PROCESS_H_
 
+#include <grpcpp/grpcpp.h>
 #include <sys/types.h>
 
 #include <memory>
@@ -126,9 +127,15 @@ std::vector<std::string> DeviceFlags();
 
 // The mrd executable the tests start (see MRD_TEST_MRD_BINARY above).
 std::string MrdBinary();
-// A grpc.health.v1 Check on a new connection to mrd's gRPC socket: a channel
-// with a subchannel pool of its own (gRPC shares one connection between
-// channels to the same target otherwise), 3 s deadline. OK when SERVING.
+// A channel to mrd's gRPC socket on a connection of its own: a subchannel
+// pool of its own (gRPC shares one connection between channels to the same
+// target otherwise).
+std::shared_ptr<grpc::Channel> NewConnection(const MrdProcess& mrd);
+// A grpc.health.v1 Check on `channel` within `timeout`: gRPC's status, and
+// the answer in `*serving`.
+grpc::Status CheckHealth(const std::shared_ptr<grpc::Channel>& channel,
+                         absl::Duration timeout, bool* serving);
+// CheckHealth on a NewConnection, 3 s deadline. OK when SERVING.
 absl::Status HealthCheckOnNewConnection(const MrdProcess& mrd);
 // GET /metrics from an mrd serving metrics on `host_port` (loopback): the
 // body of its 200 response; an error for any other answer.
