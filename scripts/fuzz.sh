@@ -27,11 +27,18 @@ if [ ${#targets[@]} -eq 0 ]; then
   targets=(fd_socket_fuzzer peer_fuzzer import_path_fuzzer core_fuzzer
     cgroup_fuzzer)
 fi
-dir=build-fuzz
+# MRD_FUZZ_BUILD names another build directory configured with MRD_FUZZ=ON
+# (make test: its ASan build, build-asan, which builds the fuzz targets with
+# everything else); that directory is built as it is, never configured here.
+dir=${MRD_FUZZ_BUILD:-build-fuzz}
 jobs=$(nproc)
 runs=${FUZZ_RUNS:-}
 fork=${FUZZ_JOBS:-}
 
+if [ ! -f "$dir/build.ninja" ] && [ "$dir" != build-fuzz ]; then
+  echo "fuzz: $dir is not configured (MRD_FUZZ=ON)" >&2
+  exit 1
+fi
 if [ ! -f "$dir/build.ninja" ]; then
   launcher=()
   if command -v ccache >/dev/null; then
