@@ -10,11 +10,15 @@
 // re-executed as uid 65534 (nobody) with `--child=<flood>`, so its fd
 // sessions are tenant "uid:65534"; mrd runs with --allowed_uids=0,65534 and
 // --socket_mode=0666 for it. Both use memfds over the fd socket, the path
-// containers use. The pods of tests/support/pod_cgroup.h would give the
-// same two queues (to the scheduler a tenant is a key, whatever names it)
-// but move the flooder out of the cgroups the bench was started in; another
-// uid needs no cgroup. The bench reads both sessions' tenants back with
-// GetSession and stops, saying so, unless they are two different tenants.
+// containers use. With `--pods=1` the bench makes three pods
+// (tests/support/pod_cgroup.h: kubelet's cgroupfs layout, in every cgroup
+// hierarchy) and runs the bystander (this process), every flooder child and
+// both mrds each in a pod of their own, as a node would: the tenants are
+// then pod:<UID>, and each pod is a CPU cgroup of its own, which the
+// kernel's scheduler shares fairly between pods before it shares a pod's
+// time between its threads. Without it, every process is in the cgroup the
+// bench was started in. The bench reads both sessions' tenants back with
+// GetSession and stops, saying so, unless they are the two it expects.
 //
 // The bystander: RegisterMr + DeregisterMr of a fresh 4 KiB page (a page of
 // a written memfd not registered before: a cache miss that pins, every
@@ -62,7 +66,7 @@
 //   build/bench/tenant_bench [--samples=300] [--seconds=4] [--rounds=2]
 //       [--phase_seconds=15] [--warmup_ms=1000] [--clients=8] [--hits=1000]
 //       [--big_mib=256] [--batch_items=4096] [--floods=big,batch,hits]
-//       [--out=bench-out]
+//       [--pods=0] [--out=bench-out]
 //
 // Needs root (the flooder's uid, and the right to pin) and about 2.5 GiB of
 // free memory. Prints markdown tables, writes <out>/tenant_bench.csv and
@@ -112,6 +116,7 @@
 #include "grpcpp/grpcpp.h"
 #include "mrd/v1/mrd.grpc.pb.h"
 #include "tests/integration/mrd_process.h"
+#include "tests/support/pod_cgroup.h"
 
 namespace mrd::bench {
 namespace {
@@ -160,6 +165,13 @@ struct Settings {
   uint64_t batch_items = 4096;
   std::string out = "bench-out";
   std::string floods = "big,batch,hits";  // which to run
+  // --pods: the bystander (this process), the flooder's children and the
+  // two mrds each in a pod of their own (tests/support/pod_cgroup.h), as
+  // on a node: a CPU cgroup each, and tenants named by pod.
+  bool pods = false;
+  std::shared_ptr<testing::PodCgroup> mrd_pod;
+  std::shared_ptr<testing::PodCgroup> bystander_pod;
+  std::shared_ptr<testing::PodCgroup> flooder_pod;
 };
 
 Settings ReadSettings(int argc, char** argv) {
@@ -175,6 +187,7 @@ Settings ReadSettings(int argc, char** argv) {
   s.batch_items = Flag(argc, argv, "--batch_items", s.batch_items, 1);
   s.out = StringFlag(argc, argv, "--out", s.out);
   s.floods = StringFlag(argc, argv, "--floods", s.floods);
+  s.pods = Flag(argc, argv, "--pods", 0) != 0;
   return s;
 }
 
@@ -657,9 +670,11 @@ int ChildMain(int argc, char** argv) {
 class FlooderProcess {
  public:
   // Runs `exe` with `args` as uid kFlooderUid, its stdin and stdout pipes
-  // of this object; its stderr is ours.
+  // of this object; its stderr is ours. With `join`, the cgroup.procs files
+  // of a pod (PodCgroup::ProcsFiles), the child joins it before it runs.
   static absl::StatusOr<std::unique_ptr<FlooderProcess>> Spawn(
-      const std::string& exe, std::vector<std::string> args) {
+      const std::string& exe, std::vector<std::string> args,
+      const std::vector<std::string>& join) {
     int to_child[2];
     int from_child[2];
     if (::pipe2(to_child, O_CLOEXEC) != 0) {
@@ -678,6 +693,11 @@ class FlooderProcess {
     const pid_t pid = ::fork();
     if (pid == 0) {
       // Only async-signal-safe calls between fork and exec.
+      for (const std::string& procs : join) {
+        const int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
+        if (fd < 0 || ::write(fd, "0", 1) != 1) ::_exit(124);
+        ::close(fd);
+      }
       if (::dup2(to_child[0], 0) < 0 || ::dup2(from_child[1], 1) < 0 ||
           ::setgroups(0, nullptr) != 0 || ::setgid(kFlooderUid) != 0 ||
           ::setuid(kFlooderUid) != 0) {
@@ -1101,6 +1121,9 @@ absl::Status StartMode(const Settings& s, Mode* m) {
       testing::MrdProcess::Start(options);
   if (!mrd.ok()) return mrd.status();
   m->mrd = *std::move(mrd);
+  if (s.mrd_pod != nullptr && !s.mrd_pod->Join(m->mrd->pid())) {
+    return absl::InternalError("mrd could not be moved into its pod's cgroup");
+  }
   // The flooder's uid reaches the sockets through the runtime directory.
   if (::chmod(m->mrd->runtime_dir().c_str(), 0755) != 0) {
     return absl::ErrnoToStatus(errno, "chmod runtime_dir");
@@ -1156,8 +1179,13 @@ absl::StatusOr<std::unique_ptr<FlooderProcess>> SpawnFlooder(
        "--fd_socket=" + m.mrd->fd_socket(),
        absl::StrCat("--clients=", s.clients), absl::StrCat("--hits=", s.hits),
        absl::StrCat("--big_mib=", s.big_mib),
-       absl::StrCat("--batch_items=", s.batch_items)});
+       absl::StrCat("--batch_items=", s.batch_items)},
+      s.flooder_pod != nullptr ? s.flooder_pod->ProcsFiles()
+                               : std::vector<std::string>());
   if (!child.ok()) return child.status();
+  const std::string expected = s.flooder_pod != nullptr
+                                   ? s.flooder_pod->tenant()
+                                   : absl::StrCat("uid:", kFlooderUid);
   absl::StatusOr<std::string> ready = (*child)->ReadLine(absl::Minutes(2));
   if (!ready.ok()) return ready.status();
   std::vector<std::string> words = absl::StrSplit(*ready, ' ');
@@ -1169,13 +1197,12 @@ absl::StatusOr<std::unique_ptr<FlooderProcess>> SpawnFlooder(
     request.set_session(words[i]);
     absl::StatusOr<v1::SessionInfo> info = m.client->GetSession(request);
     if (!info.ok()) return info.status();
-    if (info->tenant() == m.bystander->tenant() ||
-        info->tenant() != absl::StrCat("uid:", kFlooderUid)) {
+    if (info->tenant() == m.bystander->tenant() || info->tenant() != expected) {
       return absl::FailedPreconditionError(absl::StrCat(
           "the flooder's session is tenant \"", info->tenant(),
           "\" and the bystander's \"", m.bystander->tenant(),
-          "\": the bench needs them to be two tenants (uid:", kFlooderUid,
-          " and uid:0)"));
+          "\": the bench needs them to be two tenants (the flooder's ",
+          expected, ")"));
     }
     result->tenant = info->tenant();
   }
@@ -1472,7 +1499,7 @@ int Main(int argc, char** argv) {
   if (!StringFlag(argc, argv, "--child", "").empty()) {
     return ChildMain(argc, argv);
   }
-  const Settings s = ReadSettings(argc, argv);
+  Settings s = ReadSettings(argc, argv);
   if (::geteuid() != 0) {
     std::fprintf(stderr,
                  "tenant_bench: needs root (the flooder runs as uid %u; mrd "
@@ -1493,6 +1520,22 @@ int Main(int argc, char** argv) {
     std::fprintf(stderr, "%s: %s\n", s.out.c_str(), error.message().c_str());
     return 1;
   }
+  if (s.pods) {
+    for (auto* pod : {&s.mrd_pod, &s.bystander_pod, &s.flooder_pod}) {
+      absl::StatusOr<std::unique_ptr<testing::PodCgroup>> made =
+          testing::PodCgroup::Create();
+      if (!made.ok()) {
+        std::fprintf(stderr, "tenant_bench: --pods: %s\n",
+                     made.status().ToString().c_str());
+        return 1;
+      }
+      *pod = *std::move(made);
+    }
+    if (!s.bystander_pod->Join(::getpid())) {
+      std::fprintf(stderr, "tenant_bench: --pods: cannot join a pod\n");
+      return 1;
+    }
+  }
   // A flooder that died must not kill us at the next write to its stdin.
   ::signal(SIGPIPE, SIG_IGN);
   const Clock::time_point start = Clock::now();
@@ -1501,6 +1544,8 @@ int Main(int argc, char** argv) {
   modes[1].fair = false;
   absl::Status status = RunAll(s, exe, modes);
   for (Mode& m : modes) status.Update(StopMode(s, &m));
+  // Out of the bystander's pod, so that the pods can be removed.
+  if (s.pods) testing::PodCgroup::LeaveAll(::getpid());
   if (!status.ok()) {
     std::fprintf(stderr, "tenant_bench: %s\n", status.ToString().c_str());
     return 1;

@@ -89,6 +89,36 @@ class PodCgroup {
   const std::string& container_id() const { return container_id_; }
   std::string tenant() const { return "pod:" + pod_uid_; }
 
+  // The cgroup.procs file of the pod's cgroup in each hierarchy: a child
+  // can write "0" to each between fork and exec to join the pod before it
+  // runs (open, write and close only).
+  std::vector<std::string> ProcsFiles() const {
+    std::vector<std::string> files;
+    for (const std::string& leaf : leaves_)
+      files.push_back(leaf + "/cgroup.procs");
+    return files;
+  }
+
+  // Moves process `pid` back to the root cgroup of every hierarchy (before
+  // the pod it is in is removed).
+  static bool LeaveAll(pid_t pid) {
+    const std::string text = std::to_string(pid);
+    bool moved = true;
+    for (const std::string& root : Hierarchies()) {
+      const std::string procs = root + "/cgroup.procs";
+      int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
+      if (fd < 0) {
+        moved = false;
+        continue;
+      }
+      moved = ::write(fd, text.data(), text.size()) ==
+                  static_cast<ssize_t>(text.size()) &&
+              moved;
+      ::close(fd);
+    }
+    return moved;
+  }
+
   // Moves process `pid` into the pod's cgroup in every hierarchy. Safe to
   // call in a child between fork and exec (no allocation beyond the
   // strings made before: pass pid 0 for "this process").
