@@ -66,7 +66,7 @@
 //   build/bench/tenant_bench [--samples=300] [--seconds=4] [--rounds=2]
 //       [--phase_seconds=15] [--warmup_ms=1000] [--clients=8] [--hits=1000]
 //       [--big_mib=256] [--batch_items=4096] [--floods=big,batch,hits]
-//       [--pods=0] [--out=bench-out]
+//       [--pods=0] [--mrd_flags=A,B] [--out=bench-out]
 //
 // Needs root (the flooder's uid, and the right to pin) and about 2.5 GiB of
 // free memory. Prints markdown tables, writes <out>/tenant_bench.csv and
@@ -169,6 +169,8 @@ struct Settings {
   // two mrds each in a pod of their own (tests/support/pod_cgroup.h), as
   // on a node: a CPU cgroup each, and tenants named by pod.
   bool pods = false;
+  // --mrd_flags=A,B: more flags for both mrds (e.g. --bulk_nice=19).
+  std::string mrd_flags;
   std::shared_ptr<testing::PodCgroup> mrd_pod;
   std::shared_ptr<testing::PodCgroup> bystander_pod;
   std::shared_ptr<testing::PodCgroup> flooder_pod;
@@ -188,6 +190,7 @@ Settings ReadSettings(int argc, char** argv) {
   s.out = StringFlag(argc, argv, "--out", s.out);
   s.floods = StringFlag(argc, argv, "--floods", s.floods);
   s.pods = Flag(argc, argv, "--pods", 0) != 0;
+  s.mrd_flags = StringFlag(argc, argv, "--mrd_flags", "");
   return s;
 }
 
@@ -1110,6 +1113,10 @@ std::vector<std::string> MrdFlags(const Settings& s, bool fair) {
   flags.push_back(absl::StrCat("--allowed_uids=0,", kFlooderUid));
   flags.push_back("--socket_mode=0666");
   if (!fair) flags.push_back("--fair_scheduling=false");
+  for (absl::string_view flag :
+       absl::StrSplit(s.mrd_flags, ',', absl::SkipEmpty())) {
+    flags.emplace_back(flag);
+  }
   return flags;
 }
 
