@@ -696,11 +696,7 @@ class FlooderProcess {
     const pid_t pid = ::fork();
     if (pid == 0) {
       // Only async-signal-safe calls between fork and exec.
-      for (const std::string& procs : join) {
-        const int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
-        if (fd < 0 || ::write(fd, "0", 1) != 1) ::_exit(124);
-        ::close(fd);
-      }
+      if (!testing::PodCgroup::JoinSelf(join)) ::_exit(124);
       if (::dup2(to_child[0], 0) < 0 || ::dup2(from_child[1], 1) < 0 ||
           ::setgroups(0, nullptr) != 0 || ::setgid(kFlooderUid) != 0 ||
           ::setuid(kFlooderUid) != 0) {

@@ -69,9 +69,11 @@ class Mrctl {
     cargv.push_back(nullptr);
     for (auto& e : env) cenv.push_back(e.data());
     cenv.push_back(nullptr);
+    const std::vector<std::string> join =
+        pod != nullptr ? pod->ProcsFiles() : std::vector<std::string>();
     const pid_t pid = fork();
     if (pid == 0) {
-      if (pod != nullptr && !pod->Join(0)) _exit(124);
+      if (!PodCgroup::JoinSelf(join)) _exit(124);
       int out =
           ::open(m->out_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
       int err =

@@ -89,9 +89,8 @@ class PodCgroup {
   const std::string& container_id() const { return container_id_; }
   std::string tenant() const { return "pod:" + pod_uid_; }
 
-  // The cgroup.procs file of the pod's cgroup in each hierarchy: a child
-  // can write "0" to each between fork and exec to join the pod before it
-  // runs (open, write and close only).
+  // The cgroup.procs file of the pod's cgroup in each hierarchy (for
+  // JoinSelf).
   std::vector<std::string> ProcsFiles() const {
     std::vector<std::string> files;
     for (const std::string& leaf : leaves_)
@@ -102,34 +101,25 @@ class PodCgroup {
   // Moves process `pid` back to the root cgroup of every hierarchy (before
   // the pod it is in is removed).
   static bool LeaveAll(pid_t pid) {
-    const std::string text = std::to_string(pid);
-    bool moved = true;
+    std::vector<std::string> files;
     for (const std::string& root : Hierarchies()) {
-      const std::string procs = root + "/cgroup.procs";
-      int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
-      if (fd < 0) {
-        moved = false;
-        continue;
-      }
-      moved = ::write(fd, text.data(), text.size()) ==
-                  static_cast<ssize_t>(text.size()) &&
-              moved;
-      ::close(fd);
+      files.push_back(root + "/cgroup.procs");
     }
-    return moved;
+    return WritePid(files, pid);
   }
 
-  // Moves process `pid` into the pod's cgroup in every hierarchy. Safe to
-  // call in a child between fork and exec (no allocation beyond the
-  // strings made before: pass pid 0 for "this process").
-  bool Join(pid_t pid) const {
-    const std::string text = std::to_string(pid);
-    for (const std::string& leaf : leaves_) {
-      const std::string procs = leaf + "/cgroup.procs";
-      int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
+  // Moves process `pid` into the pod's cgroup in every hierarchy. It
+  // allocates: a child between fork and exec calls JoinSelf instead.
+  bool Join(pid_t pid) const { return WritePid(ProcsFiles(), pid); }
+
+  // Moves the calling process into the cgroups of `procs_files` (a pod's
+  // ProcsFiles(), made before the fork): open, write and close only, so a
+  // child may call it between fork and exec.
+  static bool JoinSelf(const std::vector<std::string>& procs_files) {
+    for (const std::string& procs : procs_files) {
+      const int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
       if (fd < 0) return false;
-      const bool written = ::write(fd, text.data(), text.size()) ==
-                           static_cast<ssize_t>(text.size());
+      const bool written = ::write(fd, "0", 1) == 1;
       ::close(fd);
       if (!written) return false;
     }
@@ -138,6 +128,25 @@ class PodCgroup {
 
  private:
   PodCgroup() = default;
+
+  // Writes `pid` to each cgroup.procs file of `files`: whether every write
+  // went through.
+  static bool WritePid(const std::vector<std::string>& files, pid_t pid) {
+    const std::string text = std::to_string(pid);
+    bool written = true;
+    for (const std::string& procs : files) {
+      const int fd = ::open(procs.c_str(), O_WRONLY | O_CLOEXEC);
+      if (fd < 0) {
+        written = false;
+        continue;
+      }
+      written = ::write(fd, text.data(), text.size()) ==
+                    static_cast<ssize_t>(text.size()) &&
+                written;
+      ::close(fd);
+    }
+    return written;
+  }
 
   // Every mounted hierarchy under /sys/fs/cgroup: the directories that
   // hold a cgroup.procs (v1 controllers, name=systemd, the v2 one), or
