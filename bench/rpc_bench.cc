@@ -23,7 +23,12 @@
 // 10,000 registrations in batches at most 0.05x the single calls).
 //
 //   build/bench/rpc_bench [--pairs=5000] [--count=10000] [--rounds=3]
-//                         [--profile_batches=B]
+//                         [--profile_batches=B] [--batch_then_singles=B]
+//
+// --profile_batches=B times only batches of B (a load to profile mrd
+// under); --batch_then_singles=B registers in batches of B and times the
+// single DeregisterMr calls that give them back (a batch's adjacent pages
+// are pinned together: each such call releases a page of a shared pin).
 //
 // Prints one table row per case and exits non-zero if anything failed.
 
@@ -44,6 +49,28 @@
 
 namespace mrd::bench {
 namespace {
+
+// Registers pages 0..count-1 of `buffer` in RegisterMrBatch calls of
+// `batch`, then deregisters them one DeregisterMr each; the seconds of the
+// deregistrations, or < 0 on failure.
+double BatchThenSingles(const client::Session& session, uint64_t buffer,
+                        uint64_t count, uint64_t batch) {
+  std::vector<client::Registration> regs;
+  regs.reserve(count);
+  for (uint64_t first = 0; first < count; first += batch) {
+    std::vector<client::RegisterOptions> options;
+    for (uint64_t i = first; i < std::min(count, first + batch); ++i) {
+      options.push_back(PageOf(buffer, i));
+    }
+    if (!RegisterBatchInto(session, options, &regs)) return -1;
+  }
+  const Clock::time_point start = Clock::now();
+  for (client::Registration& r : regs) {
+    auto left = r.Deregister();
+    if (!left.ok() || *left != 0) return -1;
+  }
+  return Seconds(start);
+}
 
 struct Fixture {
   std::unique_ptr<testing::MrdProcess> mrd;
@@ -144,16 +171,34 @@ int Main(int argc, char** argv) {
   // --profile_batches=B: only batches of B, `--rounds` times, nothing
   // printed but the rate (a load to profile mrd under).
   const uint64_t profile_batch = Flag(argc, argv, "--profile_batches", 0);
+  const uint64_t then_singles = Flag(argc, argv, "--batch_then_singles", 0);
   Fixture f;
   if (!Start(count, &f)) return 1;
-  if (profile_batch != 0) {
+  // The seconds of `rounds` runs of `run` in all; < 0 if one failed.
+  auto total = [rounds](auto run) {
     double seconds = 0;
     for (uint64_t r = 0; r < rounds; ++r) {
-      const double t =
-          Batches(*f.session, f.buffer->id(), count, profile_batch);
-      if (t < 0) return 1;
+      const double t = run();
+      if (t < 0) return t;
       seconds += t;
     }
+    return seconds;
+  };
+  if (then_singles != 0) {
+    const double seconds = total([&] {
+      return BatchThenSingles(*f.session, f.buffer->id(), count, then_singles);
+    });
+    if (seconds < 0) return 1;
+    std::printf("single DeregisterMr after batches of %lu: %.1f us each\n",
+                static_cast<unsigned long>(then_singles),
+                seconds / static_cast<double>(count * rounds) * 1e6);
+    return 0;
+  }
+  if (profile_batch != 0) {
+    const double seconds = total([&] {
+      return Batches(*f.session, f.buffer->id(), count, profile_batch);
+    });
+    if (seconds < 0) return 1;
     std::printf("batches of %lu: %.0f registrations/s\n",
                 static_cast<unsigned long>(profile_batch),
                 static_cast<double>(count * rounds) / seconds);

@@ -173,6 +173,27 @@ void Budgets::UnreserveRegistration(Session& session, uint64_t map_splits,
   totals_.registrations -= std::min<uint64_t>(devices, totals_.registrations);
 }
 
+void Budgets::UnreserveRegistrationAndPinned(Session& session,
+                                             uint64_t map_splits,
+                                             uint32_t devices,
+                                             uint64_t pinned_bytes) {
+  absl::MutexLock session_lock(&session.mu);
+  uint64_t registrations = 0;
+  if (session.device_registrations > 0) {
+    registrations = std::min<uint64_t>(devices, session.device_registrations);
+    session.device_registrations -= registrations;
+  } else {
+    map_splits = 0;  // as UnreserveRegistration: nothing was held
+  }
+  pinned_bytes = std::min(pinned_bytes, session.pinned_bytes);
+  session.pinned_bytes -= pinned_bytes;
+  session.tenant()->ReleaseRegistration(registrations, map_splits,
+                                        pinned_bytes);
+  absl::MutexLock lock(&mu_);
+  totals_.registrations -= std::min<uint64_t>(devices, totals_.registrations);
+  totals_.pinned_bytes -= std::min(pinned_bytes, totals_.pinned_bytes);
+}
+
 void Budgets::Adopt(Session& session, uint64_t pinned_bytes,
                     uint64_t registrations, uint64_t buffers,
                     uint64_t map_splits) {

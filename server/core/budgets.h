@@ -94,6 +94,11 @@ class Budgets {
   void UnreserveRegistration(Session& session, uint64_t map_splits = 0,
                              uint32_t devices = 1)
       ABSL_LOCKS_EXCLUDED(mu_, session.mu);
+  // UnreserveRegistration and UnreservePinned(pinned_bytes) in one go (a
+  // registration that ends).
+  void UnreserveRegistrationAndPinned(Session& session, uint64_t map_splits,
+                                      uint32_t devices, uint64_t pinned_bytes)
+      ABSL_LOCKS_EXCLUDED(mu_, session.mu);
 
   // Handover: what a session brings from the mrd process it came from
   // (its pinned bytes and device registrations, its buffers), charged to

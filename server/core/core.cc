@@ -888,13 +888,73 @@ absl::StatusOr<std::shared_ptr<Session>> Core::FindBatchSession(
 // How many items of a batch go between two yields to the fair scheduler.
 constexpr int kBatchYieldItems = 16;
 
+// Items of a batch that register adjacent ranges of one buffer, each of at
+// most kPinAheadItemBytes, are pinned together ahead of them
+// (Registrations::PinAhead): at least kPinAheadMinItems of them, at most
+// kPinAheadBytes at a time.
+constexpr uint64_t kPinAheadItemBytes = uint64_t{64} << 10;
+constexpr uint64_t kPinAheadBytes = uint64_t{16} << 20;
+constexpr int kPinAheadMinItems = 4;
+
+// The items from `first` on that can be pinned ahead together: those whose
+// page-rounded ranges of one buffer follow each other without a gap or an
+// overlap (the pin ahead then counts exactly the pages the items reserve).
+// Returns the end of the run, and its range within the buffer in `offset`
+// and `length`.
+int PinAheadRun(
+    const google::protobuf::RepeatedPtrField<v1::RegisterMrRequest>& items,
+    int first, const std::string& session, uint64_t page, uint64_t* offset,
+    uint64_t* length) {
+  auto eligible = [&](const v1::RegisterMrRequest& item) {
+    return (item.session().empty() || item.session() == session) &&
+           item.mr() == 0 && item.publish_name().empty() &&
+           !item.has_devices() && item.length() > 0 &&
+           item.length() <= kPinAheadItemBytes &&
+           item.offset() <= UINT64_MAX - kPinAheadBytes;
+  };
+  auto page_start = [&](const v1::RegisterMrRequest& item) {
+    return item.offset() & ~(page - 1);
+  };
+  auto page_end = [&](const v1::RegisterMrRequest& item) {
+    return (item.offset() + item.length() + page - 1) & ~(page - 1);
+  };
+  const v1::RegisterMrRequest& head = items.Get(first);
+  if (!eligible(head)) return first + 1;
+  *offset = page_start(head);
+  uint64_t end = page_end(head);
+  int last = first + 1;
+  for (; last < items.size(); ++last) {
+    const v1::RegisterMrRequest& item = items.Get(last);
+    if (!eligible(item) || item.buffer() != head.buffer() ||
+        page_start(item) != end || page_end(item) - *offset > kPinAheadBytes) {
+      break;
+    }
+    end = page_end(item);
+  }
+  *length = end - *offset;
+  return last;
+}
+
 absl::Status Core::RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
                                    v1::RegisterMrBatchResponse* out,
                                    const CancelCheck& cancelled) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindBatchSession(req.session(), req.items_size()));
   int done = 0;
+  // The pages of the items before `ahead_end`, pinned together.
+  std::optional<Registrations::PinAhead> ahead;
+  int ahead_end = 0;
   for (const v1::RegisterMrRequest& item : req.items()) {
+    if (done >= ahead_end) {
+      ahead.reset();
+      uint64_t offset = 0;
+      uint64_t length = 0;
+      ahead_end = PinAheadRun(req.items(), done, req.session(),
+                              registrations_.page_size(), &offset, &length);
+      if (ahead_end - done >= kPinAheadMinItems) {
+        ahead.emplace(&registrations_, session, item.buffer(), offset, length);
+      }
+    }
     // Between items, other tenants' requests may go first (a batch is
     // many requests in one call).
     if (++done % kBatchYieldItems == 0) {
@@ -911,11 +971,17 @@ absl::Status Core::RegisterMrBatch(const v1::RegisterMrBatchRequest& req,
     v1::RegisterMrBatchResult* result = out->add_items();
     absl::Status status = CheckItemSession(item.session(), req.session());
     if (status.ok()) {
-      status = RegisterAndPublish(session, item, result->mutable_registration(),
-                                  cancelled);
+      // The check above is this item's; a long pin checks between its
+      // steps too.
+      status = RegisterAndPublish(
+          session, item, result->mutable_registration(),
+          item.length() >= kProgressMinBytes ? cancelled : nullptr);
     }
-    if (!status.ok()) result->clear_registration();
-    *result->mutable_status() = ItemStatusToProto(status);
+    // An item that succeeded carries no status (code 0, the default).
+    if (!status.ok()) {
+      result->clear_registration();
+      *result->mutable_status() = ItemStatusToProto(status);
+    }
   }
   return absl::OkStatus();
 }
@@ -944,7 +1010,7 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
       status = registrations_.Deregister(session, item, &response);
     if (status.ok() && response.references() == 0) ++released;
     result->set_references(status.ok() ? response.references() : 0);
-    *result->mutable_status() = ItemStatusToProto(status);
+    if (!status.ok()) *result->mutable_status() = ItemStatusToProto(status);
   }
   others.reset();
   freed_.Add(released);

@@ -207,8 +207,80 @@ namespace {
 
 // The thread's open OthersBatch, if any.
 thread_local Registrations::OthersBatch* open_others_batch = nullptr;
+// The thread's open PinAhead, if any.
+thread_local Registrations::PinAhead* open_pin_ahead = nullptr;
 
 }  // namespace
+
+Registrations::PinAhead::PinAhead(Registrations* registrations,
+                                  std::shared_ptr<Session> session,
+                                  uint64_t buffer, uint64_t offset,
+                                  uint64_t length)
+    : registrations_(registrations), session_(std::move(session)) {
+  if (open_pin_ahead != nullptr || length == 0) return;
+  std::shared_ptr<fd_socket::MappedFile> file;
+  uint32_t devices = 0;
+  bool nearest = false;
+  {
+    absl::MutexLock lock(&session_->mu);
+    auto b = session_->buffers.find(buffer);
+    if (b == session_->buffers.end() || b->second.file == nullptr) return;
+    file = b->second.file;
+    devices = session_->default_device_bits;
+    nearest = session_->default_nearest;
+  }
+  // Read-only memory is pinned with mlock, whose memory maps each item's
+  // own reservation counts.
+  if (!file->writable()) return;
+  absl::StatusOr<device::MemorySpan> span = file->Span(offset, length);
+  if (!span.ok() || span->pages != device::SpanPages::kBase) return;
+  if (nearest) devices = registrations_->NearestDevices(span->host_address);
+  const uint64_t bytes =
+      PageRound(registrations_->page_size_,
+                reinterpret_cast<uintptr_t>(span->host_address), span->length);
+  Budgets::PinLimit hit;
+  uint64_t over = 0;
+  if (!registrations_->budgets_->TryReservePinned(*session_, bytes, &hit, &over)
+           .ok()) {
+    return;
+  }
+  for (uint32_t bits = devices; bits != 0; bits &= bits - 1) {
+    const uint32_t d = static_cast<uint32_t>(absl::countr_zero(bits));
+    if (d >= registrations_->devices_.size()) break;
+    std::unique_ptr<device::BatchPin> pin =
+        registrations_->devices_[d]->PinForBatch(*span);
+    if (pin != nullptr) pins_.push_back(std::move(pin));
+  }
+  if (pins_.empty()) {
+    registrations_->budgets_->UnreservePinned(*session_, bytes);
+    return;
+  }
+  reserved_ = bytes;
+  start_ = reinterpret_cast<uint64_t>(span->host_address);
+  end_ = start_ + span->length;
+  open_pin_ahead = this;
+}
+
+Registrations::PinAhead::~PinAhead() {
+  if (!active()) return;
+  open_pin_ahead = nullptr;
+  pins_.clear();
+  if (reserved_ > 0) {
+    registrations_->budgets_->UnreservePinned(*session_, reserved_);
+  }
+}
+
+bool Registrations::PinAhead::Take(const Session& session,
+                                   const device::MemorySpan& span,
+                                   uint64_t bytes) {
+  const uint64_t at = reinterpret_cast<uint64_t>(span.host_address);
+  if (&session != session_.get() || bytes > reserved_ || at < start_ ||
+      at > end_ || span.length > end_ - at) {
+    return false;
+  }
+  reserved_ -= bytes;
+  return true;
+}
 
 Registrations::OthersBatch::OthersBatch(Registrations* registrations,
                                         std::shared_ptr<Session> session)
@@ -540,11 +612,13 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   // A long pin: watched (its progress reported on the session's stream) and
   // cancellable between steps.
   device::MemorySpan span = plan.span;
-  v1::Completion call;
-  call.set_request_id(req.request_id());
-  call.set_buffer(req.buffer());
-  call.set_offset(req.offset());
-  call.set_length(req.length());
+  v1::Completion call;  // only a long pin reports (no allocation otherwise)
+  if (span.length >= kProgressMinBytes) {
+    call.set_request_id(req.request_id());
+    call.set_buffer(req.buffer());
+    call.set_offset(req.offset());
+    call.set_length(req.length());
+  }
   const LongPin long_pin(options_.progress, session, span, plan.cancelled,
                          call);
   const uint64_t map_splits = MapSplitsOf(*plan.file);
@@ -558,7 +632,10 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   // first device's: a registration on others makes its own pins.
   std::optional<cache::WarmPin> warm;
   if (plan.key.devices == 1) warm = warm_.Take(WarmKeyOf(plan.key));
-  if (!warm.has_value()) {
+  // Pages a batch pinned ahead: reserved with them, and in memory.
+  const bool ahead = !warm.has_value() && open_pin_ahead != nullptr &&
+                     open_pin_ahead->Take(*session, span, plan.pin_bytes);
+  if (!warm.has_value() && !ahead) {
     if (absl::Status s = ReservePinned(*session, plan.pin_bytes); !s.ok()) {
       budgets_->UnreserveRegistration(*session, map_splits, device_count);
       return s;
@@ -566,7 +643,7 @@ absl::StatusOr<cache::CachedRegistration> Registrations::RegisterOnDevice(
   }
   // The pin would fault mrd's mapping in page by page: filled by several
   // threads first, it walks the page tables instead (prefault.h).
-  if (!warm.has_value()) {
+  if (!warm.has_value() && !ahead) {
     plan.file->Prefault(plan.key.offset, plan.key.length, span.progress);
   }
   // On every device of the key, or on none: what one refuses, the others
@@ -832,12 +909,14 @@ absl::StatusOr<uint32_t> Registrations::DropReference(
     // NOT_FOUND: the PD is being torn down and unpins the MR itself.
     if (!s.ok()) session->KeepUntilPdGone(reg.memory);
     // The first device's share here, the others' as they go.
-    budgets_->UnreserveRegistration(*session, MapSplitsOf(reg), 1);
-    DeregisterOthers(*session, reg);
     if (warm.has_value()) {
+      budgets_->UnreserveRegistration(*session, MapSplitsOf(reg), 1);
+      DeregisterOthers(*session, reg);
       KeepWarm(session, std::move(*warm));  // the reservation moves to it
     } else {
-      budgets_->UnreservePinned(*session, reg.pinned_bytes);
+      budgets_->UnreserveRegistrationAndPinned(*session, MapSplitsOf(reg), 1,
+                                               reg.pinned_bytes);
+      DeregisterOthers(*session, reg);
     }
   }
   return result.references;
@@ -892,9 +971,9 @@ void Registrations::DeregisterCached(Session& session,
     LogWarning("deregister device MR ", reg.device_mr, ": ", s.ToString());
   }
   // The first device's share here, the others' as they go.
-  budgets_->UnreserveRegistration(session, MapSplitsOf(reg), 1);
+  budgets_->UnreserveRegistrationAndPinned(session, MapSplitsOf(reg), 1,
+                                           reg.pinned_bytes);
   DeregisterOthers(session, reg);
-  budgets_->UnreservePinned(session, reg.pinned_bytes);
 }
 
 uint64_t Registrations::MapSplitsOf(const fd_socket::MappedFile& file) const {

@@ -114,6 +114,45 @@ class Registrations {
     bool done_ ABSL_GUARDED_BY(mu_) = false;
   };
 
+  // A batch's adjacent small ranges of one buffer, pinned on the session's
+  // devices ahead of the items that register them (Device::PinForBatch),
+  // under the session's pinned-bytes budget: while it is open on the
+  // calling thread, the pinned bytes that this thread's registrations of
+  // its pages reserve come out of what it reserved (and their pages, in
+  // memory already, need no prefault), and when it ends, what no item took
+  // goes back, and so do the pages that no registration holds.
+  // Each item keeps its own result and limits: an item refused for its own
+  // reasons is refused as without it. Nothing is pinned ahead (and the
+  // items pin their own pages) when the range is not one the devices can
+  // pin ahead, or the budget has no room for all of it. One open per
+  // thread; not movable; destroy it on its thread.
+  class PinAhead {
+   public:
+    // [offset, offset + length) of `buffer`, a writable buffer of the
+    // session in pages of the base size.
+    PinAhead(Registrations* registrations, std::shared_ptr<Session> session,
+             uint64_t buffer, uint64_t offset, uint64_t length);
+    ~PinAhead();
+    PinAhead(const PinAhead&) = delete;
+    PinAhead& operator=(const PinAhead&) = delete;
+
+    // Whether anything was pinned ahead.
+    bool active() const { return !pins_.empty(); }
+    // Takes `bytes` of the reservation for a registration of `span` for
+    // `session`; false when the span is not within this pin or not that
+    // much is left.
+    bool Take(const Session& session, const device::MemorySpan& span,
+              uint64_t bytes);
+
+   private:
+    Registrations* const registrations_;
+    const std::shared_ptr<Session> session_;
+    uint64_t start_ = 0;  // the host addresses pinned
+    uint64_t end_ = 0;
+    std::vector<std::unique_ptr<device::BatchPin>> pins_;
+    uint64_t reserved_ = 0;  // of the budget, not yet taken by an item
+  };
+
   // `devices` (one at least; the first is where warm pins, LAMs and MR
   // objects live) and `budgets` must outlive this.
   Registrations(std::vector<device::Device*> devices, Budgets* budgets,
@@ -198,6 +237,8 @@ class Registrations {
   // The devices, and a device's index by name. Errors: INVALID_ARGUMENT
   // UNKNOWN_DEVICE.
   const std::vector<device::Device*>& devices() const { return devices_; }
+  // The first device's page size.
+  uint64_t page_size() const { return page_size_; }
   absl::StatusOr<size_t> DeviceIndex(absl::string_view name) const;
   // The devices a selection names, as CacheKey::devices bits: none named,
   // the first device; `nearest` is left to NearestDevices (0 here).

@@ -129,6 +129,19 @@ void Tenant::Release(TenantResource resource, uint64_t amount) {
   used_[i] -= std::min(amount, used_[i]);
 }
 
+void Tenant::ReleaseRegistration(uint64_t registrations, uint64_t map_splits,
+                                 uint64_t pinned_bytes) {
+  absl::MutexLock lock(&mu_);
+  auto release = [this](TenantResource resource, uint64_t amount)
+                     ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+                       const int i = static_cast<int>(resource);
+                       used_[i] -= std::min(amount, used_[i]);
+                     };
+  release(TenantResource::kRegistrations, registrations);
+  release(TenantResource::kMemoryMaps, map_splits);
+  release(TenantResource::kPinnedBytes, pinned_bytes);
+}
+
 uint64_t Tenant::Used(TenantResource resource) const {
   absl::MutexLock lock(&mu_);
   return used_[static_cast<int>(resource)];

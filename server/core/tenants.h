@@ -111,6 +111,9 @@ class Tenant {
   void Force(TenantResource resource, uint64_t amount) ABSL_LOCKS_EXCLUDED(mu_);
   void Release(TenantResource resource, uint64_t amount)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // A registration's registrations, memory maps and pinned bytes at once.
+  void ReleaseRegistration(uint64_t registrations, uint64_t map_splits,
+                           uint64_t pinned_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t Used(TenantResource resource) const ABSL_LOCKS_EXCLUDED(mu_);
   // Refusals per resource since start.
   uint64_t Refused(TenantResource resource) const ABSL_LOCKS_EXCLUDED(mu_);

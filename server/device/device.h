@@ -216,6 +216,14 @@ class DeviceBatch {
   virtual ~DeviceBatch() = default;
 };
 
+// Pages a device pinned ahead of the registrations a batch call is about to
+// make of them (Device::PinForBatch); unpinned when this is destroyed, after
+// which each page stays pinned exactly as long as a registration holds it.
+class BatchPin {
+ public:
+  virtual ~BatchPin() = default;
+};
+
 class Device {
  public:
   virtual ~Device() = default;
@@ -236,6 +244,18 @@ class Device {
   // pages it unpins, kernel_pin_ops.h's ClearBatch). nullptr: nothing to
   // combine (the default).
   virtual std::unique_ptr<DeviceBatch> BeginBatch() { return nullptr; }
+
+  // Pins `span`, the adjacent small ranges of one buffer that a batch's
+  // items are about to register, ahead of them: a device that counts pins
+  // per page (the software device) then pins them with a few kernel calls
+  // instead of one or more per item, and the items' registrations only
+  // count their pages. nullptr: nothing to gain on this device (the
+  // default), or the pin failed (each item then pins its own pages, and
+  // says why if it cannot).
+  virtual std::unique_ptr<BatchPin> PinForBatch(const MemorySpan& span) {
+    (void)span;
+    return nullptr;
+  }
 
   // Starts the peer listener and any device threads. Called once before use.
   virtual absl::Status Start() = 0;

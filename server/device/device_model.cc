@@ -533,16 +533,20 @@ absl::Status DeviceModel::PinAhead(const MemorySpan& span) {
       pins_ahead_[{reinterpret_cast<uint64_t>(kept.host_address), kept.length}];
   if (pinned.count == 0) pinned.span = kept;
   ++pinned.count;
+  any_ahead_.store(true, std::memory_order_release);
   return absl::OkStatus();
 }
 
 absl::Status DeviceModel::PinTakingAhead(const MemorySpan& span) {
-  {
+  if (any_ahead_.load(std::memory_order_acquire)) {
     absl::MutexLock lock(&ahead_mu_);
     auto it = pins_ahead_.find(std::make_pair(
         reinterpret_cast<uint64_t>(span.host_address), span.length));
     if (it != pins_ahead_.end()) {
       if (--it->second.count == 0) pins_ahead_.erase(it);
+      if (pins_ahead_.empty()) {
+        any_ahead_.store(false, std::memory_order_release);
+      }
       return absl::OkStatus();
     }
   }
@@ -554,6 +558,7 @@ void DeviceModel::DropPinsAhead() {
   {
     absl::MutexLock lock(&ahead_mu_);
     left.swap(pins_ahead_);
+    any_ahead_.store(false, std::memory_order_release);
   }
   for (const auto& [key, pinned] : left) {
     for (uint32_t i = 0; i < pinned.count; ++i) ProviderUnpin(pinned.span);

@@ -36,6 +36,7 @@
 #ifndef MRD_SERVER_DEVICE_DEVICE_MODEL_H_
 #define MRD_SERVER_DEVICE_DEVICE_MODEL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -662,6 +663,10 @@ class DeviceModel : public Device, public DeviceHandover {
   mutable absl::Mutex ahead_mu_;
   absl::flat_hash_map<std::pair<uint64_t, uint64_t>, PinnedAhead> pins_ahead_
       ABSL_GUARDED_BY(ahead_mu_);
+  // Whether pins_ahead_ may hold any (written under ahead_mu_): while none
+  // does, a registration pins without taking the lock. One that races a
+  // PinAhead of its span pins anew, and DropPinsAhead unpins the other.
+  std::atomic<bool> any_ahead_{false};
 };
 
 }  // namespace mrd::device

@@ -13,6 +13,9 @@
 #ifndef MRD_TESTS_SUPPORT_KERNEL_PINS_H_
 #define MRD_TESTS_SUPPORT_KERNEL_PINS_H_
 
+#include <dirent.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <fstream>
 #include <string>
@@ -76,6 +79,37 @@ inline uint64_t KernelPinnedBytesSettled(
     if (now == expected || absl::Now() > deadline) return now;
     absl::SleepFor(absl::Milliseconds(20));
   }
+}
+
+// Registered buffers (io_uring fixed-buffer slots in use) over every
+// io_uring ring of process `pid`, from /proc/<pid>/fdinfo: a line
+// "<slot>: 0x<address>/<length>" each ("<none>" for an empty slot). The
+// kernel lists them only when it can take the ring's lock at once, so call
+// it while the process makes no pin or unpin.
+inline uint64_t IoUringBuffers(const std::string& pid) {
+  const std::string fds = "/proc/" + pid + "/fd";
+  DIR* dir = ::opendir(fds.c_str());
+  if (dir == nullptr) return 0;
+  uint64_t count = 0;
+  while (const struct dirent* entry = ::readdir(dir)) {
+    char target[64] = {};
+    const std::string link = fds + "/" + entry->d_name;
+    const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n <= 0 || std::string(target, static_cast<size_t>(n)) !=
+                      "anon_inode:[io_uring]") {
+      continue;
+    }
+    std::ifstream info("/proc/" + pid + "/fdinfo/" + entry->d_name);
+    std::string line;
+    while (std::getline(info, line)) {
+      const size_t colon = line.find(": 0x");
+      if (colon != std::string::npos && line.find('/', colon) != line.npos) {
+        ++count;
+      }
+    }
+  }
+  ::closedir(dir);
+  return count;
 }
 
 }  // namespace mrd::test_support

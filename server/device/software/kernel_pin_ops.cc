@@ -23,34 +23,14 @@ namespace {
 
 std::string Hex(uint64_t value) { return absl::StrCat("0x", absl::Hex(value)); }
 
-// Sets slot `slot` of `ring` to [address, address + length), or empties it
-// (address 0, length 0): 0 or the errno.
-int UpdateSlot(int ring, uint32_t slot, uint64_t address, uint64_t length) {
-  struct iovec iov = {reinterpret_cast<void*>(address),
-                      static_cast<size_t>(length)};
-  struct io_uring_rsrc_update2 update;
-  std::memset(&update, 0, sizeof(update));
-  update.offset = slot;
-  update.data = reinterpret_cast<uint64_t>(&iov);
-  update.nr = 1;
-  for (;;) {
-    long rc =
-        ::syscall(__NR_io_uring_register, ring, IORING_REGISTER_BUFFERS_UPDATE,
-                  &update, sizeof(update));
-    if (rc == 1) return 0;
-    if (rc >= 0) return EIO;
-    if (errno != EINTR) return errno;
-  }
-}
-
-// Empties slots [first, first + count) of `ring` in one call: how many the
-// kernel emptied (from `first` on), or -errno when it emptied none.
-long ClearRun(int ring, uint32_t first, uint32_t count) {
-  std::vector<struct iovec> empty(count, iovec{nullptr, 0});
+// Sets slots [first, first + count) of `ring` to `iovs` in one call: how
+// many the kernel set (from `first` on), or -errno when it set none.
+long UpdateSlots(int ring, uint32_t first, const struct iovec* iovs,
+                 uint32_t count) {
   struct io_uring_rsrc_update2 update;
   std::memset(&update, 0, sizeof(update));
   update.offset = first;
-  update.data = reinterpret_cast<uint64_t>(empty.data());
+  update.data = reinterpret_cast<uint64_t>(iovs);
   update.nr = count;
   for (;;) {
     long rc =
@@ -61,10 +41,28 @@ long ClearRun(int ring, uint32_t first, uint32_t count) {
   }
 }
 
+// Sets slot `slot` of `ring` to [address, address + length), or empties it
+// (address 0, length 0): 0 or the errno.
+int UpdateSlot(int ring, uint32_t slot, uint64_t address, uint64_t length) {
+  struct iovec iov = {reinterpret_cast<void*>(address),
+                      static_cast<size_t>(length)};
+  const long rc = UpdateSlots(ring, slot, &iov, 1);
+  if (rc == 1) return 0;
+  return rc < 0 ? static_cast<int>(-rc) : EIO;
+}
+
+// Empties slots [first, first + count) of `ring` in one call: how many the
+// kernel emptied (from `first` on), or -errno when it emptied none.
+long ClearRun(int ring, uint32_t first, uint32_t count) {
+  std::vector<struct iovec> empty(count, iovec{nullptr, 0});
+  return UpdateSlots(ring, first, empty.data(), count);
+}
+
 // The ClearBatch open on this thread, if any.
 struct OpenClearBatch {
   const KernelPinOps* ops = nullptr;
   std::vector<uint32_t>* slots = nullptr;
+  std::vector<KernelPinOps::ClearBatch::Split>* splits = nullptr;
 };
 thread_local OpenClearBatch open_clear_batch;
 
@@ -292,13 +290,59 @@ KernelPinOps::ClearBatch::ClearBatch(KernelPinOps* ops) {
   if (ops == nullptr || open_clear_batch.ops != nullptr) return;
   ops_ = ops;
   slots_.reserve(kClearBatchSlots);
-  open_clear_batch = OpenClearBatch{ops, &slots_};
+  open_clear_batch = OpenClearBatch{ops, &slots_, &splits_};
 }
 
 KernelPinOps::ClearBatch::~ClearBatch() {
   if (ops_ == nullptr) return;
+  ops_->FlushClearBatch();
   open_clear_batch = OpenClearBatch();
-  ops_->ClearSlots(std::move(slots_));
+}
+
+void KernelPinOps::FlushClearBatch() {
+  std::vector<uint32_t> slots;
+  {
+    absl::MutexLock lock(&mu_);
+    // The old slots this empties join the batch's list.
+    RepinSplitsLocked(*open_clear_batch.splits);
+    open_clear_batch.splits->clear();
+    slots = std::exchange(*open_clear_batch.slots, {});
+  }
+  ClearSlots(std::move(slots));
+}
+
+void KernelPinOps::RepinSplitsLocked(
+    const std::vector<ClearBatch::Split>& splits) {
+  for (const ClearBatch::Split& split : splits) {
+    // Emptied meanwhile (its last piece went), or moved for an earlier
+    // entry of the same slot.
+    if (slots_[split.slot].pieces == 0) continue;
+    for (auto it = pieces_.lower_bound(split.start);
+         it != pieces_.end() && it->first < split.end;) {
+      const uint64_t start = it->first;
+      const uint64_t end = End(*it);
+      // Another slot's piece, or one whose Lock is still in the kernel
+      // (the slot was emptied by another thread and taken again: its
+      // length is set once the kernel has it).
+      if (it->second.slot != split.slot || slots_[split.slot].length == 0) {
+        ++it;
+        continue;
+      }
+      uint32_t fresh = 0;
+      if (int err = RegisterLocked(start, end, &fresh); err != 0) {
+        // As a failed split: the old slot keeps the released pages pinned
+        // until this piece goes too.
+        LogWarning("could not re-pin ", Hex(start), "+", end - start,
+                   " of io_uring slot ", split.slot, ": ", std::strerror(err),
+                   "; the slot's released pages stay pinned until it goes");
+        ++it;
+        continue;
+      }
+      it->second.slot = fresh;
+      ReleaseSlotLocked(split.slot);
+      it = pieces_.lower_bound(end);
+    }
+  }
 }
 
 void KernelPinOps::FreeSlotLocked(uint32_t slot) {
@@ -389,10 +433,9 @@ void KernelPinOps::ReleaseSlotLocked(uint32_t slot) {
   if (--slots_[slot].pieces == 0) ClearLocked(slot);
 }
 
-int KernelPinOps::LockIoUring(uint64_t start, uint64_t end) {
-  // One slot per slot span the range touches; one for a range within one.
+int KernelPinOps::LockIoUring(uint64_t start, uint64_t end, uint64_t span) {
+  // One slot per span the range touches; one for a range within one.
   absl::InlinedVector<Update, 2> updates;
-  const uint64_t span = options_.slot_span;
   const uint32_t per_ring = options_.slots_per_ring;
   int err = 0;
   {
@@ -424,18 +467,41 @@ int KernelPinOps::LockIoUring(uint64_t start, uint64_t end) {
       return err;
     }
   }
+  // Adjacent slots of one ring go to the kernel together, up to
+  // kMaxUpdateRunBytes a call (a call pins them all before it returns).
   size_t done = 0;
-  for (; done < updates.size(); ++done) {
-    const Update& update = updates[done];
-    if (options_.before_update != nullptr) {
-      options_.before_update(options_.before_update_arg, update.start,
-                             update.end - update.start, update.ring);
+  absl::InlinedVector<struct iovec, 4> iovs;
+  while (done < updates.size()) {
+    size_t n = 1;
+    uint64_t bytes = updates[done].end - updates[done].start;
+    while (done + n < updates.size()) {
+      const Update& next = updates[done + n];
+      if (next.ring != updates[done].ring ||
+          next.slot != updates[done].slot + n ||
+          bytes + (next.end - next.start) > kMaxUpdateRunBytes) {
+        break;
+      }
+      bytes += next.end - next.start;
+      ++n;
     }
-    if (err = UpdateSlot(update.fd, update.slot % per_ring, update.start,
-                         update.end - update.start);
-        err != 0) {
+    iovs.clear();
+    for (size_t i = done; i < done + n; ++i) {
+      const Update& update = updates[i];
+      if (options_.before_update != nullptr) {
+        options_.before_update(options_.before_update_arg, update.start,
+                               update.end - update.start, update.ring);
+      }
+      iovs.push_back(iovec{reinterpret_cast<void*>(update.start),
+                           static_cast<size_t>(update.end - update.start)});
+    }
+    const long rc = UpdateSlots(updates[done].fd, updates[done].slot % per_ring,
+                                iovs.data(), static_cast<uint32_t>(n));
+    if (rc <= 0) {
+      err = rc < 0 ? static_cast<int>(-rc) : EIO;
       break;
     }
+    // Set in part: the rest is tried again, and the kernel says why.
+    done += std::min<size_t>(static_cast<size_t>(rc), n);
   }
   absl::MutexLock lock(&mu_);
   for (size_t i = 0; i < updates.size(); ++i) {
@@ -518,14 +584,22 @@ void KernelPinOps::AddMlockedLocked(uint64_t start, uint64_t end) {
 }
 
 int KernelPinOps::Lock(uint64_t address, uint64_t length) {
-  return LockAny(address, length, /*huge_pages=*/false);
+  return LockAny(address, length, /*huge_pages=*/false, options_.slot_span);
 }
 
 int KernelPinOps::LockHugePages(uint64_t address, uint64_t length) {
-  return LockAny(address, length, /*huge_pages=*/true);
+  return LockAny(address, length, /*huge_pages=*/true, options_.slot_span);
 }
 
-int KernelPinOps::LockAny(uint64_t address, uint64_t length, bool huge_pages) {
+int KernelPinOps::LockInPieces(uint64_t address, uint64_t length,
+                               uint64_t piece_bytes) {
+  uint64_t span = page_size_;
+  while (span < piece_bytes && span < options_.slot_span) span <<= 1;
+  return LockAny(address, length, /*huge_pages=*/false, span);
+}
+
+int KernelPinOps::LockAny(uint64_t address, uint64_t length, bool huge_pages,
+                          uint64_t span) {
   if (length == 0 || address + length < address) return EINVAL;
   const uint64_t start = address & ~(page_size_ - 1);
   const uint64_t end = (address + length + page_size_ - 1) & ~(page_size_ - 1);
@@ -544,7 +618,7 @@ int KernelPinOps::LockAny(uint64_t address, uint64_t length, bool huge_pages) {
     }
     if (!io_uring_ok_) return LockMlockLocked(start, end);
   }
-  const int err = LockIoUring(start, end);
+  const int err = LockIoUring(start, end, span);
   if (err == 0 || options_.method == PinMethod::kIoUring) return err;
   // EFAULT: a read-only mapping (io_uring pins for writing) or a hole;
   // EOPNOTSUPP: memory io_uring does not pin long-term; EMFILE: no fd for
@@ -580,6 +654,21 @@ int KernelPinOps::UnlockPieceLocked(PieceMap::iterator it, uint64_t from,
   }
 
   io_uring_bytes_ -= to - from;
+  if (open_clear_batch.ops == this && !rest.empty()) {
+    // Within a batch the rest stays in the old slot, re-pinned (if any of
+    // it is still there) when the batch ends: its items often release all
+    // of the slot, one after another.
+    for (const auto& [a, b] : rest) {
+      AddPieceLocked(a, b, piece.slot);
+      ++slots_[piece.slot].pieces;
+    }
+    std::vector<ClearBatch::Split>& splits = *open_clear_batch.splits;
+    if (splits.empty() || splits.back().slot != piece.slot) {
+      splits.push_back(ClearBatch::Split{piece.slot, start, end});
+    }
+    ReleaseSlotLocked(piece.slot);
+    return 0;
+  }
   // Pin what stays into new slots before the old one lets go of anything.
   absl::InlinedVector<uint32_t, 2> fresh;
   int err = 0;
@@ -638,8 +727,9 @@ int KernelPinOps::Unlock(uint64_t address, uint64_t length) {
   ClearSlots(std::move(emptied));
   // A ClearBatch of this thread empties its slots as it fills.
   if (open_clear_batch.ops == this &&
-      open_clear_batch.slots->size() >= kClearBatchSlots) {
-    ClearSlots(std::exchange(*open_clear_batch.slots, {}));
+      (open_clear_batch.slots->size() >= kClearBatchSlots ||
+       open_clear_batch.splits->size() >= kClearBatchSlots)) {
+    FlushClearBatch();
     open_clear_batch.slots->reserve(kClearBatchSlots);
   }
   return first_err;

@@ -105,6 +105,9 @@ class KernelPinOps final : public PinOps {
   // server's usual build) holding the CPU too, until the call returns.
   static constexpr uint32_t kMaxClearRun = 64;
   static constexpr uint64_t kMaxClearRunBytes = uint64_t{4} << 20;
+  // A Lock registers at most this many bytes of adjacent slots per system
+  // call (LockInPieces's small slots go many to a call).
+  static constexpr uint64_t kMaxUpdateRunBytes = uint64_t{4} << 20;
 
   // INVALID_ARGUMENT "BAD_OPTION" for bad options; with kIoUring,
   // FAILED_PRECONDITION "IO_URING_UNAVAILABLE" when no ring can be created.
@@ -124,6 +127,14 @@ class KernelPinOps final : public PinOps {
   // anyway (the kernel neither swaps nor reclaims them, and so counts no
   // VmLck for an mlock of them: it only faults them in).
   int LockHugePages(uint64_t address, uint64_t length) override;
+  // Lock in io_uring slots that never cross a multiple of `piece_bytes`
+  // (rounded up to a power of two; at least a page, at most slot_span),
+  // registered up to kMaxUpdateRunBytes per system call: a batch's
+  // adjacent 4 KiB ranges pinned together cost a few slots instead of one
+  // each, and unlocking one of them re-pins at most its slot's rest (or,
+  // within a ClearBatch, nothing until the batch ends).
+  int LockInPieces(uint64_t address, uint64_t length,
+                   uint64_t piece_bytes) override;
   int Unlock(uint64_t address, uint64_t length) override;
 
   // While a ClearBatch of this object lives on a thread, the io_uring slots
@@ -131,11 +142,16 @@ class KernelPinOps final : public PinOps {
   // ends, or every kClearBatchSlots slots, with one system call per run of
   // adjacent slots of a ring instead of one per slot (DeregisterMrBatch's
   // items each empty a slot of their own, and a session's end empties all
-  // of its). Until then such a slot keeps its pages pinned, but nothing
-  // counts them any more: the pieces are gone (a new Lock of those pages
-  // takes a new slot) and IoUringBytes no longer includes them, StaleBytes
-  // does. A batch on a thread that has one of this object already, or of
-  // a null object, does nothing. Not movable; destroy it on its thread.
+  // of its). An Unlock of a part of a slot re-pins nothing then: the rest
+  // stays in the old slot until the batch ends, when the rest that is still
+  // pinned (if any) moves to new slots and the old one is emptied, so a
+  // batch that releases every page of a slot one item at a time costs one
+  // emptied slot. Until then such a slot keeps its pages pinned, but
+  // nothing counts the released ones any more: their pieces are gone (a new
+  // Lock of those pages takes a new slot) and IoUringBytes no longer
+  // includes them, StaleBytes does. A batch on a thread that has one of
+  // this object already, or of a null object, does nothing. Not movable;
+  // destroy it on its thread.
   class ClearBatch {
    public:
     explicit ClearBatch(KernelPinOps* ops);
@@ -143,9 +159,19 @@ class KernelPinOps final : public PinOps {
     ClearBatch(const ClearBatch&) = delete;
     ClearBatch& operator=(const ClearBatch&) = delete;
 
+    // A slot an Unlock of this batch left partly released: its pieces
+    // lie within [start, end), the piece that the first such Unlock cut.
+    struct Split {
+      uint32_t slot = 0;
+      uint64_t start = 0;
+      uint64_t end = 0;
+    };
+
    private:
     KernelPinOps* ops_ = nullptr;  // null: this batch does nothing
-    std::vector<uint32_t> slots_;  // touched by its own thread only
+    // Touched by its own thread only.
+    std::vector<uint32_t> slots_;
+    std::vector<Split> splits_;
   };
   static constexpr size_t kClearBatchSlots = 1024;
 
@@ -265,14 +291,24 @@ class KernelPinOps final : public PinOps {
   void ReleaseSlotLocked(uint32_t slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Pins [start, end) into io_uring slots, reserved under the lock and
   // registered outside it; 0 or the errno, with nothing left pinned.
-  int LockIoUring(uint64_t start, uint64_t end) ABSL_LOCKS_EXCLUDED(mu_);
+  // Slots never cross a multiple of `span`.
+  int LockIoUring(uint64_t start, uint64_t end, uint64_t span)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Moves the pieces still pinned through each of `splits`' slots (slots a
+  // ClearBatch's Unlocks released in part) to new slots, so that the old
+  // ones, emptied, unpin the pages released meanwhile.
+  void RepinSplitsLocked(const std::vector<ClearBatch::Split>& splits)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Empties the slots a ClearBatch of this thread gathered and moves its
+  // splits' rest, leaving the batch open and empty.
+  void FlushClearBatch() ABSL_LOCKS_EXCLUDED(mu_);
   int LockMlockLocked(uint64_t start, uint64_t end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds [start, end), which no piece overlaps, as mlocked pieces of at most
   // max_piece_bytes_ each.
   void AddMlockedLocked(uint64_t start, uint64_t end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  int LockAny(uint64_t address, uint64_t length, bool huge_pages)
+  int LockAny(uint64_t address, uint64_t length, bool huge_pages, uint64_t span)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Unpins [from, to) of the piece at `it`, keeping the rest pinned.
   int UnlockPieceLocked(PieceMap::iterator it, uint64_t from, uint64_t to)

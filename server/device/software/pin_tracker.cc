@@ -74,6 +74,17 @@ void PinTracker::CoalesceLocked(uint64_t from, uint64_t to) {
 
 absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
                              WorkProgress* progress) {
+  return PinSteps(address, length, huge_pages, progress, /*piece_bytes=*/0);
+}
+
+absl::Status PinTracker::PinInPieces(uint64_t address, uint64_t length,
+                                     uint64_t piece_bytes) {
+  return PinSteps(address, length, /*huge_pages=*/false, nullptr, piece_bytes);
+}
+
+absl::Status PinTracker::PinSteps(uint64_t address, uint64_t length,
+                                  bool huge_pages, WorkProgress* progress,
+                                  uint64_t piece_bytes) {
   uint64_t last = 0;
   if (length == 0 || __builtin_add_overflow(address, length - 1, &last) ||
       last > UINT64_MAX - page_size_) {
@@ -90,7 +101,7 @@ absl::Status PinTracker::Pin(uint64_t address, uint64_t length, bool huge_pages,
   for (uint64_t at = start; at < end;) {
     const uint64_t next = std::min(end, (at & ~(kLockStep - 1)) + kLockStep);
     absl::Status status =
-        PinStep(at, next, huge_pages, progress, address, length);
+        PinStep(at, next, huge_pages, progress, piece_bytes, address, length);
     // What this pin holds counted so far: [start, committed).
     const uint64_t committed = status.ok() ? next : at;
     if (status.ok() && next < end && progress != nullptr &&
@@ -130,8 +141,8 @@ void PinTracker::IdleLocked(const Ranges& ranges) {
 }
 
 absl::Status PinTracker::PinStep(uint64_t start, uint64_t end, bool huge_pages,
-                                 WorkProgress* progress, uint64_t address,
-                                 uint64_t length) {
+                                 WorkProgress* progress, uint64_t piece_bytes,
+                                 uint64_t address, uint64_t length) {
   // The parts of [start, end) that no one pins yet: only these need a
   // kernel lock. Usually one gap (a fresh range) or none (a range pinned
   // already).
@@ -169,7 +180,8 @@ absl::Status PinTracker::PinStep(uint64_t start, uint64_t end, bool huge_pages,
     if (gaps.empty()) return absl::OkStatus();
     busy_.insert(busy_.end(), gaps.begin(), gaps.end());
   }
-  absl::Status status = LockGaps(gaps, huge_pages, address, length);
+  absl::Status status =
+      LockGaps(gaps, huge_pages, piece_bytes, address, length);
   {
     absl::MutexLock lock(&mu_);
     IdleLocked(gaps);
@@ -195,11 +207,15 @@ absl::Status PinTracker::PinStep(uint64_t start, uint64_t end, bool huge_pages,
 }
 
 absl::Status PinTracker::LockGaps(const Ranges& gaps, bool huge_pages,
-                                  uint64_t address, uint64_t length) {
+                                  uint64_t piece_bytes, uint64_t address,
+                                  uint64_t length) {
   for (size_t i = 0; i < gaps.size(); ++i) {
     const auto [gap_start, gap_end] = gaps[i];
-    int err = huge_pages ? ops_->LockHugePages(gap_start, gap_end - gap_start)
-                         : ops_->Lock(gap_start, gap_end - gap_start);
+    const uint64_t gap = gap_end - gap_start;
+    int err = huge_pages ? ops_->LockHugePages(gap_start, gap)
+              : piece_bytes != 0
+                  ? ops_->LockInPieces(gap_start, gap, piece_bytes)
+                  : ops_->Lock(gap_start, gap);
     // An injected failure comes after the kernel locked the run, like a
     // real mlock that locks up to a hole and then fails.
     absl::Status injected =

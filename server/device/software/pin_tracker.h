@@ -62,6 +62,15 @@ class PinOps {
   virtual int LockHugePages(uint64_t address, uint64_t length) {
     return Lock(address, length);
   }
+  // Lock of a range whose pages are about to be released a few at a time
+  // (a batch's pages pinned ahead of its items): an implementation may pin
+  // it in pieces of about `piece_bytes`, so that releasing a part costs at
+  // most one piece's rest.
+  virtual int LockInPieces(uint64_t address, uint64_t length,
+                           uint64_t piece_bytes) {
+    (void)piece_bytes;
+    return Lock(address, length);
+  }
   // Unpins [address, address + length), all or a part of earlier Locks:
   // 0 or the errno.
   virtual int Unlock(uint64_t address, uint64_t length) = 0;
@@ -103,6 +112,11 @@ class PinTracker {
   // pinned and fails with CANCELLED.
   absl::Status Pin(uint64_t address, uint64_t length, bool huge_pages = false,
                    WorkProgress* progress = nullptr);
+  // Pin of a range whose pages will be released a few at a time (a batch's
+  // adjacent ranges pinned ahead of its items): its new runs are locked
+  // with PinOps::LockInPieces, in pieces of about `piece_bytes`.
+  absl::Status PinInPieces(uint64_t address, uint64_t length,
+                           uint64_t piece_bytes);
   // Drops the references a successful Pin of the same range took. Unpinning
   // a page that is not pinned is a caller bug and aborts.
   void Unpin(uint64_t address, uint64_t length);
@@ -127,12 +141,17 @@ class PinTracker {
 
   // Pin of the page-aligned [start, end), one step (`address` and `length`
   // are the caller's range, for messages).
+  // `piece_bytes`: see PinInPieces (0: a plain Lock).
+  absl::Status PinSteps(uint64_t address, uint64_t length, bool huge_pages,
+                        WorkProgress* progress, uint64_t piece_bytes);
   absl::Status PinStep(uint64_t start, uint64_t end, bool huge_pages,
-                       WorkProgress* progress, uint64_t address,
-                       uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
+                       WorkProgress* progress, uint64_t piece_bytes,
+                       uint64_t address, uint64_t length)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Locks `gaps` in the kernel, all or none.
-  absl::Status LockGaps(const Ranges& gaps, bool huge_pages, uint64_t address,
-                        uint64_t length) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status LockGaps(const Ranges& gaps, bool huge_pages,
+                        uint64_t piece_bytes, uint64_t address, uint64_t length)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Unpin of the page-aligned [start, end), one step.
   void UnpinStep(uint64_t start, uint64_t end) ABSL_LOCKS_EXCLUDED(mu_);
   // Drops a reference on every page of [start, end) and returns the runs

@@ -470,6 +470,35 @@ std::unique_ptr<DeviceBatch> SoftwareDevice::BeginBatch() {
   return std::make_unique<ClearingBatch>(pins_->own_ops.get());
 }
 
+namespace {
+
+class TrackerBatchPin final : public BatchPin {
+ public:
+  TrackerBatchPin(PinTracker* tracker, uint64_t address, uint64_t length)
+      : tracker_(tracker), address_(address), length_(length) {}
+  ~TrackerBatchPin() override { tracker_->Unpin(address_, length_); }
+  TrackerBatchPin(const TrackerBatchPin&) = delete;
+  TrackerBatchPin& operator=(const TrackerBatchPin&) = delete;
+
+ private:
+  PinTracker* const tracker_;
+  const uint64_t address_;
+  const uint64_t length_;
+};
+
+}  // namespace
+
+std::unique_ptr<BatchPin> SoftwareDevice::PinForBatch(const MemorySpan& span) {
+  if (span.pages != SpanPages::kBase || span.length == 0) return nullptr;
+  const uint64_t address = reinterpret_cast<uint64_t>(span.host_address);
+  if (!pins_->tracker.PinInPieces(address, span.length, kBatchPinPieceBytes)
+           .ok()) {
+    return nullptr;
+  }
+  return std::make_unique<TrackerBatchPin>(&pins_->tracker, address,
+                                           span.length);
+}
+
 absl::Status SoftwareDevice::ProviderPin(const MemorySpan& span) {
   // hugetlbfs memory is pinned the way that suits huge pages
   // (KernelPinOps::LockHugePages).

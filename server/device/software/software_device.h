@@ -177,6 +177,12 @@ class SoftwareDevice final : public DeviceModel {
   // Empties the io_uring slots of what the batch unpins together (its own
   // KernelPinOps only; a device given `pin_ops` combines nothing).
   std::unique_ptr<DeviceBatch> BeginBatch() override;
+  // Pins the span in io_uring slots of kBatchPinPieceBytes (not for huge
+  // pages, which take one pin whatever their length).
+  std::unique_ptr<BatchPin> PinForBatch(const MemorySpan& span) override;
+  // The slots of PinForBatch: releasing one item's pages re-pins at most
+  // the rest of its slot (within a DeregisterMrBatch, nothing).
+  static constexpr uint64_t kBatchPinPieceBytes = uint64_t{64} << 10;
 
   // What the device holds right now, for leak checks in tests.
   // The model's counts, and the key table's.

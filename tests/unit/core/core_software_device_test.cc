@@ -26,6 +26,7 @@
 #include "client/peer/soft_peer.h"
 #include "gtest/gtest.h"
 #include "mrd/status.h"
+#include "mrd/status_proto.h"
 #include "mrd/unique_fd.h"
 #include "server/common/clock.h"
 #include "server/common/log.h"
@@ -87,8 +88,11 @@ class SoftwareCoreTest : public ::testing::Test {
       options.warm_pin_bytes_per_session = warm_per_session * page_;
       options.warm_pin_bytes_total = warm_total * page_;
     }
-    options.max_session_pinned_bytes = 4 * kPages * page_;
+    options.max_session_pinned_bytes = max_session_pinned_pages_ * page_;
     options.max_total_pinned_bytes = 8 * kPages * page_;
+    if (max_session_registrations_ != 0) {
+      options.max_session_registrations = max_session_registrations_;
+    }
     core_ =
         std::make_unique<core::Core>(device_.get(), RealClock::Get(), options);
     // The test keeps its own descriptor of the memfd to check the bytes.
@@ -135,6 +139,9 @@ class SoftwareCoreTest : public ::testing::Test {
     return DeregisterOn(*core_, session_, registration).status();
   }
 
+  // Limits Start gives the core.
+  uint64_t max_session_pinned_pages_ = 4 * kPages;
+  uint32_t max_session_registrations_ = 0;  // 0: the core's default
   uint64_t page_ = 0;
   CountingPinOps ops_;
   std::unique_ptr<device::SoftwareDevice> device_;
@@ -364,6 +371,92 @@ TEST_F(SoftwareCoreColdTest, WithoutWarmPinsEveryCycleLocksAndUnlocks) {
   ASSERT_OK(Deregister(again->registration()));
   EXPECT_GT(ops_.locks.load(), locks);
   EXPECT_GT(ops_.unlocks.load(), unlocks);
+}
+
+// Issue 25: a batch's items that register adjacent pages have them pinned
+// together, ahead of them: one Lock for the run instead of one per item,
+// under the session's budget. Items refused past a limit are refused as
+// without it, and nothing of them stays pinned or counted.
+class SoftwareCoreBatchTest : public SoftwareCoreTest {
+ protected:
+  void SetUp() override {}
+
+  // RegisterMrBatch of every page of the buffer, one item each.
+  v1::RegisterMrBatchResponse RegisterEveryPage() {
+    v1::RegisterMrBatchRequest req;
+    req.set_session(session_);
+    for (uint64_t page = 0; page < kPages; ++page) {
+      v1::RegisterMrRequest* item = req.add_items();
+      item->set_buffer(buffer_.buffer());
+      item->set_offset(page * page_);
+      item->set_length(page_);
+      item->set_flags(kMrRemoteRead);
+    }
+    v1::RegisterMrBatchResponse out;
+    EXPECT_OK(core_->RegisterMrBatch(req, &out));
+    return out;
+  }
+  // DeregisterMrBatch of the items of `out` that succeeded.
+  void DeregisterAll(const v1::RegisterMrBatchResponse& out) {
+    v1::DeregisterMrBatchRequest req;
+    req.set_session(session_);
+    for (const v1::RegisterMrBatchResult& item : out.items()) {
+      if (item.status().code() == 0) {
+        req.add_items()->set_registration(item.registration().registration());
+      }
+    }
+    v1::DeregisterMrBatchResponse left;
+    ASSERT_OK(core_->DeregisterMrBatch(req, &left));
+    for (const auto& item : left.items()) EXPECT_EQ(item.status().code(), 0);
+  }
+  // Items [0, ok) succeeded; the others were refused for `reason`.
+  void ExpectRefusedFrom(const v1::RegisterMrBatchResponse& out, int ok,
+                         const std::string& reason) {
+    ASSERT_EQ(out.items_size(), static_cast<int>(kPages));
+    for (int i = 0; i < out.items_size(); ++i) {
+      const absl::Status s = ItemStatusFromProto(out.items(i).status());
+      if (i < ok) {
+        EXPECT_OK(s) << i;
+      } else {
+        EXPECT_EQ(GetErrorDetail(s).reason(), reason) << i << ": " << s;
+      }
+    }
+  }
+};
+
+TEST_F(SoftwareCoreBatchTest, AdjacentPagesArePinnedOnceAheadOfTheItems) {
+  max_session_registrations_ = 12;
+  Start(/*warm=*/false);
+  const int locks = ops_.locks.load();
+  const int unlocks = ops_.unlocks.load();
+  const v1::RegisterMrBatchResponse out = RegisterEveryPage();
+  ExpectRefusedFrom(out, 12, "LIMIT_SESSION_REGISTRATIONS");
+  EXPECT_EQ(ops_.locks.load() - locks, 1);  // the 16 pages at once
+  // The four refused items' pages, unpinned together when the run ended.
+  EXPECT_EQ(ops_.unlocks.load() - unlocks, 1);
+  EXPECT_EQ(device_->PinnedBytes(), 12 * page_);
+  EXPECT_EQ(core_->Stats().accounted_pinned_bytes, 12 * page_);
+  DeregisterAll(out);
+  EXPECT_EQ(device_->PinnedBytes(), 0u);
+  EXPECT_EQ(core_->Stats().accounted_pinned_bytes, 0u);
+  EXPECT_EQ(ops_.failures.load(), 0);
+}
+
+// Without room in the budget for the whole run, nothing is pinned ahead:
+// each item reserves and pins on its own, and the limit refuses the same
+// items it refused before.
+TEST_F(SoftwareCoreBatchTest, ARunPastTheBudgetIsPinnedItemByItem) {
+  max_session_pinned_pages_ = 10;
+  Start(/*warm=*/false);
+  const int locks = ops_.locks.load();
+  const v1::RegisterMrBatchResponse out = RegisterEveryPage();
+  ExpectRefusedFrom(out, 10, "LIMIT_SESSION_PINNED_BYTES");
+  EXPECT_EQ(ops_.locks.load() - locks, 10);
+  EXPECT_EQ(device_->PinnedBytes(), 10 * page_);
+  EXPECT_EQ(core_->Stats().accounted_pinned_bytes, 10 * page_);
+  DeregisterAll(out);
+  EXPECT_EQ(device_->PinnedBytes(), 0u);
+  EXPECT_EQ(core_->Stats().accounted_pinned_bytes, 0u);
 }
 
 }  // namespace

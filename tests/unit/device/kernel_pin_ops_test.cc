@@ -93,6 +93,26 @@ class KernelPinOpsTest : public ::testing::Test {
     return base;
   }
 
+  // The start of `pages` pages of a new buffer, aligned to `align` pages;
+  // 0 if the buffer cannot be made.
+  uint64_t AlignedPages(uint64_t pages, uint64_t align) {
+    const uint64_t ps = PageSize();
+    buffers_.push_back(MemfdBuffer::Create(pages + align));
+    if (buffers_.back() == nullptr) return 0;
+    const uint64_t base = reinterpret_cast<uint64_t>(buffers_.back()->data());
+    return (base + align * ps - 1) & ~(align * ps - 1);
+  }
+  // Unlocks pages first, first + step, ... before `end` of the range at
+  // `start`, one at a time; false at the first that fails.
+  bool UnlockEach(uint64_t start, uint64_t first, uint64_t end, uint64_t step) {
+    for (uint64_t page = first; page < end; page += step) {
+      if (ops_->Unlock(start + page * PageSize(), PageSize()) != 0) {
+        return false;
+      }
+    }
+    return true;
+  }
+
   uint64_t before_ = 0;
   std::unique_ptr<KernelPinOps> ops_;
   std::vector<std::unique_ptr<MemfdBuffer>> buffers_;
@@ -251,6 +271,66 @@ TEST_F(KernelPinOpsTest, NestedAndNullClearBatchesDeferNothingMore) {
     EXPECT_EQ(ops_->Slots(), 1u);  // the outer batch still holds it
   }
   EXPECT_EQ(ops_->Slots(), 0u);
+}
+
+// LockInPieces pins a range in slots that never cross a multiple of the
+// piece size (a batch's pages pinned ahead of its items): releasing one
+// page outside a batch re-pins at most its slot's rest.
+TEST_F(KernelPinOpsTest, LockInPiecesPinsInSlotsOfThePieceSize) {
+  const uint64_t ps = PageSize();
+  const uint64_t start = AlignedPages(64, 16);
+  ASSERT_NE(start, 0u);
+  // 12 pages: rounded up to a power of two, 16.
+  ASSERT_EQ(ops_->LockInPieces(start, 64 * ps, 12 * ps), 0);
+  EXPECT_EQ(ops_->Slots(), 4u);
+  EXPECT_EQ(Pinned(), 64 * ps);
+  ASSERT_EQ(ops_->Unlock(start + 20 * ps, ps), 0);  // slot 2: 4 + 11 stay
+  EXPECT_EQ(ops_->Slots(), 5u);
+  EXPECT_EQ(PinnedSettled(63 * ps), 63 * ps);
+  EXPECT_EQ(ops_->StaleBytes(), 0u);
+  ASSERT_EQ(ops_->Unlock(start, 20 * ps), 0);
+  ASSERT_EQ(ops_->Unlock(start + 21 * ps, 43 * ps), 0);
+  EXPECT_EQ(ops_->Slots(), 0u);
+  EXPECT_EQ(PinnedSettled(0), 0u);
+}
+
+// Within a ClearBatch, releasing part of a slot re-pins nothing: the rest
+// stays in the old slot, and when the batch ends it moves to new slots
+// (one per piece still pinned) and the old slot is emptied. A batch that
+// releases all of a slot a page at a time empties it with no re-pin.
+TEST_F(KernelPinOpsTest, ClearBatchMovesWhatStaysOfASlotWhenItEnds) {
+  const uint64_t ps = PageSize();
+  const uint64_t start = AlignedPages(16, 16);
+  ASSERT_NE(start, 0u);
+  ASSERT_EQ(ops_->LockInPieces(start, 16 * ps, 16 * ps), 0);
+  ASSERT_EQ(ops_->Slots(), 1u);
+  {
+    KernelPinOps::ClearBatch batch(ops_.get());
+    ASSERT_TRUE(UnlockEach(start, 0, 16, 2));  // every other page
+    EXPECT_EQ(ops_->Slots(), 1u);              // nothing re-pinned
+    EXPECT_EQ(ops_->Pieces(), 8u);
+    EXPECT_EQ(ops_->IoUringBytes(), 8 * ps);
+    EXPECT_EQ(ops_->StaleBytes(), 8 * ps);
+    EXPECT_EQ(Pinned(), 16 * ps);
+  }
+  // The eight pages left, each in a slot of its own; the old one emptied.
+  EXPECT_EQ(ops_->Slots(), 8u);
+  EXPECT_EQ(ops_->StaleBytes(), 0u);
+  EXPECT_EQ(PinnedSettled(8 * ps), 8 * ps);
+  ASSERT_TRUE(UnlockEach(start, 1, 16, 2));
+  EXPECT_EQ(ops_->Slots(), 0u);
+
+  ASSERT_EQ(ops_->LockInPieces(start, 16 * ps, 16 * ps), 0);
+  const uint64_t calls = ops_->ClearCalls();
+  {
+    KernelPinOps::ClearBatch batch(ops_.get());
+    ASSERT_TRUE(UnlockEach(start, 0, 16, 1));
+    EXPECT_EQ(ops_->Slots(), 1u);
+    EXPECT_EQ(ops_->Pieces(), 0u);
+  }
+  EXPECT_EQ(ops_->Slots(), 0u);
+  EXPECT_EQ(ops_->ClearCalls(), calls + 1);  // the one slot, emptied once
+  EXPECT_EQ(PinnedSettled(0), 0u);
 }
 
 TEST_F(KernelPinOpsTest, OverlappingLockIsRefused) {

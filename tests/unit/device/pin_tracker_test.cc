@@ -44,10 +44,22 @@ class FakePinOps final : public PinOps {
     }
     return Lock(address, length);
   }
+  int LockInPieces(uint64_t address, uint64_t length,
+                   uint64_t piece_bytes) override {
+    {
+      absl::MutexLock lock(&mu_);
+      piece_locks_.push_back(piece_bytes);
+    }
+    return Lock(address, length);
+  }
   int Unlock(uint64_t address, uint64_t length) override {
     absl::MutexLock lock(&mu_);
     unlocks_.emplace_back(address, length);
     return 0;
+  }
+  std::vector<uint64_t> TakePieceLocks() {
+    absl::MutexLock lock(&mu_);
+    return std::exchange(piece_locks_, {});
   }
   int huge_locks() {
     absl::MutexLock lock(&mu_);
@@ -70,6 +82,7 @@ class FakePinOps final : public PinOps {
   absl::Mutex mu_;
   uint64_t fail_lock_at_ ABSL_GUARDED_BY(mu_) = 0;
   int huge_locks_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> piece_locks_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, uint64_t>> locks_ ABSL_GUARDED_BY(mu_);
   std::vector<std::pair<uint64_t, uint64_t>> unlocks_ ABSL_GUARDED_BY(mu_);
 };
@@ -109,6 +122,38 @@ TEST_F(PinTrackerTest, HugePageMemoryIsLockedThroughLockHugePages) {
               ElementsAre(Pair(P(0), 2 * PageSize()), Pair(P(4), PageSize())));
   tracker_.Unpin(P(0), 2 * PageSize());
   tracker_.Unpin(P(4), PageSize());
+}
+
+// A batch's pin ahead (PinInPieces) locks the pages no one pins yet in
+// pieces; the items pinned within it then only count their pages, and once
+// it goes each page stays pinned as long as an item holds it.
+TEST_F(PinTrackerTest, PinInPiecesLocksNewPagesInPiecesAndItemsOnlyCount) {
+  const uint64_t ps = PageSize();
+  ASSERT_TRUE(tracker_.Pin(P(2), ps).ok());
+  (void)ops_.TakeLocks();
+  ASSERT_TRUE(tracker_.PinInPieces(P(0), 8 * ps, 4 * ps).ok());
+  EXPECT_THAT(ops_.TakeLocks(),
+              ElementsAre(Pair(P(0), 2 * ps), Pair(P(3), 5 * ps)));
+  EXPECT_THAT(ops_.TakePieceLocks(), ElementsAre(4 * ps, 4 * ps));
+  for (uint64_t page = 0; page < 8; ++page) {
+    ASSERT_TRUE(tracker_.Pin(P(page), ps).ok());
+  }
+  EXPECT_THAT(ops_.TakeLocks(), IsEmpty());  // the items only count
+  EXPECT_EQ(tracker_.RefCount(P(5)), 2u);
+  EXPECT_EQ(tracker_.RefCount(P(2)), 3u);
+  // Item 7 is refused (its registration undone): its page goes with the
+  // pin ahead, the others stay.
+  tracker_.Unpin(P(7), ps);
+  tracker_.Unpin(P(0), 8 * ps);
+  EXPECT_THAT(ops_.TakeUnlocks(), ElementsAre(Pair(P(7), ps)));
+  EXPECT_EQ(tracker_.PinnedBytes(), 7 * ps);
+  EXPECT_THAT(ops_.TakePieceLocks(), IsEmpty());  // a plain Pin is a Lock
+  for (uint64_t page = 0; page < 7; ++page) tracker_.Unpin(P(page), ps);
+  tracker_.Unpin(P(2), ps);
+  EXPECT_THAT(ops_.TakeUnlocks(),
+              ElementsAre(Pair(P(0), ps), Pair(P(1), ps), Pair(P(3), ps),
+                          Pair(P(4), ps), Pair(P(5), ps), Pair(P(6), ps),
+                          Pair(P(2), ps)));
 }
 
 TEST_F(PinTrackerTest, OverlapLocksOnlyNewPagesAndUnlocksOnlyReleasedOnes) {
