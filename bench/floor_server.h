@@ -9,6 +9,8 @@
 #include <fcntl.h>
 #include <spawn.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -268,9 +270,10 @@ class Floor {
     }
     child_ = pid;
     child_stdin_ = pipe_fds[1];
-    // Until the socket is there (the child binds it before it serves).
+    // Until the socket accepts a connection: the file appears at bind,
+    // before the child listens (a connect then is refused).
     for (int i = 0; i < 10000; ++i) {
-      if (::access(socket().c_str(), F_OK) == 0) return absl::OkStatus();
+      if (Accepts()) return absl::OkStatus();
       int status = 0;
       if (::waitpid(child_, &status, WNOHANG) == child_) {
         child_ = 0;
@@ -279,6 +282,22 @@ class Floor {
       ::usleep(1000);
     }
     return absl::DeadlineExceededError("the floor server did not start");
+  }
+
+  // Whether a connect to the socket succeeds now.
+  bool Accepts() const {
+    struct sockaddr_un addr {};
+    addr.sun_family = AF_UNIX;
+    const std::string path = socket();
+    if (path.size() >= sizeof(addr.sun_path)) return false;
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return false;
+    const bool ok =
+        ::connect(fd, reinterpret_cast<const struct sockaddr*>(&addr),
+                  sizeof(addr)) == 0;
+    ::close(fd);
+    return ok;
   }
 
   std::string dir_;
