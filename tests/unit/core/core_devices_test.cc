@@ -621,6 +621,7 @@ TEST_P(CoreDevicesTest, FastRegistrationLivesOnTheDeviceOfItsMrAndLam) {
          c.has_value(); c = (*stream)->PopCompletion()) {
       if (c->kind() == v1::Completion::FAST_REGISTER) done = c;
     }
+    if (done.has_value()) break;
     absl::MutexLock lock(&mu);
     mu.AwaitWithDeadline(absl::Condition(&woken), deadline);
     woken = false;
