@@ -50,11 +50,12 @@ function(mrd_targets_below dir out)
   set(${out} ${found} PARENT_SCOPE)
 endfunction()
 
-foreach(dir IN ITEMS server client tests bench)
-  if(NOT EXISTS ${PROJECT_SOURCE_DIR}/${dir})
-    continue()
-  endif()
-  mrd_targets_below(${PROJECT_SOURCE_DIR}/${dir} targets)
+# Every directory added so far but proto/ (protoc's output is compiled
+# as it is).
+get_property(_mrd_pch_dirs DIRECTORY ${PROJECT_SOURCE_DIR} PROPERTY SUBDIRECTORIES)
+list(REMOVE_ITEM _mrd_pch_dirs ${PROJECT_SOURCE_DIR}/proto)
+foreach(dir IN LISTS _mrd_pch_dirs)
+  mrd_targets_below(${dir} targets)
   foreach(t IN LISTS targets)
     get_target_property(type ${t} TYPE)
     if(NOT type MATCHES "^(EXECUTABLE|STATIC_LIBRARY|SHARED_LIBRARY|OBJECT_LIBRARY|MODULE_LIBRARY)$")
