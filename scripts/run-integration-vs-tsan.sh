@@ -23,6 +23,5 @@ export MRD_TEST_MRD_BINARY=$tsan/server/mrd
 export TSAN_OPTIONS="suppressions=$root/tests/support/tsan_server.supp:halt_on_error=0:second_deadlock_stack=1:history_size=4"
 unset MRD_TEST_DEVICE  # the software device: the verbs device runs in the VM
 cd "$plain"
-# One test more than cores: as in the sanitizer builds (scripts/run-tests.sh).
-ctest --output-on-failure -j "$(($(nproc) + 1))" --timeout 300 \
+ctest --output-on-failure -j "$(nproc)" --timeout 300 \
   -L 'integration|device_suite' -LE verbs "$@" | tee ctest-tsan-mrd.log

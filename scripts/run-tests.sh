@@ -18,14 +18,8 @@ sanitize=$(sed -n 's/^MRD_SANITIZE:STRING=//p' "$build_dir/CMakeCache.txt")
 # Tests labelled verbs need an RDMA device: they run inside the Soft-RoCE VM
 # (scripts/vm-suite.sh), never on the host.
 args=(-LE verbs)
-# Tests at once: one per core in the plain build, whose tests keep both
-# cores busy. The sanitizer builds' tests wait more (leases, timers, the
-# processes they start), and with one per core their cores were 64-73 %
-# busy: one more test at once there.
-jobs=$(nproc)
 case "$sanitize" in
   address)
-    jobs=$(($(nproc) + 1))
     # deploy/, the README's recipes, the install, the Python client, the
     # image and the lint are checked once, in the plain build.
     args=(-LE "verbs|deploy|docs|install|python|image|lint")
@@ -34,7 +28,6 @@ case "$sanitize" in
     export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
     ;;
   thread)
-    jobs=$(($(nproc) + 1))
     export TSAN_OPTIONS="suppressions=$root/tests/support/tsan.supp:halt_on_error=1:second_deadlock_stack=1"
     # Integration tests run gRPC end to end; Debian's gRPC is not built for
     # TSan and its inline header code races on paper with its uninstrumented
@@ -47,4 +40,4 @@ if [ "$quick" = 1 ]; then
   args=(-LE "verbs|lint|model|adversary|image|deploy|install|python|docs")
 fi
 cd "$build_dir"
-ctest --output-on-failure -j "$jobs" --timeout 300 "${args[@]}" "$@" | tee ctest.log
+ctest --output-on-failure -j "$(nproc)" --timeout 300 "${args[@]}" "$@" | tee ctest.log

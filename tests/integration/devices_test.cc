@@ -598,7 +598,10 @@ TEST_F(VerbsDevicesFlagTest, AllIsEveryDeviceOfTheNodeOnce) {
   EXPECT_EQ(names[0], first_);
   EXPECT_EQ(std::count(names.begin(), names.end(), first_), 1);
   EXPECT_EQ(std::count(names.begin(), names.end(), second_), 1);
-  EXPECT_TRUE((*mrd)->Stop().ok());
+  {
+    const absl::Status stopped = (*mrd)->Stop();
+    EXPECT_TRUE(stopped.ok()) << stopped;
+  }
 }
 
 }  // namespace

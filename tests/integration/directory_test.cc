@@ -351,7 +351,10 @@ TEST_F(DirectoryTest,
   absl::StatusOr<v1::SessionInfo> info = session.Info();
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(info->published(), 0u);
-  ASSERT_TRUE((*other)->Stop().ok());
+  {
+    const absl::Status stopped = (*other)->Stop();
+    ASSERT_TRUE(stopped.ok()) << stopped;
+  }
 }
 
 TEST_F(DirectoryTest, TheNodeEntryNamesItsDevicesAndGoesWithItsMrd) {
@@ -377,7 +380,10 @@ TEST_F(DirectoryTest, TheNodeEntryNamesItsDevicesAndGoesWithItsMrd) {
   const std::string key_b = absl::StrCat(Prefix(), "nodes/node-b");
   ASSERT_TRUE(
       events_.WaitFor(EtcdWatchEvent::Type::kPut, key_b, absl::Seconds(10)));
-  ASSERT_TRUE((*other)->Stop().ok());
+  {
+    const absl::Status stopped = (*other)->Stop();
+    ASSERT_TRUE(stopped.ok()) << stopped;
+  }
   EXPECT_TRUE(
       events_.WaitFor(EtcdWatchEvent::Type::kDelete, key_b, absl::Seconds(10)));
   EXPECT_EQ(NodeOf("node-a").node(), "node-a");
@@ -783,7 +789,10 @@ TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {
   ASSERT_TRUE(reg->Deregister().ok());
   EXPECT_EQ(ValueOf(key), "");
   session->Close().IgnoreError();
-  EXPECT_TRUE((*successor)->Stop().ok()) << (*successor)->Log();
+  {
+    const absl::Status stopped = (*successor)->Stop();
+    EXPECT_TRUE(stopped.ok()) << stopped;
+  }
   std::error_code ignored;
   std::filesystem::remove_all(runtime_dir, ignored);
 }
@@ -926,7 +935,10 @@ TEST(DirectoryOutageTest, RegistrationsGoOnAndEntriesAppearOnceEtcdIsBack) {
   EXPECT_EQ(states().first, "serving");
   ASSERT_TRUE(reg->Deregister().ok());
   session->Close().IgnoreError();
-  EXPECT_TRUE((*mrd)->Stop().ok());
+  {
+    const absl::Status stopped = (*mrd)->Stop();
+    EXPECT_TRUE(stopped.ok()) << stopped;
+  }
 }
 
 // etcd over mutual TLS with authentication on (one member is enough): two

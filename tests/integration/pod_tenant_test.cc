@@ -326,10 +326,12 @@ class PodTenantHandoverTest : public ::testing::Test {
   }
   void TearDown() override {
     if (new_ != nullptr) {
-      EXPECT_TRUE(new_->Stop().ok()) << new_->Log();
+      const absl::Status stopped = new_->Stop();
+      EXPECT_TRUE(stopped.ok()) << stopped;
     }
     if (old_ != nullptr) {
-      EXPECT_TRUE(old_->Stop().ok()) << old_->Log();
+      const absl::Status stopped = old_->Stop();
+      EXPECT_TRUE(stopped.ok()) << stopped;
     }
     if (!runtime_dir_.empty()) {
       std::string rm = "rm -rf " + runtime_dir_;
