@@ -383,9 +383,10 @@ absl::Status Daemon::StartGrpc() {
       fair ? absl::GetFlag(FLAGS_spare_worker_threads) : 0;
   scheduling.bulk_nice = fair ? absl::GetFlag(FLAGS_bulk_nice) : 0;
   scheduling.bulk_cost = absl::GetFlag(FLAGS_bulk_work_pages);
+  scheduling.bulk_slots = fair ? absl::GetFlag(FLAGS_bulk_workers) : 0;
   if (absl::Status s = workers_->Start(scheduling); !s.ok()) {
-    return daemon::Fail(
-        absl::StrCat("--worker_threads, --bulk_nice: ", s.ToString()));
+    return daemon::Fail(absl::StrCat(
+        "--worker_threads, --bulk_nice, --bulk_workers: ", s.ToString()));
   }
   metrics_->SetSchedulerSource(
       [workers = workers_.get()] { return workers->Stats(); });

@@ -100,14 +100,16 @@ FairScheduler::FairScheduler() : clock_(RealClock::Get()) {}
 
 absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
   if (options.workers < 1 || options.spare_workers < -1 ||
-      options.yield_threads < -1 || options.quantum == 0) {
+      options.yield_threads < -1 || options.quantum == 0 ||
+      options.bulk_slots < -1) {
     return MrdError(
         absl::StatusCode::kInvalidArgument, "BAD_OPTIONS",
         absl::StrCat("a fair scheduler needs at least one worker, spare "
-                     "workers and yield threads of -1 or more and a quantum "
-                     "of at least 1, not ",
+                     "workers, yield threads and bulk slots of -1 or more "
+                     "and a quantum of at least 1, not ",
                      options.workers, ", ", options.spare_workers, ", ",
-                     options.yield_threads, " and ", options.quantum));
+                     options.yield_threads, ", ", options.quantum, " and ",
+                     options.bulk_slots));
   }
   if (options.bulk_cost == 0 || options.bulk_nice < 0 ||
       options.bulk_nice > 19) {
@@ -145,6 +147,9 @@ absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
     bulk_priority =
         per_task ? BulkPriority::kPerTask : BulkPriority::kFixedThreads;
   }
+  const uint64_t bulk_slots = static_cast<uint64_t>(
+      options.bulk_slots >= 0 ? options.bulk_slots
+                              : std::max(1, UsableCpus() - 1));
   {
     absl::MutexLock lock(&mu_);
     if (started_) {
@@ -159,6 +164,7 @@ absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
     workers_count_ = static_cast<uint64_t>(workers);
     spare_count_ = static_cast<uint64_t>(spare);
     quantum_ = options.quantum;
+    bulk_slots_ = bulk_slots;
     if (options.clock != nullptr) clock_ = options.clock;
     workers_.resize(static_cast<size_t>(threads));
     if (bulk_priority_ == BulkPriority::kFixedThreads) {
@@ -206,6 +212,10 @@ absl::Status FairScheduler::Start(const FairSchedulerOptions& options) {
   if (!failure.ok()) {
     LogWarning("fair scheduler: going on with ", threads_.size(), " of ",
                threads, " threads: ", failure.message());
+  }
+  if (bulk_slots > 0) {
+    LogInfo("fair scheduler: at most ", bulk_slots,
+            " workers start bulk work at once");
   }
   if (bulk_priority_ != BulkPriority::kAuto) {
     LogInfo("fair scheduler: bulk work (cost ", bulk_cost_,
@@ -398,6 +408,10 @@ void FairScheduler::Run(size_t worker, bool low) {
     const absl::Time now = clock_->Now();
     --q.running;
     --running_total_;
+    if (workers_[worker].bulk_slot) {
+      workers_[worker].bulk_slot = false;
+      --running_bulk_;
+    }
     ++q.finished_total;
     q.service_total += now - workers_[worker].slot_since;
     UpdateActiveLocked(q);
@@ -420,6 +434,11 @@ void FairScheduler::Yield(size_t worker, uint64_t next_cost) {
   const absl::Time now = clock_->Now();
   --q.running;
   --running_total_;
+  const bool bulk_slot = workers_[worker].bulk_slot;
+  if (bulk_slot) {
+    workers_[worker].bulk_slot = false;
+    --running_bulk_;
+  }
   Item item;
   item.cost = next_cost;
   item.enqueued = now;
@@ -439,6 +458,10 @@ void FairScheduler::Yield(size_t worker, uint64_t next_cost) {
     UnpushLastLocked(id);
     ++q.running;
     ++running_total_;
+    if (bulk_slot) {
+      workers_[worker].bulk_slot = true;
+      ++running_bulk_;
+    }
     return;
   }
   ++q.yields_total;
@@ -469,7 +492,11 @@ uint64_t FairScheduler::ShareLocked(const Queue& q) const {
 
 bool FairScheduler::LaunchableLocked(const Queue& q, bool thread_free) const {
   if (q.waiting.empty()) return false;
-  return thread_free || q.waiting.front().parked_worker != kNoWorker;
+  const Item& head = q.waiting.front();
+  if (head.parked_worker != kNoWorker) return true;  // past the bulk slots
+  if (!thread_free) return false;
+  return bulk_slots_ == 0 || head.cost < bulk_cost_ ||
+         running_bulk_ < bulk_slots_;
 }
 
 bool FairScheduler::GateLocked(Gate* gate) const {
@@ -578,12 +605,15 @@ void FairScheduler::StartLocked(uint32_t id) {
   }
   ++q.running;
   ++running_total_;
+  const bool bulk_slot = bulk_slots_ != 0 && item.cost >= bulk_cost_;
+  if (bulk_slot) ++running_bulk_;
   q.cost_total = SatAdd(q.cost_total, item.cost);
   const absl::Time now = clock_->Now();
   const absl::Duration waited = now - item.enqueued;
   if (item.parked_worker != kNoWorker) {
     Worker& w = workers_[item.parked_worker];
     MRD_CHECK(w.queue == id);
+    w.bulk_slot = bulk_slot;
     w.resumed = true;
     w.slot_since = now;
     w.wake->Signal();
@@ -597,6 +627,7 @@ void FairScheduler::StartLocked(uint32_t id) {
   w.assigned = true;
   w.queue = id;
   w.bulk = bulk;
+  w.bulk_slot = bulk_slot;
   w.slot_since = now;
   w.wake->Signal();
   ++q.started_total;

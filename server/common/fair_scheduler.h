@@ -56,6 +56,15 @@
 // on an idle thread of its class when there is one, else on any idle
 // thread (kFixedThreads).
 //
+// Bulk slots. With `bulk_slots` > 0, a bulk task starts only while fewer
+// than `bulk_slots` slots run bulk work; other work starts in any slot, so
+// a small request never waits for bulk work, whoever's. On a machine of few
+// cores, bulk work that takes every core leaves a small request's threads
+// (gRPC's, the caller's) waiting a scheduler tick for a CPU; with a core
+// left over they get one at once. A parked yielder resumes past the limit:
+// the task it interrupted may hold what a running one waits for (a cache
+// entry being made).
+//
 // Costs of 0 count as 1, weights of 0 as 1. Every key ever scheduled keeps a
 // queue (a few hundred bytes) for Stats until the scheduler is destroyed: the
 // keys are tenants, of which a node has few; a queue with nothing queued or
@@ -122,6 +131,10 @@ struct FairSchedulerOptions {
   uint64_t bulk_cost = 256;
   int bulk_nice = 10;
   BulkPriority bulk_priority = BulkPriority::kAuto;
+  // At most this many slots start bulk work (see "Bulk slots" above): 0 =
+  // no limit, -1 = one less than the CPUs this process may run on (at
+  // least 1).
+  int bulk_slots = 0;
 };
 
 // Upper bounds, in seconds, of the wait histogram's buckets (the +Inf bucket
@@ -170,8 +183,8 @@ class FairScheduler {
   FairScheduler& operator=(const FairScheduler&) = delete;
 
   // Starts the threads. Errors: INVALID_ARGUMENT BAD_OPTIONS (workers < 1,
-  // spare_workers or yield_threads < -1, quantum 0, more than 65536
-  // threads), FAILED_PRECONDITION ALREADY_STARTED (a second Start),
+  // spare_workers, yield_threads or bulk_slots < -1, quantum 0, more
+  // than 65536 threads), FAILED_PRECONDITION ALREADY_STARTED (a second Start),
   // THREAD_FAILED (no thread could be made). If only some threads could be
   // made, logs it and goes on with those (the slots stay as configured).
   // Returns once every thread made is waiting for work.
@@ -252,6 +265,7 @@ class FairScheduler {
     bool resumed = false;                // a parked yielder was picked
     uint32_t queue = 0;                  // of the task it runs
     bool bulk = false;                   // that task is bulk work
+    bool bulk_slot = false;              // that task counts in running_bulk_
     bool bulk_thread = false;  // kFixedThreads: runs at the bulk priority
     absl::Time slot_since;     // when that task took its slot
     // Signalled when `assigned` or `resumed` is set, and at stop. A worker
@@ -314,6 +328,8 @@ class FairScheduler {
   uint64_t workers_count_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t spare_count_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t quantum_ ABSL_GUARDED_BY(mu_) = 16384;
+  uint64_t bulk_slots_ ABSL_GUARDED_BY(mu_) = 0;  // 0: no limit
+  uint64_t running_bulk_ ABSL_GUARDED_BY(mu_) = 0;
   // Written by Start before any thread exists; read-only afterwards.
   uint64_t bulk_cost_ = 256;
   int base_nice_ = 0;  // the workers' own priority

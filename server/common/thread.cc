@@ -1,5 +1,8 @@
 #include "server/common/thread.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <string>
 
 #include "mrd/status.h"
@@ -52,6 +55,13 @@ void Thread::Join() {
   const int err = ::pthread_join(handle_, nullptr);
   if (err != 0) Fatal(absl::StrCat("pthread_join: error ", err));
   started_ = false;
+}
+
+int UsableCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  return std::max(1, CPU_COUNT(&set));
 }
 
 }  // namespace mrd

@@ -48,6 +48,10 @@ class Thread {
   bool started_ = false;
 };
 
+// The CPUs the calling thread may run on (its affinity mask: a container's
+// cpuset), at least 1.
+int UsableCpus();
+
 }  // namespace mrd
 
 #endif  // MRD_SERVER_COMMON_THREAD_H_

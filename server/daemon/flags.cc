@@ -193,6 +193,12 @@ ABSL_FLAG(int, bulk_nice, 10,
           "requests get a CPU first; 0 = off, at most 19. Per request where "
           "mrd may raise a thread's priority back (CAP_SYS_NICE or "
           "RLIMIT_NICE), else on --worker_threads threads of their own.");
+ABSL_FLAG(int, bulk_workers, -1,
+          "At most this many workers start bulk work (see --bulk_work_pages) "
+          "at once; other work starts on any worker. -1 = one less than the "
+          "CPUs mrd may run on, at least 1; 0 = no limit. With a CPU left "
+          "over, a small request's threads get one at once however much "
+          "bulk work is queued.");
 ABSL_FLAG(uint64_t, bulk_work_pages, 256,
           "4 KiB pages (or batch items) from which a request is bulk work "
           "(see --bulk_nice); at least 1.");

@@ -60,6 +60,7 @@ ABSL_DECLARE_FLAG(absl::Duration, max_lease_ttl);
 ABSL_DECLARE_FLAG(int, worker_threads);
 ABSL_DECLARE_FLAG(int, spare_worker_threads);
 ABSL_DECLARE_FLAG(int, bulk_nice);
+ABSL_DECLARE_FLAG(int, bulk_workers);
 ABSL_DECLARE_FLAG(uint64_t, bulk_work_pages);
 ABSL_DECLARE_FLAG(bool, fair_scheduling);
 ABSL_DECLARE_FLAG(std::string, tenant_key);

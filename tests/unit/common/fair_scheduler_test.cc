@@ -13,6 +13,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <initializer_list>
@@ -592,6 +593,86 @@ TEST(FairSchedulerTest, BulkOptionsOutOfRangeAreRefused) {
     absl::Status started = scheduler.Start(options);
     EXPECT_EQ(GetErrorDetail(started).reason(), "BAD_OPTIONS") << started;
   }
+}
+
+// `workers` workers, no spare ones, one bulk slot (bulk: 256 or more).
+FairSchedulerOptions OneBulkSlot(int workers, int yield_threads) {
+  FairSchedulerOptions options;
+  options.workers = workers;
+  options.spare_workers = 0;
+  options.yield_threads = yield_threads;
+  options.bulk_nice = 0;
+  options.bulk_cost = 256;
+  options.bulk_slots = 1;
+  return options;
+}
+
+// Bulk slots: with one, a second bulk task waits for the first, whoever's,
+// while a small task starts on another worker.
+TEST(FairSchedulerTest, OneBulkSlotHoldsBulkWorkBackButNotSmallWork) {
+  Lab lab;
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneBulkSlot(4, 0)).ok());
+  scheduler.Schedule("A", 1, k64MiB, lab.Task("A-bulk0", true));
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  scheduler.Schedule("A", 1, k64MiB, lab.Task("A-bulk1", true));
+  scheduler.Schedule("B", 1, k64MiB, lab.Task("B-bulk0", true));
+  scheduler.Schedule("C", 1, 255, lab.Task("C-small0"));  // under bulk_cost
+  ASSERT_TRUE(lab.WaitForStarts(2));
+  EXPECT_EQ(lab.Order(), (std::vector<std::string>{"A-bulk0", "C-small0"}));
+  EXPECT_EQ(StatsOf(scheduler, "A").queued, 1u);
+  EXPECT_EQ(StatsOf(scheduler, "B").queued, 1u);
+  // The slot freed goes to one bulk task; the other waits for it.
+  lab.Release("A-bulk0");
+  ASSERT_TRUE(lab.WaitForStarts(3));
+  const std::string next = lab.Order()[2];
+  ASSERT_TRUE(next == "A-bulk1" || next == "B-bulk0") << next;
+  const std::string last = next == "A-bulk1" ? "B-bulk0" : "A-bulk1";
+  std::vector<std::string> started = lab.Order();
+  EXPECT_EQ(std::find(started.begin(), started.end(), last), started.end());
+  lab.Release(next);
+  ASSERT_TRUE(lab.WaitForStarts(4));
+  EXPECT_EQ(lab.Order().back(), last);
+  lab.Release(last);
+}
+
+// A parked yielder of bulk work resumes past the bulk slots: the bulk task
+// that took its slot may wait for it (as a registration waits for the one
+// making the same cache entry), and the two would wait for each other.
+TEST(FairSchedulerTest, AParkedBulkYielderResumesPastTheBulkSlots) {
+  Lab lab;
+  FairScheduler scheduler;
+  ASSERT_TRUE(scheduler.Start(OneBulkSlot(2, 1)).ok());
+  absl::Notification b_queued;
+  absl::Notification a_done;
+  scheduler.Schedule("A", 1, k64MiB, [&] {
+    lab.Record("A-step1");
+    EXPECT_TRUE(b_queued.WaitForNotificationWithTimeout(kHang));
+    FairScheduler::YieldCurrent(k64MiB);  // B's bulk task takes the slot
+    lab.Record("A-step2");
+    a_done.Notify();
+  });
+  ASSERT_TRUE(lab.WaitForStarts(1));
+  scheduler.Schedule("B", 1, k64MiB, [&] {
+    lab.Record("B-waits-for-A");
+    EXPECT_TRUE(a_done.WaitForNotificationWithTimeout(kHang));
+    lab.Record("B-done");
+  });
+  b_queued.Notify();
+  ASSERT_TRUE(lab.WaitForStarts(4));
+  // B and the resumed A run side by side: only these orders hold.
+  const std::vector<std::string> order = lab.Order();
+  EXPECT_EQ(order.front(), "A-step1");
+  EXPECT_EQ(order.back(), "B-done");
+  EXPECT_EQ(StatsOf(scheduler, "A").yields_total, 1u);
+}
+
+TEST(FairSchedulerTest, BulkSlotsBelowMinusOneAreRefused) {
+  FairScheduler scheduler;
+  FairSchedulerOptions options;
+  options.bulk_slots = -2;
+  absl::Status started = scheduler.Start(options);
+  EXPECT_EQ(GetErrorDetail(started).reason(), "BAD_OPTIONS") << started;
 }
 
 TEST(FairSchedulerTest, DestructorRunsEveryQueuedTask) {
