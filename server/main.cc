@@ -578,8 +578,7 @@ void Daemon::Retire() {
   health_->SetServingStatus(kServiceName, false);
   // Clients' channels hear GOAWAY and reconnect, to the new process.
   StopAdmin(/*handed_over=*/true);
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(500));
+  ShutdownUnrecorded(*server_, std::chrono::milliseconds(500));
   // The health watch uses the server's health service: stopped first. The
   // server goes whole, its threads joined.
   stop_health_.Notify();
@@ -624,8 +623,7 @@ void Daemon::ServeUntil(const sigset_t& signals) {
   directory_.Stop(handover_->committed());
   // Every session is released by now; what remains are idle client channels
   // and open streams, which gRPC would otherwise wait on until the deadline.
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    std::chrono::milliseconds(500));
+  ShutdownUnrecorded(*server_, std::chrono::milliseconds(500));
   // Calls still running on the workers end before what they use goes.
   if (!workers_->Drain(absl::Seconds(10))) LogWarning("workers still busy");
   TsanTakeOverFromGrpc();  // and after what gRPC's callbacks did
