@@ -146,6 +146,7 @@ class Daemon final : public handover::Participant {
   std::unique_ptr<metrics::Metrics> metrics_;
   bool ready_ = false;  // readiness as last set (UpdateReadiness)
   std::unique_ptr<FairScheduler> workers_;
+  int bulk_nice_ = 0;  // steps below mrd's threads (daemon::ApplyNice)
   std::unique_ptr<service::MrdService> service_;
   std::unique_ptr<grpc::Server> server_;
   // The administrative service (tenants' quotas and weights) on a server
@@ -180,6 +181,7 @@ absl::Status Daemon::Start() {
   }
   if (absl::GetFlag(FLAGS_takeover)) WriteStatus("taking-over");
   MRD_ASSIGN_OR_RETURN(fd_budget_, daemon::PrepareFdBudget());
+  MRD_ASSIGN_OR_RETURN(bulk_nice_, daemon::ApplyNice());
   MRD_RETURN_IF_ERROR(daemon::PreparePaths(&config_));
   MRD_RETURN_IF_ERROR(daemon::PreparePeers(&config_));
   ConfigurePrefault(absl::GetFlag(FLAGS_prefault_threads));
@@ -381,7 +383,7 @@ absl::Status Daemon::StartGrpc() {
   const bool fair = absl::GetFlag(FLAGS_fair_scheduling);
   scheduling.spare_workers =
       fair ? absl::GetFlag(FLAGS_spare_worker_threads) : 0;
-  scheduling.bulk_nice = fair ? absl::GetFlag(FLAGS_bulk_nice) : 0;
+  scheduling.bulk_nice = fair ? bulk_nice_ : 0;
   scheduling.bulk_cost = absl::GetFlag(FLAGS_bulk_work_pages);
   scheduling.bulk_slots = fair ? absl::GetFlag(FLAGS_bulk_workers) : 0;
   if (absl::Status s = workers_->Start(scheduling); !s.ok()) {

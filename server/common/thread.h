@@ -52,6 +52,14 @@ class Thread {
 // cpuset), at least 1.
 int UsableCpus();
 
+// Sets the nice value of every thread of this process to `nice` (-20 to
+// 19); threads started later inherit it from the thread that starts them.
+// Errors: INVALID_ARGUMENT "BAD_NICE" out of range; FAILED_PRECONDITION
+// "NICE_NOT_PERMITTED", with no thread changed, when the calling thread
+// lacks the right to a higher priority (CAP_SYS_NICE, or an RLIMIT_NICE of
+// 20 - nice or more); setpriority's other errors ("NICE_FAILED").
+absl::Status SetProcessNice(int nice);
+
 }  // namespace mrd
 
 #endif  // MRD_SERVER_COMMON_THREAD_H_

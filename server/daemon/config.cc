@@ -24,6 +24,7 @@
 #include "server/common/cgroup_identity.h"
 #include "server/common/log.h"
 #include "server/common/path_trust.h"
+#include "server/common/thread.h"
 #include "server/core/core.h"
 #include "server/daemon/flags.h"
 #include "server/device/verbs/verbs_device.h"
@@ -232,6 +233,28 @@ absl::StatusOr<std::unique_ptr<FdBudget>> PrepareFdBudget() {
     return Fail(absl::StrCat("--fd_reserve: ", budget.status().message()));
   }
   return std::move(*budget);
+}
+
+absl::StatusOr<int> ApplyNice() {
+  errno = 0;
+  const int started = ::getpriority(PRIO_PROCESS, 0);
+  if (errno != 0) return Fail("getpriority failed");
+  const int nice = absl::GetFlag(FLAGS_nice);
+  const int bulk = absl::GetFlag(FLAGS_bulk_nice);
+  absl::Status s = SetProcessNice(nice);
+  if (s.ok()) {
+    LogInfo("mrd's threads run at nice ", nice, " (--nice)");
+    // Bulk work stays behind processes at the nice mrd started with.
+    if (bulk <= 0 || bulk > 19) return bulk;  // off, or refused by name
+    return std::min({19, 19 - nice, started - nice + bulk});
+  }
+  if (GetErrorDetail(s).reason() != "NICE_NOT_PERMITTED") {
+    return Fail(absl::StrCat("--nice: ", s.message()));
+  }
+  LogWarning("mrd's threads stay at nice ", started, ", not --nice=", nice,
+             ": ", s.message(),
+             "; a busy client on mrd's CPUs can delay its answers");
+  return bulk;
 }
 
 // Directories someone else could change are refused (docs/RELIABILITY.md,

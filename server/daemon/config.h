@@ -50,6 +50,11 @@ absl::Status Fail(absl::string_view message);
 
 absl::StatusOr<std::unique_ptr<FdBudget>> PrepareFdBudget();
 absl::Status PreparePaths(Config* config);
+// Every thread of mrd at --nice (threads started later inherit it). A value
+// out of range fails; one mrd may not take is logged and skipped. Returns
+// the nice steps below mrd's threads for bulk work: --bulk_nice below the
+// nice mrd started with (0 stays 0, no bulk class), at most nice 19.
+absl::StatusOr<int> ApplyNice();
 absl::Status PreparePeers(Config* config);
 absl::Status ChooseDevice(Config* config);
 // The verbs device (not started); under --device=auto a failure falls

@@ -186,6 +186,14 @@ ABSL_FLAG(int, spare_worker_threads, -1,
           "Threads beyond --worker_threads that start only a request of a "
           "tenant holding less than its share while every worker is busy "
           "with other tenants' work. -1 = as many as --worker_threads.");
+ABSL_FLAG(int, nice, -5,
+          "The nice value of mrd's threads (-20 to 19), set at start: its "
+          "calls' threads then get a CPU ahead of the node's processes at "
+          "nice 0 that share mrd's CPU cgroup, so a tenant's busy client "
+          "does not delay another tenant's answers; bulk work runs "
+          "--bulk_nice below it. Needs CAP_SYS_NICE or RLIMIT_NICE for a "
+          "value below the one mrd started with; without them mrd keeps "
+          "that one and says so at start.");
 ABSL_FLAG(int, bulk_nice, 10,
           "Nice steps below mrd's own priority that bulk work runs at (a "
           "registration, LAM or buffer release of --bulk_work_pages or more, "

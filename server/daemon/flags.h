@@ -59,6 +59,7 @@ ABSL_DECLARE_FLAG(absl::Duration, lease_ttl);
 ABSL_DECLARE_FLAG(absl::Duration, max_lease_ttl);
 ABSL_DECLARE_FLAG(int, worker_threads);
 ABSL_DECLARE_FLAG(int, spare_worker_threads);
+ABSL_DECLARE_FLAG(int, nice);
 ABSL_DECLARE_FLAG(int, bulk_nice);
 ABSL_DECLARE_FLAG(int, bulk_workers);
 ABSL_DECLARE_FLAG(uint64_t, bulk_work_pages);

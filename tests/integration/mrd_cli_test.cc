@@ -2,18 +2,22 @@
 // its default and exits 0, and lists exactly the flags docs/CONFIG.md
 // documents; --version names the version.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "tests/integration/mrd_process.h"
@@ -175,6 +179,86 @@ TEST(MrdStartTest, WarnsWhenItCannotPinWhatItsLimitsAllow) {
   const std::string with_unit =
       StartLog("65536", {"--max_total_pinned_bytes=64K"});
   EXPECT_FALSE(absl::StrContains(with_unit, "RLIMIT_MEMLOCK")) << with_unit;
+}
+
+// The nice value of each thread of process `pid` (/proc/<pid>/task/*/stat,
+// field 19), by thread id; the main thread's id is `pid`.
+std::map<pid_t, int> ThreadNices(pid_t pid) {
+  std::map<pid_t, int> nices;
+  const std::string tasks = absl::StrCat("/proc/", pid, "/task");
+  for (const auto& entry : std::filesystem::directory_iterator(tasks)) {
+    std::ifstream in(entry.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)),
+                     std::istreambuf_iterator<char>());
+    // The fields after the name's closing parenthesis, from field 3 on.
+    const size_t close = stat.rfind(')');
+    if (close == std::string::npos) continue;
+    std::vector<absl::string_view> fields =
+        absl::StrSplit(absl::string_view(stat).substr(close + 2), ' ');
+    int nice = 0;
+    pid_t tid = 0;
+    if (fields.size() > 16 && absl::SimpleAtoi(fields[16], &nice) &&
+        absl::SimpleAtoi(entry.path().filename().string(), &tid)) {
+      nices[tid] = nice;
+    }
+  }
+  return nices;
+}
+
+// --nice (issue 24, flood b.): every thread of mrd, gRPC's among them, runs
+// at it, so that on a busy node mrd's answers do not wait behind a client's
+// threads; bulk work runs --bulk_nice below it. A value mrd may not take is
+// said at start and skipped; one out of range is refused.
+TEST(MrdStartTest, EveryThreadRunsAtItsNiceValue) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (CAP_SYS_NICE)";
+  struct Case {
+    std::vector<std::string> flags;
+    int nice;
+  };
+  for (const Case& c : {Case{{}, -5}, Case{{"--nice=3"}, 3}}) {
+    MrdProcessOptions o;
+    o.extra_flags = c.flags;
+    absl::StatusOr<std::unique_ptr<MrdProcess>> mrd = MrdProcess::Start(o);
+    ASSERT_TRUE(mrd.ok()) << mrd.status();
+    const std::map<pid_t, int> nices = ThreadNices((*mrd)->pid());
+    EXPECT_GT(nices.size(), 10u);  // gRPC's threads, the workers, ...
+    for (const auto& [tid, nice] : nices) {
+      EXPECT_EQ(nice, c.nice) << "thread " << tid;
+    }
+    EXPECT_TRUE(absl::StrContains(
+        (*mrd)->Log(), absl::StrCat("threads run at nice ", c.nice)));
+    absl::Status stopped = (*mrd)->Stop();
+    EXPECT_TRUE(stopped.ok()) << stopped;
+  }
+  // Without CAP_SYS_NICE, with RLIMIT_NICE 0: mrd keeps its priority.
+  errno = 0;
+  const int own = ::getpriority(PRIO_PROCESS, 0);
+  MrdProcessOptions o;
+  o.wrapper = {"/usr/bin/setpriv",
+               "--bounding-set=-sys_nice",
+               "--inh-caps=-sys_nice",
+               "--",
+               "/usr/bin/prlimit",
+               "--nice=0",
+               "--"};
+  absl::StatusOr<std::unique_ptr<MrdProcess>> kept = MrdProcess::Start(o);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  const std::map<pid_t, int> nices = ThreadNices((*kept)->pid());
+  ASSERT_TRUE(nices.contains((*kept)->pid()));
+  EXPECT_EQ(nices.at((*kept)->pid()), own);
+  for (const auto& [tid, nice] : nices) EXPECT_GE(nice, own) << tid;
+  EXPECT_TRUE(absl::StrContains(
+      (*kept)->Log(),
+      absl::StrCat("threads stay at nice ", own, ", not --nice=-5")))
+      << (*kept)->Log();
+  absl::Status stopped = (*kept)->Stop();
+  EXPECT_TRUE(stopped.ok()) << stopped;
+  MrdRun bad =
+      RunMrd("--device=software --runtime_dir=/nonexistent --nice=20", true);
+  EXPECT_EQ(bad.exit_code, 1) << bad.out;
+  EXPECT_TRUE(
+      absl::StrContains(bad.out, "--nice: a nice value is -20 to 19, not 20"))
+      << bad.out;
 }
 
 }  // namespace

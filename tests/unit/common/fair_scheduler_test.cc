@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <iterator>
 #include <limits>
@@ -27,6 +28,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -34,6 +36,7 @@
 #include "gtest/gtest.h"
 #include "mrd/status.h"
 #include "server/common/clock.h"
+#include "server/common/thread.h"
 #include "server/common/thread_pool.h"
 
 namespace mrd {
@@ -541,22 +544,34 @@ TEST(FairSchedulerTest, BulkWorkRunsBelowTheWorkersOwnPriority) {
 // keeps the first `workers` threads for bulk work. Run on a thread that
 // drops CAP_SYS_NICE from its effective set (the scheduler's threads
 // inherit that), with RLIMIT_NICE 0 for the time of the test.
-TEST(FairSchedulerTest, WithoutTheRightToRaisePriorityBulkWorkGetsThreads) {
+// Runs `body(base)` on a thread without CAP_SYS_NICE in its effective set,
+// with RLIMIT_NICE 0 meanwhile; `base` is the nice value before. False if
+// the capability could not be dropped (body did not run).
+bool WithoutTheRightToRaisePriority(const std::function<void(int)>& body) {
   struct rlimit saved;
-  ASSERT_EQ(::getrlimit(RLIMIT_NICE, &saved), 0);
+  if (::getrlimit(RLIMIT_NICE, &saved) != 0) return false;
   struct rlimit none = saved;
   none.rlim_cur = 0;
-  ASSERT_EQ(::setrlimit(RLIMIT_NICE, &none), 0);
+  if (::setrlimit(RLIMIT_NICE, &none) != 0) return false;
   errno = 0;
   const int base = ::getpriority(PRIO_PROCESS, 0);
   bool dropped = false;
-  std::thread unprivileged([base, &dropped] {
+  std::thread unprivileged([base, &body, &dropped] {
     __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
     __user_cap_data_struct caps[2] = {};
     if (::syscall(SYS_capget, &header, caps) != 0) return;
     caps[CAP_TO_INDEX(CAP_SYS_NICE)].effective &= ~CAP_TO_MASK(CAP_SYS_NICE);
     if (::syscall(SYS_capset, &header, caps) != 0) return;
     dropped = true;
+    body(base);
+  });
+  unprivileged.join();
+  EXPECT_EQ(::setrlimit(RLIMIT_NICE, &saved), 0);
+  return dropped;
+}
+
+TEST(FairSchedulerTest, WithoutTheRightToRaisePriorityBulkWorkGetsThreads) {
+  const bool dropped = WithoutTheRightToRaisePriority([](int base) {
     {
       FairScheduler scheduler;
       FairSchedulerOptions options;
@@ -578,8 +593,6 @@ TEST(FairSchedulerTest, WithoutTheRightToRaisePriorityBulkWorkGetsThreads) {
     EXPECT_TRUE(ran[1].bulk);
     EXPECT_EQ(ran[2].nice, base);
   });
-  unprivileged.join();
-  ASSERT_EQ(::setrlimit(RLIMIT_NICE, &saved), 0);
   if (!dropped) GTEST_SKIP() << "capget/capset refused here";
 }
 
@@ -807,6 +820,60 @@ TEST(FairSchedulerTest, StartRefusesBadOptionsAndASecondStart) {
   status = scheduler.Start(OneWorker());
   EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(GetErrorDetail(status).reason(), "ALREADY_STARTED");
+}
+
+// SetProcessNice (mrd's --nice): every thread of the process takes the
+// value, the ones that exist and the ones started after.
+TEST(ProcessNiceTest, EveryThreadTakesTheValueAndLaterThreadsInheritIt) {
+  errno = 0;
+  const int base = ::getpriority(PRIO_PROCESS, 0);
+  ASSERT_EQ(errno, 0);
+  if (base >= 19) GTEST_SKIP() << "already at nice 19";
+  absl::Notification started;
+  absl::Notification done;
+  pid_t existing = 0;
+  std::thread before([&] {
+    existing = static_cast<pid_t>(::syscall(SYS_gettid));
+    started.Notify();
+    done.WaitForNotification();
+  });
+  started.WaitForNotification();
+  ASSERT_TRUE(SetProcessNice(base + 1).ok());
+  EXPECT_EQ(::getpriority(PRIO_PROCESS, 0), base + 1);
+  EXPECT_EQ(::getpriority(PRIO_PROCESS, static_cast<id_t>(existing)), base + 1);
+  int inherited = 0;
+  std::thread after(
+      [&inherited] { inherited = ::getpriority(PRIO_PROCESS, 0); });
+  after.join();
+  EXPECT_EQ(inherited, base + 1);
+  done.Notify();
+  before.join();
+  // Back, where the process may raise its priority (root here).
+  (void)SetProcessNice(base);
+}
+
+TEST(ProcessNiceTest, ValuesOutsideMinus20To19AreRefused) {
+  for (int nice : {-21, 20}) {
+    absl::Status status = SetProcessNice(nice);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(GetErrorDetail(status).reason(), "BAD_NICE") << status;
+  }
+}
+
+// Without CAP_SYS_NICE and with RLIMIT_NICE 0 (mrd in the DaemonSet without
+// SYS_NICE): a higher priority is refused by name and no thread changes.
+TEST(ProcessNiceTest, AHigherPriorityWithoutTheRightChangesNoThread) {
+  const pid_t main_thread = static_cast<pid_t>(::syscall(SYS_gettid));
+  const bool dropped = WithoutTheRightToRaisePriority([main_thread](int base) {
+    absl::Status status = SetProcessNice(base - 1);
+    EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(GetErrorDetail(status).reason(), "NICE_NOT_PERMITTED") << status;
+    EXPECT_TRUE(absl::StrContains(status.message(), "CAP_SYS_NICE")) << status;
+    EXPECT_EQ(::getpriority(PRIO_PROCESS, 0), base);
+    EXPECT_EQ(::getpriority(PRIO_PROCESS, static_cast<id_t>(main_thread)),
+              base);
+  });
+  if (!dropped) GTEST_SKIP() << "capget/capset refused here";
 }
 
 }  // namespace
