@@ -408,10 +408,7 @@ void FairScheduler::Run(size_t worker, bool low) {
     const absl::Time now = clock_->Now();
     --q.running;
     --running_total_;
-    if (workers_[worker].bulk_slot) {
-      workers_[worker].bulk_slot = false;
-      --running_bulk_;
-    }
+    (void)ReleaseBulkSlotLocked(worker);
     ++q.finished_total;
     q.service_total += now - workers_[worker].slot_since;
     UpdateActiveLocked(q);
@@ -434,11 +431,7 @@ void FairScheduler::Yield(size_t worker, uint64_t next_cost) {
   const absl::Time now = clock_->Now();
   --q.running;
   --running_total_;
-  const bool bulk_slot = workers_[worker].bulk_slot;
-  if (bulk_slot) {
-    workers_[worker].bulk_slot = false;
-    --running_bulk_;
-  }
+  const bool bulk_slot = ReleaseBulkSlotLocked(worker);
   Item item;
   item.cost = next_cost;
   item.enqueued = now;
@@ -488,6 +481,13 @@ bool FairScheduler::WorkerReadyLocked(size_t worker) const {
 uint64_t FairScheduler::ShareLocked(const Queue& q) const {
   if (active_weight_ == 0) return 1;
   return std::max<uint64_t>(1, workers_count_ * q.weight / active_weight_);
+}
+
+bool FairScheduler::ReleaseBulkSlotLocked(size_t worker) {
+  if (!workers_[worker].bulk_slot) return false;
+  workers_[worker].bulk_slot = false;
+  --running_bulk_;
+  return true;
 }
 
 bool FairScheduler::LaunchableLocked(const Queue& q, bool thread_free) const {

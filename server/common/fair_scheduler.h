@@ -292,6 +292,8 @@ class FairScheduler {
   bool StoppedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   uint64_t ShareLocked(const Queue& q) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives back the bulk slot `worker` holds, if it holds one; whether it did.
+  bool ReleaseBulkSlotLocked(size_t worker) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool LaunchableLocked(const Queue& q, bool thread_free) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // False when no slot is free.
