@@ -842,9 +842,7 @@ std::optional<absl::Status> Core::TryDeregisterMrSmall(
     // A published name's delete is waited for (Publications::Sync): a
     // worker's wait.
     absl::MutexLock lock(&(*session)->mu);
-    for (const auto& [name, registration] : (*session)->published) {
-      if (registration == req.registration()) return std::nullopt;
-    }
+    if ((*session)->published.Names(req.registration())) return std::nullopt;
   }
   Tenant& tenant = *(*session)->tenant();
   if (!tenant.TryEnterInline(kInlinePerTenant)) return std::nullopt;
@@ -869,7 +867,12 @@ absl::Status Core::DeregisterMr(const v1::DeregisterMrRequest& req,
   MRD_RETURN_IF_ERROR(registrations_.Deregister(session, req, out));
   if (out->references() == 0) {
     freed_.Add(1);
-    publications_.Sync(*session);
+    if (req.has_registration()) {
+      const uint64_t gone = req.registration();
+      publications_.Sync(*session, {&gone, 1});
+    } else {
+      publications_.Sync(*session);  // an MR object's mapping
+    }
   }
   return absl::OkStatus();
 }
@@ -994,6 +997,10 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
   const std::vector<std::unique_ptr<device::DeviceBatch>> batches =
       BeginBatches();
   uint64_t released = 0;
+  // The registrations the call ended, for their published names; an MR
+  // object's mapping ended: every name is checked.
+  std::vector<uint64_t> gone;
+  bool mapping_gone = false;
   // The items' MRs on the devices after the first are deregistered beside
   // the first device's, and are gone when the call returns.
   std::optional<Registrations::OthersBatch> others;
@@ -1008,13 +1015,24 @@ absl::Status Core::DeregisterMrBatch(const v1::DeregisterMrBatchRequest& req,
     absl::Status status = CheckItemSession(item.session(), req.session());
     if (status.ok())
       status = registrations_.Deregister(session, item, &response);
-    if (status.ok() && response.references() == 0) ++released;
+    if (status.ok() && response.references() == 0) {
+      ++released;
+      if (item.has_registration()) {
+        gone.push_back(item.registration());
+      } else {
+        mapping_gone = true;
+      }
+    }
     result->set_references(status.ok() ? response.references() : 0);
     if (!status.ok()) *result->mutable_status() = ItemStatusToProto(status);
   }
   others.reset();
   freed_.Add(released);
-  if (released > 0) publications_.Sync(*session);
+  if (mapping_gone) {
+    publications_.Sync(*session);
+  } else if (!gone.empty()) {
+    publications_.Sync(*session, gone);
+  }
   return absl::OkStatus();
 }
 

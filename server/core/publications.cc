@@ -297,7 +297,7 @@ absl::Status Publications::Publish(Session& session,
     if (!segment.empty()) segments_.erase(segment);
     return queued;
   }
-  session.published[req.name()] = req.registration();
+  session.published.Set(req.name(), req.registration());
   *out = std::move(entry);
   out->set_key(key);
   out->set_mooncake_key(segment);
@@ -373,12 +373,11 @@ void Publications::RepublishAll(
     std::vector<std::string> gone;
     {
       absl::MutexLock lock(&session->mu);
-      for (auto it = session->published.begin();
-           it != session->published.end();) {
+      for (const auto& [name, registration] : session->published) {
         const std::string key =
-            PublishedKey(options_, session->tenant()->name(), it->first);
+            PublishedKey(options_, session->tenant()->name(), name);
         absl::StatusOr<v1::PublishedEntry> entry =
-            EntryLocked(*session, it->first, it->second);
+            EntryLocked(*session, name, registration);
         if (entry.ok() &&
             publisher_->Publish(key, PublishedEntryJson(*entry)).ok() &&
             PublishMooncake(*entry).ok()) {
@@ -387,17 +386,15 @@ void Publications::RepublishAll(
           if (owners_.insert_or_assign(key, session->id()).second) {
             session->tenant()->Force(TenantResource::kPublished, 1);
           }
-          if (const std::string segment = MooncakeKey(it->first);
-              !segment.empty()) {
+          if (const std::string segment = MooncakeKey(name); !segment.empty()) {
             segments_[segment] = session->id();
           }
           ++written;
-          ++it;
           continue;
         }
-        gone.push_back(it->first);
-        it = session->published.erase(it);
+        gone.push_back(name);
       }
+      for (const std::string& name : gone) session->published.Erase(name);
     }
     if (!gone.empty()) Drop(*session, gone, /*wait=*/false);
   }
@@ -416,7 +413,7 @@ absl::Status Publications::Unpublish(Session& session,
                       absl::StrCat("this session has not published '",
                                    absl::CHexEscape(req.name()), "'"));
     }
-    session.published.erase(req.name());
+    session.published.Erase(req.name());
   }
   const std::string key =
       PublishedKey(options_, session.tenant()->name(), req.name());
@@ -523,13 +520,25 @@ void Publications::Sync(Session& session) {
   std::vector<std::string> gone;
   {
     absl::MutexLock lock(&session.mu);
-    for (auto it = session.published.begin(); it != session.published.end();) {
-      if (session.registrations.contains(it->second)) {
-        ++it;
-        continue;
+    for (const auto& [name, registration] : session.published) {
+      if (!session.registrations.contains(registration)) gone.push_back(name);
+    }
+    for (const std::string& name : gone) session.published.Erase(name);
+  }
+  if (!gone.empty()) Drop(session, gone, /*wait=*/true);
+}
+
+void Publications::Sync(Session& session,
+                        absl::Span<const uint64_t> registrations) {
+  if (!enabled()) return;
+  std::vector<std::string> gone;
+  {
+    absl::MutexLock lock(&session.mu);
+    if (session.published.empty()) return;
+    for (uint64_t registration : registrations) {
+      if (!session.registrations.contains(registration)) {
+        session.published.TakeNamesOf(registration, &gone);
       }
-      gone.push_back(it->first);
-      it = session.published.erase(it);
     }
   }
   if (!gone.empty()) Drop(session, gone, /*wait=*/true);
@@ -568,8 +577,7 @@ void Publications::Drop(const Session& session,
     done.push_back(publisher_->Unpublish(key));
     if (!segment.empty()) done.push_back(publisher_->Unpublish(segment));
   }
-  if (!wait ||
-      publisher_->Stats().state != directory::DirectoryState::kServing) {
+  if (!wait || publisher_->State() != directory::DirectoryState::kServing) {
     return;
   }
   const absl::Time deadline = absl::Now() + options_.unpublish_wait;
@@ -591,7 +599,7 @@ std::optional<directory::PublisherStats> Publications::Stats() const {
 
 std::string Publications::StateName() const {
   if (!enabled()) return "off";
-  return std::string(directory::DirectoryStateName(publisher_->Stats().state));
+  return std::string(directory::DirectoryStateName(publisher_->State()));
 }
 
 }  // namespace mrd::core

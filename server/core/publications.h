@@ -41,6 +41,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "mrd/v1/mrd.pb.h"
 #include "server/core/registrations.h"
 #include "server/core/session.h"
@@ -122,6 +123,10 @@ class Publications {
   // Unpublishes the names whose registration left the session; waits
   // (bounded) for etcd.
   void Sync(Session& session) ABSL_LOCKS_EXCLUDED(session.mu);
+  // The same for the names of `registrations` alone (those that left the
+  // session), without walking the session's other names.
+  void Sync(Session& session, absl::Span<const uint64_t> registrations)
+      ABSL_LOCKS_EXCLUDED(session.mu);
   // The session ended: all its names go. Waits (bounded) when `wait`.
   void DropAll(Session& session, bool wait) ABSL_LOCKS_EXCLUDED(session.mu);
 

@@ -317,7 +317,7 @@ void Session::AdoptLocked(const v1::HandedOverSession& in, absl::Time now) {
   // Published names (the directory's participant writes them again under
   // the new epoch, those whose registration came along).
   for (const v1::HandedOverPublishedName& p : in.published()) {
-    published[p.name()] = p.registration();
+    published.Set(p.name(), p.registration());
   }
 }
 

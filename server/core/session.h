@@ -15,7 +15,9 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -93,6 +95,64 @@ struct LamRecord {
   uint64_t pinned_bytes = 0;
   std::shared_ptr<fd_socket::MappedFile> file;  // keeps the pages mapped
   uint32_t privileged_key = 0;  // L9, as BuildLam answered (handover)
+};
+
+// The names a session published (publications.h), each with the
+// registration it names, indexed both ways: a deregistration finds its own
+// names without walking the session's others. Not thread-safe (the
+// session's mutex guards it).
+class PublishedNames {
+ public:
+  using Map = std::map<std::string, uint64_t>;
+  Map::const_iterator begin() const { return by_name_.begin(); }
+  Map::const_iterator end() const { return by_name_.end(); }
+  Map::const_iterator find(const std::string& name) const {
+    return by_name_.find(name);
+  }
+  bool contains(const std::string& name) const {
+    return by_name_.contains(name);
+  }
+  size_t size() const { return by_name_.size(); }
+  bool empty() const { return by_name_.empty(); }
+
+  // `name` names `registration` (again, or now instead of another).
+  void Set(const std::string& name, uint64_t registration) {
+    auto [it, inserted] = by_name_.try_emplace(name, registration);
+    if (!inserted) {
+      by_registration_.erase({it->second, name});
+      it->second = registration;
+    }
+    by_registration_.insert({registration, name});
+  }
+  // False if the session has not published `name`.
+  bool Erase(const std::string& name) {
+    auto it = by_name_.find(name);
+    if (it == by_name_.end()) return false;
+    by_registration_.erase({it->second, name});
+    by_name_.erase(it);
+    return true;
+  }
+  void clear() {
+    by_name_.clear();
+    by_registration_.clear();
+  }
+  bool Names(uint64_t registration) const {
+    auto it = by_registration_.lower_bound({registration, std::string()});
+    return it != by_registration_.end() && it->first == registration;
+  }
+  // Erases the names of `registration`, appending them to `out`.
+  void TakeNamesOf(uint64_t registration, std::vector<std::string>* out) {
+    auto it = by_registration_.lower_bound({registration, std::string()});
+    while (it != by_registration_.end() && it->first == registration) {
+      by_name_.erase(it->second);
+      out->push_back(it->second);
+      it = by_registration_.erase(it);
+    }
+  }
+
+ private:
+  Map by_name_;
+  std::set<std::pair<uint64_t, std::string>> by_registration_;
 };
 
 class Session final : public device::PdEventSink {
@@ -286,9 +346,8 @@ class Session final : public device::PdEventSink {
   std::map<uint64_t, MrObject> mrs ABSL_GUARDED_BY(mu);
   std::map<uint64_t, LamRecord> lams ABSL_GUARDED_BY(mu);
   std::map<device::ConnectionId, std::string> connections ABSL_GUARDED_BY(mu);
-  // Names the session published on the directory (publications.h) -> the
-  // registration each names.
-  std::map<std::string, uint64_t> published ABSL_GUARDED_BY(mu);
+  // Names the session published on the directory (publications.h).
+  PublishedNames published ABSL_GUARDED_BY(mu);
 
  private:
   // The oldest completion not yet sent, taken off the queue.

@@ -65,7 +65,8 @@ struct Publisher::Impl {
     bool wanted = true;
     std::string value;
     KeyState state = KeyState::kPending;
-    bool queued = false;  // in `queue`, once
+    bool queued = false;   // in `queue`, once
+    absl::Time queued_at;  // when it joined `queue`
     // A put was sent under the current lease (it may have gone through): an
     // unpublish must delete it on etcd.
     bool maybe_written = false;
@@ -114,8 +115,16 @@ struct Publisher::Impl {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (entry.queued) return;
     entry.queued = true;
-    if (queue.empty()) queued_since = absl::Now();
+    entry.queued_at = absl::Now();
     queue.push_back(key);
+  }
+  // When the head of the queue has waited options.write_delay (the queue
+  // is FIFO: no name in it waited longer). The queue is not empty; every
+  // name in it has its entry.
+  absl::Time HeadDue() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    auto it = entries.find(queue.front());
+    if (it == entries.end()) return absl::InfinitePast();
+    return it->second.queued_at + options.write_delay;
   }
 
   const PublisherOptions options;
@@ -129,7 +138,6 @@ struct Publisher::Impl {
   mutable absl::Mutex mu;
   std::map<std::string, Entry> entries ABSL_GUARDED_BY(mu);
   std::deque<std::string> queue ABSL_GUARDED_BY(mu);  // dirty keys, FIFO
-  absl::Time queued_since ABSL_GUARDED_BY(mu);  // when `queue` last filled
   // An Unpublish waits for a delete queued: no write delay until the queue
   // is empty again.
   bool urgent ABSL_GUARDED_BY(mu) = false;
@@ -184,11 +192,21 @@ void Publisher::Impl::Run() {
       absl::MutexLock lock(&mu);
       if (queue.empty()) urgent = false;  // the deletes waited for are done
       mu.Await(absl::Condition(this, &Impl::HasWork));
-      if (!WriteNow() && options.write_delay > absl::ZeroDuration()) {
-        mu.AwaitWithDeadline(absl::Condition(this, &Impl::WriteNow),
-                             queued_since + options.write_delay);
+      // The head's delay, counted from its own queueing: a name that left
+      // the queue meanwhile leaves the next one its own full delay, and a
+      // queue emptied meanwhile goes back to waiting for work.
+      bool emptied = false;
+      while (!WriteNow() && options.write_delay > absl::ZeroDuration()) {
+        if (queue.empty()) {
+          emptied = true;
+          break;
+        }
+        const absl::Time due = HeadDue();
+        if (absl::Now() >= due) break;
+        mu.AwaitWithDeadline(absl::Condition(this, &Impl::WriteNow), due);
       }
       if (stopping) return;
+      if (emptied) continue;
       need_lease = lost || lease == 0;
     }
     const bool ok = need_lease ? EnsureLease() : WriteQueued();
@@ -637,6 +655,11 @@ PublisherStats Publisher::Stats() const {
   stats.leases_granted = impl_->leases_granted;
   stats.last_error = impl_->last_error;
   return stats;
+}
+
+DirectoryState Publisher::State() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->state;
 }
 
 absl::Status Publisher::Stop() {

@@ -70,8 +70,8 @@ struct PublisherOptions {
   // unless a full transaction's worth is queued or an Unpublish waits for a
   // delete. The call that queued it answers first, without the writer's
   // etcd request competing for its core, and the names queued meanwhile
-  // join it in one transaction. A name published and unpublished within it
-  // never reaches etcd.
+  // join it in one transaction. Each name's delay counts from its own
+  // queueing: one published and unpublished within it never reaches etcd.
   absl::Duration write_delay = absl::Milliseconds(1);
 };
 
@@ -141,7 +141,9 @@ class Publisher {
 
   // The key's state; NOT_FOUND DIRECTORY_NO_KEY if it is not wanted.
   absl::StatusOr<KeyState> StateOf(const std::string& key) const;
+  // Walks every key: for metrics. State() alone is a field.
   PublisherStats Stats() const;
+  DirectoryState State() const;
 
   // A clean stop: revokes the lease (etcd deletes every key at once),
   // within the client's call timeout, then stops the worker (waiting for a

@@ -10,6 +10,7 @@
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "mrd/status.h"
+#include "server/core/session.h"
 #include "tests/unit/core/core_test_util.h"
 
 namespace mrd::core_test {
@@ -575,6 +576,37 @@ TEST(CompletionQueueTest, TheNewestReportOfARegistrationIsTheOneRead) {
   EXPECT_FALSE(session.PopCompletion().has_value());
   absl::MutexLock lock(&session.mu);
   EXPECT_EQ(session.completions_dropped_locked(), 0u);  // superseded
+}
+
+// A session's published names, both ways: a deregistration takes the names
+// of its own registration and leaves the others.
+TEST(PublishedNamesTest, NamesAreFoundByNameAndByRegistration) {
+  core::PublishedNames names;
+  names.Set("a", 7);
+  names.Set("b", 7);
+  names.Set("c", 9);
+  EXPECT_EQ(names.size(), 3u);
+  EXPECT_TRUE(names.Names(7));
+  EXPECT_TRUE(names.Names(9));
+  EXPECT_FALSE(names.Names(8));
+  // Named again for another registration: no longer 9's.
+  names.Set("c", 8);
+  EXPECT_FALSE(names.Names(9));
+  EXPECT_EQ(names.find("c")->second, 8u);
+
+  std::vector<std::string> gone;
+  names.TakeNamesOf(7, &gone);
+  EXPECT_EQ(gone, (std::vector<std::string>{"a", "b"}));
+  EXPECT_FALSE(names.Names(7));
+  EXPECT_FALSE(names.contains("a"));
+  EXPECT_EQ(names.size(), 1u);
+  names.TakeNamesOf(7, &gone);  // none left
+  EXPECT_EQ(gone.size(), 2u);
+
+  EXPECT_TRUE(names.Erase("c"));
+  EXPECT_FALSE(names.Erase("c"));
+  EXPECT_FALSE(names.Names(8));
+  EXPECT_TRUE(names.empty());
 }
 
 }  // namespace

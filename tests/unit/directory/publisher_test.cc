@@ -355,6 +355,33 @@ TEST_F(PublisherTest, AWriteDelayEndsWithAFullBatchOrADeleteWaitedFor) {
   EXPECT_TRUE(publisher->Stop().ok());
 }
 
+// The delay is each name's own, counted from when it was queued: a stream
+// of names that each live a sixth of it, one after another, never reaches
+// etcd. (It was counted from when the queue last filled, and the worker
+// woke at that deadline even after that name was gone: it then wrote
+// whichever name was queued at that moment, however young, and that name's
+// deregistration had to wait for etcd's delete.)
+TEST_F(PublisherTest, TheWriteDelayIsCountedForEachNameFromItsOwnQueueing) {
+  PublisherOptions options = Options(cluster_->endpoints());
+  options.write_delay = absl::Milliseconds(300);
+  std::unique_ptr<Publisher> publisher = NewPublisher(std::move(options));
+  ASSERT_NE(publisher, nullptr);
+  ASSERT_TRUE(Eventually([&] { return publisher->Stats().lease != 0; },
+                         absl::Seconds(20)));
+  // 12 names of 50 ms each: 600 ms, twice the delay, with a name queued
+  // nearly all the time.
+  for (int i = 0; i < 12; ++i) {
+    const std::string key = absl::StrCat(Prefix(), "short", i);
+    ASSERT_TRUE(publisher->Publish(key, "v").ok());
+    absl::SleepFor(absl::Milliseconds(50));
+    EXPECT_TRUE(publisher->Unpublish(key)->HasBeenNotified())
+        << key << " was sent to etcd " << 50 * i + 50 << " ms in";
+  }
+  EXPECT_EQ(publisher->Stats().transactions, 0u);
+  EXPECT_TRUE(Keys(*client_, Prefix()).empty());
+  EXPECT_TRUE(publisher->Stop().ok());
+}
+
 TEST_F(PublisherTest, MaxKeysBoundsKeysWantedAndDeletesPending) {
   PublisherOptions options = Options(cluster_->endpoints());
   options.max_keys = 2;
