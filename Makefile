@@ -22,7 +22,8 @@ CMAKE_ARGS ?=
 # Every build is clang's: it compiles mrd in about 60 % of g++'s time, and
 # checks the thread-safety annotations (-Wthread-safety) in every build.
 COMPILER_ARGS := -DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14
-# Seconds per fuzz target for `make fuzz` (make test runs them for 30 s).
+# Seconds per fuzz target for `make fuzz` (make test runs all five at once
+# for 60 s).
 FUZZ_SECONDS ?= 600
 # For long runs: stop each target after FUZZ_RUNS executions; run it in
 # FUZZ_JOBS processes (libFuzzer's fork mode). Empty: no limit, one process.

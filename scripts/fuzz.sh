@@ -12,6 +12,7 @@
 # (reproduce with: build-fuzz/tests/fuzz/<target> <reproducer>).
 # Prints the executions of each target and, last,
 #   fuzz: N passed, M failed
+# FUZZ_PARALLEL=N runs N targets at once (default: one per core).
 # For long runs: FUZZ_RUNS=N stops each target after N executions (or at
 # SECONDS, whichever comes first) and FUZZ_JOBS=J runs each target in
 # libFuzzer's fork mode with J worker processes (one run, one corpus; the
@@ -113,9 +114,11 @@ fuzz_one() {
 }
 
 # As many targets at once as there are cores (each libFuzzer process is one
-# thread; fork mode's workers count), each target's output printed whole
-# when it ends.
-parallel=$((jobs / ${fork:-1}))
+# thread; fork mode's workers count), or FUZZ_PARALLEL at once (make test:
+# every target, so that no core idles while an odd one out runs alone; each
+# then gets cores x SECONDS / targets of CPU), each target's output printed
+# whole when it ends.
+parallel=${FUZZ_PARALLEL:-$((jobs / ${fork:-1}))}
 [ "$parallel" -ge 1 ] || parallel=1
 running=0
 for t in "${targets[@]}"; do
