@@ -68,8 +68,7 @@
 namespace mrd {
 namespace {
 
-// Readiness: the health service name that follows the device ("" is
-// liveness: the process serves).
+// Readiness's health service ("" is liveness: the process serves).
 constexpr char kServiceName[] = "mrd.v1.MemoryRegistration";
 // How often tenants that hold nothing and have no session are forgotten.
 constexpr absl::Duration kTenantPruneInterval = absl::Seconds(30);
@@ -124,8 +123,8 @@ class Daemon final : public handover::Participant {
   void StopAdmin(bool handed_over = false);
   absl::Status StartHealthWatch();
   void WatchHealth();
-  // Readiness: each device's (health of kServiceName/<device>), and the
-  // whole's (kServiceName: SERVING while any device is healthy).
+  // Readiness: each device's (kServiceName/<device>), the directory's
+  // (kServiceName/directory) and the whole's (SERVING while a device is).
   void UpdateReadiness();
 
   std::unique_ptr<FdBudget> fd_budget_;
@@ -134,8 +133,7 @@ class Daemon final : public handover::Participant {
   // --software_devices, --verbs_devices: the devices after the first.
   std::vector<std::unique_ptr<device::Device>> more_devices_;
   core::CoreOptions core_options_;
-  // The directory (--etcd_endpoints) and its part in a handover: outlives
-  // the core, which publishes through it.
+  // The directory (--etcd_endpoints), outliving the core that publishes.
   daemon::DirectoryParticipant directory_;
   std::unique_ptr<core::Core> core_;
   // Replaced only by a handover that failed (the fd socket's Thaw).
@@ -149,8 +147,7 @@ class Daemon final : public handover::Participant {
   int bulk_nice_ = 0;  // steps below mrd's threads (daemon::ApplyNice)
   std::unique_ptr<service::MrdService> service_;
   std::unique_ptr<grpc::Server> server_;
-  // The administrative service (tenants' quotas and weights) on a server
-  // and socket of its own.
+  // The administrative service (tenants' quotas, weights): its own server.
   std::unique_ptr<service::AdminService> admin_service_;
   std::unique_ptr<grpc::Server> admin_server_;
   std::unique_ptr<service::GrpcAcceptor> admin_acceptor_;
@@ -546,6 +543,10 @@ void Daemon::UpdateReadiness() {
   for (const core::DeviceState& d : core_->TakeDeviceHealthChanges()) {
     health_->SetServingStatus(absl::StrCat(kServiceName, "/", d.name),
                               d.healthy);
+  }
+  if (std::optional<bool> serving = directory_.TakeServingChange()) {
+    health_->SetServingStatus(absl::StrCat(kServiceName, "/directory"),
+                              *serving);
   }
   bool any = false;
   for (const core::DeviceState& d : core_->DeviceStates()) any |= d.healthy;

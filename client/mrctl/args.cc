@@ -257,11 +257,14 @@ std::vector<CommandSpec> BuildCommands() {
        "Publish a registration under NAME in the directory (Publish).",
        "NAME: 1 to 128 characters of [A-Za-z0-9._-], in the session's "
        "tenant's part of the directory on etcd (mrd needs --etcd_endpoints; "
-       "exit 7 DIRECTORY_OFF otherwise). Returns at once with the entry; "
-       "etcd is written in the background (`mrctl published` shows when). "
-       "The entry goes when the registration does.",
-       {{"registration", "ID",
-         "the session's registration to publish (required)"}}});
+       "exit 7 DIRECTORY_OFF otherwise). Give exactly one of --registration "
+       "and --mr. Returns at once with the entry; etcd is written in the "
+       "background (`mrctl published` shows when). The entry goes when the "
+       "registration does, or the MR object's mapping (InvalidateMr).",
+       {{"registration", "ID", "the session's registration to publish"},
+        {"mr", "ID",
+         "a fast-register MR object of the session, fast-registered now: "
+         "its mapping's token"}}});
   c.push_back({"unpublish",
                "NAME",
                1,

@@ -350,21 +350,27 @@ absl::Status Register(Context& ctx) {
   return Emit(ctx, response);
 }
 
-absl::Status Deregister(Context& ctx) {
+// Exactly one of --registration and --mr, into `request`'s target.
+template <typename Request>
+absl::Status SetRegistrationOrMr(Context& ctx, Request* request) {
   const bool by_registration = ctx.flags.Has("registration");
-  const bool by_mr = ctx.flags.Has("mr");
-  if (by_registration == by_mr) {
+  if (by_registration == ctx.flags.Has("mr")) {
     return UsageError("give exactly one of --registration and --mr");
   }
-  v1::DeregisterMrRequest request;
-  request.set_session(ctx.token());
   if (by_registration) {
     MRD_ASSIGN_OR_RETURN(uint64_t id, ctx.flags.Uint64("registration"));
-    request.set_registration(id);
+    request->set_registration(id);
   } else {
     MRD_ASSIGN_OR_RETURN(uint64_t id, ctx.flags.Uint64("mr"));
-    request.set_mr(id);
+    request->set_mr(id);
   }
+  return absl::OkStatus();
+}
+
+absl::Status Deregister(Context& ctx) {
+  v1::DeregisterMrRequest request;
+  request.set_session(ctx.token());
+  MRD_RETURN_IF_ERROR(SetRegistrationOrMr(ctx, &request));
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
   MRD_ASSIGN_OR_RETURN(v1::DeregisterMrResponse response,
                        c.DeregisterMr(request));
@@ -568,8 +574,7 @@ absl::Status Publish(Context& ctx) {
   v1::PublishRequest request;
   request.set_session(ctx.token());
   request.set_name(ctx.inv.positional[0]);
-  MRD_ASSIGN_OR_RETURN(uint64_t registration, ctx.flags.Uint64("registration"));
-  request.set_registration(registration);
+  MRD_RETURN_IF_ERROR(SetRegistrationOrMr(ctx, &request));
   MRD_ASSIGN_OR_RETURN(client::Client c, ConnectClient(ctx.inv.global));
   MRD_ASSIGN_OR_RETURN(v1::PublishedEntry entry, c.Publish(request));
   return Emit(ctx, entry);

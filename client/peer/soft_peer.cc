@@ -1,5 +1,6 @@
 #include "client/peer/soft_peer.h"
 
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -86,12 +87,27 @@ absl::StatusOr<v1::PeerResponse> SoftPeer::Call(v1::PeerRequest& request) {
 
 absl::StatusOr<std::unique_ptr<SoftPeer>> SoftPeer::Connect(
     absl::string_view host_port, absl::string_view ticket) {
-  MRD_ASSIGN_OR_RETURN(UniqueFd fd, ConnectTcp(host_port));
   v1::PeerRequest hello;
   hello.set_id(1);
   hello.mutable_hello()->set_ticket(std::string(ticket));
-  MRD_ASSIGN_OR_RETURN(v1::PeerResponse response,
-                       Exchange(fd.get(), kHelloResponseMaxBytes, hello));
+  UniqueFd fd;
+  absl::StatusOr<v1::PeerResponse> answered;
+  // A listener under a flood of connections sheds the oldest one that has
+  // said nothing yet: this one, if this thread was held up between its
+  // connect and its hello. Closed (or reset) before the hello was
+  // answered, it tries once more on a new connection (a hello changes
+  // nothing until it is answered).
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    MRD_ASSIGN_OR_RETURN(fd, ConnectTcp(host_port));
+    answered = Exchange(fd.get(), kHelloResponseMaxBytes, hello);
+    if (answered.ok()) break;
+    const std::string reason = GetErrorDetail(answered.status()).reason();
+    if (reason != "PEER_CONNECTION_CLOSED" &&
+        reason != "PEER_CONNECTION_BROKEN") {
+      break;
+    }
+  }
+  MRD_ASSIGN_OR_RETURN(v1::PeerResponse response, std::move(answered));
   if (response.connection() == 0 || response.max_message_size() == 0) {
     return MrdError(absl::StatusCode::kInternal, "PEER_PROTOCOL_ERROR",
                     "hello response lacks the connection id or message size");

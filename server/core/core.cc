@@ -1112,7 +1112,10 @@ absl::Status Core::InvalidateMr(const v1::InvalidateMrRequest& req,
                                 v1::InvalidateMrResponse* out) {
   MRD_ASSIGN_OR_RETURN(std::shared_ptr<Session> session,
                        FindSession(req.session()));
-  return fast_.InvalidateMr(session, req, out);
+  MRD_RETURN_IF_ERROR(fast_.InvalidateMr(session, req, out));
+  // The token dies once the work posted runs; its names are gone first.
+  publications_.DropMr(*session, req.mr());
+  return absl::OkStatus();
 }
 
 absl::Status Core::CreatePeerTicket(const v1::CreatePeerTicketRequest& req,

@@ -450,6 +450,7 @@ absl::Status FastRegistration::QueueFastRegisterLocked(
     }
   }
   pending.silent = (req.flags() & device::kWorkSilentSuccess) != 0;
+  pending.access = access;
   mr.pending.push_back(std::move(pending));
   *device_mr = mr.device_mr;
   return absl::OkStatus();

@@ -832,6 +832,7 @@ absl::Status Core::AdoptMrObjects(Session& session,
       mr.fast_registered = m.fast_registered();
       mr.base_address = m.base_address();
       mr.length = m.length();
+      mr.access = m.access();
       mr.lams.assign(m.lams().begin(), m.lams().end());
     }
     budgets_.AdoptObjects(session, TenantResource::kMrs, 1);

@@ -16,6 +16,7 @@
 #include "server/common/log.h"
 #include "server/core/entry_json.h"
 #include "server/core/errors.h"
+#include "server/core/flags.h"
 #include "server/core/mooncake_layout.h"
 
 namespace mrd::core {
@@ -242,9 +243,15 @@ absl::Status Publications::Publish(Session& session,
   // Under the session's lock from the check of the registration to the
   // queued write: a deregistration's Sync, which needs that lock, queues
   // the delete after it, never before.
+  PublishedTarget target;
+  if (req.target_case() == v1::PublishRequest::kMr) {
+    target.mr = req.mr();
+  } else {
+    target.registration = req.registration();
+  }
   absl::MutexLock lock(&session.mu);
   MRD_ASSIGN_OR_RETURN(v1::PublishedEntry entry,
-                       EntryLocked(session, req.name(), req.registration()));
+                       EntryLocked(session, req.name(), &target));
   std::string json = PublishedEntryJson(entry);
   {
     absl::MutexLock names(&mu_);
@@ -272,12 +279,13 @@ absl::Status Publications::Publish(Session& session,
     } else {
       auto mine = session.published.find(req.name());
       if (it->second == session.id() && mine != session.published.end() &&
-          mine->second == req.registration()) {
+          mine->second == target) {
         // The same publication again: nothing new.
         *out = std::move(entry);
         out->set_key(key);
         out->set_mooncake_key(segment);
-        out->set_registration(req.registration());
+        out->set_registration(target.registration);
+        out->set_mr(target.mr);
         return absl::OkStatus();
       }
       return MrdError(
@@ -297,11 +305,12 @@ absl::Status Publications::Publish(Session& session,
     if (!segment.empty()) segments_.erase(segment);
     return queued;
   }
-  session.published.Set(req.name(), req.registration());
+  session.published.Set(req.name(), target);
   *out = std::move(entry);
   out->set_key(key);
   out->set_mooncake_key(segment);
-  out->set_registration(req.registration());
+  out->set_registration(target.registration);
+  out->set_mr(target.mr);
   out->set_state("pending");
   return absl::OkStatus();
 }
@@ -344,25 +353,66 @@ void Publications::AddTokens(const cache::EntryView& view,
 
 absl::StatusOr<v1::PublishedEntry> Publications::EntryLocked(
     const Session& session, const std::string& name,
-    uint64_t registration) const {
-  auto r = session.registrations.find(registration);
-  if (r == session.registrations.end()) {
-    return UnknownHandle("registration", registration);
-  }
-  std::optional<cache::EntryView> view = registrations_->Describe(r->first);
-  if (!view.has_value()) return UnknownHandle("registration", registration);
+    PublishedTarget* target) const {
   v1::PublishedEntry entry;
+  if (target->registration != 0 || target->mr == 0) {
+    auto r = session.registrations.find(target->registration);
+    if (r == session.registrations.end()) {
+      return UnknownHandle("registration", target->registration);
+    }
+    std::optional<cache::EntryView> view = registrations_->Describe(r->first);
+    if (!view.has_value()) {
+      return UnknownHandle("registration", target->registration);
+    }
+    entry.set_address(view->key.base_address);
+    entry.set_length(view->key.length);
+    entry.set_flags(r->second.flags);
+    AddTokens(*view, &entry);
+  } else {
+    auto m = session.mrs.find(target->mr);
+    if (m == session.mrs.end()) return UnknownHandle("mr", target->mr);
+    const MrObject& mr = m->second;
+    if (!mr.fast_register || !mr.fast_registered ||
+        !mr.pending_invalidate_silent.empty() ||
+        (target->rkey != 0 && mr.rkey != target->rkey)) {
+      return MrdError(
+          absl::StatusCode::kFailedPrecondition, "MR_NOT_MAPPED",
+          absl::StrCat("MR ", target->mr,
+                       !mr.fast_register
+                           ? " is not a fast-register MR object: publish the "
+                             "registration it holds"
+                           : " is not fast-registered now (its FastRegister "
+                             "has not completed, or an InvalidateMr ended "
+                             "the mapping): there is no token to publish"));
+    }
+    target->rkey = mr.rkey;
+    const device::DeviceAttributes& a = devices_[mr.device]->Attributes();
+    entry.set_address(mr.base_address);
+    entry.set_length(mr.length);
+    entry.set_flags(FlagsFromAccess(mr.access));
+    v1::PublishedToken* token = entry.add_tokens();
+    token->set_device(a.name);
+    token->set_rkey(mr.rkey);
+    token->set_peer_address(a.peer_address);
+  }
   entry.set_name(name);
   entry.set_tenant(session.tenant()->name());
   entry.set_cluster(options_.cluster);
   entry.set_node(options_.node);
-  entry.set_address(view->key.base_address);
-  entry.set_length(view->key.length);
-  entry.set_flags(r->second.flags);
-  AddTokens(*view, &entry);
   entry.set_epoch(options_.epoch);
   entry.set_published_unix_ms(absl::ToUnixMillis(absl::Now()));
   return entry;
+}
+
+bool Publications::LiveLocked(const Session& session,
+                              const PublishedTarget& target) {
+  if (target.registration != 0) {
+    return session.registrations.contains(target.registration);
+  }
+  auto m = session.mrs.find(target.mr);
+  return m != session.mrs.end() && m->second.fast_registered &&
+         m->second.pending_invalidate_silent.empty() &&
+         m->second.rkey == target.rkey;
 }
 
 void Publications::RepublishAll(
@@ -373,11 +423,12 @@ void Publications::RepublishAll(
     std::vector<std::string> gone;
     {
       absl::MutexLock lock(&session->mu);
-      for (const auto& [name, registration] : session->published) {
+      for (const auto& [name, published] : session->published) {
         const std::string key =
             PublishedKey(options_, session->tenant()->name(), name);
+        PublishedTarget target = published;
         absl::StatusOr<v1::PublishedEntry> entry =
-            EntryLocked(*session, name, registration);
+            EntryLocked(*session, name, &target);
         if (entry.ok() &&
             publisher_->Publish(key, PublishedEntryJson(*entry)).ok() &&
             PublishMooncake(*entry).ok()) {
@@ -444,14 +495,15 @@ absl::Status Publications::List(Session& session,
   if (!enabled()) return absl::OkStatus();
   const std::string& tenant = session.tenant()->name();
   absl::MutexLock lock(&session.mu);
-  for (const auto& [name, registration] : session.published) {
+  for (const auto& [name, target] : session.published) {
     v1::PublishedEntry* entry = out->add_entries();
     entry->set_name(name);
     entry->set_tenant(tenant);
     entry->set_cluster(options_.cluster);
     entry->set_node(options_.node);
     entry->set_epoch(options_.epoch);
-    entry->set_registration(registration);
+    entry->set_registration(target.registration);
+    entry->set_mr(target.mr);
     const std::string key = PublishedKey(options_, tenant, name);
     entry->set_key(key);
     // A name is published once all its keys are; in conflict if one is.
@@ -471,15 +523,13 @@ absl::Status Publications::List(Session& session,
       }
     }
     entry->set_state(std::string(directory::KeyStateName(state)));
-    if (std::optional<cache::EntryView> view =
-            registrations_->Describe(registration)) {
-      entry->set_address(view->key.base_address);
-      entry->set_length(view->key.length);
-      AddTokens(*view, entry);
-    }
-    if (auto r = session.registrations.find(registration);
-        r != session.registrations.end()) {
-      entry->set_flags(r->second.flags);
+    PublishedTarget now = target;
+    if (absl::StatusOr<v1::PublishedEntry> e = EntryLocked(session, name, &now);
+        e.ok()) {
+      entry->set_address(e->address());
+      entry->set_length(e->length());
+      entry->set_flags(e->flags());
+      *entry->mutable_tokens() = e->tokens();
     }
   }
   return absl::OkStatus();
@@ -520,8 +570,8 @@ void Publications::Sync(Session& session) {
   std::vector<std::string> gone;
   {
     absl::MutexLock lock(&session.mu);
-    for (const auto& [name, registration] : session.published) {
-      if (!session.registrations.contains(registration)) gone.push_back(name);
+    for (const auto& [name, target] : session.published) {
+      if (!LiveLocked(session, target)) gone.push_back(name);
     }
     for (const std::string& name : gone) session.published.Erase(name);
   }
@@ -544,6 +594,16 @@ void Publications::Sync(Session& session,
   if (!gone.empty()) Drop(session, gone, /*wait=*/true);
 }
 
+void Publications::DropMr(Session& session, uint64_t mr) {
+  if (!enabled()) return;
+  std::vector<std::string> gone;
+  {
+    absl::MutexLock lock(&session.mu);
+    session.published.TakeNamesOfMr(mr, &gone);
+  }
+  if (!gone.empty()) Drop(session, gone, /*wait=*/true);
+}
+
 void Publications::EraseOwnerLocked(const std::string& key, Tenant& tenant) {
   if (owners_.erase(key) > 0) tenant.Release(TenantResource::kPublished, 1);
 }
@@ -553,7 +613,7 @@ void Publications::DropAll(Session& session, bool wait) {
   std::vector<std::string> gone;
   {
     absl::MutexLock lock(&session.mu);
-    for (const auto& [name, registration] : session.published) {
+    for (const auto& [name, target] : session.published) {
       gone.push_back(name);
     }
     session.published.clear();

@@ -2,7 +2,8 @@
 // on the directory (issue 27, docs/DIRECTORY.md), kept in step with the
 // registrations they name.
 //
-// A session publishes a registration it holds under a name of its choice;
+// A session publishes a registration it holds (or the current mapping of a
+// fast-register MR object it holds) under a name of its choice;
 // the entry (node, address, length, flags, one token per device, epoch) goes
 // under its tenant's part of the directory,
 //   <root>/v1/<cluster>/tenants/<tenant>/names/<name>
@@ -16,7 +17,9 @@
 // Names follow their registrations: Sync, called after anything that may
 // have taken a registration out of a session (its last DeregisterMr,
 // ReleaseBuffer, CloseMr), unpublishes every name whose registration is
-// gone, and DropAll every name of a session that ends. Both wait, at most
+// gone (or whose MR object's mapping is), DropMr the names of an MR object
+// whose mapping an InvalidateMr ends, and DropAll every name of a session
+// that ends. Both wait, at most
 // options.unpublish_wait and only while etcd is reachable, for etcd to
 // confirm the deletes: the call that ended a registration answers after
 // its entry is gone. With etcd unreachable the deletes stay queued (the
@@ -127,6 +130,9 @@ class Publications {
   // session), without walking the session's other names.
   void Sync(Session& session, absl::Span<const uint64_t> registrations)
       ABSL_LOCKS_EXCLUDED(session.mu);
+  // MR object `mr`'s mapping is being invalidated (InvalidateMr posted):
+  // its names go, waited for like Sync's.
+  void DropMr(Session& session, uint64_t mr) ABSL_LOCKS_EXCLUDED(session.mu);
   // The session ended: all its names go. Waits (bounded) when `wait`.
   void DropAll(Session& session, bool wait) ABSL_LOCKS_EXCLUDED(session.mu);
 
@@ -144,11 +150,17 @@ class Publications {
  private:
   // One token per device the registration `view` is on.
   void AddTokens(const cache::EntryView& view, v1::PublishedEntry* entry) const;
-  // The entry of `registration` of the session under `name`; NOT_FOUND if
-  // the session holds no such registration.
+  // The entry of `target` of the session under `name`; NOT_FOUND if the
+  // session holds no such registration or MR object, FAILED_PRECONDITION
+  // MR_NOT_MAPPED if the MR object's mapping is not live (or, when
+  // target->rkey is set, is another one since). An MR object's target
+  // without an rkey gets the mapping's.
   absl::StatusOr<v1::PublishedEntry> EntryLocked(const Session& session,
                                                  const std::string& name,
-                                                 uint64_t registration) const
+                                                 PublishedTarget* target) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
+  // Whether what `target` names is still the session's, as published.
+  static bool LiveLocked(const Session& session, const PublishedTarget& target)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(session.mu);
   // The name's Mooncake segment key; "" when that layout is off.
   std::string MooncakeKey(const std::string& name) const;

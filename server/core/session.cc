@@ -49,6 +49,7 @@ void Session::OnCompletion(const device::WorkCompletion& wc) {
           mr.rkey = wc.rkey;
           mr.base_address = params.base_address;
           mr.length = params.length;
+          mr.access = params.access;
           mr.lams = std::move(params.lams);
           c.set_rkey(wc.rkey);
         }
@@ -289,10 +290,12 @@ void Session::ExportLocked(absl::Time now, v1::HandedOverSession* out) const {
   out->set_completions_dropped(completions_dropped_);
   out->set_pinned_bytes(pinned_bytes);
   out->set_device_registrations(device_registrations);
-  for (const auto& [name, registration] : published) {
+  for (const auto& [name, target] : published) {
     v1::HandedOverPublishedName* p = out->add_published();
     p->set_name(name);
-    p->set_registration(registration);
+    p->set_registration(target.registration);
+    p->set_mr(target.mr);
+    p->set_rkey(target.rkey);
   }
 }
 
@@ -317,7 +320,7 @@ void Session::AdoptLocked(const v1::HandedOverSession& in, absl::Time now) {
   // Published names (the directory's participant writes them again under
   // the new epoch, those whose registration came along).
   for (const v1::HandedOverPublishedName& p : in.published()) {
-    published.Set(p.name(), p.registration());
+    published.Set(p.name(), {p.registration(), p.mr(), p.rkey()});
   }
 }
 

@@ -60,6 +60,7 @@ struct PendingFastRegister {
   uint64_t length = 0;
   std::vector<uint64_t> lams;  // LAMs whose pages the request maps
   bool silent = false;         // SILENT_SUCCESS: no completion on success
+  uint32_t access = 0;         // device::kAccess* bits it grants
 };
 
 struct MrObject {
@@ -76,6 +77,7 @@ struct MrObject {
   bool fast_registered = false;
   uint64_t base_address = 0;
   uint64_t length = 0;
+  uint32_t access = 0;         // device::kAccess* bits of the mapping
   std::vector<uint64_t> lams;  // LAMs mapped while fast-registered
   // Posted and not yet completed, in posting order (a connection executes
   // its work in order).
@@ -97,13 +99,24 @@ struct LamRecord {
   uint32_t privileged_key = 0;  // L9, as BuildLam answered (handover)
 };
 
-// The names a session published (publications.h), each with the
-// registration it names, indexed both ways: a deregistration finds its own
-// names without walking the session's others. Not thread-safe (the
+// What a published name names: a registration, or a fast-register MR
+// object's mapping as it was when published (its rkey: a mapping made
+// again after an invalidate is another token, which the name does not
+// follow).
+struct PublishedTarget {
+  uint64_t registration = 0;  // 0: an MR object's mapping
+  uint64_t mr = 0;
+  uint32_t rkey = 0;  // the mapping's, for an MR object
+  bool operator==(const PublishedTarget&) const = default;
+};
+
+// The names a session published (publications.h), each with what it
+// names, indexed both ways: a deregistration (or an invalidate) finds its
+// own names without walking the session's others. Not thread-safe (the
 // session's mutex guards it).
 class PublishedNames {
  public:
-  using Map = std::map<std::string, uint64_t>;
+  using Map = std::map<std::string, PublishedTarget>;
   Map::const_iterator begin() const { return by_name_.begin(); }
   Map::const_iterator end() const { return by_name_.end(); }
   Map::const_iterator find(const std::string& name) const {
@@ -115,44 +128,63 @@ class PublishedNames {
   size_t size() const { return by_name_.size(); }
   bool empty() const { return by_name_.empty(); }
 
-  // `name` names `registration` (again, or now instead of another).
-  void Set(const std::string& name, uint64_t registration) {
-    auto [it, inserted] = by_name_.try_emplace(name, registration);
+  // `name` names `target` (again, or now instead of something else).
+  void Set(const std::string& name, const PublishedTarget& target) {
+    auto [it, inserted] = by_name_.try_emplace(name, target);
     if (!inserted) {
-      by_registration_.erase({it->second, name});
-      it->second = registration;
+      by_handle_.erase(HandleOf(it->second, name));
+      it->second = target;
     }
-    by_registration_.insert({registration, name});
+    by_handle_.insert(HandleOf(target, name));
   }
   // False if the session has not published `name`.
   bool Erase(const std::string& name) {
     auto it = by_name_.find(name);
     if (it == by_name_.end()) return false;
-    by_registration_.erase({it->second, name});
+    by_handle_.erase(HandleOf(it->second, name));
     by_name_.erase(it);
     return true;
   }
   void clear() {
     by_name_.clear();
-    by_registration_.clear();
+    by_handle_.clear();
   }
+  // Whether a name names registration `registration`.
   bool Names(uint64_t registration) const {
-    auto it = by_registration_.lower_bound({registration, std::string()});
-    return it != by_registration_.end() && it->first == registration;
+    return HasAny({false, registration});
   }
-  // Erases the names of `registration`, appending them to `out`.
+  // Erases the names of registration `registration` (of MR object `mr`'s
+  // mapping), appending them to `out`.
   void TakeNamesOf(uint64_t registration, std::vector<std::string>* out) {
-    auto it = by_registration_.lower_bound({registration, std::string()});
-    while (it != by_registration_.end() && it->first == registration) {
-      by_name_.erase(it->second);
-      out->push_back(it->second);
-      it = by_registration_.erase(it);
-    }
+    TakeAll({false, registration}, out);
+  }
+  void TakeNamesOfMr(uint64_t mr, std::vector<std::string>* out) {
+    TakeAll({true, mr}, out);
   }
 
  private:
+  using Handle = std::pair<bool, uint64_t>;  // (an MR object's?, id)
+  static std::pair<Handle, std::string> HandleOf(const PublishedTarget& t,
+                                                 const std::string& name) {
+    return t.registration != 0
+               ? std::make_pair(Handle{false, t.registration}, name)
+               : std::make_pair(Handle{true, t.mr}, name);
+  }
+  bool HasAny(const Handle& handle) const {
+    auto it = by_handle_.lower_bound({handle, std::string()});
+    return it != by_handle_.end() && it->first == handle;
+  }
+  void TakeAll(const Handle& handle, std::vector<std::string>* out) {
+    auto it = by_handle_.lower_bound({handle, std::string()});
+    while (it != by_handle_.end() && it->first == handle) {
+      by_name_.erase(it->second);
+      out->push_back(it->second);
+      it = by_handle_.erase(it);
+    }
+  }
+
   Map by_name_;
-  std::set<std::pair<uint64_t, std::string>> by_registration_;
+  std::set<std::pair<Handle, std::string>> by_handle_;
 };
 
 class Session final : public device::PdEventSink {

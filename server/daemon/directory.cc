@@ -153,11 +153,37 @@ absl::Status DirectoryParticipant::StartPublisher(int64_t lease,
   publisher_ = std::move(*started);
   core_->SetDirectory(publisher_.get(), options_);
   if (republish) core_->RepublishDirectory();
+  {
+    absl::MutexLock lock(&health_mu_);
+    watched_ = publisher_.get();
+  }
   old.reset();
   return absl::OkStatus();
 }
 
+std::optional<bool> DirectoryParticipant::TakeServingChange() {
+  absl::MutexLock lock(&health_mu_);
+  if (watched_ == nullptr) return std::nullopt;
+  const directory::DirectoryState state = watched_->State();
+  const bool serving = state == directory::DirectoryState::kServing;
+  if (last_serving_ == serving) return std::nullopt;
+  const bool first = !last_serving_.has_value();
+  last_serving_ = serving;
+  if (!first && serving) {
+    LogInfo("directory: serving (etcd reached, names written)");
+  } else if (!first) {
+    LogWarning("directory: ", directory::DirectoryStateName(state),
+               " (etcd not reached: names are queued and retried; "
+               "registrations go on)");
+  }
+  return serving;
+}
+
 void DirectoryParticipant::Stop(bool handed_over) {
+  {
+    absl::MutexLock lock(&health_mu_);
+    watched_ = nullptr;
+  }
   if (publisher_ == nullptr || handed_over) return;
   if (absl::Status s = publisher_->Stop(); !s.ok()) {
     LogWarning("directory: ", s.ToString(),
@@ -176,6 +202,10 @@ absl::Status DirectoryParticipant::Export(v1::HandoverSnapshot* snapshot,
 
 absl::Status DirectoryParticipant::Release() {
   if (publisher_ == nullptr) return absl::OkStatus();
+  {
+    absl::MutexLock lock(&health_mu_);
+    watched_ = nullptr;
+  }
   // Stops writing; the keeper renews the lease until this process exits.
   const int64_t lease = publisher_->Handover();
   released_ = true;

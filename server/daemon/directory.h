@@ -14,9 +14,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
 #include "mrd/unique_fd.h"
 #include "mrd/v1/handover.pb.h"
 #include "server/core/core.h"
@@ -41,6 +44,14 @@ class DirectoryParticipant final : public handover::Participant {
   // this process handed over (the entries are the new process's now).
   void Stop(bool handed_over);
 
+  // For readiness (the health service "mrd.v1.MemoryRegistration/directory"):
+  // whether the directory is serving (etcd reached, the last write through),
+  // when that changed since the last call (the first call: the state now).
+  // nullopt while the directory is off, from a handover's Release until
+  // Thaw or Commit, or when nothing changed. A change after the first is
+  // logged. Thread-safe: the health watch calls it.
+  std::optional<bool> TakeServingChange();
+
   // The old process.
   absl::Status Export(v1::HandoverSnapshot* snapshot,
                       std::vector<UniqueFd>* fds) override;
@@ -62,6 +73,11 @@ class DirectoryParticipant final : public handover::Participant {
   core::DirectoryOptions options_;
   directory::PublisherOptions publisher_options_;
   std::unique_ptr<directory::Publisher> publisher_;
+  // TakeServingChange's view of publisher_: set when a publisher starts,
+  // cleared at Release and Stop (before the publisher stops writing).
+  absl::Mutex health_mu_;
+  directory::Publisher* watched_ ABSL_GUARDED_BY(health_mu_) = nullptr;
+  std::optional<bool> last_serving_ ABSL_GUARDED_BY(health_mu_);
   int64_t exported_lease_ = 0;  // the old process, from Export on
   bool released_ = false;       // the old process stopped writing
   int64_t adopted_lease_ = 0;   // the new process, from Adopt on

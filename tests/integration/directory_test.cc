@@ -5,9 +5,11 @@
 // CloseSession), an mrd killed with SIGKILL loses its entries within its
 // lease's TTL, tenants publish only under their own prefix, and with every
 // etcd member down registrations go on and the entries appear once etcd is
-// back; a watcher of a name (the C++ client's NameWatch) hears it published
-// and its token die, and a cancel from another thread ends its wait; over
-// TLS with etcd's authentication, mrds publish and resolve and never log
+// back (the directory's health says so meanwhile), with one down nothing
+// is lost and publishing goes on; an mrd of two devices publishes a token
+// per device; a watcher of a name (the C++ client's NameWatch) hears it
+// published and its token die, and a cancel from another thread ends its wait;
+// over TLS with etcd's authentication, mrds publish and resolve and never log
 // the password or key. Every wait is on an etcd watch or a condition with a
 // deadline.
 #include <signal.h>
@@ -16,6 +18,8 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -61,6 +65,24 @@ bool PollUntil(Fn done, absl::Duration limit) {
   return true;
 }
 
+using ServingStatus = grpc::health::v1::HealthCheckResponse::ServingStatus;
+constexpr char kDirectoryHealth[] = "mrd.v1.MemoryRegistration/directory";
+
+// mrd's health of `service`; UNKNOWN if the check failed.
+ServingStatus HealthOf(const MrdProcess& mrd, const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
+      mrd.grpc_target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  if (!stub->Check(&ctx, req, &resp).ok()) {
+    return grpc::health::v1::HealthCheckResponse::UNKNOWN;
+  }
+  return resp.status();
+}
+
 // A client of `mrd`'s gRPC and fd sockets.
 absl::StatusOr<client::Client> ConnectTo(const MrdProcess& mrd) {
   client::ClientOptions options;
@@ -74,6 +96,15 @@ struct Published {
   Registration registration;
   v1::PublishedEntry entry;
 };
+
+// A PublishRequest of `name` by `session`, naming nothing yet.
+v1::PublishRequest PublishOf(const Session& session, const std::string& name) {
+  v1::PublishRequest req;
+  req.set_session(session.token());
+  req.set_name(name);
+  return req;
+}
+
 // A remote-readable registration of a fresh buffer of `session`, published
 // as `name` through `client`.
 absl::StatusOr<Published> RegisterAndPublishVia(client::Client& client,
@@ -87,13 +118,32 @@ absl::StatusOr<Published> RegisterAndPublishVia(client::Client& client,
   o.flags = kRemoteRead;
   absl::StatusOr<Registration> reg = Registration::Register(session, o);
   if (!reg.ok()) return reg.status();
-  v1::PublishRequest req;
-  req.set_session(session.token());
-  req.set_name(name);
+  v1::PublishRequest req = PublishOf(session, name);
   req.set_registration(reg->id());
   absl::StatusOr<v1::PublishedEntry> entry = client.Publish(req);
   if (!entry.ok()) return entry.status();
   return Published{std::move(*buffer), std::move(*reg), std::move(*entry)};
+}
+
+// An mrd of a test's own (not a fixture's), a client of it and an fd
+// session, destroyed in that order's reverse.
+struct OwnMrd {
+  std::unique_ptr<MrdProcess> mrd;
+  std::unique_ptr<client::Client> client;
+  std::unique_ptr<Session> session;
+};
+absl::StatusOr<OwnMrd> StartOwnMrd(const MrdProcessOptions& options) {
+  OwnMrd out;
+  absl::StatusOr<std::unique_ptr<MrdProcess>> mrd = MrdProcess::Start(options);
+  if (!mrd.ok()) return mrd.status();
+  out.mrd = std::move(*mrd);
+  absl::StatusOr<client::Client> client = ConnectTo(*out.mrd);
+  if (!client.ok()) return client.status();
+  out.client = std::make_unique<client::Client>(std::move(*client));
+  absl::StatusOr<Session> session = Session::OpenFd(*out.client);
+  if (!session.ok()) return session.status();
+  out.session = std::make_unique<Session>(std::move(*session));
+  return out;
 }
 
 // Every event a watch delivered, waited on by condition.
@@ -357,6 +407,96 @@ TEST_F(DirectoryTest,
   }
 }
 
+// A fast-register MR object's mapping, published: its entry carries the
+// mapping's rkey, which a peer reads through; InvalidateMr and CloseMr each
+// remove it before they answer; mapped again, it is published again.
+TEST_F(DirectoryTest, AFastRegisteredMappingIsPublishedUntilItsTokenEnds) {
+  Session session = OpenFdSession();
+  Buffer buffer = NewBuffer(session, 3 * 4096, "fast");
+  std::memcpy(static_cast<char*>(buffer.data()) + 100, "fast bytes", 10);
+  client::CompletionStream stream = client::CompletionStream::Open(session);
+  absl::StatusOr<client::Mr> mr = client::Mr::Create(session, true, true);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  client::BuildLamOptions lo;
+  lo.buffer = buffer.id();
+  lo.offset = 100;
+  lo.length = 5000;
+  absl::StatusOr<client::Lam> lam = client::Lam::Build(session, lo);
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  v1::PublishRequest publish = PublishOf(session, "fast.0");
+  publish.set_mr(mr->id());
+  // Not fast-registered yet: no token to publish.
+  absl::StatusOr<v1::PublishedEntry> early = client_->Publish(publish);
+  ASSERT_FALSE(early.ok());
+  EXPECT_EQ(early.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client::ReasonOf(early.status()), "MR_NOT_MAPPED");
+
+  auto peer = ConnectPeer(session);
+  ASSERT_NE(peer, nullptr);
+  NextOfKind(stream, v1::Completion::PEER_CONNECTED);
+  client::FastRegisterOptions fr = client::FastRegisterOptions::FromLam(*lam);
+  fr.connection = peer->connection_id();
+  fr.base_address = 0x10000000 + fr.fbo;
+  fr.flags = kOpRemoteRead;
+  auto fast_register = [&]() -> uint32_t {
+    absl::StatusOr<uint64_t> wr = mr->FastRegister(fr);
+    EXPECT_TRUE(wr.ok()) << wr.status();
+    v1::Completion c = NextOfKind(stream, v1::Completion::FAST_REGISTER);
+    EXPECT_EQ(c.status(), ::mrd::STATUS_SUCCESS) << c.message();
+    return c.rkey();
+  };
+  const uint32_t rkey = fast_register();
+  absl::StatusOr<v1::PublishedEntry> entry = client_->Publish(publish);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  EXPECT_EQ(entry->mr(), mr->id());
+  EXPECT_EQ(entry->address(), fr.base_address);
+  EXPECT_EQ(entry->length(), 5000u);
+  EXPECT_EQ(entry->flags(), 0x2u);  // NDK_MR_FLAG_ALLOW_REMOTE_READ
+  ASSERT_EQ(entry->tokens_size(), 1);
+  EXPECT_EQ(entry->tokens(0).rkey(), rkey);
+  const std::string key = entry->key();
+  ASSERT_TRUE(
+      events_.WaitFor(EtcdWatchEvent::Type::kPut, key, absl::Seconds(10)));
+
+  v1::ResolveRequest resolve;
+  resolve.set_session(session.token());
+  resolve.set_name("fast.0");
+  absl::StatusOr<v1::PublishedEntry> found = client_->Resolve(resolve);
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->tokens_size(), 1);
+  absl::StatusOr<std::string> read =
+      peer->Read(found->tokens(0).rkey(), found->address(), 10);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, "fast bytes");
+  v1::ListPublishedRequest list;
+  list.set_session(session.token());
+  absl::StatusOr<v1::ListPublishedResponse> listed =
+      client_->ListPublished(list);
+  ASSERT_TRUE(listed.ok()) << listed.status();
+  ASSERT_EQ(listed->entries_size(), 1);
+  EXPECT_EQ(listed->entries(0).mr(), mr->id());
+  EXPECT_EQ(listed->entries(0).registration(), 0u);
+  EXPECT_EQ(listed->entries(0).tokens(0).rkey(), rkey);
+
+  // InvalidateMr: the name is gone when the call answers.
+  ASSERT_TRUE(mr->Invalidate(peer->connection_id(), 99).ok());
+  EXPECT_EQ(ValueOf(key), "");
+  NextOfKind(stream, v1::Completion::INVALIDATE);
+  absl::StatusOr<v1::SessionInfo> info = session.Info();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->published(), 0u);
+
+  // Mapped again, published again; CloseMr removes it.
+  const uint32_t again = fast_register();
+  entry = client_->Publish(publish);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  EXPECT_EQ(entry->tokens(0).rkey(), again);
+  ASSERT_TRUE(
+      PollUntil([&] { return !ValueOf(key).empty(); }, absl::Seconds(10)));
+  ASSERT_TRUE(mr->Close().ok());
+  EXPECT_EQ(ValueOf(key), "");
+}
+
 TEST_F(DirectoryTest, TheNodeEntryNamesItsDevicesAndGoesWithItsMrd) {
   absl::StatusOr<v1::DeviceInfo> device = client_->GetDeviceInfo();
   ASSERT_TRUE(device.ok()) << device.status();
@@ -553,9 +693,7 @@ TEST_F(DirectoryShareTest, ATenantPastItsShareIsRefusedAndOthersPublish) {
   o.flags = kRemoteRead;
   absl::StatusOr<Registration> reg = Registration::Register(lease, o);
   ASSERT_TRUE(reg.ok()) << reg.status();
-  v1::PublishRequest publish;
-  publish.set_session(lease.token());
-  publish.set_name("theirs");
+  v1::PublishRequest publish = PublishOf(lease, "theirs");
   publish.set_registration(reg->id());
   absl::StatusOr<v1::PublishedEntry> theirs = client_->Publish(publish);
   ASSERT_TRUE(theirs.ok()) << theirs.status();
@@ -630,9 +768,7 @@ TEST_F(DirectoryTest, NamesAreTheTenantsOwnAndCheckedOnThisMrd) {
   absl::StatusOr<Anonymous> anonymous = RegisterAnonymously("anon");
   ASSERT_TRUE(anonymous.ok()) << anonymous.status();
   const Registration* reg = &anonymous->registration;
-  v1::PublishRequest publish;
-  publish.set_session(anonymous->session.token());
-  publish.set_name("shared");
+  v1::PublishRequest publish = PublishOf(anonymous->session, "shared");
   publish.set_registration(reg->id());
   absl::StatusOr<v1::PublishedEntry> theirs = client_->Publish(publish);
   ASSERT_TRUE(theirs.ok()) << theirs.status();
@@ -859,9 +995,7 @@ TEST_F(DirectoryMooncakeTest, ANameIsASegmentItsReadersParseAndGoesWithIt) {
   // Segment keys have no tenant: another tenant cannot take this one.
   absl::StatusOr<Anonymous> theirs = RegisterAnonymously("anon");
   ASSERT_TRUE(theirs.ok()) << theirs.status();
-  v1::PublishRequest publish;
-  publish.set_session(theirs->session.token());
-  publish.set_name(name);
+  v1::PublishRequest publish = PublishOf(theirs->session, name);
   publish.set_registration(theirs->registration.id());
   absl::StatusOr<v1::PublishedEntry> taken = client_->Publish(publish);
   ASSERT_FALSE(taken.ok());
@@ -878,6 +1012,86 @@ TEST_F(DirectoryMooncakeTest, ANameIsASegmentItsReadersParseAndGoesWithIt) {
   EXPECT_EQ(now->mooncake_key(), segment);
 }
 
+// An mrd of two devices publishes a token per device: mrd's entry as a
+// peer resolves it, the node entry, and the Mooncake segment (its buffer's
+// rkeys in the devices' order), each the registration's own.
+class DirectoryTwoDevicesTest : public DirectoryMooncakeTest {
+ protected:
+  MrdProcessOptions ServerOptions() override {
+    MrdProcessOptions options = DirectoryMooncakeTest::ServerOptions();
+    options.extra_flags.push_back("--software_devices=2");
+    return options;
+  }
+  void SetUp() override {
+    if (TestDeviceKind() != "software") {
+      GTEST_SKIP() << "software devices only";
+    }
+    DirectoryMooncakeTest::SetUp();
+  }
+};
+
+TEST_F(DirectoryTwoDevicesTest, EveryEntryCarriesATokenPerDevice) {
+  Session session = OpenFdSession();
+  absl::StatusOr<Buffer> buffer = Buffer::Create(session, 64 << 10, "both ");
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  client::RegisterOptions o;
+  o.buffer = buffer->id();
+  o.length = buffer->size();
+  o.flags = kRemoteRead;
+  o.all_devices = true;
+  absl::StatusOr<Registration> reg = Registration::Register(session, o);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  ASSERT_EQ(reg->tokens().size(), 2);
+  const std::string name = "10.0.0.8:17002";
+  v1::PublishRequest publish = PublishOf(session, name);
+  publish.set_registration(reg->id());
+  absl::StatusOr<v1::PublishedEntry> entry = client_->Publish(publish);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, entry->key(),
+                              absl::Seconds(10)));
+  absl::StatusOr<v1::DeviceInfo> info = client_->GetDeviceInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  ASSERT_EQ(info->devices_size(), 2);
+
+  v1::ResolveRequest resolve;
+  resolve.set_session(session.token());
+  resolve.set_name(name);
+  absl::StatusOr<v1::PublishedEntry> found = client_->Resolve(resolve);
+  ASSERT_TRUE(found.ok()) << found.status();
+  ASSERT_EQ(found->tokens_size(), 2);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(found->tokens(i).device(), reg->tokens()[i].device());
+    EXPECT_EQ(found->tokens(i).rkey(), reg->tokens()[i].rkey());
+    EXPECT_EQ(found->tokens(i).peer_address(), info->devices(i).peer_address());
+  }
+  EXPECT_NE(found->tokens(0).peer_address(), found->tokens(1).peer_address());
+
+  ASSERT_TRUE(PollUntil([&] { return NodeOf("node-a").devices_size() == 2; },
+                        absl::Seconds(10)));
+  v1::DirectoryNode node = NodeOf("node-a");
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(node.devices(i).name(), info->devices(i).name());
+  }
+
+  const std::string segment = absl::StrCat(MooncakePrefix(), "ram/", name);
+  ASSERT_TRUE(
+      PollUntil([&] { return !ValueOf(segment).empty(); }, absl::Seconds(10)));
+  MooncakeSegmentRead read;
+  const std::string json = ValueOf(segment);
+  absl::Status parsed = ReadMooncakeSegment(json, &read);
+  ASSERT_TRUE(parsed.ok()) << parsed << "\n" << json;
+  ASSERT_EQ(read.devices.size(), 2u);
+  ASSERT_EQ(read.rkeys.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(read.devices[static_cast<size_t>(i)], reg->tokens()[i].device());
+    EXPECT_EQ(read.rkeys[static_cast<size_t>(i)], reg->tokens()[i].rkey());
+  }
+
+  ASSERT_TRUE(reg->Deregister().ok());
+  EXPECT_EQ(ValueOf(entry->key()), "");
+  EXPECT_EQ(ValueOf(segment), "");
+}
+
 // Not in a suite with a shared cluster: it kills every member.
 TEST(DirectoryOutageTest, RegistrationsGoOnAndEntriesAppearOnceEtcdIsBack) {
   absl::StatusOr<std::unique_ptr<EtcdCluster>> cluster = EtcdCluster::Start(3);
@@ -887,44 +1101,56 @@ TEST(DirectoryOutageTest, RegistrationsGoOnAndEntriesAppearOnceEtcdIsBack) {
       absl::StrCat("--etcd_endpoints=",
                    absl::StrJoin((*cluster)->endpoints(), ",")),
       "--node_name=node-a", "--directory_lease_ttl=2s"};
-  absl::StatusOr<std::unique_ptr<MrdProcess>> mrd = MrdProcess::Start(options);
-  ASSERT_TRUE(mrd.ok()) << mrd.status();
-  absl::StatusOr<client::Client> client = ConnectTo(**mrd);
-  ASSERT_TRUE(client.ok()) << client.status();
-  absl::StatusOr<Session> session = Session::OpenFd(*client);
-  ASSERT_TRUE(session.ok()) << session.status();
+  absl::StatusOr<OwnMrd> own = StartOwnMrd(options);
+  ASSERT_TRUE(own.ok()) << own.status();
+  MrdProcess& mrd = *own->mrd;
+  client::Client& client = *own->client;
+  Session& session = *own->session;
+  // The directory's health follows etcd; readiness does not.
+  EXPECT_TRUE(PollUntil(
+      [&] {
+        return HealthOf(mrd, kDirectoryHealth) ==
+               grpc::health::v1::HealthCheckResponse::SERVING;
+      },
+      absl::Seconds(10)));
   for (int i = 0; i < (*cluster)->size(); ++i) (*cluster)->Kill(i);
 
   // Registering and publishing do not wait for etcd.
-  absl::StatusOr<Buffer> buffer = Buffer::Create(*session, 64 << 10, "late");
+  absl::StatusOr<Buffer> buffer = Buffer::Create(session, 64 << 10, "late");
   ASSERT_TRUE(buffer.ok()) << buffer.status();
   client::RegisterOptions o;
   o.buffer = buffer->id();
   o.length = buffer->size();
   o.flags = kRemoteRead;
   const absl::Time start = absl::Now();
-  absl::StatusOr<Registration> reg = Registration::Register(*session, o);
+  absl::StatusOr<Registration> reg = Registration::Register(session, o);
   ASSERT_TRUE(reg.ok()) << reg.status();
-  v1::PublishRequest publish;
-  publish.set_session(session->token());
-  publish.set_name("late");
+  v1::PublishRequest publish = PublishOf(session, "late");
   publish.set_registration(reg->id());
-  absl::StatusOr<v1::PublishedEntry> entry = client->Publish(publish);
+  absl::StatusOr<v1::PublishedEntry> entry = client.Publish(publish);
   ASSERT_TRUE(entry.ok()) << entry.status();
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
   EXPECT_EQ(entry->state(), "pending");
   v1::ListPublishedRequest list;
-  list.set_session(session->token());
+  list.set_session(session.token());
   // The directory's state and the entry's, as ListPublished reports them.
   auto states = [&]() -> std::pair<std::string, std::string> {
     absl::StatusOr<v1::ListPublishedResponse> listed =
-        client->ListPublished(list);
+        client.ListPublished(list);
     if (!listed.ok() || listed->entries_size() != 1) return {"?", "?"};
     return {listed->directory_state(), listed->entries(0).state()};
   };
   EXPECT_TRUE(PollUntil([&] { return states().first == "unavailable"; },
                         absl::Seconds(15)));
   EXPECT_EQ(states().second, "pending");
+  EXPECT_TRUE(PollUntil(
+      [&] {
+        return HealthOf(mrd, kDirectoryHealth) ==
+               grpc::health::v1::HealthCheckResponse::NOT_SERVING;
+      },
+      absl::Seconds(5)));
+  EXPECT_EQ(HealthOf(mrd, "mrd.v1.MemoryRegistration"),
+            grpc::health::v1::HealthCheckResponse::SERVING);
 
   for (int i = 0; i < (*cluster)->size(); ++i) {
     ASSERT_TRUE((*cluster)->Restart(i).ok());
@@ -933,10 +1159,89 @@ TEST(DirectoryOutageTest, RegistrationsGoOnAndEntriesAppearOnceEtcdIsBack) {
   EXPECT_TRUE(PollUntil([&] { return states().second == "published"; },
                         absl::Seconds(30)));
   EXPECT_EQ(states().first, "serving");
+  EXPECT_TRUE(PollUntil(
+      [&] {
+        return HealthOf(mrd, kDirectoryHealth) ==
+               grpc::health::v1::HealthCheckResponse::SERVING;
+      },
+      absl::Seconds(5)));
   ASSERT_TRUE(reg->Deregister().ok());
-  session->Close().IgnoreError();
+  session.Close().IgnoreError();
   {
-    const absl::Status stopped = (*mrd)->Stop();
+    const absl::Status stopped = mrd.Stop();
+    EXPECT_TRUE(stopped.ok()) << stopped;
+  }
+}
+
+// One member of three killed, the first (mrd's client calls it first):
+// nothing published is lost, the lease outlives its TTL through the other
+// two, and publishing and deleting go on.
+TEST(DirectoryMemberLossTest, EntriesStayAndPublishingGoesOnWithOneMemberDown) {
+  absl::StatusOr<std::unique_ptr<EtcdCluster>> cluster = EtcdCluster::Start(3);
+  ASSERT_TRUE(cluster.ok()) << cluster.status();
+  const std::vector<std::string> endpoints = (*cluster)->endpoints();
+  MrdProcessOptions options;
+  options.extra_flags = {
+      absl::StrCat("--etcd_endpoints=", absl::StrJoin(endpoints, ",")),
+      "--node_name=node-a", "--directory_cluster=loss",
+      "--directory_lease_ttl=2s"};
+  absl::StatusOr<OwnMrd> own = StartOwnMrd(options);
+  ASSERT_TRUE(own.ok()) << own.status();
+  MrdProcess& mrd = *own->mrd;
+  client::Client& client = *own->client;
+  Session& session = *own->session;
+  std::vector<Published> published;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<Published> p =
+        RegisterAndPublishVia(client, session, absl::StrCat("before-", i));
+    ASSERT_TRUE(p.ok()) << p.status();
+    published.push_back(*std::move(p));
+  }
+  // etcd as the two members that stay see it.
+  directory::EtcdClientOptions survivors;
+  survivors.endpoints = {endpoints[1], endpoints[2]};
+  absl::StatusOr<std::unique_ptr<EtcdClient>> etcd =
+      EtcdClient::Create(survivors);
+  ASSERT_TRUE(etcd.ok()) << etcd.status();
+  const std::string prefix = "/mrd/v1/loss/";
+  auto names = [&]() -> std::vector<directory::EtcdKeyValue> {
+    absl::StatusOr<directory::EtcdRange> range = (*etcd)->Get(prefix);
+    std::vector<directory::EtcdKeyValue> out;
+    if (!range.ok()) return out;
+    for (directory::EtcdKeyValue& kv : range->kvs) {
+      if (absl::StrContains(kv.key, "/names/")) out.push_back(std::move(kv));
+    }
+    return out;
+  };
+  ASSERT_TRUE(
+      PollUntil([&] { return names().size() == 3; }, absl::Seconds(10)));
+  const int64_t lease = names()[0].lease;
+  ASSERT_NE(lease, 0);
+
+  (*cluster)->Kill(0);
+  absl::StatusOr<Published> after =
+      RegisterAndPublishVia(client, session, "after");
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_TRUE(
+      PollUntil([&] { return names().size() == 4; }, absl::Seconds(10)));
+  // A TTL and a half later every name is still there, on the same lease.
+  const absl::Time until = absl::Now() + absl::Seconds(3);
+  while (absl::Now() < until) {
+    const std::vector<directory::EtcdKeyValue> now = names();
+    ASSERT_EQ(now.size(), 4u);
+    for (const directory::EtcdKeyValue& kv : now) {
+      EXPECT_EQ(kv.lease, lease) << kv.key;
+    }
+    absl::SleepFor(absl::Milliseconds(250));
+  }
+  // A deregistration's delete goes through the others before it answers.
+  ASSERT_TRUE(published[0].registration.Deregister().ok());
+  EXPECT_EQ(names().size(), 3u);
+  EXPECT_EQ(HealthOf(mrd, kDirectoryHealth),
+            grpc::health::v1::HealthCheckResponse::SERVING);
+  session.Close().IgnoreError();
+  {
+    const absl::Status stopped = mrd.Stop();
     EXPECT_TRUE(stopped.ok()) << stopped;
   }
 }

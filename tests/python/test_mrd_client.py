@@ -347,6 +347,18 @@ def test_publish_list_resolve_on_another_node_and_unpublish(directory_mrds):
         assert e.value.code == grpc.StatusCode.NOT_FOUND
         assert not session.list_published().entries
 
+        # An MR object's mapping is published with mr=: one not yet
+        # fast-registered has no token to publish.
+        mr = session.create_mr()
+        with pytest.raises(MrdError) as e:
+            session.publish("weights.1", mr=mr.id)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert e.value.reason == "MR_NOT_MAPPED"
+        with pytest.raises(ValueError):
+            session.publish("weights.1")
+        with pytest.raises(ValueError):
+            session.publish("weights.1", reg, mr=mr.id)
+
 
 def test_a_watcher_sees_the_name_published_and_its_token_die(directory_mrds):
     node_a, node_b = directory_mrds

@@ -372,13 +372,21 @@ class Session:
     # --etcd_endpoints; without it these raise MrdError FAILED_PRECONDITION
     # reason DIRECTORY_OFF (list_published reports directory_state "off").
 
-    def publish(self, name, registration):
+    def publish(self, name, registration=None, mr=None):
         """Publish: makes a Registration (or a registration id) the session
         holds findable under `name` (1 to 128 characters of [A-Za-z0-9._-])
-        in its tenant's part of the directory. Returns the PublishedEntry
-        at once; etcd is written in the background (list_published() says
-        when), and the entry goes when the registration does. MrdError:
-        BAD_PUBLISH_NAME, NOT_FOUND, NAME_TAKEN, DIRECTORY_FULL."""
+        in its tenant's part of the directory; or, with `mr` (an MR object
+        id) instead, the current mapping of a fast-register MR object.
+        Returns the PublishedEntry at once; etcd is written in the
+        background (list_published() says when), and the entry goes when
+        the registration does (or the mapping: InvalidateMr). MrdError:
+        BAD_PUBLISH_NAME, NOT_FOUND, NAME_TAKEN, DIRECTORY_FULL,
+        MR_NOT_MAPPED."""
+        if (registration is None) == (mr is None):
+            raise ValueError("give exactly one of registration and mr")
+        if mr is not None:
+            return self._call("Publish", mrd_pb2.PublishRequest(
+                name=name, mr=mr))
         registration_id = (registration.id
                            if isinstance(registration, Registration)
                            else registration)

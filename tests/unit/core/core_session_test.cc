@@ -579,29 +579,35 @@ TEST(CompletionQueueTest, TheNewestReportOfARegistrationIsTheOneRead) {
 }
 
 // A session's published names, both ways: a deregistration takes the names
-// of its own registration and leaves the others.
-TEST(PublishedNamesTest, NamesAreFoundByNameAndByRegistration) {
+// of its own registration, an invalidate those of its MR object's mapping,
+// and each leaves the others.
+TEST(PublishedNamesTest, NamesAreFoundByNameByRegistrationAndByMr) {
   core::PublishedNames names;
-  names.Set("a", 7);
-  names.Set("b", 7);
-  names.Set("c", 9);
-  EXPECT_EQ(names.size(), 3u);
+  names.Set("a", {.registration = 7});
+  names.Set("b", {.registration = 7});
+  names.Set("c", {.registration = 9});
+  names.Set("m", {.mr = 7, .rkey = 0x1234});  // an MR's id may equal one
+  EXPECT_EQ(names.size(), 4u);
   EXPECT_TRUE(names.Names(7));
   EXPECT_TRUE(names.Names(9));
   EXPECT_FALSE(names.Names(8));
   // Named again for another registration: no longer 9's.
-  names.Set("c", 8);
+  names.Set("c", {.registration = 8});
   EXPECT_FALSE(names.Names(9));
-  EXPECT_EQ(names.find("c")->second, 8u);
+  EXPECT_EQ(names.find("c")->second.registration, 8u);
 
   std::vector<std::string> gone;
   names.TakeNamesOf(7, &gone);
   EXPECT_EQ(gone, (std::vector<std::string>{"a", "b"}));
   EXPECT_FALSE(names.Names(7));
   EXPECT_FALSE(names.contains("a"));
-  EXPECT_EQ(names.size(), 1u);
+  EXPECT_TRUE(names.contains("m"));  // MR 7's, not registration 7's
+  EXPECT_EQ(names.size(), 2u);
   names.TakeNamesOf(7, &gone);  // none left
   EXPECT_EQ(gone.size(), 2u);
+  names.TakeNamesOfMr(7, &gone);
+  EXPECT_EQ(gone.back(), "m");
+  EXPECT_FALSE(names.contains("m"));
 
   EXPECT_TRUE(names.Erase("c"));
   EXPECT_FALSE(names.Erase("c"));

@@ -58,6 +58,7 @@ TEST(EntryJsonTest, MrdsOwnFieldsStayOut) {
   entry.set_state("published");
   entry.set_registration(9);
   entry.set_mooncake_key("mooncake/ram/weights.0");
+  entry.set_mr(4);
   EXPECT_EQ(PublishedEntryJson(entry), stored);
 }
 

@@ -1,8 +1,12 @@
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <memory>
 #include <string>
+#include <thread>
 
+#include "client/peer/soft_peer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "mrd/net.h"
@@ -125,6 +129,55 @@ TEST(NetTest, ConnectWithNobodyListeningIsUnavailable) {
   EXPECT_THAT(
       ConnectTcp(address).status(),
       IsMrdError(absl::StatusCode::kUnavailable, "PEER_CONNECT_FAILED"));
+}
+
+// SoftPeer::Connect against a listener that closes its first connection
+// unanswered, as mrd's peer listener sheds the oldest silent connection
+// under a flood (a peer held up between its connect and its hello is
+// one): it says hello again on a new connection. A listener that closes
+// every connection fails it after the second.
+TEST(SoftPeerConnectTest, AHelloClosedUnansweredIsTriedOnceMore) {
+  absl::StatusOr<UniqueFd> listener = ListenTcp("127.0.0.1:0", 8);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  absl::StatusOr<std::string> address = LocalAddress(listener->get());
+  ASSERT_TRUE(address.ok()) << address.status();
+  for (bool answer_the_second : {true, false}) {
+    int accepted = 0;
+    UniqueFd held;  // the answered connection, open until the peer is done
+    std::thread server([&] {
+      for (int i = 0; i < 2; ++i) {
+        // A peer that does not come back within 5 s is not waited for.
+        pollfd ready = {listener->get(), POLLIN, 0};
+        if (::poll(&ready, 1, 5000) != 1) return;
+        UniqueFd conn(
+            ::accept4(listener->get(), nullptr, nullptr, SOCK_CLOEXEC));
+        if (!conn.valid()) return;
+        ++accepted;
+        if (i == 0 || !answer_the_second) continue;  // closed unanswered
+        v1::PeerRequest hello;
+        if (!ReadFrame(conn.get(), 4096, &hello).ok()) return;
+        v1::PeerResponse answer;
+        answer.set_id(hello.id());
+        answer.set_status(v1::PEER_SUCCESS);
+        answer.set_connection(5);
+        answer.set_max_message_size(4096);
+        if (!WriteFrame(conn.get(), answer).ok()) return;
+        held = std::move(conn);
+      }
+    });
+    absl::StatusOr<std::unique_ptr<SoftPeer>> peer =
+        SoftPeer::Connect(*address, "ticket");
+    server.join();
+    EXPECT_EQ(accepted, 2);
+    if (answer_the_second) {
+      ASSERT_TRUE(peer.ok()) << peer.status();
+      EXPECT_EQ((*peer)->connection_id(), 5u);
+    } else {
+      ASSERT_FALSE(peer.ok());
+      EXPECT_EQ(peer.status().code(), absl::StatusCode::kUnavailable)
+          << peer.status();
+    }
+  }
 }
 
 }  // namespace
