@@ -887,6 +887,32 @@ TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {
       events_.WaitFor(EtcdWatchEvent::Type::kPut, key, absl::Seconds(10)));
   absl::StatusOr<directory::EtcdRange> before = etcd_->Get(key);
   ASSERT_TRUE(before.ok() && before->kvs.size() == 1u);
+  // A fast-register MR object's mapping, published too.
+  Buffer fast = NewBuffer(*session, 4096, "mapped ");
+  client::CompletionStream stream = client::CompletionStream::Open(*session);
+  absl::StatusOr<client::Mr> mr = client::Mr::Create(*session, true, true);
+  ASSERT_TRUE(mr.ok()) << mr.status();
+  client::BuildLamOptions lo;
+  lo.buffer = fast.id();
+  lo.length = 4096;
+  absl::StatusOr<client::Lam> lam = client::Lam::Build(*session, lo);
+  ASSERT_TRUE(lam.ok()) << lam.status();
+  auto peer = ConnectPeer(*session);
+  ASSERT_NE(peer, nullptr);
+  NextCompletionOfKind(stream, v1::Completion::PEER_CONNECTED);
+  client::FastRegisterOptions fr = client::FastRegisterOptions::FromLam(*lam);
+  fr.connection = peer->connection_id();
+  fr.base_address = 0x20000000;
+  fr.flags = kOpRemoteRead;
+  ASSERT_TRUE(mr->FastRegister(fr).ok());
+  const uint32_t rkey =
+      NextCompletionOfKind(stream, v1::Completion::FAST_REGISTER).rkey();
+  v1::PublishRequest publish = PublishOf(*session, "mapped");
+  publish.set_mr(mr->id());
+  absl::StatusOr<v1::PublishedEntry> mapped = client->Publish(publish);
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  ASSERT_TRUE(events_.WaitFor(EtcdWatchEvent::Type::kPut, mapped->key(),
+                              absl::Seconds(10)));
 
   // The successor takes over; the old mrd exits.
   options.extra_flags.push_back("--takeover");
@@ -917,6 +943,21 @@ TEST_F(DirectoryTest, ALiveHandoverKeepsEveryEntryAndBumpsTheEpoch) {
   EXPECT_EQ(after->kvs[0].lease, before->kvs[0].lease);
   EXPECT_FALSE(events_.WaitFor(EtcdWatchEvent::Type::kDelete, key,
                                absl::ZeroDuration()));
+  // The mapping's name too, with its token, written again by epoch 2.
+  resolve.set_name("mapped");
+  EXPECT_TRUE(PollUntil(
+      [&] {
+        absl::StatusOr<v1::PublishedEntry> found = client->Resolve(resolve);
+        return found.ok() && found->epoch() == 2 && found->tokens_size() == 1 &&
+               found->tokens(0).rkey() == rkey;
+      },
+      absl::Seconds(10)));
+  EXPECT_FALSE(events_.WaitFor(EtcdWatchEvent::Type::kDelete, mapped->key(),
+                               absl::ZeroDuration()));
+  // CloseMr on the new process removes it before it answers.
+  peer.reset();
+  ASSERT_TRUE(mr->Close().ok());
+  EXPECT_EQ(ValueOf(mapped->key()), "");
   // Longer than the lease's TTL after the old process exited: the new one
   // keeps the lease alive.
   EXPECT_FALSE(events_.WaitFor(EtcdWatchEvent::Type::kDelete, key,
