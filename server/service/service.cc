@@ -66,8 +66,7 @@ class CompletionWriter final
         absl::MutexLock lock(&mu_);
         finished_ = true;
       }
-      code_ = ToGrpcStatus(session.status(), ctx).error_code();
-      Finish(ToGrpcStatus(session.status(), ctx));
+      Answer(ToGrpcStatus(session.status(), ctx));
       return;
     }
     {
@@ -106,10 +105,8 @@ class CompletionWriter final
       session = session_;
     }
     core_->UnsubscribeCompletions(session);
-    if (observer_ != nullptr) {
-      observer_->OnRpcDone("StreamCompletions", code_, absl::Now() - start_);
-    }
-    self_.reset();  // may destroy this
+    TsanHandBackToGrpc();  // before the teardown after the server stopped
+    self_.reset();         // may destroy this
   }
 
  private:
@@ -121,12 +118,10 @@ class CompletionWriter final
       if (writing_ || finished_ || session_.session == nullptr) return;
       if (cancelled_) {
         finished_ = true;
-        code_ = grpc::StatusCode::CANCELLED;
         finish = grpc::Status(grpc::StatusCode::CANCELLED, "stream cancelled");
       } else if (session_->handed_over()) {
         // The session goes on in the new process, with what was queued.
         finished_ = true;
-        code_ = grpc::StatusCode::UNAVAILABLE;
         finish = ToGrpcStatus(
             MrdError(absl::StatusCode::kUnavailable, "HANDED_OVER",
                      "this mrd handed over to a new process, which goes on "
@@ -135,7 +130,6 @@ class CompletionWriter final
             ctx_);
       } else if (session_->stream_replaced(session_.stream)) {
         finished_ = true;
-        code_ = grpc::StatusCode::ABORTED;
         finish = ToGrpcStatus(
             MrdError(absl::StatusCode::kAborted, "STREAM_REPLACED",
                      "a newer completion stream of this session took over; "
@@ -154,7 +148,19 @@ class CompletionWriter final
       }
     }
     if (write) StartWrite(&current_);
-    if (finish.has_value()) Finish(*finish);
+    if (finish.has_value()) Answer(*finish);
+  }
+
+  // Tells the observer here, not in OnDone (as WatchName does): a server
+  // shutting down may run OnDone after it returned, when the observer is
+  // gone.
+  void Answer(const grpc::Status& status) {
+    if (observer_ != nullptr) {
+      observer_->OnRpcDone("StreamCompletions", status.error_code(),
+                           absl::Now() - start_);
+    }
+    TsanHandBackToGrpc();
+    Finish(status);
   }
 
   core::Core* const core_;
@@ -162,7 +168,6 @@ class CompletionWriter final
   const absl::Time start_;
   grpc::CallbackServerContext* ctx_ = nullptr;  // set by Start
   std::shared_ptr<CompletionWriter> self_;
-  grpc::StatusCode code_ = grpc::StatusCode::OK;
 
   absl::Mutex mu_;
   core::CompletionSubscription session_ ABSL_GUARDED_BY(mu_);
