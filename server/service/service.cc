@@ -37,6 +37,15 @@ class UnaryReactor final : public grpc::ServerUnaryReactor {
     this->~UnaryReactor();  // the arena's memory goes with the call
   }
 
+  // Its reactions (this OnDone, the default OnCancel) are trivial, as those
+  // of gRPC's default reactor, which says so the same way: gRPC then runs
+  // OnDone, and the call's teardown after it, on the thread that finished
+  // the call. Otherwise each call's end is handed to gRPC's executor thread:
+  // measured, one more context switch for about one call in three, and
+  // 6,469 of mrd's 55,715 switches under rpc_bench's inline calls
+  // (docs/PERFORMANCE.md, "A unary call's end without gRPC's executor").
+  bool InternalInlineable() override { return true; }
+
  private:
   UnaryReactor() = default;
 };
