@@ -719,6 +719,11 @@ TEST_F(MrctlTest, ExitCodeTable) {
   EXPECT_EQ(both.err,
             "mrctl: give exactly one of --registration and --mr\n"
             "(see mrctl help deregister)\n");
+  Result neither = Mrctl({"publish", "weights.0"});
+  EXPECT_EQ(neither.code, kExitUsage) << neither;
+  EXPECT_EQ(neither.err,
+            "mrctl: give exactly one of --registration and --mr\n"
+            "(see mrctl help publish)\n");
   EXPECT_EQ(Mrctl({"release-buffer", "x"}).code, kExitUsage);
   EXPECT_EQ(Mrctl({"register", "--length=1"}).code, kExitUsage);
   EXPECT_EQ(
